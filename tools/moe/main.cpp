@@ -1,0 +1,47 @@
+// moe: the offline command-line tool. Dispatches to one subcommand.
+
+#include <cstdio>
+#include <cstring>
+
+#include "moe_version.h"
+#include "tools/moe/commands.h"
+
+namespace moe::cli {
+
+const Command kCommands[] = {
+    {nullptr, nullptr, nullptr},
+};
+const int kNumCommands = sizeof(kCommands) / sizeof(kCommands[0]) - 1;
+
+}  // namespace moe::cli
+
+static void print_help(FILE* out) {
+  std::fprintf(out,
+               "moe %s - offline tools for the MoE inference server\n\n"
+               "usage: moe <command> [options]    (moe <command> --help for its options)\n\n"
+               "commands:\n",
+               MOE_VERSION);
+  for (int i = 0; i < moe::cli::kNumCommands; ++i)
+    std::fprintf(out, "  %-16s %s\n", moe::cli::kCommands[i].name, moe::cli::kCommands[i].summary);
+  std::fprintf(out, "\noptions:\n  --help       this text\n  --version    print the version\n");
+}
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    print_help(stderr);
+    return 2;
+  }
+  const char* cmd = argv[1];
+  if (!std::strcmp(cmd, "--help") || !std::strcmp(cmd, "-h") || !std::strcmp(cmd, "help")) {
+    print_help(stdout);
+    return 0;
+  }
+  if (!std::strcmp(cmd, "--version")) {
+    std::printf("moe %s\n", MOE_VERSION);
+    return 0;
+  }
+  for (int i = 0; i < moe::cli::kNumCommands; ++i)
+    if (!std::strcmp(cmd, moe::cli::kCommands[i].name)) return moe::cli::kCommands[i].run(argc - 1, argv + 1);
+  std::fprintf(stderr, "moe: unknown command '%s' (see moe --help)\n", cmd);
+  return 2;
+}
