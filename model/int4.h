@@ -1,0 +1,46 @@
+#pragma once
+// INT4 expert weights: the layout (docs/int4-experts.md), the quantiser and
+// the CPU dequantiser. Producers and consumers all compute offsets here.
+
+#include <cstddef>
+#include <cstdint>
+
+namespace moe {
+
+// One quantised matrix W [rows, cols] (rows = outputs, cols = inputs = K),
+// relative to the start of its expert blob.
+struct Q4MatrixLayout {
+  int rows = 0, cols = 0;
+  int group = 0;             // effective group size along cols
+  size_t codes_offset = 0;   // u8 [rows, cols/2]
+  size_t params_offset = 0;  // half2 [rows, cols/group]: (scale, bias)
+  size_t codes_bytes() const { return size_t(rows) * size_t(cols) / 2; }
+  size_t params_bytes() const { return size_t(rows) * size_t(cols / group) * 4; }
+};
+
+// One expert: gate [inter, hidden], up [inter, hidden], down [hidden, inter],
+// each region 256-byte aligned, blob_bytes a multiple of 256.
+struct ExpertLayout {
+  int hidden = 0, inter = 0, group = 0;  // group: the requested group size
+  Q4MatrixLayout gate, up, down;
+  size_t blob_bytes = 0;
+};
+
+constexpr size_t kQ4Align = 256;
+
+// The effective group size for a K-wide row: the largest power of two <= group
+// that divides k (at least 2). Requires k even.
+int q4_effective_group(int k, int group);
+
+ExpertLayout expert_layout(int hidden, int inter, int group);
+
+// Quantises W [rows, cols] (f32, row-major) into `m`'s regions of `blob`.
+void q4_quantize_matrix(const float* w, const Q4MatrixLayout& m, uint8_t* blob);
+
+// Dequantises row `row` of matrix `m` into out[cols].
+void q4_dequantize_row(const uint8_t* blob, const Q4MatrixLayout& m, int row, float* out);
+
+// y[rows] = W x[cols] straight from the codes (the CPU engine's expert matvec).
+void q4_matvec(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, float* y);
+
+}  // namespace moe

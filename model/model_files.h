@@ -1,0 +1,58 @@
+#pragma once
+// A model as every engine and tool sees it: the description, the tensors, the
+// INT4 expert blobs and the tokenizer files, whether it came from a Hugging
+// Face checkpoint folder or from the project's packed file (`moe convert`,
+// docs/packed-format.md). Everything is mapped, nothing copied.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "model/int4.h"
+#include "model/model_config.h"
+#include "model/result.h"
+#include "model/safetensors.h"
+
+namespace moe {
+
+class ModelFiles {
+ public:
+  // `path`: a checkpoint folder (config.json + safetensors) or a packed file.
+  static Result<std::shared_ptr<ModelFiles>> open(const std::string& path);
+
+  const ModelDesc& desc() const { return desc_; }
+  const std::string& path() const { return path_; }
+  bool is_packed() const { return packed_; }
+
+  // A tensor by its Hugging Face name (bf16/f16/f32 as stored), nullptr if
+  // absent. In a packed file whose experts are INT4, expert matrices are not
+  // found here: use expert_q4.
+  const TensorView* find(const std::string& name) const;
+
+  // INT4 experts: present in packed files made with quantised experts.
+  bool experts_q4() const { return experts_q4_; }
+  int q4_group() const { return q4_group_; }
+  const ExpertLayout& expert_layout() const { return layout_; }
+  // The blob of expert `expert` of model layer `layer` (docs/int4-experts.md).
+  const uint8_t* expert_q4(int layer, int expert) const;
+
+  // Text of the tokenizer files ("" when absent): tokenizer.json,
+  // tokenizer_config.json, chat_template.jinja, generation_config.json.
+  std::string tokenizer_file(const std::string& name) const;
+
+ private:
+  friend class PackedModelReader;
+  std::string path_;
+  bool packed_ = false;
+  ModelDesc desc_;
+  Checkpoint ckpt_;
+  std::shared_ptr<MappedFile> packed_file_;
+  bool experts_q4_ = false;
+  int q4_group_ = 0;
+  ExpertLayout layout_;
+  std::map<std::string, TensorView> packed_tensors_;
+  std::vector<const uint8_t*> expert_blobs_;  // [layer * n_experts + expert]
+  std::map<std::string, std::string> text_files_;
+};
+
+}  // namespace moe
