@@ -1,0 +1,77 @@
+#pragma once
+// The seam between the OpenAI layer (requests, text, HTTP) and the engine
+// side (sequences, batches, workers). The OpenAI layer turns one request into
+// one sequence per choice, owns detokenisation and stop strings, and calls
+// cancel() when a stop string matched or the client went away. The scheduler
+// batches every running sequence into worker steps (continuous batching,
+// chunked prefill, KV admission, preemption) and reports tokens back.
+//
+// Threading: everything here runs on the gateway's libuv loop thread only;
+// observers are called on that thread.
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace moe::gw {
+
+struct Sampling {
+  float temperature = 1.0f;  // 0: greedy
+  float top_p = 1.0f;
+  int top_k = 0;             // 0: off
+  uint64_t seed = 0;
+  int top_logprobs = 0;      // how many alternatives to report per token (0: none)
+  bool logprobs = false;     // report the chosen token's logprob
+};
+
+struct SequenceRequest {
+  std::vector<int32_t> prompt;    // token ids, template applied
+  int max_new_tokens = 16;
+  Sampling sampling;
+  std::vector<int32_t> stop_ids;  // generation ends after emitting one of these (EOS)
+};
+
+struct TokenEvent {
+  int32_t token = 0;
+  float logprob = 0.0f;                           // when requested
+  std::vector<std::pair<int32_t, float>> top;     // when requested
+};
+
+enum class FinishReason { stop, length, cancelled, error };
+
+class SequenceObserver {
+ public:
+  virtual ~SequenceObserver() = default;
+  // A newly generated token, in order, never repeated (also across preemption
+  // and worker failover: the scheduler resumes from what it already reported).
+  virtual void on_token(const TokenEvent& ev) = 0;
+  // The sequence ended (EOS => stop, max_new_tokens => length). Final call.
+  virtual void on_finished(FinishReason reason, const std::string& error_message) = 0;
+};
+
+struct SchedulerStats {
+  int waiting = 0;        // submitted, not yet admitted
+  int running = 0;        // admitted (prefilling or decoding)
+  int kv_blocks_used = 0;
+  int kv_blocks_total = 0;
+  uint64_t preemptions = 0;
+  bool degraded = false;  // serving from the fallback worker
+};
+
+class Scheduler {
+ public:
+  virtual ~Scheduler() = default;
+  // Queues a sequence; returns its id. `obs` must outlive the sequence (until
+  // on_finished, or until cancel() returns).
+  virtual uint64_t submit(SequenceRequest req, SequenceObserver* obs) = 0;
+  // Ends a sequence at once and frees its KV; no observer call follows.
+  virtual void cancel(uint64_t id) = 0;
+  // True once a worker has said hello and can take steps.
+  virtual bool ready() const = 0;
+  virtual SchedulerStats stats() const = 0;
+  // Tokens of the longest sequence the worker accepts (prompt + generated).
+  virtual int max_context() const = 0;
+};
+
+}  // namespace moe::gw
