@@ -1,0 +1,92 @@
+#pragma once
+// Tokenizer: a byte-for-byte reimplementation of what a `tokenizer.json`
+// (BPE model) describes, so that the ids we feed the model are the ids the
+// model was trained on.
+//
+// Pipeline of encode(): added tokens are split out of the raw text first
+// (longest first; special tokens are recognised even when add_special_tokens
+// is false, as the reference does), then each remaining piece is normalised,
+// pre-tokenised into words, and each word is run through the BPE merges.
+// add_special_tokens=true then applies the post-processor (e.g. BOS).
+//
+// Bad input never fails and never crashes:
+//  - invalid UTF-8 in the text given to encode() is replaced first, each
+//    maximal invalid subsequence by one U+FFFD (as a lossy UTF-8 decoder
+//    does), and the result is encoded;
+//  - a NUL byte is an ordinary character and encodes like any other byte;
+//  - decode() of an id outside the vocabulary skips that id; bytes that do not
+//    form valid UTF-8 after decoding come out as U+FFFD.
+// Thread safety: every const method may be called from many threads at once.
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "model/result.h"
+
+namespace moe {
+
+namespace tok {
+class Pipeline;  // the parsed tokenizer.json (tokenizer/pipeline.h)
+}
+
+class Tokenizer {
+ public:
+  // tokenizer_config_json may be empty; it supplies bos/eos token names.
+  static Result<std::unique_ptr<Tokenizer>> from_json(std::string_view tokenizer_json,
+                                                      std::string_view tokenizer_config_json);
+  // Reads dir/tokenizer.json and, when present, dir/tokenizer_config.json.
+  static Result<std::unique_ptr<Tokenizer>> load_dir(const std::string& dir);
+  ~Tokenizer();
+
+  std::vector<int32_t> encode(std::string_view text, bool add_special_tokens) const;
+  std::string decode(std::span<const int32_t> ids, bool skip_special_tokens) const;
+
+  int32_t token_to_id(std::string_view token) const;  // -1 if none
+  std::string id_to_token(int32_t id) const;          // "" if none
+  int vocab_size() const;                              // model vocab + added tokens
+
+  const std::string& bos_token() const { return bos_token_; }  // "" if none
+  const std::string& eos_token() const { return eos_token_; }  // "" if none
+  int32_t bos_id() const { return bos_id_; }                   // -1 if none
+  int32_t eos_id() const { return eos_id_; }                   // -1 if none
+  bool is_special(int32_t id) const;
+
+  // The decoder chain over tokens, for the stream decoder: the text of ids
+  // [begin, end) decoded together.
+  const tok::Pipeline& pipeline() const { return *pipe_; }
+
+ private:
+  Tokenizer() = default;
+  std::unique_ptr<tok::Pipeline> pipe_;
+  std::string bos_token_, eos_token_;
+  int32_t bos_id_ = -1, eos_id_ = -1;
+};
+
+// Streaming detokenisation: feed one id at a time, get back only complete
+// UTF-8 text (never half a character). Keeps a small window of previous ids
+// and emits the difference between decode(window + id) and decode(window), so
+// that decoders whose output depends on neighbours (a SentencePiece leading
+// space that is stripped only at the start) come out as decode() would.
+// One StreamDecoder per generated sequence; not thread-safe.
+class StreamDecoder {
+ public:
+  explicit StreamDecoder(const Tokenizer& tok, bool skip_special = true);
+
+  // The new text that id completes; "" while a character is still partial.
+  std::string push(int32_t id);
+  // What remains (partial characters come out as U+FFFD); resets the state.
+  std::string flush();
+
+ private:
+  const Tokenizer& tok_;
+  bool skip_special_;
+  std::vector<int32_t> ids_;  // the window: ids_[prefix_ ..] is undecided
+  size_t prefix_ = 0;         // start of the ids already emitted as context
+  size_t read_ = 0;           // start of the ids not yet emitted
+};
+
+}  // namespace moe
