@@ -1,0 +1,54 @@
+#include "kernels/cpu/attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace moe::cpu {
+
+static inline int64_t slot_index(const int32_t* block_table, int block_tokens, int pos) {
+  return int64_t(block_table[pos / block_tokens]) * block_tokens + pos % block_tokens;
+}
+
+void kv_store(float* k_pool, float* v_pool, const int32_t* block_table, int block_tokens, int pos, const float* k,
+              const float* v, int n_kv, int qk_dim, int v_dim) {
+  const int64_t slot = slot_index(block_table, block_tokens, pos);
+  std::memcpy(k_pool + slot * n_kv * qk_dim, k, sizeof(float) * n_kv * qk_dim);
+  std::memcpy(v_pool + slot * n_kv * v_dim, v, sizeof(float) * n_kv * v_dim);
+}
+
+void attention(const float* q, int64_t q_stride, const PagedKv& kv, const int32_t* positions, float* out,
+               int64_t out_stride, int tokens, int n_heads, int n_kv, int qk_dim, int v_dim, float scale,
+               ThreadPool* pool) {
+  const int group = n_heads / n_kv;
+  parallel_for(pool, int64_t(tokens) * n_heads, [&](int64_t task) {
+    const int t = int(task / n_heads), h = int(task % n_heads), kvh = h / group;
+    const int n_keys = positions[t] + 1;
+    const float* qv = q + t * q_stride + int64_t(h) * qk_dim;
+    std::vector<float> score(n_keys);
+    float mx = -INFINITY;
+    for (int j = 0; j < n_keys; ++j) {
+      const float* kj = kv.k + (slot_index(kv.block_table, kv.block_tokens, j) * n_kv + kvh) * qk_dim;
+      float d = 0.0f;
+      for (int i = 0; i < qk_dim; ++i) d += qv[i] * kj[i];
+      score[j] = d * scale;
+      mx = std::max(mx, score[j]);
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < n_keys; ++j) {
+      score[j] = std::exp(score[j] - mx);
+      sum += score[j];
+    }
+    const float inv = 1.0f / sum;
+    float* o = out + t * out_stride + int64_t(h) * v_dim;
+    std::fill(o, o + v_dim, 0.0f);
+    for (int j = 0; j < n_keys; ++j) {
+      const float* vj = kv.v + (slot_index(kv.block_table, kv.block_tokens, j) * n_kv + kvh) * v_dim;
+      const float p = score[j] * inv;
+      for (int i = 0; i < v_dim; ++i) o[i] += p * vj[i];
+    }
+  });
+}
+
+}  // namespace moe::cpu
