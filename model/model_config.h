@@ -89,6 +89,10 @@ struct ModelDesc {
 [[nodiscard]] Result<ModelDesc> load_model_desc(const std::string& dir);
 // The same from the text of a config.json (tests, packed files).
 [[nodiscard]] Result<ModelDesc> parse_model_desc(const std::string& config_json_text);
+// The same, adding the EOS ids (and a BOS id config.json lacks) of a
+// generation_config.json text ("" when there is none).
+[[nodiscard]] Result<ModelDesc> parse_model_desc(const std::string& config_json_text,
+                                                 const std::string& generation_config_text);
 
 const char* arch_name(Arch a);
 
