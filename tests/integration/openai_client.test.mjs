@@ -1,0 +1,93 @@
+// The official openai package against the running server: chat, streamed
+// chat and completions; greedy results equal `moe generate` for the same
+// prompt.
+import { test } from 'node:test';
+import assert from 'node:assert/strict';
+import { client, modelId, moeGenerate } from './client_setup.mjs';
+
+const MAX = 24;
+
+test('models lists the served model', async () => {
+  const list = await client().models.list();
+  assert.ok(list.data.length >= 1);
+  assert.equal(list.data[0].object, 'model');
+});
+
+test('chat completion equals moe generate --chat', async () => {
+  const model = await modelId();
+  const prompt = 'Write a function that returns the sum of a list.';
+  const r = await client().chat.completions.create({
+    model, messages: [{ role: 'user', content: prompt }], max_tokens: MAX, temperature: 0,
+  });
+  assert.equal(r.object, 'chat.completion');
+  assert.equal(r.choices.length, 1);
+  assert.equal(r.choices[0].message.role, 'assistant');
+  assert.ok(['stop', 'length'].includes(r.choices[0].finish_reason));
+  assert.ok(r.usage.prompt_tokens > 0);
+  assert.ok(r.usage.completion_tokens > 0 && r.usage.completion_tokens <= MAX);
+  assert.equal(r.choices[0].message.content, moeGenerate(prompt, MAX, true));
+});
+
+test('streamed chat completion equals the non-streamed one', async () => {
+  const model = await modelId();
+  const messages = [{ role: 'user', content: 'import numpy as np' }];
+  const whole = await client().chat.completions.create({ model, messages, max_tokens: MAX, temperature: 0 });
+  const stream = await client().chat.completions.create({
+    model, messages, max_tokens: MAX, temperature: 0, stream: true, stream_options: { include_usage: true },
+  });
+  let text = '', finish = null, usage = null, chunks = 0;
+  for await (const chunk of stream) {
+    assert.equal(chunk.object, 'chat.completion.chunk');
+    chunks++;
+    if (chunk.usage) usage = chunk.usage;
+    for (const c of chunk.choices) {
+      if (c.delta?.content) text += c.delta.content;
+      if (c.finish_reason) finish = c.finish_reason;
+    }
+  }
+  assert.ok(chunks > 2);
+  assert.equal(text, whole.choices[0].message.content);
+  assert.equal(finish, whole.choices[0].finish_reason);
+  assert.ok(usage, 'include_usage sends a usage chunk');
+  assert.equal(usage.completion_tokens, whole.usage.completion_tokens);
+});
+
+test('completion equals moe generate', async () => {
+  const model = await modelId();
+  const prompt = 'def fibonacci(n):\n';
+  const r = await client().completions.create({ model, prompt, max_tokens: MAX, temperature: 0 });
+  assert.equal(r.object, 'text_completion');
+  assert.equal(r.choices[0].text, moeGenerate(prompt, MAX, false));
+});
+
+test('streamed completion equals the non-streamed one', async () => {
+  const model = await modelId();
+  const prompt = 'class Stack:\n    def __init__(self):\n';
+  const whole = await client().completions.create({ model, prompt, max_tokens: MAX, temperature: 0 });
+  const stream = await client().completions.create({ model, prompt, max_tokens: MAX, temperature: 0, stream: true });
+  let text = '';
+  for await (const chunk of stream) for (const c of chunk.choices) text += c.text ?? '';
+  assert.equal(text, whole.choices[0].text);
+});
+
+test('seeded sampling is reproducible and n gives n choices', async () => {
+  const model = await modelId();
+  const req = { model, prompt: 'for i in range(', max_tokens: 12, temperature: 0.9, seed: 1234, n: 3 };
+  const a = await client().completions.create(req);
+  const b = await client().completions.create(req);
+  assert.equal(a.choices.length, 3);
+  assert.deepEqual(a.choices.map((c) => c.text), b.choices.map((c) => c.text));
+});
+
+test('stop strings end the text before the stop string', async () => {
+  const model = await modelId();
+  const prompt = 'def add(a, b):\n';
+  const free = await client().completions.create({ model, prompt, max_tokens: MAX, temperature: 0 });
+  const full = free.choices[0].text;
+  // Stop at the first occurrence of a two-character piece of the free text.
+  const stop = full.slice(4, 6);
+  const cut = full.indexOf(stop);
+  const r = await client().completions.create({ model, prompt, max_tokens: MAX, temperature: 0, stop: [stop] });
+  assert.equal(r.choices[0].text, full.slice(0, cut));
+  assert.equal(r.choices[0].finish_reason, 'stop');
+});
