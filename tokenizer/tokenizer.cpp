@@ -1,1 +1,255 @@
 #include "tokenizer/tokenizer.h"
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <unordered_map>
+
+#include <nlohmann/json.hpp>
+
+#include "tokenizer/added_vocabulary.h"
+#include "tokenizer/bpe_model.h"
+#include "tokenizer/decoder.h"
+#include "tokenizer/normalizer.h"
+#include "tokenizer/post_processor.h"
+#include "tokenizer/pretokenizer.h"
+#include "tokenizer/utf8.h"
+
+namespace moe {
+
+using nlohmann::json;
+
+struct Tokenizer::Impl {
+  std::unique_ptr<tok::Normalizer> normalizer;
+  std::unique_ptr<tok::PreTokenizer> pre_tokenizer;
+  std::unique_ptr<tok::BpeModel> model;
+  std::unique_ptr<tok::PostProcessor> post_processor;
+  std::unique_ptr<tok::Decoder> decoder;
+
+  std::vector<tok::AddedToken> added;
+  std::unordered_map<int32_t, size_t> added_by_id;  // id -> index in added
+  tok::TokenMap added_by_content;
+  std::unique_ptr<tok::AddedMatcher> raw_matcher;         // normalized=false tokens, on raw text
+  std::unique_ptr<tok::AddedMatcher> normalized_matcher;  // normalized=true tokens, on normalised text
+  int32_t max_id = -1;
+
+  // Plain text between raw-matched added tokens: normalise, cut out the
+  // normalised added tokens, pre-tokenise, run BPE on each word.
+  void encode_plain(std::string_view text, bool at_text_start, std::vector<int32_t>& ids) const {
+    const std::string normalized = normalizer ? normalizer->normalize(text) : std::string(text);
+    std::vector<tok::Segment> segs;
+    if (normalized_matcher)
+      normalized_matcher->split(normalized, segs);
+    else
+      segs.push_back({normalized, -1});
+    std::vector<std::string> pieces;
+    for (size_t k = 0; k < segs.size(); ++k) {
+      if (segs[k].id >= 0) {
+        ids.push_back(segs[k].id);
+        continue;
+      }
+      if (segs[k].text.empty()) continue;
+      pieces.assign(1, std::string(segs[k].text));
+      if (pre_tokenizer) pre_tokenizer->pre_tokenize(pieces, at_text_start && k == 0);
+      for (const auto& p : pieces) model->encode_word(p, ids);
+    }
+  }
+};
+
+Tokenizer::Tokenizer() : impl_(std::make_unique<Impl>()) {}
+Tokenizer::~Tokenizer() = default;
+
+namespace {
+
+// bos_token / eos_token in tokenizer_config.json: a string or {"content": ...}.
+std::string config_token(const json& cfg, const char* key) {
+  if (!cfg.contains(key)) return {};
+  const auto& v = cfg[key];
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_object() && v.contains("content") && v["content"].is_string()) return v["content"].get<std::string>();
+  return {};
+}
+
+tok::AddedToken parse_added(const json& a) {
+  tok::AddedToken t;
+  t.content = a.value("content", "");
+  t.id = a.value("id", -1);
+  t.special = a.value("special", false);
+  t.single_word = a.value("single_word", false);
+  t.lstrip = a.value("lstrip", false);
+  t.rstrip = a.value("rstrip", false);
+  // Defaults as the reference: special tokens are matched on raw text.
+  t.normalized = a.value("normalized", !t.special);
+  return t;
+}
+
+Result<std::string> read_file(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  if (!in) return make_error("cannot open " + p.string());
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Tokenizer>> Tokenizer::from_json(std::string_view tokenizer_json,
+                                                        std::string_view tokenizer_config_json) {
+  try {
+    const json tj = json::parse(tokenizer_json);
+    const json cfg = tokenizer_config_json.empty() ? json::object() : json::parse(tokenizer_config_json);
+    if (!tj.is_object()) return make_error("tokenizer.json: not an object");
+    auto t = std::unique_ptr<Tokenizer>(new Tokenizer());
+    Impl& im = *t->impl_;
+
+    auto model = tok::BpeModel::from_json(tj.value("model", json()));
+    if (!model) return make_error("tokenizer.json: " + model.error());
+    im.model = std::move(model.value());
+    im.max_id = im.model->max_id();
+    auto norm = tok::make_normalizer(tj.value("normalizer", json()));
+    if (!norm) return make_error("tokenizer.json: " + norm.error());
+    im.normalizer = std::move(norm.value());
+    auto pre = tok::make_pre_tokenizer(tj.value("pre_tokenizer", json()));
+    if (!pre) return make_error("tokenizer.json: " + pre.error());
+    im.pre_tokenizer = std::move(pre.value());
+    auto post = tok::make_post_processor(tj.value("post_processor", json()));
+    if (!post) return make_error("tokenizer.json: " + post.error());
+    im.post_processor = std::move(post.value());
+    auto dec = tok::make_decoder(tj.value("decoder", json()));
+    if (!dec) return make_error("tokenizer.json: " + dec.error());
+    im.decoder = std::move(dec.value());
+
+    auto add_token = [&](tok::AddedToken a) {
+      if (a.id < 0 || a.content.empty() || im.added_by_id.count(a.id)) return;
+      im.added_by_id.emplace(a.id, im.added.size());
+      im.added_by_content.emplace(a.content, a.id);
+      im.max_id = std::max(im.max_id, a.id);
+      im.added.push_back(std::move(a));
+    };
+    for (const auto& a : tj.value("added_tokens", json::array())) add_token(parse_added(a));
+    // Tokens that only tokenizer_config.json declares (id -> flags).
+    if (cfg.contains("added_tokens_decoder") && cfg["added_tokens_decoder"].is_object()) {
+      for (const auto& [id, a] : cfg["added_tokens_decoder"].items()) {
+        json with_id = a;
+        with_id["id"] = std::stoi(id);
+        add_token(parse_added(with_id));
+      }
+    }
+    std::vector<tok::AddedToken> raw, normalized;
+    for (const auto& a : im.added) {
+      if (!a.normalized) {
+        raw.push_back(a);
+      } else {
+        tok::AddedToken n = a;
+        if (im.normalizer) n.content = im.normalizer->normalize(a.content);
+        normalized.push_back(std::move(n));
+      }
+    }
+    if (!raw.empty()) im.raw_matcher = std::make_unique<tok::AddedMatcher>(std::move(raw));
+    if (!normalized.empty()) im.normalized_matcher = std::make_unique<tok::AddedMatcher>(std::move(normalized));
+
+    t->bos_token_ = config_token(cfg, "bos_token");
+    t->eos_token_ = config_token(cfg, "eos_token");
+    if (!t->bos_token_.empty()) t->bos_id_ = t->token_to_id(t->bos_token_);
+    if (!t->eos_token_.empty()) t->eos_id_ = t->token_to_id(t->eos_token_);
+
+    // Explicit add_bos_token / add_eos_token replace the post-processor with
+    // bos + A + eos, the way the reference's slow-tokenizer settings do.
+    const bool has_add_bos = cfg.contains("add_bos_token") && cfg["add_bos_token"].is_boolean();
+    const bool has_add_eos = cfg.contains("add_eos_token") && cfg["add_eos_token"].is_boolean();
+    if (has_add_bos || has_add_eos) {
+      std::vector<int32_t> prefix, suffix;
+      if (has_add_bos && cfg["add_bos_token"].get<bool>() && t->bos_id_ >= 0) prefix.push_back(t->bos_id_);
+      if (has_add_eos && cfg["add_eos_token"].get<bool>() && t->eos_id_ >= 0) suffix.push_back(t->eos_id_);
+      im.post_processor = tok::make_wrap_processor(std::move(prefix), std::move(suffix));
+    }
+    return t;
+  } catch (const json::exception& e) {
+    return make_error(std::string("tokenizer json: ") + e.what());
+  }
+}
+
+Result<std::unique_ptr<Tokenizer>> Tokenizer::load_dir(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return make_error(dir + ": not a directory");
+  auto tj = read_file(fs::path(dir) / "tokenizer.json");
+  if (!tj) return make_error(tj.error());
+  std::string cfg;
+  if (fs::exists(fs::path(dir) / "tokenizer_config.json", ec)) {
+    auto c = read_file(fs::path(dir) / "tokenizer_config.json");
+    if (!c) return make_error(c.error());
+    cfg = std::move(c.value());
+  }
+  auto t = from_json(tj.value(), cfg);
+  if (!t) return make_error(dir + ": " + t.error());
+  return t;
+}
+
+std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {
+  const Impl& im = *impl_;
+  std::string repaired;
+  if (!tok::utf8_valid(text)) {
+    repaired = tok::sanitize_utf8(text);
+    text = repaired;
+  }
+  std::vector<int32_t> ids;
+  ids.reserve(text.size() / 3 + 4);
+  std::vector<tok::Segment> segs;
+  if (im.raw_matcher)
+    im.raw_matcher->split(text, segs);
+  else
+    segs.push_back({text, -1});
+  for (const auto& s : segs) {
+    if (s.id >= 0)
+      ids.push_back(s.id);
+    else if (!s.text.empty())
+      im.encode_plain(s.text, s.text.data() == text.data(), ids);
+  }
+  if (add_special_tokens && im.post_processor) im.post_processor->process(ids);
+  return ids;
+}
+
+std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_tokens) const {
+  const Impl& im = *impl_;
+  std::vector<std::string> tokens;
+  tokens.reserve(ids.size());
+  for (int32_t id : ids) {
+    auto it = im.added_by_id.find(id);
+    if (it != im.added_by_id.end()) {
+      const auto& a = im.added[it->second];
+      if (!(skip_special_tokens && a.special)) tokens.push_back(a.content);
+      continue;
+    }
+    if (const std::string* t = im.model->id_to_token(id)) tokens.push_back(*t);
+  }
+  if (im.decoder) im.decoder->decode_chain(tokens);
+  std::string out;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (i && !im.decoder) out.push_back(' ');
+    out += tokens[i];
+  }
+  return out;
+}
+
+int32_t Tokenizer::token_to_id(std::string_view token) const {
+  auto it = impl_->added_by_content.find(token);
+  if (it != impl_->added_by_content.end()) return it->second;
+  return impl_->model->token_to_id(token);
+}
+
+std::string Tokenizer::id_to_token(int32_t id) const {
+  auto it = impl_->added_by_id.find(id);
+  if (it != impl_->added_by_id.end()) return impl_->added[it->second].content;
+  const std::string* t = impl_->model->id_to_token(id);
+  return t ? *t : std::string();
+}
+
+int Tokenizer::vocab_size() const { return impl_->max_id + 1; }
+
+bool Tokenizer::is_special(int32_t id) const {
+  auto it = impl_->added_by_id.find(id);
+  return it != impl_->added_by_id.end() && impl_->added[it->second].special;
+}
+
+}  // namespace moe

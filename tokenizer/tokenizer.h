@@ -29,10 +29,6 @@
 
 namespace moe {
 
-namespace tok {
-class Pipeline;  // the parsed tokenizer.json (tokenizer/pipeline.h)
-}
-
 class Tokenizer {
  public:
   // tokenizer_config_json may be empty; it supplies bos/eos token names.
@@ -55,13 +51,10 @@ class Tokenizer {
   int32_t eos_id() const { return eos_id_; }                   // -1 if none
   bool is_special(int32_t id) const;
 
-  // The decoder chain over tokens, for the stream decoder: the text of ids
-  // [begin, end) decoded together.
-  const tok::Pipeline& pipeline() const { return *pipe_; }
-
  private:
-  Tokenizer() = default;
-  std::unique_ptr<tok::Pipeline> pipe_;
+  struct Impl;  // the parsed tokenizer.json stages (tokenizer.cpp)
+  Tokenizer();
+  std::unique_ptr<Impl> impl_;
   std::string bos_token_, eos_token_;
   int32_t bos_id_ = -1, eos_id_ = -1;
 };
