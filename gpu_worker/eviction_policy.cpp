@@ -1,0 +1,163 @@
+#include "gpu_worker/eviction_policy.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace moe {
+
+namespace {
+constexpr uint64_t kNever = std::numeric_limits<uint64_t>::max();
+
+size_t index_of(ExpertKey k, int n_experts) { return size_t(k.layer) * size_t(n_experts) + size_t(k.expert); }
+}  // namespace
+
+// ---------------------------------------------------------------- LRU
+
+void LruPolicy::attach(int n_layers, int n_experts) {
+  n_experts_ = n_experts;
+  last_.assign(size_t(n_layers) * size_t(n_experts), 0);
+}
+
+void LruPolicy::on_access(ExpertKey key, uint64_t now) { last_[index_of(key, n_experts_)] = now + 1; }
+
+void LruPolicy::on_load(ExpertKey key, uint64_t now) { last_[index_of(key, n_experts_)] = now + 1; }
+
+double LruPolicy::keep_score(ExpertKey key, uint64_t) const { return double(last_[index_of(key, n_experts_)]); }
+
+// ---------------------------------------------------------------- LFU with decay
+
+LfuDecayPolicy::LfuDecayPolicy(double half_life_acquires) : half_life_(std::max(1.0, half_life_acquires)) {}
+
+void LfuDecayPolicy::attach(int n_layers, int n_experts) {
+  n_experts_ = n_experts;
+  const size_t n = size_t(n_layers) * size_t(n_experts);
+  count_.assign(n, 0.0);
+  stamp_.assign(n, 0);
+  last_.assign(n, 0);
+}
+
+double LfuDecayPolicy::decay_at(size_t i, uint64_t now) const {
+  return count_[i] * std::exp2(-double(now - stamp_[i]) / half_life_);
+}
+
+void LfuDecayPolicy::on_access(ExpertKey key, uint64_t now) {
+  const size_t i = index_of(key, n_experts_);
+  count_[i] = decay_at(i, now) + 1.0;
+  stamp_[i] = now;
+  last_[i] = now + 1;
+}
+
+void LfuDecayPolicy::on_load(ExpertKey key, uint64_t now) { last_[index_of(key, n_experts_)] = now + 1; }
+
+double LfuDecayPolicy::keep_score(ExpertKey key, uint64_t now) const {
+  const size_t i = index_of(key, n_experts_);
+  // Recency only breaks ties: its term stays below any whole use.
+  return decay_at(i, now) + 1e-6 * double(last_[i]) / double(now + 2);
+}
+
+// ---------------------------------------------------------------- ours
+
+OursPolicy::OursPolicy(OursPolicyParams p) : prm_(p) {
+  long_factor_ = std::exp2(-1.0 / std::max(1e-3, prm_.long_half_life_visits));
+  short_factor_ = std::exp2(-1.0 / std::max(1e-3, prm_.short_half_life_visits));
+}
+
+void OursPolicy::attach(int n_layers, int n_experts) {
+  n_layers_ = n_layers;
+  n_experts_ = n_experts;
+  const size_t n = size_t(n_layers) * size_t(n_experts);
+  cur_layer_ = -1;
+  visits_.assign(size_t(n_layers), 0);
+  visit_start_.assign(size_t(n_layers), 0);
+  period_.assign(size_t(n_layers), 0.0);
+  long_.assign(n, Rate{});
+  short_.assign(n, Rate{});
+  last_visit_use_.assign(n, 0);
+}
+
+double OursPolicy::decayed(const Rate& r, int64_t visits, double factor) const {
+  return r.uses * std::pow(factor, double(visits - r.stamp));
+}
+
+// Sum over the layer's visits j = 1..V of factor^(V - j).
+double OursPolicy::layer_visits_decayed(int layer, double factor) const {
+  const double v = double(visits_[size_t(layer)]);
+  return factor >= 1.0 ? v : (1.0 - std::pow(factor, v)) / (1.0 - factor);
+}
+
+void OursPolicy::on_access(ExpertKey key, uint64_t now) {
+  const size_t l = size_t(key.layer);
+  const size_t i = index_of(key, n_experts_);
+  // A new visit starts when the layer changes, or when an expert comes back
+  // within the same visit (a model with one MoE layer, or a layer's next step).
+  if (key.layer != cur_layer_ || last_visit_use_[i] == uint64_t(visits_[l])) {
+    if (visits_[l] > 0) {
+      const double gap = double(now - visit_start_[l]);
+      period_[l] = period_[l] == 0.0 ? gap : 0.875 * period_[l] + 0.125 * gap;
+    }
+    ++visits_[l];
+    visit_start_[l] = now;
+    cur_layer_ = key.layer;
+  }
+  const int64_t v = visits_[l];
+  last_visit_use_[i] = uint64_t(v);
+  long_[i] = Rate{decayed(long_[i], v, long_factor_) + 1.0, v};
+  short_[i] = Rate{decayed(short_[i], v, short_factor_) + 1.0, v};
+}
+
+double OursPolicy::use_probability(ExpertKey key) const {
+  const size_t l = size_t(key.layer);
+  const int64_t v = visits_[l];
+  if (v == 0) return prm_.p_floor;
+  const size_t i = index_of(key, n_experts_);
+  const double pl = decayed(long_[i], v, long_factor_) / layer_visits_decayed(key.layer, long_factor_);
+  const double ps = decayed(short_[i], v, short_factor_) / layer_visits_decayed(key.layer, short_factor_);
+  return std::clamp((1.0 - prm_.short_weight) * pl + prm_.short_weight * ps, prm_.p_floor, 1.0);
+}
+
+double OursPolicy::keep_score(ExpertKey key, uint64_t now) const {
+  const size_t l = size_t(key.layer);
+  double period = period_[l];
+  if (period == 0.0) {  // layer not seen twice yet: borrow the longest known period
+    for (double q : period_) period = std::max(period, q);
+    if (period == 0.0) period = double(n_layers_);
+  }
+  double phase;
+  if (key.layer == cur_layer_ || visits_[l] == 0)
+    phase = key.layer == cur_layer_ ? period : 0.0;
+  else
+    phase = std::max(0.0, double(visit_start_[l]) + period - double(now));
+  const double p = use_probability(key);
+  return -(phase + period * (1.0 - p) / p);
+}
+
+// ---------------------------------------------------------------- Belady
+
+BeladyPolicy::BeladyPolicy(std::vector<ExpertKey> sequence) : seq_(std::move(sequence)) {}
+
+void BeladyPolicy::attach(int n_layers, int n_experts) {
+  n_experts_ = n_experts;
+  const size_t n = size_t(n_layers) * size_t(n_experts);
+  next_use_.assign(n, kNever);
+  next_of_.assign(seq_.size(), kNever);
+  for (size_t p = seq_.size(); p-- > 0;) {  // walk backwards: next_use_ holds the following use
+    const size_t i = index_of(seq_[p], n_experts_);
+    next_of_[p] = next_use_[i];
+    next_use_[i] = p;
+  }
+  pos_ = 0;
+}
+
+void BeladyPolicy::on_access(ExpertKey key, uint64_t) {
+  const size_t i = index_of(key, n_experts_);
+  if (pos_ < seq_.size() && seq_[pos_] == key) next_use_[i] = next_of_[pos_];
+  ++pos_;
+}
+
+double BeladyPolicy::keep_score(ExpertKey key, uint64_t) const {
+  const uint64_t nu = next_use_[index_of(key, n_experts_)];
+  return nu == kNever ? -std::numeric_limits<double>::max() : -double(nu);
+}
+
+}  // namespace moe

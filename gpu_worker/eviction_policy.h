@@ -1,0 +1,142 @@
+#pragma once
+// Which resident expert leaves its island when a new one needs it. The
+// residency map (gpu_worker/residency.h) tells the policy what happens and
+// asks it how much each resident expert is worth keeping; it evicts the
+// cheapest one that is neither pinned nor predicted. Policies here: LRU,
+// LFU with decay, the project's phase-aware expected-reuse policy ("ours"),
+// and Belady's MIN for offline replay (docs/memory-islands.md).
+//
+// Threads: a policy belongs to one ResidencyMap and is called on that map's
+// thread only (the worker's step thread).
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace moe {
+
+struct ExpertKey {
+  int layer = 0;   // MoE layer index
+  int expert = 0;  // routed expert index within the layer
+  bool operator==(const ExpertKey&) const = default;
+};
+
+class EvictionPolicy {
+ public:
+  virtual ~EvictionPolicy() = default;
+  virtual std::string name() const = 0;
+
+  // Called once by the map before any other call.
+  virtual void attach(int n_layers, int n_experts) = 0;
+  // The step used `key` (one acquire). `now` counts the map's acquires from 0.
+  virtual void on_access(ExpertKey key, uint64_t now) = 0;
+  // `key` was copied into an island (a demand miss or a prefetch).
+  virtual void on_load(ExpertKey key, uint64_t now) {}
+  // `key` left its island.
+  virtual void on_evict(ExpertKey key, uint64_t now) {}
+  // How much keeping `key` resident is worth at `now`: the map evicts the
+  // smallest score among unprotected residents (ties: the lowest island).
+  virtual double keep_score(ExpertKey key, uint64_t now) const = 0;
+};
+
+// ---- Least recently used: the score is the time of the last use or load.
+class LruPolicy final : public EvictionPolicy {
+ public:
+  std::string name() const override { return "lru"; }
+  void attach(int n_layers, int n_experts) override;
+  void on_access(ExpertKey key, uint64_t now) override;
+  void on_load(ExpertKey key, uint64_t now) override;
+  double keep_score(ExpertKey key, uint64_t now) const override;
+
+ private:
+  int n_experts_ = 0;
+  std::vector<uint64_t> last_;  // [layer * n_experts + expert]
+};
+
+// ---- Least frequently used with exponential decay: each use adds 1, and
+// the count halves every `half_life` acquires, so old popularity fades.
+// Ties (equal decayed counts) go to recency.
+class LfuDecayPolicy final : public EvictionPolicy {
+ public:
+  explicit LfuDecayPolicy(double half_life_acquires = 2048.0);
+  std::string name() const override { return "lfu"; }
+  void attach(int n_layers, int n_experts) override;
+  void on_access(ExpertKey key, uint64_t now) override;
+  void on_load(ExpertKey key, uint64_t now) override;
+  double keep_score(ExpertKey key, uint64_t now) const override;
+
+ private:
+  double decay_at(size_t i, uint64_t now) const;
+  double half_life_;
+  int n_experts_ = 0;
+  std::vector<double> count_;     // decayed uses as of stamp_
+  std::vector<uint64_t> stamp_;   // acquire counter of the last update
+  std::vector<uint64_t> last_;    // last use or load, for ties
+};
+
+// ---- The project's policy: evict the expert expected to be needed last.
+// Accesses come layer by layer, so an expert of layer l can next be used only
+// when the step reaches l again ("phase"), and then with the probability p
+// that a visit of l routes to it. Expected time to next use, in acquires:
+//   E[T] = phase(l) + period(l) * (1 - p) / p
+// p mixes a slowly decaying per-visit use rate (popularity) with a fast one
+// (routing is bursty: an expert used now is likelier next token). The score
+// is -E[T]. Visits of a layer are runs of consecutive acquires of that layer.
+struct OursPolicyParams {
+  double long_half_life_visits = 512.0;  // popularity memory, in visits of the layer
+  double short_half_life_visits = 2.0;   // burst memory
+  double short_weight = 0.25;            // share of the burst estimate in p
+  double p_floor = 1e-3;                 // unseen experts: rare, not impossible
+};
+
+class OursPolicy final : public EvictionPolicy {
+ public:
+  explicit OursPolicy(OursPolicyParams params = {});
+  std::string name() const override { return "ours"; }
+  void attach(int n_layers, int n_experts) override;
+  void on_access(ExpertKey key, uint64_t now) override;
+  double keep_score(ExpertKey key, uint64_t now) const override;
+
+  // The per-visit use probability the policy currently believes (tests).
+  double use_probability(ExpertKey key) const;
+
+ private:
+  struct Rate {
+    double uses = 0;       // decayed uses as of `stamp`
+    int64_t stamp = 0;     // visits of the layer at the last update
+  };
+  double decayed(const Rate& r, int64_t visits, double factor) const;
+  double layer_visits_decayed(int layer, double factor) const;
+
+  OursPolicyParams prm_;
+  double long_factor_ = 1, short_factor_ = 1;  // per-visit decay factors
+  int n_layers_ = 0, n_experts_ = 0;
+  int cur_layer_ = -1;                   // layer of the current visit
+  std::vector<int64_t> visits_;          // [layer] visits so far
+  std::vector<uint64_t> visit_start_;    // [layer] acquire counter at the last visit's start
+  std::vector<double> period_;           // [layer] smoothed acquires between visits
+  std::vector<Rate> long_, short_;       // [layer * n_experts + expert]
+  std::vector<uint64_t> last_visit_use_; // [key] visit (1-based) of the last use, 0: never
+};
+
+// ---- Belady's MIN: evict the expert whose next use is farthest in the
+// future. Needs the whole access sequence in advance (offline replay only);
+// the map's acquires must follow `sequence` exactly.
+class BeladyPolicy final : public EvictionPolicy {
+ public:
+  explicit BeladyPolicy(std::vector<ExpertKey> sequence);
+  std::string name() const override { return "belady"; }
+  void attach(int n_layers, int n_experts) override;
+  void on_access(ExpertKey key, uint64_t now) override;
+  double keep_score(ExpertKey key, uint64_t now) const override;
+
+ private:
+  std::vector<ExpertKey> seq_;
+  std::vector<uint64_t> next_of_;    // [position] next position of the same key, or kNever
+  std::vector<uint64_t> next_use_;   // [key] next position where the key is used
+  uint64_t pos_ = 0;                 // acquires seen
+  int n_experts_ = 0;
+};
+
+}  // namespace moe

@@ -1,0 +1,207 @@
+#include "gpu_worker/residency.h"
+
+#include <string>
+
+namespace moe {
+
+namespace {
+std::string key_text(ExpertKey k) {
+  return "(layer " + std::to_string(k.layer) + ", expert " + std::to_string(k.expert) + ")";
+}
+}  // namespace
+
+ResidencyMap::ResidencyMap(int n_layers, int n_experts, int64_t n_islands, size_t blob_bytes,
+                           std::unique_ptr<EvictionPolicy> policy)
+    : n_layers_(n_layers), n_experts_(n_experts), blob_bytes_(blob_bytes), policy_(std::move(policy)) {
+  island_of_.assign(size_t(n_layers) * size_t(n_experts), -1);
+  key_of_.assign(size_t(n_islands), -1);
+  pins_.assign(size_t(n_islands), 0);
+  predicted_.assign(size_t(n_islands), 0);
+  prefetched_.assign(size_t(n_islands), 0);
+  // Highest index at the bottom so islands fill from 0 up.
+  for (int64_t i = n_islands; i-- > 0;) free_.push_back(i);
+  policy_->attach(n_layers, n_experts);
+}
+
+bool ResidencyMap::valid(ExpertKey k) const {
+  return k.layer >= 0 && k.layer < n_layers_ && k.expert >= 0 && k.expert < n_experts_;
+}
+
+int64_t ResidencyMap::lookup(ExpertKey key) const { return valid(key) ? island_of_[index_of(key)] : -1; }
+
+std::optional<ExpertKey> ResidencyMap::resident(int64_t island) const {
+  if (island < 0 || island >= n_islands() || key_of_[size_t(island)] < 0) return std::nullopt;
+  const int64_t k = key_of_[size_t(island)];
+  return ExpertKey{int(k / n_experts_), int(k % n_experts_)};
+}
+
+int ResidencyMap::pin_count(ExpertKey key) const {
+  const int64_t i = lookup(key);
+  return i < 0 ? 0 : pins_[size_t(i)];
+}
+
+bool ResidencyMap::is_predicted(ExpertKey key) const {
+  const int64_t i = lookup(key);
+  return i >= 0 && predicted_[size_t(i)];
+}
+
+int64_t ResidencyMap::take_island(bool allow_predicted_victims, std::optional<ExpertKey>* evicted) {
+  if (!free_.empty()) {
+    const int64_t i = free_.back();
+    free_.pop_back();
+    return i;
+  }
+  // Cheapest unpinned resident; predicted ones only when nothing else is left.
+  int64_t best = -1;
+  bool best_pred = true;
+  double best_score = 0;
+  for (int64_t i = 0; i < n_islands(); ++i) {
+    if (pins_[size_t(i)] > 0) continue;
+    const bool pred = predicted_[size_t(i)] != 0;
+    if (pred && !allow_predicted_victims) continue;
+    const ExpertKey k = *resident(i);
+    const double s = policy_->keep_score(k, now_);
+    if (best < 0 || (best_pred && !pred) || (pred == best_pred && s < best_score)) {
+      best = i;
+      best_pred = pred;
+      best_score = s;
+    }
+  }
+  if (best < 0) return -1;
+  const ExpertKey victim = *resident(best);
+  island_of_[index_of(victim)] = -1;
+  key_of_[size_t(best)] = -1;
+  predicted_[size_t(best)] = 0;
+  prefetched_[size_t(best)] = 0;
+  policy_->on_evict(victim, now_);
+  ++stats_.evictions;
+  --stats_.islands_in_use;
+  *evicted = victim;
+  return best;
+}
+
+void ResidencyMap::place(ExpertKey key, int64_t island) {
+  island_of_[index_of(key)] = island;
+  key_of_[size_t(island)] = int64_t(index_of(key));
+  pins_[size_t(island)] = 0;
+  ++stats_.islands_in_use;
+  stats_.bytes_copied += blob_bytes_;
+  policy_->on_load(key, now_);
+}
+
+Result<Placement> ResidencyMap::acquire(ExpertKey key) {
+  if (!valid(key)) return make_error("residency: no such expert " + key_text(key));
+  Placement p;
+  p.key = key;
+  int64_t i = island_of_[index_of(key)];
+  if (i >= 0) {
+    p.hit = true;
+    ++stats_.hits;
+    if (prefetched_[size_t(i)]) ++stats_.prefetch_used;
+  } else {
+    i = take_island(/*allow_predicted_victims=*/true, &p.evicted);
+    if (i < 0)
+      return make_error("residency: all " + std::to_string(n_islands()) + " islands are pinned; cannot load " +
+                        key_text(key));
+    place(key, i);
+    ++stats_.misses;
+  }
+  predicted_[size_t(i)] = 0;
+  prefetched_[size_t(i)] = 0;
+  ++pins_[size_t(i)];
+  p.island = i;
+  policy_->on_access(key, now_);
+  ++now_;
+  return p;
+}
+
+Status ResidencyMap::pin(ExpertKey key) {
+  const int64_t i = lookup(key);
+  if (i < 0) return make_error("residency: cannot pin " + key_text(key) + ": not resident");
+  ++pins_[size_t(i)];
+  return {};
+}
+
+Status ResidencyMap::unpin(ExpertKey key) {
+  const int64_t i = lookup(key);
+  if (i < 0) return make_error("residency: cannot unpin " + key_text(key) + ": not resident");
+  if (pins_[size_t(i)] == 0) return make_error("residency: " + key_text(key) + " is not pinned");
+  --pins_[size_t(i)];
+  return {};
+}
+
+std::vector<Placement> ResidencyMap::hint(int layer, std::span<const int> experts, HintPriority priority) {
+  std::vector<Placement> loads;
+  for (int e : experts) {
+    const ExpertKey key{layer, e};
+    if (!valid(key)) continue;
+    int64_t i = island_of_[index_of(key)];
+    if (i >= 0) {
+      if (priority == HintPriority::prefetch) predicted_[size_t(i)] = 1;
+      continue;
+    }
+    Placement p;
+    p.key = key;
+    if (priority == HintPriority::warm) {
+      if (free_.empty()) {
+        ++stats_.hints_dropped;
+        continue;
+      }
+      i = free_.back();
+      free_.pop_back();
+    } else {
+      i = take_island(/*allow_predicted_victims=*/false, &p.evicted);
+      if (i < 0) {
+        ++stats_.hints_dropped;
+        continue;
+      }
+    }
+    place(key, i);
+    ++stats_.prefetches;
+    prefetched_[size_t(i)] = 1;
+    predicted_[size_t(i)] = priority == HintPriority::prefetch;
+    p.island = i;
+    loads.push_back(p);
+  }
+  return loads;
+}
+
+void ResidencyMap::clear_predictions(int layer) {
+  for (int64_t i = 0; i < n_islands(); ++i)
+    if (predicted_[size_t(i)] && key_of_[size_t(i)] / n_experts_ == layer) predicted_[size_t(i)] = 0;
+}
+
+Status ResidencyMap::check_invariants() const {
+  int64_t used = 0;
+  for (int64_t i = 0; i < n_islands(); ++i) {
+    const int64_t k = key_of_[size_t(i)];
+    if (k < 0) {
+      if (pins_[size_t(i)] || predicted_[size_t(i)] || prefetched_[size_t(i)])
+        return make_error("free island " + std::to_string(i) + " carries pins or flags");
+      continue;
+    }
+    ++used;
+    if (island_of_[size_t(k)] != i)
+      return make_error("island " + std::to_string(i) + " holds key " + std::to_string(k) + " which maps to island " +
+                        std::to_string(island_of_[size_t(k)]));
+    if (pins_[size_t(i)] < 0) return make_error("negative pin count");
+  }
+  for (size_t k = 0; k < island_of_.size(); ++k) {
+    const int64_t i = island_of_[k];
+    if (i >= 0 && (i >= n_islands() || key_of_[size_t(i)] != int64_t(k)))
+      return make_error("key " + std::to_string(k) + " maps to island " + std::to_string(i) + " which holds another");
+  }
+  std::vector<uint8_t> seen(size_t(n_islands()), 0);
+  for (int64_t i : free_) {
+    if (i < 0 || i >= n_islands() || key_of_[size_t(i)] >= 0 || seen[size_t(i)])
+      return make_error("free list holds island " + std::to_string(i) + " twice or while occupied");
+    seen[size_t(i)] = 1;
+  }
+  if (used + int64_t(free_.size()) != n_islands()) return make_error("islands lost: used + free != total");
+  if (used != stats_.islands_in_use) return make_error("islands_in_use counter disagrees with the table");
+  if (stats_.bytes_copied != (stats_.misses + stats_.prefetches) * blob_bytes_)
+    return make_error("bytes_copied disagrees with misses + prefetches");
+  return {};
+}
+
+}  // namespace moe

@@ -1,0 +1,175 @@
+// ResidencyMap: invariants under a long random workload, pins, hints, errors.
+#include <catch2/catch.hpp>
+
+#include <map>
+#include <random>
+#include <set>
+
+#include "gpu_worker/residency.h"
+
+using namespace moe;
+
+namespace {
+constexpr size_t kBlob = 1000;
+
+std::unique_ptr<EvictionPolicy> policy_named(int which) {
+  switch (which) {
+    case 0: return std::make_unique<LruPolicy>();
+    case 1: return std::make_unique<LfuDecayPolicy>(64.0);
+    default: return std::make_unique<OursPolicy>();
+  }
+}
+}  // namespace
+
+TEST_CASE("residency: invariants hold under a long random workload of acquires, pins and hints") {
+  for (int which = 0; which < 3; ++which) {
+    const int L = 4, E = 16;
+    const int64_t N = 12;
+    ResidencyMap map(L, E, N, kBlob, policy_named(which));
+    INFO("policy " << map.policy().name());
+    std::mt19937 rng(1234 + which);
+    std::map<std::pair<int, int>, int> my_pins;     // what the test pinned
+    std::set<std::pair<int, int>> mirror;           // what the test believes is resident
+    uint64_t hits = 0, misses = 0, prefetches = 0;
+
+    auto note_eviction = [&](const Placement& p) {
+      if (!p.evicted) return;
+      const auto ev = std::make_pair(p.evicted->layer, p.evicted->expert);
+      REQUIRE(my_pins[ev] == 0);  // a pinned expert never leaves
+      REQUIRE(mirror.erase(ev) == 1);
+    };
+
+    for (int it = 0; it < 20000; ++it) {
+      const int op = int(rng() % 10);
+      const ExpertKey k{int(rng() % L), int(rng() % E)};
+      const auto kk = std::make_pair(k.layer, k.expert);
+      int total_pins = 0;
+      for (auto& [key, n] : my_pins) total_pins += n > 0;
+      if (op < 5) {  // acquire, keep pinned for a while
+        if (total_pins >= N - 1 && !my_pins[kk]) continue;  // leave room: all pinned is tested apart
+        const bool was = mirror.count(kk) > 0;
+        auto p = map.acquire(k);
+        REQUIRE(p.ok());
+        REQUIRE(p->hit == was);
+        (p->hit ? hits : misses)++;
+        note_eviction(*p);
+        mirror.insert(kk);
+        ++my_pins[kk];
+        REQUIRE(map.lookup(k) == p->island);
+        REQUIRE(map.resident(p->island) == std::optional<ExpertKey>(k));
+      } else if (op < 8) {  // unpin something pinned
+        for (auto& [key, n] : my_pins)
+          if (n > 0) {
+            REQUIRE(map.unpin({key.first, key.second}).ok());
+            --n;
+            break;
+          }
+      } else if (op < 9) {  // prefetch hint for a layer
+        const std::vector<int> guess{int(rng() % E), int(rng() % E)};
+        for (const Placement& p : map.hint(k.layer, guess, HintPriority::prefetch)) {
+          REQUIRE_FALSE(p.hit);
+          note_eviction(p);
+          REQUIRE(mirror.insert({p.key.layer, p.key.expert}).second);
+          ++prefetches;
+          REQUIRE(map.is_predicted(p.key));
+        }
+      } else {
+        map.clear_predictions(k.layer);
+      }
+      REQUIRE(map.check_invariants().ok());
+      REQUIRE(map.stats().islands_in_use == int64_t(mirror.size()));
+      for (auto& [key, n] : my_pins) REQUIRE(map.pin_count({key.first, key.second}) == n);
+    }
+    const ResidencyStats& s = map.stats();
+    CHECK(s.hits == hits);
+    CHECK(s.misses == misses);
+    CHECK(s.prefetches == prefetches);
+    CHECK(s.bytes_copied == (misses + prefetches) * kBlob);
+    CHECK(s.evictions > 1000);  // the workload really did churn
+  }
+}
+
+TEST_CASE("residency: no island is handed out twice and all-pinned is an error, not an eviction") {
+  ResidencyMap map(2, 8, 3, kBlob, std::make_unique<LruPolicy>());
+  std::set<int64_t> islands;
+  for (int e = 0; e < 3; ++e) {
+    auto p = map.acquire({0, e});
+    REQUIRE(p.ok());
+    CHECK_FALSE(p->hit);
+    CHECK(islands.insert(p->island).second);
+  }
+  auto full = map.acquire({1, 0});
+  REQUIRE_FALSE(full.ok());
+  CHECK(full.error().find("all 3 islands are pinned") != std::string::npos);
+  CHECK(map.stats().misses == 3);  // the failed acquire counted nothing
+
+  REQUIRE(map.unpin({0, 1}).ok());
+  auto p = map.acquire({1, 0});
+  REQUIRE(p.ok());
+  REQUIRE(p->evicted.has_value());
+  CHECK(*p->evicted == ExpertKey{0, 1});  // the only unpinned one
+  CHECK(map.lookup({0, 1}) == -1);
+  CHECK(map.check_invariants().ok());
+}
+
+TEST_CASE("residency: pin and unpin errors") {
+  ResidencyMap map(1, 4, 2, kBlob, std::make_unique<LruPolicy>());
+  CHECK_FALSE(map.pin({0, 1}).ok());    // not resident
+  CHECK_FALSE(map.unpin({0, 1}).ok());  // not resident
+  REQUIRE(map.acquire({0, 1}).ok());
+  REQUIRE(map.unpin({0, 1}).ok());
+  CHECK_FALSE(map.unpin({0, 1}).ok());  // no pins left
+  REQUIRE(map.pin({0, 1}).ok());
+  CHECK(map.pin_count({0, 1}) == 1);
+  CHECK_FALSE(map.acquire({0, 4}).ok());  // no such expert
+  CHECK_FALSE(map.acquire({1, 0}).ok());  // no such layer
+}
+
+TEST_CASE("residency: warm hints fill free islands only; prefetch hints protect until used") {
+  ResidencyMap map(2, 8, 3, kBlob, std::make_unique<LruPolicy>());
+  const std::vector<int> two{0, 1};
+  auto loads = map.hint(0, two, HintPriority::warm);
+  CHECK(loads.size() == 2);
+  REQUIRE(map.acquire({1, 5}).ok());
+  REQUIRE(map.unpin({1, 5}).ok());
+  // Full now: a warm hint is dropped rather than evicting.
+  const std::vector<int> one{7};
+  CHECK(map.hint(0, one, HintPriority::warm).empty());
+  CHECK(map.stats().hints_dropped == 1);
+
+  // A prefetch hint evicts the least recent unprotected one: (0,0) loaded first.
+  auto pf = map.hint(1, one, HintPriority::prefetch);
+  REQUIRE(pf.size() == 1);
+  REQUIRE(pf[0].evicted.has_value());
+  CHECK(*pf[0].evicted == ExpertKey{0, 0});
+  CHECK(map.is_predicted({1, 7}));
+
+  // Demand misses evict unpredicted residents first, even when the predicted
+  // one is the least recently used.
+  for (ExpertKey k : {ExpertKey{0, 1}, ExpertKey{1, 5}}) {
+    auto h = map.acquire(k);
+    REQUIRE(h.ok());
+    CHECK(h->hit);
+    REQUIRE(map.unpin(k).ok());
+  }
+  auto a = map.acquire({0, 3});
+  REQUIRE(a.ok());
+  CHECK(*a->evicted == ExpertKey{0, 1});
+  REQUIRE(map.unpin({0, 3}).ok());
+  auto b = map.acquire({1, 7});  // the prefetch pays off: a hit, protection ends
+  REQUIRE(b.ok());
+  CHECK(b->hit);
+  CHECK(map.stats().prefetch_used == 2);  // (0,1) came by a warm hint, (1,7) by a prefetch
+  CHECK_FALSE(map.is_predicted({1, 7}));
+  REQUIRE(map.unpin({1, 7}).ok());
+
+  // clear_predictions drops the protection of a layer's unused guesses.
+  const std::vector<int> g{2};
+  REQUIRE(map.hint(0, g, HintPriority::prefetch).size() == 1);
+  CHECK(map.is_predicted({0, 2}));
+  map.clear_predictions(1);
+  CHECK(map.is_predicted({0, 2}));
+  map.clear_predictions(0);
+  CHECK_FALSE(map.is_predicted({0, 2}));
+  CHECK(map.check_invariants().ok());
+}
