@@ -1,0 +1,180 @@
+// Batching and the KV cache: several sequences at different positions in one
+// step give the same results as each alone; seeded sampling is reproducible;
+// the block pool is accounted for and its exhaustion is an error.
+
+#include <catch2/catch.hpp>
+
+#include <map>
+
+#include "tests/engine/reference_data.h"
+
+using namespace moe;
+using namespace moe::test;
+
+namespace {
+
+struct Trace {
+  std::vector<int32_t> tokens;
+  std::vector<std::vector<std::pair<int32_t, float>>> tops;
+};
+
+SeqInput input(uint64_t id, std::vector<int32_t> tokens, int32_t start, SamplingParams sp) {
+  SeqInput in;
+  in.seq_id = id;
+  in.tokens = std::move(tokens);
+  in.start_pos = start;
+  in.sampling = sp;
+  return in;
+}
+
+// Prompt then `steps` decode steps of one sequence, alone.
+Trace run_alone(CpuEngine& e, uint64_t id, const std::vector<int32_t>& prompt, SamplingParams sp, int steps) {
+  Trace tr;
+  SeqInput in = input(id, prompt, 0, sp);
+  for (int s = 0; s < steps; ++s) {
+    auto out = e.step(std::span<const SeqInput>(&in, 1));
+    REQUIRE(out.ok());
+    tr.tokens.push_back((*out)[0].token);
+    tr.tops.push_back((*out)[0].top);
+    in.start_pos += int32_t(in.tokens.size());
+    in.tokens = {(*out)[0].token};
+  }
+  e.release(id);
+  return tr;
+}
+
+}  // namespace
+
+TEST_CASE("sequences batched together give the same results as alone", "[engine][batching]") {
+  for (const char* arch : {"qwen3_moe", "deepseek_v2", "qwen2_moe"}) {
+    DYNAMIC_SECTION(arch) {
+      auto e = make_engine(fixture_dir(arch));
+      auto ref = Checkpoint::open_file(fixture_dir(arch) + "/reference.safetensors");
+      REQUIRE(ref.ok());
+      std::vector<std::vector<int32_t>> prompts;
+      for (int p : {0, 1, 3, 5}) prompts.push_back(ints(*ref->find("p" + std::to_string(p) + ".input_ids")));
+      std::vector<SamplingParams> sps(4);
+      sps[0].temperature = 0;
+      sps[1] = {0.8f, 0.9f, 0, 11, 3, true};
+      sps[2] = {1.2f, 1.0f, 20, 12, 3, true};
+      sps[3] = {1.0f, 1.0f, 0, 13, 3, true};
+      for (auto& sp : sps) sp.top_logprobs = 3;
+      const int steps = 6;
+      std::vector<Trace> alone;
+      for (size_t i = 0; i < prompts.size(); ++i) alone.push_back(run_alone(*e, 7 + i, prompts[i], sps[i], steps));
+
+      // Batched, and staggered: sequence i joins at step i, so the batch
+      // mixes prefill chunks and decode tokens at different positions.
+      std::vector<Trace> batched(prompts.size());
+      std::vector<SeqInput> state(prompts.size());
+      for (size_t i = 0; i < prompts.size(); ++i) state[i] = input(50 + i, prompts[i], 0, sps[i]);
+      for (int round = 0; round < steps + int(prompts.size()); ++round) {
+        std::vector<SeqInput> batch;
+        std::vector<size_t> who;
+        for (size_t i = 0; i < prompts.size(); ++i)
+          if (int(i) <= round && int(batched[i].tokens.size()) < steps) {
+            batch.push_back(state[i]);
+            who.push_back(i);
+          }
+        if (batch.empty()) break;
+        auto out = e->step(batch);
+        REQUIRE(out.ok());
+        for (size_t j = 0; j < who.size(); ++j) {
+          const size_t i = who[j];
+          batched[i].tokens.push_back((*out)[j].token);
+          batched[i].tops.push_back((*out)[j].top);
+          REQUIRE((*out)[j].seq_id == state[i].seq_id);
+          state[i].start_pos += int32_t(state[i].tokens.size());
+          state[i].tokens = {(*out)[j].token};
+        }
+      }
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        INFO("sequence " << i);
+        CHECK(batched[i].tokens == alone[i].tokens);
+        for (int s = 0; s < steps; ++s) {
+          REQUIRE(batched[i].tops[size_t(s)].size() == 3);
+          for (int k = 0; k < 3; ++k) {
+            CHECK(batched[i].tops[size_t(s)][size_t(k)].first == alone[i].tops[size_t(s)][size_t(k)].first);
+            CHECK(std::abs(batched[i].tops[size_t(s)][size_t(k)].second - alone[i].tops[size_t(s)][size_t(k)].second) <=
+                  1e-6f);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("seeded sampling is reproducible and depends on the seed", "[engine][sampling]") {
+  auto e = make_engine(fixture_dir("qwen3_moe"));
+  const std::vector<int32_t> prompt = {5, 17, 300, 42};
+  SamplingParams sp{1.0f, 0.95f, 0, 1234, 0, true};
+  const Trace a = run_alone(*e, 1, prompt, sp, 16);
+  const Trace b = run_alone(*e, 2, prompt, sp, 16);
+  CHECK(a.tokens == b.tokens);
+  sp.seed = 99;
+  const Trace c = run_alone(*e, 3, prompt, sp, 16);
+  CHECK(c.tokens != a.tokens);
+  // Greedy equals the argmax of the full forward pass.
+  SamplingParams greedy;
+  greedy.temperature = 0;
+  const Trace g = run_alone(*e, 4, prompt, greedy, 1);
+  auto logits = e->forward_logits(prompt);
+  REQUIRE(logits.ok());
+  const int V = e->desc().vocab_size;
+  const float* last = logits->data() + (prompt.size() - 1) * size_t(V);
+  CHECK(g.tokens[0] == int32_t(std::max_element(last, last + V) - last));
+}
+
+TEST_CASE("the KV block pool: accounting, errors, release", "[engine][kv]") {
+  EngineOptions opts;
+  opts.kv_blocks = 4;
+  opts.kv_block_tokens = 8;
+  auto e = make_engine(fixture_dir("qwen3_moe"), opts);
+  CHECK(e->kv_blocks_total() == 4);
+  CHECK(e->kv_block_tokens() == 8);
+  SamplingParams greedy;
+  greedy.temperature = 0;
+
+  std::vector<int32_t> prompt(17, 7);  // 17 tokens: 3 blocks of 8
+  SeqInput a = input(1, prompt, 0, greedy);
+  REQUIRE(e->step(std::span<const SeqInput>(&a, 1)).ok());
+  CHECK(e->kv_blocks_free() == 1);
+  CHECK(e->seq_length(1) == 17);
+
+  // A wrong start position is refused and changes nothing.
+  SeqInput bad = input(1, {3}, 5, greedy);
+  auto r = e->step(std::span<const SeqInput>(&bad, 1));
+  CHECK_FALSE(r.ok());
+  CHECK(e->seq_length(1) == 17);
+
+  // A second sequence that needs 2 blocks does not fit: an error, no change.
+  SeqInput b = input(2, std::vector<int32_t>(9, 4), 0, greedy);
+  r = e->step(std::span<const SeqInput>(&b, 1));
+  CHECK_FALSE(r.ok());
+  CHECK(e->kv_blocks_free() == 1);
+  CHECK(e->seq_length(2) == -1);
+
+  // The same id twice in one step is refused.
+  SeqInput a2 = input(1, {3}, 17, greedy);
+  std::vector<SeqInput> twice = {a2, a2};
+  CHECK_FALSE(e->step(twice).ok());
+
+  e->release(1);
+  CHECK(e->kv_blocks_free() == 4);
+  REQUIRE(e->step(std::span<const SeqInput>(&b, 1)).ok());
+  CHECK(e->kv_blocks_free() == 2);
+  // Starting an id afresh at position 0 reuses its blocks.
+  REQUIRE(e->step(std::span<const SeqInput>(&b, 1)).ok());
+  CHECK(e->kv_blocks_free() == 2);
+
+  // Expert counts: every token of the step is routed to top_k experts per layer.
+  auto out = e->step(std::span<const SeqInput>(&b, 1));
+  REQUIRE(out.ok());
+  const ModelDesc& d = e->desc();
+  REQUIRE((*out)[0].expert_counts.size() == size_t(d.n_moe_layers() * d.moe.n_experts));
+  for (int m = 0; m < d.n_moe_layers(); ++m) {
+    int sum = 0;
+    for (int x = 0; x < d.moe.n_experts; ++x) sum += (*out)[0].expert_counts[size_t(m * d.moe.n_experts + x)];
+    CHECK(sum == 9 * d.moe.top_k);
+  }
+}

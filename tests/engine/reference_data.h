@@ -1,0 +1,61 @@
+#pragma once
+// Reading the reference tensors of tests/data/fixtures/<arch> (and the demo
+// model) for the engine tests.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "model/model_files.h"
+#include "model/safetensors.h"
+
+namespace moe::test {
+
+inline std::string fixture_dir(const std::string& arch) { return std::string(MOE_TEST_DATA) + "/fixtures/" + arch; }
+inline std::string demo_dir() { return std::string(MOE_TEST_DATA) + "/../../models/demo-moe"; }
+
+// Integer tensor (I64/I32/I16) as int32 values.
+inline std::vector<int32_t> ints(const TensorView& t) {
+  std::vector<int32_t> out(size_t(t.numel()));
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (t.dtype == DType::i64) {
+      int64_t v;
+      std::memcpy(&v, t.data + 8 * i, 8);
+      out[i] = int32_t(v);
+    } else if (t.dtype == DType::i32) {
+      std::memcpy(&out[i], t.data + 4 * i, 4);
+    } else {
+      int16_t v;
+      std::memcpy(&v, t.data + 2 * i, 2);
+      out[i] = v;
+    }
+  }
+  return out;
+}
+
+inline float max_abs(const std::vector<float>& v) {
+  float m = 0;
+  for (float x : v) m = std::max(m, std::abs(x));
+  return m;
+}
+
+inline float max_abs_diff(const float* a, const float* b, size_t n) {
+  float m = 0;
+  for (size_t i = 0; i < n; ++i) m = std::max(m, std::abs(a[i] - b[i]));
+  return m;
+}
+
+inline std::unique_ptr<CpuEngine> make_engine(const std::string& dir, EngineOptions opts = {}) {
+  auto files = ModelFiles::open(dir);
+  if (!files) throw std::runtime_error(files.error());
+  if (opts.threads == 0) opts.threads = 2;
+  auto e = CpuEngine::create(files.value(), opts);
+  if (!e) throw std::runtime_error(e.error());
+  return std::move(e.value());
+}
+
+}  // namespace moe::test
