@@ -1,0 +1,115 @@
+// One block per (query token, head), 8 warps splitting the keys in tiles of
+// 32. Scores: a lane owns a key and dots the whole key row with q (no
+// shuffles, 16-byte loads). Values: lanes own head dims and each key's
+// probability is broadcast. Warps keep online-softmax state (max, sum, out)
+// and merge through shared memory at the end.
+#include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/cuda_check.cuh"
+#include "kernels/cuda/device_math.cuh"
+
+namespace moe::cuda {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+
+template <int HD>
+__global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, PagedKvPool kv) {
+  constexpr int D = HD / 32;  // head dims per lane in the value phase
+  __shared__ float qs[HD];
+  __shared__ float wm[kWarps], wl[kWarps];
+  __shared__ float wo[kWarps][HD];
+  const int t = blockIdx.x, h = blockIdx.y;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int kvh = h / (a.n_heads / kv.n_kv);
+  const __nv_bfloat16* q = a.q + (size_t(t) * a.n_heads + h) * HD;
+  for (int i = threadIdx.x; i < HD; i += kThreads) qs[i] = __bfloat162float(q[i]) * a.scale;
+  __syncthreads();
+  const int n_keys = a.positions[t] + 1;
+  const int32_t* table = kv.block_tables + size_t(a.seq_of_token[t]) * kv.max_blocks;
+  const size_t row_stride = size_t(kv.n_kv) * HD;  // elements per slot
+
+  float m = -INFINITY, l = 0.f;
+  float o[D];
+#pragma unroll
+  for (int i = 0; i < D; ++i) o[i] = 0.f;
+
+  for (int tile = warp; tile * 32 < n_keys; tile += kWarps) {
+    const int j = tile * 32 + lane;
+    float s = -INFINITY;
+    size_t slot = 0;
+    if (j < n_keys) {
+      slot = size_t(table[j / kv.block_tokens]) * kv.block_tokens + j % kv.block_tokens;
+      const uint4* kr = reinterpret_cast<const uint4*>(kv.k + slot * row_stride + size_t(kvh) * HD);
+      float d = 0.f;
+#pragma unroll
+      for (int c = 0; c < HD / 8; ++c) {
+        const uint4 u = __ldg(kr + c);
+        const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = __bfloat1622float2(b[e]);
+          d = fmaf(f.x, qs[c * 8 + 2 * e], d);
+          d = fmaf(f.y, qs[c * 8 + 2 * e + 1], d);
+        }
+      }
+      s = d;
+    }
+    const float m_new = fmaxf(m, detail::warp_max(s));
+    const float p = j < n_keys ? __expf(s - m_new) : 0.f;
+    const float corr = __expf(m - m_new);  // 0 on the first tile (m = -inf)
+    l = l * corr + detail::warp_sum(p);
+#pragma unroll
+    for (int i = 0; i < D; ++i) o[i] *= corr;
+    m = m_new;
+    const int valid = min(32, n_keys - tile * 32);
+    for (int jj = 0; jj < valid; ++jj) {
+      const float pj = __shfl_sync(0xffffffffu, p, jj);
+      const unsigned long long sj = __shfl_sync(0xffffffffu, (unsigned long long)slot, jj);
+      const __nv_bfloat16* vr = kv.v + sj * row_stride + size_t(kvh) * HD + lane * D;
+#pragma unroll
+      for (int i = 0; i < D; ++i) o[i] = fmaf(pj, __bfloat162float(vr[i]), o[i]);
+    }
+  }
+  if (lane == 0) {
+    wm[warp] = m;
+    wl[warp] = l;
+  }
+#pragma unroll
+  for (int i = 0; i < D; ++i) wo[warp][lane * D + i] = o[i];
+  __syncthreads();
+  float M = -INFINITY;
+  for (int w = 0; w < kWarps; ++w) M = fmaxf(M, wm[w]);
+  float L = 0.f;
+  for (int w = 0; w < kWarps; ++w) L += wm[w] == -INFINITY ? 0.f : wl[w] * __expf(wm[w] - M);
+  __nv_bfloat16* out = a.out + (size_t(t) * a.n_heads + h) * HD;
+  for (int i = threadIdx.x; i < HD; i += kThreads) {
+    float acc = 0.f;
+    for (int w = 0; w < kWarps; ++w)
+      if (wm[w] != -INFINITY) acc += wo[w][i] * __expf(wm[w] - M);
+    out[i] = __float2bfloat16(acc / L);
+  }
+}
+
+}  // namespace
+
+Status paged_attention(const AttentionArgs& a, const PagedKvPool& kv, cudaStream_t stream) {
+  MOE_CUDA_REQUIRE(a.q && a.out && a.seq_of_token && a.positions && kv.k && kv.v && kv.block_tables,
+                   "null pointer");
+  MOE_CUDA_REQUIRE(a.tokens > 0 && a.n_heads > 0 && kv.n_kv > 0 && a.n_heads % kv.n_kv == 0,
+                   "n_heads must be a positive multiple of n_kv");
+  MOE_CUDA_REQUIRE(kv.block_tokens > 0 && kv.max_blocks > 0, "bad block geometry");
+  const dim3 grid(a.tokens, a.n_heads);
+  switch (kv.head_dim) {
+    case 64: attention_kernel<64><<<grid, kThreads, 0, stream>>>(a, kv); break;
+    case 128: attention_kernel<128><<<grid, kThreads, 0, stream>>>(a, kv); break;
+    case 256: attention_kernel<256><<<grid, kThreads, 0, stream>>>(a, kv); break;
+    default:
+      return make_error("paged_attention: unsupported head_dim " + std::to_string(kv.head_dim) +
+                        " (64, 128, 256)");
+  }
+  MOE_CUDA_LAUNCHED();
+  return {};
+}
+
+}  // namespace moe::cuda

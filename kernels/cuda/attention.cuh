@@ -1,0 +1,38 @@
+#pragma once
+// Causal attention over a paged KV pool (the CPU twin: kernels/cpu/attention.h).
+// The pool is fixed-size blocks of block_tokens slots; key j of sequence s
+// lives in slot j % block_tokens of block block_tables[s, j / block_tokens].
+// One kernel serves decode (one query per sequence) and prefill (many
+// queries of one sequence): each query attends to keys 0..positions[t].
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "model/result.h"
+
+namespace moe::cuda {
+
+struct PagedKvPool {
+  __nv_bfloat16* k = nullptr;        // [pool_blocks, block_tokens, n_kv, head_dim]
+  __nv_bfloat16* v = nullptr;        // [pool_blocks, block_tokens, n_kv, head_dim]
+  const int32_t* block_tables = nullptr;  // [seqs, max_blocks]
+  int max_blocks = 0;                // row stride of block_tables
+  int block_tokens = 0;
+  int n_kv = 0, head_dim = 0;
+};
+
+struct AttentionArgs {
+  const __nv_bfloat16* q = nullptr;      // [tokens, n_heads, head_dim]
+  const int32_t* seq_of_token = nullptr;  // [tokens]: row of block_tables
+  const int32_t* positions = nullptr;     // [tokens]
+  int tokens = 0, n_heads = 0;
+  float scale = 1.f;
+  __nv_bfloat16* out = nullptr;           // [tokens, n_heads, head_dim]
+};
+
+// head_dim must be a multiple of 32 and at most 256; n_heads a multiple of n_kv.
+Status paged_attention(const AttentionArgs& a, const PagedKvPool& kv, cudaStream_t stream);
+
+}  // namespace moe::cuda

@@ -1,0 +1,191 @@
+#include "kernels/cuda/cuda_check.cuh"
+#include "kernels/cuda/dense_matmul.cuh"
+#include "kernels/cuda/device_math.cuh"
+
+namespace moe::cuda {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kRowsPerWarp = 2;
+constexpr int kThreads = kWarps * 32;
+
+// x staged in shared memory as bf16 [tokens, k]; each lane takes 16-byte runs
+// (8 inputs) of two rows and dots them with every token.
+template <int T>
+__global__ void __launch_bounds__(kThreads)
+    gemv_kernel(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, float* y, int n_out,
+                int k, bool accumulate, const float* gate, int gate_stride) {
+  extern __shared__ uint4 xs[];  // [T, k/8]
+  const int kc = k / 8;
+  const uint4* xg = reinterpret_cast<const uint4*>(x);
+  for (int i = threadIdx.x; i < T * kc; i += kThreads) xs[i] = xg[i];
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * kRowsPerWarp;
+  if (row0 >= n_out) return;
+  float acc[kRowsPerWarp][T];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+    for (int t = 0; t < T; ++t) acc[r][t] = 0.f;
+  const uint4* wr[kRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r)
+    wr[r] = reinterpret_cast<const uint4*>(w + size_t(min(row0 + r, n_out - 1)) * k);
+  for (int c0 = lane; c0 < kc; c0 += 64) {
+    uint4 wv[kRowsPerWarp][2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r)
+        if (c0 + 32 * u < kc) wv[r][u] = __ldcs(wr[r] + c0 + 32 * u);
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int c = c0 + 32 * u;
+      if (c >= kc) break;
+      float wf[kRowsPerWarp][8];
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&wv[r][u]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = __bfloat1622float2(b[e]);
+          wf[r][2 * e] = f.x;
+          wf[r][2 * e + 1] = f.y;
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const uint4 xv = xs[t * kc + c];
+        const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&xv);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = __bfloat1622float2(b[e]);
+#pragma unroll
+          for (int r = 0; r < kRowsPerWarp; ++r) {
+            acc[r][t] = fmaf(wf[r][2 * e], f.x, acc[r][t]);
+            acc[r][t] = fmaf(wf[r][2 * e + 1], f.y, acc[r][t]);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+    for (int t = 0; t < T; ++t) acc[r][t] = detail::warp_sum(acc[r][t]);
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      if (row0 + r >= n_out) break;
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        float v = acc[r][t];
+        if (gate) v *= detail::sigmoid(gate[size_t(t) * gate_stride]);
+        float* o = y + size_t(t) * n_out + row0 + r;
+        *o = accumulate ? *o + v : v;
+      }
+    }
+  }
+}
+
+template <int T>
+Status launch_gemv(const __nv_bfloat16* w, const __nv_bfloat16* x, float* y, int n_out, int k, bool acc,
+                   const float* gate, int gate_stride, cudaStream_t stream) {
+  const size_t smem = size_t(T) * k * 2;
+  if (smem > 48 * 1024)
+    MOE_CUDA_TRY(cudaFuncSetAttribute(gemv_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  const int rows_per_block = kWarps * kRowsPerWarp;
+  gemv_kernel<T><<<(n_out + rows_per_block - 1) / rows_per_block, kThreads, smem, stream>>>(
+      w, x, y, n_out, k, acc, gate, gate_stride);
+  MOE_CUDA_LAUNCHED();
+  return {};
+}
+
+}  // namespace
+
+Status dense_gemv_bf16(const __nv_bfloat16* w, const __nv_bfloat16* x, float* y, int tokens, int n_out, int k,
+                       bool accumulate, const float* gate_logits, int gate_stride, cudaStream_t stream) {
+  MOE_CUDA_REQUIRE(w && x && y, "null pointer");
+  MOE_CUDA_REQUIRE(tokens >= 1 && tokens <= kGemvMaxTokens, "tokens must be in [1, 8]");
+  MOE_CUDA_REQUIRE(n_out > 0 && k > 0 && k % 8 == 0, "k must be a positive multiple of 8");
+  MOE_CUDA_REQUIRE(size_t(tokens) * k * 2 <= 200 * 1024, "tokens * k too large for shared memory");
+  MOE_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0,
+                   "w and x must be 16-byte aligned");
+  switch (tokens) {
+#define MOE_GEMV_CASE(T) \
+  case T: return launch_gemv<T>(w, x, y, n_out, k, accumulate, gate_logits, gate_stride, stream);
+    MOE_GEMV_CASE(1) MOE_GEMV_CASE(2) MOE_GEMV_CASE(3) MOE_GEMV_CASE(4)
+    MOE_GEMV_CASE(5) MOE_GEMV_CASE(6) MOE_GEMV_CASE(7) MOE_GEMV_CASE(8)
+#undef MOE_GEMV_CASE
+  }
+  return make_error("dense_gemv_bf16: unreachable token count");
+}
+
+Result<CublasLtMatmul*> CublasLtMatmul::create(size_t workspace_bytes) {
+  auto* m = new CublasLtMatmul();
+  auto fail = [&](Error e) -> Result<CublasLtMatmul*> {
+    delete m;
+    return e;
+  };
+  if (cublasStatus_t s = cublasLtCreate(&m->handle_); s != CUBLAS_STATUS_SUCCESS)
+    return fail(make_error(std::string("cublasLtCreate: ") + cublas_status_name(s)));
+  if (cudaError_t e = cudaMalloc(&m->workspace_, workspace_bytes); e != cudaSuccess)
+    return fail(make_error(std::string("cuBLASLt workspace: ") + cudaGetErrorString(e)));
+  m->workspace_bytes_ = workspace_bytes;
+  return m;
+}
+
+CublasLtMatmul::~CublasLtMatmul() {
+  if (workspace_) cudaFree(workspace_);
+  if (handle_) cublasLtDestroy(handle_);
+}
+
+// Row-major y[m, n] = x[m, k] W[n, k]^T is column-major y^T[n, m] =
+// op_T(W: k x n, ld k) * x (k x m, ld k).
+Status CublasLtMatmul::matmul(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, bool y_f32, int m, int n,
+                              int k, float beta, cudaStream_t stream) {
+  MOE_CUDA_REQUIRE(x && w && y, "null pointer");
+  MOE_CUDA_REQUIRE(m > 0 && n > 0 && k > 0, "shape must be positive");
+  const cudaDataType_t yt = y_f32 ? CUDA_R_32F : CUDA_R_16BF;
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+  Status st;
+  auto body = [&]() -> Status {
+    MOE_CUBLAS_TRY(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    MOE_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+    MOE_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+    MOE_CUBLAS_TRY(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, k, n, k));
+    MOE_CUBLAS_TRY(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, k, m, k));
+    MOE_CUBLAS_TRY(cublasLtMatrixLayoutCreate(&lc, yt, n, m, n));
+    const auto key = std::make_tuple(m, n, k, y_f32, beta != 0.f);
+    auto it = algos_.find(key);
+    if (it == algos_.end()) {
+      cublasLtMatmulPreference_t pref = nullptr;
+      MOE_CUBLAS_TRY(cublasLtMatmulPreferenceCreate(&pref));
+      cublasStatus_t s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                              &workspace_bytes_, sizeof(workspace_bytes_));
+      cublasLtMatmulHeuristicResult_t res{};
+      int found = 0;
+      if (s == CUBLAS_STATUS_SUCCESS)
+        s = cublasLtMatmulAlgoGetHeuristic(handle_, op, la, lb, lc, lc, pref, 1, &res, &found);
+      cublasLtMatmulPreferenceDestroy(pref);
+      MOE_CUBLAS_TRY(s);
+      MOE_CUDA_REQUIRE(found > 0, "cuBLASLt found no algorithm for this shape");
+      it = algos_.emplace(key, res.algo).first;
+    }
+    const float alpha = 1.f;
+    MOE_CUBLAS_TRY(cublasLtMatmul(handle_, op, &alpha, w, la, x, lb, &beta, y, lc, y, lc, &it->second,
+                                  workspace_, workspace_bytes_, stream));
+    return {};
+  };
+  st = body();
+  if (lc) cublasLtMatrixLayoutDestroy(lc);
+  if (lb) cublasLtMatrixLayoutDestroy(lb);
+  if (la) cublasLtMatrixLayoutDestroy(la);
+  if (op) cublasLtMatmulDescDestroy(op);
+  return st;
+}
+
+}  // namespace moe::cuda

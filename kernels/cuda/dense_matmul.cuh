@@ -1,0 +1,50 @@
+#pragma once
+// bf16 dense layers, y = x W^T with W in Linear orientation [out, in]
+// (CPU twin: matmul_bf16 in kernels/cpu/matmul.h).
+//  - dense_gemv_bf16: decode batches (<= 8 tokens), a warp per two output
+//    rows streaming W once for all tokens.
+//  - CublasLtMatmul: everything larger (prefill), through cuBLASLt.
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <tuple>
+
+#include "model/result.h"
+
+namespace moe::cuda {
+
+constexpr int kGemvMaxTokens = 8;
+
+// y[t, n] (+)= g_t * (W[n, :] . x[t, :]) with g_t = sigmoid(gate_logits[t *
+// gate_stride]) when gate_logits is given, else 1. w: [n_out, k] bf16,
+// x: [tokens, k] bf16, y: [tokens, n_out] f32 (accumulate: add to y).
+Status dense_gemv_bf16(const __nv_bfloat16* w, const __nv_bfloat16* x, float* y, int tokens, int n_out, int k,
+                       bool accumulate, const float* gate_logits, int gate_stride, cudaStream_t stream);
+
+// Owns a cuBLASLt handle and a workspace; one per device and user. The
+// algorithm for each shape is chosen once and kept. Not thread-safe.
+class CublasLtMatmul {
+ public:
+  static Result<CublasLtMatmul*> create(size_t workspace_bytes = 32u << 20);
+  ~CublasLtMatmul();
+  CublasLtMatmul(const CublasLtMatmul&) = delete;
+  CublasLtMatmul& operator=(const CublasLtMatmul&) = delete;
+
+  // y[m, n] = x[m, k] W[n, k]^T (+ beta * y). x, w bf16; y bf16 or f32
+  // (y_f32 selects). beta 0 or 1.
+  Status matmul(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, bool y_f32, int m, int n, int k,
+                float beta, cudaStream_t stream);
+
+ private:
+  CublasLtMatmul() = default;
+  cublasLtHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  std::map<std::tuple<int, int, int, bool, bool>, cublasLtMatmulAlgo_t> algos_;
+};
+
+}  // namespace moe::cuda

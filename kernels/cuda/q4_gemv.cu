@@ -1,0 +1,448 @@
+// INT4 decode GEMVs. One warp computes one output row: each lane streams
+// 16-byte runs of the row's codes (32 inputs) and dots them with activations
+// staged once per block in shared memory. The fast path keeps the inner
+// product in half2 (nibbles become halves with one OR, activations are
+// pre-scaled per 32-input chunk so |x| <= 1 and a chunk's partial sum stays
+// <= 240), then applies scale and bias in f32:
+//   sum_i (q_i s + b) x_i = s * m_c * sum_i q_i (x_i / m_c) + b * sum_i x_i.
+#include <cuda_fp16.h>
+
+#include <cstring>
+#include <string>
+
+#include "kernels/cuda/cuda_check.cuh"
+#include "kernels/cuda/q4_gemv.cuh"
+
+namespace moe::cuda {
+namespace {
+
+constexpr int kWarps = 8;  // warps per block, one output row each
+constexpr int kThreads = kWarps * 32;
+constexpr int kMaxFastChunks = 128;  // 4 chunks per lane: K <= 4096
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+__device__ __forceinline__ half2 as_h2(uint32_t u) {
+  half2 h;
+  memcpy(&h, &u, 4);
+  return h;
+}
+__device__ __forceinline__ uint32_t as_u32(half2 h) {
+  uint32_t u;
+  memcpy(&u, &h, 4);
+  return u;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Bytes of shared memory one staged vector of K inputs takes.
+__host__ __device__ inline size_t staged_bytes(int K, bool fast) {
+  return fast ? size_t(K / 32) * (64 + 8) : size_t(K) * 4;
+}
+
+// Fast staging: chunk c (32 inputs), word q (inputs 8q..8q+7 of the chunk):
+// xs[q * nchunks + c] = 4 half2 (x0,x4) (x1,x5) (x2,x6) (x3,x7) of x / m_c,
+// matching the nibble order one 32-bit code word unpacks into (see dot).
+// stats[c] = (m_c = max |x| over the chunk, sum of x over the chunk).
+template <typename XT>
+__device__ void stage_fast(const XT* __restrict__ x, int K, uint4* xs, float2* stats) {
+  const int nchunks = K / 32;
+  for (int c = threadIdx.x; c < nchunks; c += blockDim.x) {
+    float v[32];
+    float m = 0.f, s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      v[i] = to_f(x[c * 32 + i]);
+      m = fmaxf(m, fabsf(v[i]));
+      s += v[i];
+    }
+    const float inv = m > 0.f ? 1.f / m : 0.f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      uint4 u;
+      u.x = as_u32(__floats2half2_rn(v[8 * q + 0] * inv, v[8 * q + 4] * inv));
+      u.y = as_u32(__floats2half2_rn(v[8 * q + 1] * inv, v[8 * q + 5] * inv));
+      u.z = as_u32(__floats2half2_rn(v[8 * q + 2] * inv, v[8 * q + 6] * inv));
+      u.w = as_u32(__floats2half2_rn(v[8 * q + 3] * inv, v[8 * q + 7] * inv));
+      xs[q * nchunks + c] = u;
+    }
+    stats[c] = make_float2(m, s);
+  }
+}
+
+template <typename XT>
+__device__ void stage_generic(const XT* __restrict__ x, int K, float* xf) {
+  for (int i = threadIdx.x; i < K; i += blockDim.x) xf[i] = to_f(x[i]);
+}
+
+// sum over one 32-input chunk of q_i * (x_i / m_c), in half2.
+__device__ __forceinline__ float chunk_dot(const uint4 w, const uint4* xs, int nchunks, int c) {
+  const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+  const half2 k1024 = __float2half2_rn(1024.f);
+  half2 d0 = __float2half2_rn(0.f), d1 = d0;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint4 xv = xs[q * nchunks + c];
+    const uint32_t wq = ws[q];
+    // 0x6400 | n is the half 1024 + n: OR in the exponent, subtract 1024.
+    const half2 a0 = __hsub2(as_h2((wq & 0x000F000Fu) | 0x64006400u), k1024);
+    const half2 a1 = __hsub2(as_h2(((wq >> 4) & 0x000F000Fu) | 0x64006400u), k1024);
+    const half2 a2 = __hsub2(as_h2(((wq >> 8) & 0x000F000Fu) | 0x64006400u), k1024);
+    const half2 a3 = __hsub2(as_h2(((wq >> 12) & 0x000F000Fu) | 0x64006400u), k1024);
+    d0 = __hfma2(a0, as_h2(xv.x), d0);
+    d1 = __hfma2(a1, as_h2(xv.y), d1);
+    d0 = __hfma2(a2, as_h2(xv.z), d0);
+    d1 = __hfma2(a3, as_h2(xv.w), d1);
+  }
+  const float2 f0 = __half22float2(d0), f1 = __half22float2(d1);
+  return (f0.x + f0.y) + (f1.x + f1.y);
+}
+
+// One row's codes and (scale, bias) words for this lane, loaded before use so
+// that several rows' loads are in flight together.
+template <int CPL>
+struct FastRow {
+  uint4 w[CPL];
+  half2 sb[CPL];
+
+  __device__ __forceinline__ void load(const uint8_t* blob, const Q4MatrixLayout& m, int row,
+                                       int nchunks, int group_shift, int lane) {
+    const uint4* codes =
+        reinterpret_cast<const uint4*>(blob + m.codes_offset + size_t(row) * (m.cols / 2));
+    const half2* params = reinterpret_cast<const half2*>(blob + m.params_offset) +
+                          size_t(row) * (m.cols / m.group);
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      const int c = lane + 32 * i;
+      if (c < nchunks) {
+        w[i] = __ldg(codes + c);
+        sb[i] = params[c >> group_shift];
+      }
+    }
+  }
+
+  __device__ __forceinline__ float dot(const uint4* xs, const float2* stats, int nchunks,
+                                       int lane) const {
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      const int c = lane + 32 * i;
+      if (c < nchunks) {
+        const float d = chunk_dot(w[i], xs, nchunks, c);
+        const float2 st = stats[c];
+        const float2 f = __half22float2(sb[i]);
+        acc = fmaf(f.x * st.x, d, acc);
+        acc = fmaf(f.y, st.y, acc);
+      }
+    }
+    return acc;
+  }
+};
+
+// Any even K and group: byte by byte (odd shapes, small models).
+__device__ float generic_row_dot(const uint8_t* blob, const Q4MatrixLayout& m, int row,
+                                 const float* xf, int lane) {
+  const uint8_t* codes = blob + m.codes_offset + size_t(row) * (m.cols / 2);
+  const half2* params =
+      reinterpret_cast<const half2*>(blob + m.params_offset) + size_t(row) * (m.cols / m.group);
+  float acc = 0.f;
+  for (int j = lane; j < m.cols / 2; j += 32) {
+    const uint8_t b = codes[j];
+    const float2 f = __half22float2(params[(2 * j) / m.group]);
+    acc += (f.x * float(b & 15) + f.y) * xf[2 * j] + (f.x * float(b >> 4) + f.y) * xf[2 * j + 1];
+  }
+  return acc;
+}
+
+struct RowsParams {
+  const uint8_t* blob;           // one matrix (plain GEMV) ...
+  const uint8_t* const* blobs;   // ... or the layer's experts, indexed by expert_ids
+  const int32_t* expert_ids;     // [pairs]
+  int n_experts;
+  int top_k;                     // pairs per token (1 for the plain GEMV)
+  Q4MatrixLayout m0, m1;         // plain: m0; gate/up: m0 = gate, m1 = up
+  const void* x;                 // [tokens, K]
+  float* y;                      // [pairs, rows]
+  int group_shift;               // log2(group / 32), fast path only
+};
+
+__device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
+
+// grid: (ceil(rows / kWarps), pairs). GATE_UP: y = silu(m0 x) * (m1 x); else y = m0 x.
+template <typename XT, int CPL, bool FAST, bool GATE_UP>
+__global__ void __launch_bounds__(kThreads) q4_rows_kernel(RowsParams p) {
+  extern __shared__ uint4 smem[];
+  const int pair = blockIdx.y;
+  const uint8_t* blob = p.blob;
+  if (p.blobs) {
+    const int e = p.expert_ids[pair];
+    if (e < 0 || e >= p.n_experts) return;  // uniform per block
+    blob = p.blobs[e];
+  }
+  const int K = p.m0.cols;
+  const int nchunks = K / 32;
+  const XT* x = static_cast<const XT*>(p.x) + size_t(pair / p.top_k) * K;
+  uint4* xs = smem;
+  float2* stats = reinterpret_cast<float2*>(smem + 4 * nchunks);
+  float* xf = reinterpret_cast<float*>(smem);
+  if constexpr (FAST) stage_fast(x, K, xs, stats);
+  else stage_generic(x, K, xf);
+  __syncthreads();
+
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const int rows = p.m0.rows;
+  if (row >= rows) return;
+  float a, b = 0.f;
+  if constexpr (FAST) {
+    FastRow<CPL> r0, r1;
+    r0.load(blob, p.m0, row, nchunks, p.group_shift, lane);
+    if constexpr (GATE_UP) r1.load(blob, p.m1, row, nchunks, p.group_shift, lane);
+    a = r0.dot(xs, stats, nchunks, lane);
+    if constexpr (GATE_UP) b = r1.dot(xs, stats, nchunks, lane);
+  } else {
+    a = generic_row_dot(blob, p.m0, row, xf, lane);
+    if constexpr (GATE_UP) b = generic_row_dot(blob, p.m1, row, xf, lane);
+  }
+  a = warp_sum(a);
+  if constexpr (GATE_UP) b = warp_sum(b);
+  if (lane == 0) p.y[size_t(pair) * rows + row] = GATE_UP ? silu(a) * b : a;
+}
+
+struct DownParams {
+  const uint8_t* const* blobs;
+  const int32_t* expert_ids;  // [tokens, top_k]
+  const float* weights;       // [tokens, top_k]
+  int n_experts, top_k;
+  Q4MatrixLayout m;           // down [hidden, inter]
+  const float* h;             // [tokens * top_k, inter]
+  float* out;                 // [tokens, hidden]
+  bool accumulate;
+  int group_shift;
+};
+
+constexpr int kDownGroup = 4;  // experts whose rows are loaded together
+
+// grid: (ceil(hidden / kWarps), tokens). Stages the token's top_k vectors h.
+template <int CPL, bool FAST>
+__global__ void __launch_bounds__(kThreads) q4_down_kernel(DownParams p) {
+  extern __shared__ uint4 smem[];
+  const int t = blockIdx.y;
+  const int K = p.m.cols;
+  const int nchunks = K / 32;
+  const size_t per = staged_bytes(K, FAST);  // a multiple of 8 bytes
+  for (int k = 0; k < p.top_k; ++k) {
+    uint8_t* base = reinterpret_cast<uint8_t*>(smem) + k * per;
+    const float* hk = p.h + (size_t(t) * p.top_k + k) * K;
+    if constexpr (FAST)
+      stage_fast(hk, K, reinterpret_cast<uint4*>(base),
+                 reinterpret_cast<float2*>(base + size_t(nchunks) * 64));
+    else
+      stage_generic(hk, K, reinterpret_cast<float*>(base));
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const int rows = p.m.rows;
+  if (row >= rows) return;
+  const int32_t* ids = p.expert_ids + size_t(t) * p.top_k;
+  const float* wts = p.weights + size_t(t) * p.top_k;
+  float acc = 0.f;
+  for (int k0 = 0; k0 < p.top_k; k0 += kDownGroup) {
+    if constexpr (FAST) {
+      FastRow<CPL> r[kDownGroup];
+      bool ok[kDownGroup];
+#pragma unroll
+      for (int j = 0; j < kDownGroup; ++j) {
+        const int k = k0 + j;
+        const int e = k < p.top_k ? ids[k] : -1;
+        ok[j] = e >= 0 && e < p.n_experts;
+        if (ok[j]) r[j].load(p.blobs[e], p.m, row, nchunks, p.group_shift, lane);
+      }
+#pragma unroll
+      for (int j = 0; j < kDownGroup; ++j) {
+        if (!ok[j]) continue;
+        const uint8_t* base = reinterpret_cast<const uint8_t*>(smem) + (k0 + j) * per;
+        acc += wts[k0 + j] * r[j].dot(reinterpret_cast<const uint4*>(base),
+                                      reinterpret_cast<const float2*>(base + size_t(nchunks) * 64),
+                                      nchunks, lane);
+      }
+    } else {
+      for (int k = k0; k < p.top_k && k < k0 + kDownGroup; ++k) {
+        const int e = ids[k];
+        if (e < 0 || e >= p.n_experts) continue;
+        const float* xf =
+            reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(smem) + k * per);
+        acc += wts[k] * generic_row_dot(p.blobs[e], p.m, row, xf, lane);
+      }
+    }
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) {
+    float* o = p.out + size_t(t) * rows + row;
+    *o = p.accumulate ? *o + acc : acc;
+  }
+}
+
+bool fast_ok(const Q4MatrixLayout& m) {
+  return m.cols % 32 == 0 && m.group % 32 == 0 && m.cols / 32 <= kMaxFastChunks &&
+         m.codes_offset % 16 == 0 && m.params_offset % 4 == 0;
+}
+
+int log2_int(int v) {
+  int s = 0;
+  while ((1 << s) < v) ++s;
+  return s;
+}
+
+// Calls f(std::integral_constant<int, CPL>) for the chunks-per-lane count
+// that covers K/32 chunks (1, 2 or 4).
+template <typename F>
+void with_cpl(int nchunks, F&& f) {
+  if (nchunks <= 32) f(std::integral_constant<int, 1>{});
+  else if (nchunks <= 64) f(std::integral_constant<int, 2>{});
+  else f(std::integral_constant<int, 4>{});
+}
+
+template <typename Kernel>
+Status set_smem(Kernel k, size_t bytes) {
+  if (bytes > 48 * 1024)
+    MOE_CUDA_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  return {};
+}
+
+Status check_matrix(const Q4MatrixLayout& m) {
+  MOE_CUDA_REQUIRE(m.rows > 0 && m.cols > 0 && m.cols % 2 == 0, "matrix shape must be positive, cols even");
+  MOE_CUDA_REQUIRE(m.group >= 2 && m.cols % m.group == 0, "group must divide cols");
+  return {};
+}
+
+template <typename XT, bool GATE_UP>
+Status launch_rows(RowsParams p, int pairs, cudaStream_t stream) {
+  const bool fast = fast_ok(p.m0) && (!GATE_UP || fast_ok(p.m1));
+  const int K = p.m0.cols;
+  const size_t smem = staged_bytes(K, fast);
+  const dim3 grid((p.m0.rows + kWarps - 1) / kWarps, pairs);
+  Status st;
+  if (fast) {
+    p.group_shift = log2_int(p.m0.group / 32);
+    with_cpl(K / 32, [&](auto cpl) {
+      auto kern = q4_rows_kernel<XT, decltype(cpl)::value, true, GATE_UP>;
+      st = set_smem(kern, smem);
+      if (st.ok()) kern<<<grid, kThreads, smem, stream>>>(p);
+    });
+  } else {
+    auto kern = q4_rows_kernel<XT, 1, false, GATE_UP>;
+    st = set_smem(kern, smem);
+    if (st.ok()) kern<<<grid, kThreads, smem, stream>>>(p);
+  }
+  if (!st.ok()) return st;
+  MOE_CUDA_LAUNCHED();
+  return {};
+}
+
+template <typename XT>
+Status gemv_impl(const uint8_t* blob, const Q4MatrixLayout& m, const XT* x, float* y,
+                 cudaStream_t stream) {
+  MOE_CUDA_REQUIRE(blob && x && y, "null pointer");
+  if (Status s = check_matrix(m); !s.ok()) return s;
+  RowsParams p{};
+  p.blob = blob;
+  p.top_k = 1;
+  p.m0 = m;
+  p.x = x;
+  p.y = y;
+  return launch_rows<XT, false>(p, 1, stream);
+}
+
+Status check_expert_args(const Q4ExpertArgs& a) {
+  MOE_CUDA_REQUIRE(a.blobs && a.expert_ids && a.route_weights, "null pointer");
+  MOE_CUDA_REQUIRE(a.tokens > 0 && a.top_k > 0 && a.n_experts > 0, "tokens, top_k, n_experts must be positive");
+  const ExpertLayout& L = a.layout;
+  MOE_CUDA_REQUIRE(L.gate.rows == L.inter && L.gate.cols == L.hidden && L.up.rows == L.inter &&
+                       L.up.cols == L.hidden && L.down.rows == L.hidden && L.down.cols == L.inter,
+                   "expert layout inconsistent with (hidden, inter)");
+  if (Status s = check_matrix(L.gate); !s.ok()) return s;
+  if (Status s = check_matrix(L.up); !s.ok()) return s;
+  return check_matrix(L.down);
+}
+
+template <typename XT>
+Status gate_up_impl(const Q4ExpertArgs& a, const XT* x, float* h, cudaStream_t stream) {
+  if (Status s = check_expert_args(a); !s.ok()) return s;
+  MOE_CUDA_REQUIRE(x && h, "null pointer");
+  RowsParams p{};
+  p.blobs = a.blobs;
+  p.expert_ids = a.expert_ids;
+  p.n_experts = a.n_experts;
+  p.top_k = a.top_k;
+  p.m0 = a.layout.gate;
+  p.m1 = a.layout.up;
+  p.x = x;
+  p.y = h;
+  return launch_rows<XT, true>(p, a.tokens * a.top_k, stream);
+}
+
+}  // namespace
+
+Status q4_gemv(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, float* y,
+               cudaStream_t stream) {
+  return gemv_impl(blob, m, x, y, stream);
+}
+Status q4_gemv(const uint8_t* blob, const Q4MatrixLayout& m, const __nv_bfloat16* x, float* y,
+               cudaStream_t stream) {
+  return gemv_impl(blob, m, x, y, stream);
+}
+
+Status q4_expert_gate_up(const Q4ExpertArgs& a, const __nv_bfloat16* x, float* h,
+                         cudaStream_t stream) {
+  return gate_up_impl(a, x, h, stream);
+}
+Status q4_expert_gate_up(const Q4ExpertArgs& a, const float* x, float* h, cudaStream_t stream) {
+  return gate_up_impl(a, x, h, stream);
+}
+
+Status q4_expert_down(const Q4ExpertArgs& a, const float* h, float* out, bool accumulate,
+                      cudaStream_t stream) {
+  if (Status s = check_expert_args(a); !s.ok()) return s;
+  MOE_CUDA_REQUIRE(h && out, "null pointer");
+  DownParams p{};
+  p.blobs = a.blobs;
+  p.expert_ids = a.expert_ids;
+  p.weights = a.route_weights;
+  p.n_experts = a.n_experts;
+  p.top_k = a.top_k;
+  p.m = a.layout.down;
+  p.h = h;
+  p.out = out;
+  p.accumulate = accumulate;
+  const bool fast = fast_ok(p.m);
+  const int K = p.m.cols;
+  const size_t smem = staged_bytes(K, fast) * size_t(a.top_k);
+  MOE_CUDA_REQUIRE(smem <= 200 * 1024, "top_k * inter too large for one block's shared memory");
+  const dim3 grid((p.m.rows + kWarps - 1) / kWarps, a.tokens);
+  Status st;
+  if (fast) {
+    p.group_shift = log2_int(p.m.group / 32);
+    with_cpl(K / 32, [&](auto cpl) {
+      auto kern = q4_down_kernel<decltype(cpl)::value, true>;
+      st = set_smem(kern, smem);
+      if (st.ok()) kern<<<grid, kThreads, smem, stream>>>(p);
+    });
+  } else {
+    auto kern = q4_down_kernel<1, false>;
+    st = set_smem(kern, smem);
+    if (st.ok()) kern<<<grid, kThreads, smem, stream>>>(p);
+  }
+  if (!st.ok()) return st;
+  MOE_CUDA_LAUNCHED();
+  return {};
+}
+
+}  // namespace moe::cuda

@@ -1,0 +1,51 @@
+#pragma once
+// INT4 expert matrix-vector products for decode, read straight from the
+// expert blob layout of docs/int4-experts.md (model/int4.h computes it).
+// All pointers are device pointers; every launcher validates its shapes and
+// runs on the stream it is given.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "model/int4.h"
+#include "model/result.h"
+
+namespace moe::cuda {
+
+// ---- one matrix ----
+
+// y[rows] = W x for one INT4 matrix `m` of the blob at `blob`. x: [cols].
+// Tolerance against q4_matvec: activations are rounded to half inside the
+// kernel (per 32-input chunk, scaled to |x| <= 1), so ~1e-3 relative.
+Status q4_gemv(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, float* y,
+               cudaStream_t stream);
+Status q4_gemv(const uint8_t* blob, const Q4MatrixLayout& m, const __nv_bfloat16* x, float* y,
+               cudaStream_t stream);
+
+// ---- routed experts (decode: every (token, slot) pair is one expert GEMV) ----
+
+struct Q4ExpertArgs {
+  ExpertLayout layout;            // the same for every expert of the layer
+  const uint8_t* const* blobs;    // [n_experts] device array of device blob pointers
+  int n_experts = 0;
+  const int32_t* expert_ids;      // [tokens, top_k]; an id outside [0, n_experts) is skipped
+  const float* route_weights;     // [tokens, top_k]
+  int tokens = 0;
+  int top_k = 0;
+};
+
+// h[tokens*top_k, inter] = silu(gate_e x_t) * (up_e x_t) for every pair
+// (t, k) with e = expert_ids[t, k]. x: [tokens, hidden].
+Status q4_expert_gate_up(const Q4ExpertArgs& a, const __nv_bfloat16* x, float* h,
+                         cudaStream_t stream);
+Status q4_expert_gate_up(const Q4ExpertArgs& a, const float* x, float* h, cudaStream_t stream);
+
+// out[t, hidden] (+)= sum_k route_weights[t, k] * down_e h[t*top_k + k]
+// (accumulate: add to out, e.g. the residual stream; else overwrite). One
+// warp sums a row over all k experts: deterministic, no atomics.
+Status q4_expert_down(const Q4ExpertArgs& a, const float* h, float* out, bool accumulate,
+                      cudaStream_t stream);
+
+}  // namespace moe::cuda

@@ -1,0 +1,72 @@
+// One block per token, one warp per head (q heads, then k heads, then v).
+#include "kernels/cuda/cuda_check.cuh"
+#include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/rope.cuh"
+
+namespace moe::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void __launch_bounds__(kThreads) qkv_rope_kernel(QkvRopeArgs a, PagedKvPool kv) {
+  extern __shared__ float sh[];  // one head_dim row per warp
+  const int t = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int HD = kv.head_dim, half = HD / 2;
+  const int n_total = a.n_heads + 2 * kv.n_kv;
+  const int pos = a.positions[t];
+  const float* row = a.qkv + size_t(t) * n_total * HD;
+  const int32_t* table = kv.block_tables + size_t(a.seq_of_token[t]) * kv.max_blocks;
+  const size_t slot = size_t(table[pos / kv.block_tokens]) * kv.block_tokens + pos % kv.block_tokens;
+  float* x = sh + warp * HD;
+  for (int head = warp; head < n_total; head += nw) {
+    const bool is_q = head < a.n_heads, is_k = !is_q && head < a.n_heads + kv.n_kv;
+    float ss = 0.f;
+    for (int i = lane; i < HD; i += 32) {
+      float v = row[size_t(head) * HD + i];
+      if (a.bias) v += __bfloat162float(a.bias[size_t(head) * HD + i]);
+      x[i] = v;
+      ss += v * v;
+    }
+    const __nv_bfloat16* nw_ = is_q ? a.q_norm : (is_k ? a.k_norm : nullptr);
+    __syncwarp();
+    if (nw_) {
+      const float inv = rsqrtf(detail::warp_sum(ss) / float(HD) + a.eps);
+      for (int i = lane; i < HD; i += 32) x[i] = __bfloat162float(nw_[i]) * (x[i] * inv);
+      __syncwarp();
+    }
+    if (is_q || is_k) {
+      for (int i = lane; i < half; i += 32) {
+        float sn, cs;
+        sincosf(float(pos) * a.inv_freq[i], &sn, &cs);
+        cs *= a.attention_factor;
+        sn *= a.attention_factor;
+        const float x0 = x[i], x1 = x[i + half];
+        x[i] = x0 * cs - x1 * sn;
+        x[i + half] = x1 * cs + x0 * sn;
+      }
+      __syncwarp();
+    }
+    __nv_bfloat16* dst;
+    if (is_q) dst = a.q_out + (size_t(t) * a.n_heads + head) * HD;
+    else if (is_k) dst = kv.k + (slot * kv.n_kv + (head - a.n_heads)) * HD;
+    else dst = kv.v + (slot * kv.n_kv + (head - a.n_heads - kv.n_kv)) * HD;
+    for (int i = lane; i < HD; i += 32) dst[i] = __float2bfloat16(x[i]);
+    __syncwarp();
+  }
+}
+
+}  // namespace
+
+Status qkv_rope_store(const QkvRopeArgs& a, const PagedKvPool& kv, cudaStream_t stream) {
+  MOE_CUDA_REQUIRE(a.qkv && a.positions && a.seq_of_token && a.inv_freq && a.q_out, "null pointer");
+  MOE_CUDA_REQUIRE(kv.k && kv.v && kv.block_tables, "null pool pointer");
+  MOE_CUDA_REQUIRE(a.tokens > 0 && a.n_heads > 0 && kv.n_kv > 0, "tokens and heads must be positive");
+  MOE_CUDA_REQUIRE(kv.head_dim > 0 && kv.head_dim % 2 == 0, "head_dim must be even");
+  const size_t smem = size_t(kThreads / 32) * kv.head_dim * sizeof(float);
+  qkv_rope_kernel<<<a.tokens, kThreads, smem, stream>>>(a, kv);
+  MOE_CUDA_LAUNCHED();
+  return {};
+}
+
+}  // namespace moe::cuda

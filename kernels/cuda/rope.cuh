@@ -1,0 +1,33 @@
+#pragma once
+// After the q/k/v projection: optional bias, optional per-head RMSNorm of q
+// and k (Qwen3-MoE), rotate-half RoPE, then q out and k/v stored into the
+// paged pool. The CPU twins: rmsnorm_heads, rope_neox (kernels/cpu/rope.h)
+// and kv_store (kernels/cpu/attention.h).
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/attention.cuh"
+#include "model/result.h"
+
+namespace moe::cuda {
+
+struct QkvRopeArgs {
+  const float* qkv = nullptr;            // [tokens, (n_heads + 2 n_kv) * head_dim]: q | k | v
+  const __nv_bfloat16* bias = nullptr;   // [(n_heads + 2 n_kv) * head_dim] or null
+  const __nv_bfloat16* q_norm = nullptr; // [head_dim] or null
+  const __nv_bfloat16* k_norm = nullptr; // [head_dim] or null
+  float eps = 1e-6f;
+  const int32_t* positions = nullptr;    // [tokens]
+  const int32_t* seq_of_token = nullptr; // [tokens]: row of the pool's block_tables
+  const float* inv_freq = nullptr;       // [head_dim / 2] (the whole head rotates)
+  float attention_factor = 1.f;          // cos/sin scale (1 but for YaRN)
+  int tokens = 0, n_heads = 0;
+  __nv_bfloat16* q_out = nullptr;        // [tokens, n_heads, head_dim]
+};
+
+Status qkv_rope_store(const QkvRopeArgs& a, const PagedKvPool& kv, cudaStream_t stream);
+
+}  // namespace moe::cuda

@@ -1,0 +1,83 @@
+// One warp per token; the row's probabilities sit in shared memory and the k
+// winners come from k warp-wide arg-max rounds.
+#include "kernels/cuda/cuda_check.cuh"
+#include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/router.cuh"
+
+namespace moe::cuda {
+namespace {
+
+constexpr int kWarps = 4;
+
+__global__ void router_kernel(const float* logits, int tokens, int n, int k, bool renorm, float scale,
+                              int32_t* ids, float* weights) {
+  extern __shared__ float sh[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t = blockIdx.x * kWarps + warp;
+  if (t >= tokens) return;
+  float* p = sh + warp * n;
+  const float* row = logits + size_t(t) * n;
+  float mx = -INFINITY;
+  for (int i = lane; i < n; i += 32) mx = fmaxf(mx, row[i]);
+  mx = detail::warp_max(mx);
+  float sum = 0.f;
+  for (int i = lane; i < n; i += 32) {
+    p[i] = __expf(row[i] - mx);
+    sum += p[i];
+  }
+  const float inv = 1.f / detail::warp_sum(sum);
+  __syncwarp();
+  float picked = 0.f;
+  for (int j = 0; j < k; ++j) {
+    float best = -1.f;
+    int bi = n;
+    for (int i = lane; i < n; i += 32)
+      if (p[i] > best) {  // ascending i: the lowest index wins ties within a lane
+        best = p[i];
+        bi = i;
+      }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ob > best || (ob == best && oi < bi)) {
+        best = ob;
+        bi = oi;
+      }
+    }
+    if (lane == 0) {
+      ids[size_t(t) * k + j] = bi;
+      weights[size_t(t) * k + j] = best * inv;
+      p[bi] = -2.f;  // taken
+    }
+    picked += best * inv;
+    __syncwarp();
+  }
+  if (lane < k) {
+    float w = weights[size_t(t) * k + lane];
+    if (renorm) w /= picked;
+    weights[size_t(t) * k + lane] = w * scale;
+  }
+  // k > 32 (no known model): lanes stride over the rest.
+  for (int j = lane + 32; j < k; j += 32) {
+    float w = weights[size_t(t) * k + j];
+    if (renorm) w /= picked;
+    weights[size_t(t) * k + j] = w * scale;
+  }
+}
+
+}  // namespace
+
+Status router_topk(const float* logits, int tokens, int n_experts, int top_k, bool renormalize, float scale,
+                   int32_t* ids, float* weights, cudaStream_t stream) {
+  MOE_CUDA_REQUIRE(logits && ids && weights, "null pointer");
+  MOE_CUDA_REQUIRE(tokens > 0 && n_experts > 0 && n_experts <= 1024, "n_experts must be in [1, 1024]");
+  MOE_CUDA_REQUIRE(top_k > 0 && top_k <= n_experts, "top_k must be in [1, n_experts]");
+  const size_t smem = size_t(kWarps) * n_experts * sizeof(float);
+  router_kernel<<<(tokens + kWarps - 1) / kWarps, kWarps * 32, smem, stream>>>(
+      logits, tokens, n_experts, top_k, renormalize, scale, ids, weights);
+  MOE_CUDA_LAUNCHED();
+  return {};
+}
+
+}  // namespace moe::cuda

@@ -1,0 +1,20 @@
+#pragma once
+// MoE routing: softmax over each token's router logits, then its top-k
+// experts (best first, equal scores keep the lower index first), weights
+// optionally renormalised to sum to 1 and scaled. CPU twin: router_topk in
+// kernels/cpu/router.h (group-limited selection is not implemented here).
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "model/result.h"
+
+namespace moe::cuda {
+
+// logits: [tokens, n_experts] f32; ids, weights: [tokens, top_k].
+// n_experts <= 1024, top_k <= n_experts.
+Status router_topk(const float* logits, int tokens, int n_experts, int top_k, bool renormalize, float scale,
+                   int32_t* ids, float* weights, cudaStream_t stream);
+
+}  // namespace moe::cuda

@@ -1,0 +1,34 @@
+#pragma once
+// Token selection on the GPU, the same rule as kernels/cpu/sampling.h:
+// greedy (temperature <= 0 or top_k == 1: the highest logit, lowest id among
+// equals), or a draw after temperature, top-k and top-p whose uniform number
+// is the CPU twin's sample_uniform(seed, position), so both pick the same
+// token from the same logits (up to rounding at a probability boundary).
+// Candidates for top-k / top-p are the kMaxCandidates best tokens: top_k
+// above that is clamped, and top-p alone (top_k = 0) is applied within them.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "model/result.h"
+
+namespace moe::cuda {
+
+constexpr int kMaxCandidates = 1024;
+
+struct SampleRowParams {
+  float temperature = 1.f;
+  float top_p = 1.f;
+  int top_k = 0;  // 0: no limit
+  uint64_t seed = 0;
+};
+
+// logits: [rows, vocab] f32; params, positions: [rows] (device); tokens: [rows].
+Status sample_tokens(const float* logits, int rows, int vocab, const SampleRowParams* params,
+                     const int64_t* positions, int32_t* tokens, cudaStream_t stream);
+
+// Greedy only: tokens[r] = argmax logits[r, :].
+Status argmax_tokens(const float* logits, int rows, int vocab, int32_t* tokens, cudaStream_t stream);
+
+}  // namespace moe::cuda

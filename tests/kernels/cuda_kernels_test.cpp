@@ -1,0 +1,583 @@
+// The CUDA kernels against their CPU twins (kernels/cpu, model/int4.h) on odd
+// sizes, each with its stated tolerance. Without a CUDA device every case
+// says SKIPPED and passes (CI has nvcc but no GPU).
+#include <cuda_bf16.h>
+
+#include <catch2/catch.hpp>
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/activation.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/rmsnorm.h"
+#include "kernels/cpu/rope.h"
+#include "kernels/cpu/router.h"
+#include "kernels/cpu/sampling.h"
+#include "kernels/cuda/activation.cuh"
+#include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/cuda_check.cuh"
+#include "kernels/cuda/dense_matmul.cuh"
+#include "kernels/cuda/norm.cuh"
+#include "kernels/cuda/q4_gemm.cuh"
+#include "kernels/cuda/q4_gemv.cuh"
+#include "kernels/cuda/rope.cuh"
+#include "kernels/cuda/router.cuh"
+#include "kernels/cuda/sampling.cuh"
+#include "model/int4.h"
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+#define SKIP_WITHOUT_GPU()                      \
+  do {                                          \
+    if (!moe::cuda::device_present()) {         \
+      std::puts("SKIPPED: no CUDA device");     \
+      WARN("SKIPPED: no CUDA device");          \
+      return;                                   \
+    }                                           \
+  } while (0)
+
+#define REQUIRE_OK(expr)       \
+  do {                         \
+    const auto st_ = (expr);   \
+    INFO(st_.error());         \
+    REQUIRE(st_.ok());         \
+  } while (0)
+
+// A device buffer of n T's, freed on scope exit; poisoned with 0xFF bytes
+// (NaN for floats) so unwritten outputs show.
+template <typename T>
+struct Dev {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit Dev(size_t count) : n(count) {
+    REQUIRE(cudaMalloc(&p, std::max<size_t>(1, n) * sizeof(T)) == cudaSuccess);
+    REQUIRE(cudaMemset(p, 0xFF, std::max<size_t>(1, n) * sizeof(T)) == cudaSuccess);
+  }
+  explicit Dev(const std::vector<T>& h) : Dev(h.size()) { put(h); }
+  ~Dev() { cudaFree(p); }
+  Dev(const Dev&) = delete;
+  void put(const std::vector<T>& h) {
+    REQUIRE(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
+  }
+  std::vector<T> get() const {
+    std::vector<T> h(n);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    REQUIRE(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost) == cudaSuccess);
+    return h;
+  }
+};
+
+std::vector<float> randn(size_t n, std::mt19937& rng, float sd = 1.f) {
+  std::normal_distribution<float> d(0.f, sd);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+bf16 to_bf16(float f) { return __float2bfloat16(f); }
+float from_bf16(bf16 b) { return __bfloat162float(b); }
+std::vector<bf16> to_bf16(const std::vector<float>& v) {
+  std::vector<bf16> o(v.size());
+  for (size_t i = 0; i < v.size(); ++i) o[i] = to_bf16(v[i]);
+  return o;
+}
+std::vector<float> round_bf16(const std::vector<float>& v) {
+  std::vector<float> o(v.size());
+  for (size_t i = 0; i < v.size(); ++i) o[i] = from_bf16(to_bf16(v[i]));
+  return o;
+}
+std::vector<uint16_t> bf16_bits(const std::vector<float>& v) {
+  std::vector<uint16_t> o(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    const bf16 b = to_bf16(v[i]);
+    std::memcpy(&o[i], &b, 2);
+  }
+  return o;
+}
+
+// ||got - ref|| / ||ref||; NaN (an unwritten output) never passes.
+double rel_err(const std::vector<float>& got, const std::vector<float>& ref) {
+  REQUIRE(got.size() == ref.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    num += (double(got[i]) - ref[i]) * (double(got[i]) - ref[i]);
+    den += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+std::vector<float> as_float(const std::vector<bf16>& v) {
+  std::vector<float> o(v.size());
+  for (size_t i = 0; i < v.size(); ++i) o[i] = from_bf16(v[i]);
+  return o;
+}
+
+// An expert blob quantised from random weights.
+std::vector<uint8_t> make_expert(const moe::ExpertLayout& L, std::mt19937& rng) {
+  std::vector<uint8_t> blob(L.blob_bytes, 0);
+  for (const moe::Q4MatrixLayout* m : {&L.gate, &L.up, &L.down}) {
+    const auto w = randn(size_t(m->rows) * m->cols, rng, 0.05f);
+    moe::q4_quantize_matrix(w.data(), *m, blob.data());
+  }
+  return blob;
+}
+
+}  // namespace
+
+TEST_CASE("cuda q4_gemv matches q4_matvec on odd shapes, f32 and bf16 inputs", "[cuda][q4]") {
+  SKIP_WITHOUT_GPU();
+  // (hidden, inter, group): fast path with 1, 2 and 4 chunks per lane, group
+  // 32 and 128, and the byte-wise path (K not a multiple of 32, tiny groups).
+  const int shapes[][3] = {{2048, 1411 * 2, 64}, {768, 77 * 2, 64}, {4096, 130, 128}, {96, 46, 64},
+                           {200, 130, 64},       {6, 10, 64}};
+  std::mt19937 rng(11);
+  for (const auto& s : shapes) {
+    const auto L = moe::expert_layout(s[0], s[1], s[2]);
+    const auto blob = make_expert(L, rng);
+    Dev<uint8_t> dblob(blob);
+    for (const moe::Q4MatrixLayout* m : {&L.gate, &L.down}) {
+      INFO("rows " << m->rows << " cols " << m->cols << " group " << m->group);
+      const auto x = randn(m->cols, rng);
+      const auto xb = round_bf16(x);
+      std::vector<float> ref(m->rows), refb(m->rows);
+      moe::q4_matvec(blob.data(), *m, x.data(), ref.data());
+      moe::q4_matvec(blob.data(), *m, xb.data(), refb.data());
+      Dev<float> dx(x), dy(m->rows);
+      Dev<bf16> dxb(to_bf16(x));
+      REQUIRE_OK(moe::cuda::q4_gemv(dblob.p, *m, dx.p, dy.p, nullptr));
+      CHECK(rel_err(dy.get(), ref) < 3e-3);
+      REQUIRE_OK(moe::cuda::q4_gemv(dblob.p, *m, dxb.p, dy.p, nullptr));
+      CHECK(rel_err(dy.get(), refb) < 3e-3);
+    }
+  }
+}
+
+TEST_CASE("cuda q4_gemv rejects bad shapes", "[cuda][q4]") {
+  SKIP_WITHOUT_GPU();
+  moe::Q4MatrixLayout m;
+  m.rows = 4;
+  m.cols = 7;  // odd
+  m.group = 2;
+  Dev<uint8_t> blob(256);
+  Dev<float> x(8), y(4);
+  CHECK_FALSE(moe::cuda::q4_gemv(blob.p, m, x.p, y.p, nullptr).ok());
+  m.cols = 8;
+  m.group = 3;
+  CHECK_FALSE(moe::cuda::q4_gemv(blob.p, m, x.p, y.p, nullptr).ok());
+}
+
+namespace {
+
+struct MoeCase {
+  int hidden, inter, group, tokens, top_k, n_experts;
+};
+
+// CPU reference of the routed MoE: out[t] += sum_k w * down(silu(gate x) * up x).
+void moe_reference(const moe::ExpertLayout& L, const std::vector<std::vector<uint8_t>>& blobs,
+                   const std::vector<int32_t>& ids, const std::vector<float>& wts, const std::vector<float>& x,
+                   int tokens, int top_k, bool round_h, std::vector<float>& out) {
+  std::vector<float> g(L.inter), u(L.inter), h(L.inter), y(L.hidden);
+  for (int t = 0; t < tokens; ++t)
+    for (int k = 0; k < top_k; ++k) {
+      const int e = ids[t * top_k + k];
+      if (e < 0 || e >= int(blobs.size())) continue;
+      moe::q4_matvec(blobs[e].data(), L.gate, x.data() + size_t(t) * L.hidden, g.data());
+      moe::q4_matvec(blobs[e].data(), L.up, x.data() + size_t(t) * L.hidden, u.data());
+      moe::cpu::silu_mul(g.data(), u.data(), h.data(), L.inter);
+      if (round_h) h = round_bf16(h);
+      moe::q4_matvec(blobs[e].data(), L.down, h.data(), y.data());
+      for (int i = 0; i < L.hidden; ++i) out[size_t(t) * L.hidden + i] += wts[t * top_k + k] * y[i];
+    }
+}
+
+struct MoeData {
+  moe::ExpertLayout L;
+  std::vector<std::vector<uint8_t>> blobs;
+  std::vector<int32_t> ids;
+  std::vector<float> wts, x, out0;
+};
+
+MoeData make_moe(const MoeCase& c, std::mt19937& rng) {
+  MoeData d;
+  d.L = moe::expert_layout(c.hidden, c.inter, c.group);
+  for (int e = 0; e < c.n_experts; ++e) d.blobs.push_back(make_expert(d.L, rng));
+  std::uniform_int_distribution<int> pick(0, c.n_experts - 1);
+  for (int i = 0; i < c.tokens * c.top_k; ++i) d.ids.push_back(pick(rng));
+  d.ids[1] = -1;  // a slot with no expert is skipped
+  d.wts = randn(d.ids.size(), rng);
+  d.x = round_bf16(randn(size_t(c.tokens) * c.hidden, rng));
+  d.out0 = randn(size_t(c.tokens) * c.hidden, rng);
+  return d;
+}
+
+}  // namespace
+
+TEST_CASE("cuda decode expert kernels (gate/up + SiLU, weighted down) match the CPU", "[cuda][q4]") {
+  SKIP_WITHOUT_GPU();
+  const MoeCase cases[] = {{256, 192, 64, 3, 4, 6}, {2048, 768, 64, 2, 8, 9}, {200, 130, 64, 3, 5, 4}};
+  std::mt19937 rng(12);
+  for (const auto& c : cases) {
+    INFO("hidden " << c.hidden << " inter " << c.inter << " top_k " << c.top_k);
+    MoeData d = make_moe(c, rng);
+    std::vector<Dev<uint8_t>*> dblobs;
+    std::vector<const uint8_t*> ptrs;
+    for (auto& b : d.blobs) {
+      dblobs.push_back(new Dev<uint8_t>(b));
+      ptrs.push_back(dblobs.back()->p);
+    }
+    Dev<const uint8_t*> dptrs(ptrs);
+    Dev<int32_t> dids(d.ids);
+    Dev<float> dw(d.wts), dout(d.out0), dh(d.ids.size() * size_t(c.inter));
+    Dev<bf16> dx(to_bf16(d.x));
+    moe::cuda::Q4ExpertArgs a;
+    a.layout = d.L;
+    a.blobs = dptrs.p;
+    a.n_experts = c.n_experts;
+    a.expert_ids = dids.p;
+    a.route_weights = dw.p;
+    a.tokens = c.tokens;
+    a.top_k = c.top_k;
+    REQUIRE_OK(moe::cuda::q4_expert_gate_up(a, dx.p, dh.p, nullptr));
+    REQUIRE_OK(moe::cuda::q4_expert_down(a, dh.p, dout.p, /*accumulate=*/true, nullptr));
+    std::vector<float> ref = d.out0;
+    moe_reference(d.L, d.blobs, d.ids, d.wts, d.x, c.tokens, c.top_k, false, ref);
+    // Compare the MoE contribution (out - out0), not the residual it rides on.
+    auto got = dout.get();
+    for (size_t i = 0; i < got.size(); ++i) {
+      got[i] -= d.out0[i];
+      ref[i] -= d.out0[i];
+    }
+    CHECK(rel_err(got, ref) < 5e-3);
+    for (auto* b : dblobs) delete b;
+  }
+}
+
+TEST_CASE("cuda grouped INT4 MoE GEMM matches the CPU", "[cuda][q4]") {
+  SKIP_WITHOUT_GPU();
+  const MoeCase cases[] = {{256, 192, 64, 37, 4, 10}, {512, 320, 64, 150, 8, 7}, {128, 64, 32, 1, 2, 3}};
+  std::mt19937 rng(13);
+  for (const auto& c : cases) {
+    INFO("hidden " << c.hidden << " inter " << c.inter << " tokens " << c.tokens);
+    MoeData d = make_moe(c, rng);
+    REQUIRE(moe::cuda::q4_grouped_supported(d.L));
+    std::vector<Dev<uint8_t>*> dblobs;
+    std::vector<const uint8_t*> ptrs;
+    for (auto& b : d.blobs) {
+      dblobs.push_back(new Dev<uint8_t>(b));
+      ptrs.push_back(dblobs.back()->p);
+    }
+    Dev<const uint8_t*> dptrs(ptrs);
+    Dev<int32_t> dids(d.ids);
+    Dev<float> dw(d.wts), dout(d.out0);
+    Dev<bf16> dx(to_bf16(d.x));
+    moe::cuda::Q4ExpertArgs a;
+    a.layout = d.L;
+    a.blobs = dptrs.p;
+    a.n_experts = c.n_experts;
+    a.expert_ids = dids.p;
+    a.route_weights = dw.p;
+    a.tokens = c.tokens;
+    a.top_k = c.top_k;
+    const size_t ws = moe::cuda::q4_grouped_workspace_bytes(d.L, c.tokens, c.top_k, c.n_experts);
+    Dev<uint8_t> dws(ws);
+    REQUIRE_OK(moe::cuda::q4_grouped_moe(a, dx.p, dout.p, dws.p, ws, nullptr));
+    std::vector<float> ref = d.out0;
+    moe_reference(d.L, d.blobs, d.ids, d.wts, d.x, c.tokens, c.top_k, true, ref);
+    auto got = dout.get();
+    for (size_t i = 0; i < got.size(); ++i) {
+      got[i] -= d.out0[i];
+      ref[i] -= d.out0[i];
+    }
+    // bf16 tensor-core inputs (the dequantised weights, h): 1e-2.
+    CHECK(rel_err(got, ref) < 1e-2);
+    for (auto* b : dblobs) delete b;
+  }
+  CHECK_FALSE(moe::cuda::q4_grouped_supported(moe::expert_layout(200, 130, 64)));
+}
+
+TEST_CASE("cuda rmsnorm and add_rmsnorm match the CPU", "[cuda][norm]") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(14);
+  const int rows = 7, dim = 1001;
+  const float eps = 1e-6f;
+  const auto x = randn(size_t(rows) * dim, rng, 3.f), add = randn(size_t(rows) * dim, rng);
+  const auto w = round_bf16(randn(dim, rng));
+  std::vector<float> ref(x.size());
+  moe::cpu::rmsnorm(x.data(), w.data(), ref.data(), rows, dim, eps);
+  Dev<float> dx(x), dadd(add), dy(x.size());
+  Dev<bf16> dw(to_bf16(w)), dyb(x.size());
+  REQUIRE_OK(moe::cuda::rmsnorm(dx.p, dw.p, dy.p, rows, dim, eps, nullptr));
+  CHECK(rel_err(dy.get(), ref) < 1e-5);
+  REQUIRE_OK(moe::cuda::rmsnorm(dx.p, dw.p, dyb.p, rows, dim, eps, nullptr));
+  CHECK(rel_err(as_float(dyb.get()), ref) < 8e-3);
+
+  std::vector<float> sum(x.size());
+  for (size_t i = 0; i < x.size(); ++i) sum[i] = x[i] + add[i];
+  moe::cpu::rmsnorm(sum.data(), w.data(), ref.data(), rows, dim, eps);
+  REQUIRE_OK(moe::cuda::add_rmsnorm(dx.p, dadd.p, dw.p, dyb.p, rows, dim, eps, nullptr));
+  CHECK(rel_err(dx.get(), sum) < 1e-6);
+  CHECK(rel_err(as_float(dyb.get()), ref) < 8e-3);
+}
+
+TEST_CASE("cuda silu_mul matches the CPU", "[cuda][activation]") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(15);
+  const int rows = 3, inter = 333;
+  const auto gu = randn(size_t(rows) * 2 * inter, rng, 2.f);
+  std::vector<float> g(size_t(rows) * inter), u(g.size()), ref(g.size());
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < inter; ++i) {
+      g[size_t(r) * inter + i] = gu[size_t(r) * 2 * inter + i];
+      u[size_t(r) * inter + i] = gu[size_t(r) * 2 * inter + inter + i];
+    }
+  moe::cpu::silu_mul(g.data(), u.data(), ref.data(), int64_t(g.size()));
+  Dev<float> dg(g), du(u), dout(g.size()), dgu(gu);
+  Dev<bf16> dob(g.size());
+  REQUIRE_OK(moe::cuda::silu_mul(dg.p, du.p, dout.p, int64_t(g.size()), nullptr));
+  CHECK(rel_err(dout.get(), ref) < 1e-5);
+  REQUIRE_OK(moe::cuda::silu_mul_fused(dgu.p, dob.p, rows, inter, nullptr));
+  CHECK(rel_err(as_float(dob.get()), ref) < 8e-3);
+}
+
+TEST_CASE("cuda router softmax + top-k matches the CPU", "[cuda][router]") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(16);
+  const int cfg[][3] = {{60, 4, 0}, {128, 8, 1}, {7, 7, 1}};
+  for (const auto& c : cfg) {
+    const int tokens = 9, n = c[0], k = c[1];
+    const bool renorm = c[2];
+    INFO("n_experts " << n << " top_k " << k);
+    const auto logits = randn(size_t(tokens) * n, rng, 2.f);
+    moe::cpu::RouterParams p;
+    p.n_experts = n;
+    p.top_k = k;
+    p.renormalize = renorm;
+    std::vector<int32_t> ids(size_t(tokens) * k);
+    std::vector<float> w(ids.size());
+    moe::cpu::router_topk(logits.data(), tokens, p, ids.data(), w.data());
+    Dev<float> dl(logits), dw(w.size());
+    Dev<int32_t> did(ids.size());
+    REQUIRE_OK(moe::cuda::router_topk(dl.p, tokens, n, k, renorm, 1.f, did.p, dw.p, nullptr));
+    CHECK(did.get() == ids);
+    CHECK(rel_err(dw.get(), w) < 1e-5);
+  }
+}
+
+TEST_CASE("cuda qkv_rope_store (bias, per-head norm, RoPE, paged store) matches the CPU", "[cuda][rope]") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(17);
+  const int tokens = 5, nh = 6, nkv = 2, hd = 64, bt = 16, pool_blocks = 9, max_blocks = 4;
+  const int width = (nh + 2 * nkv) * hd;
+  const auto qkv = randn(size_t(tokens) * width, rng);
+  const auto bias = round_bf16(randn(width, rng, 0.3f));
+  const auto qn = round_bf16(randn(hd, rng)), kn = round_bf16(randn(hd, rng));
+  // Two sequences with scattered blocks; tokens at positions across blocks.
+  const std::vector<int32_t> tables = {3, 0, 7, 1, 8, 2, 5, 4};  // [2, max_blocks]
+  const std::vector<int32_t> seq = {0, 0, 1, 1, 0}, pos = {0, 17, 5, 63, 40};
+  const auto inv_freq = moe::cpu::rope_inv_freq_default(1e6f, hd);
+
+  std::vector<float> ref = qkv;
+  for (int t = 0; t < tokens; ++t)
+    for (int i = 0; i < width; ++i) ref[size_t(t) * width + i] += bias[i];
+  moe::cpu::rmsnorm_heads(ref.data(), width, qn.data(), tokens, nh, hd, 1e-6f);
+  moe::cpu::rmsnorm_heads(ref.data() + nh * hd, width, kn.data(), tokens, nkv, hd, 1e-6f);
+  moe::cpu::rope_neox(ref.data(), width, hd, pos.data(), tokens, nh, hd, inv_freq.data());
+  moe::cpu::rope_neox(ref.data() + nh * hd, width, hd, pos.data(), tokens, nkv, hd, inv_freq.data());
+
+  Dev<float> dqkv(qkv), dfreq(inv_freq);
+  Dev<bf16> dbias(to_bf16(bias)), dqn(to_bf16(qn)), dkn(to_bf16(kn)), dq(size_t(tokens) * nh * hd);
+  Dev<bf16> dk(size_t(pool_blocks) * bt * nkv * hd), dv(dk.n);
+  Dev<int32_t> dtab(tables), dseq(seq), dpos(pos);
+  moe::cuda::PagedKvPool kv;
+  kv.k = dk.p;
+  kv.v = dv.p;
+  kv.block_tables = dtab.p;
+  kv.max_blocks = max_blocks;
+  kv.block_tokens = bt;
+  kv.n_kv = nkv;
+  kv.head_dim = hd;
+  moe::cuda::QkvRopeArgs a;
+  a.qkv = dqkv.p;
+  a.bias = dbias.p;
+  a.q_norm = dqn.p;
+  a.k_norm = dkn.p;
+  a.positions = dpos.p;
+  a.seq_of_token = dseq.p;
+  a.inv_freq = dfreq.p;
+  a.tokens = tokens;
+  a.n_heads = nh;
+  a.q_out = dq.p;
+  REQUIRE_OK(moe::cuda::qkv_rope_store(a, kv, nullptr));
+  const auto q = as_float(dq.get()), k = as_float(dk.get()), v = as_float(dv.get());
+  std::vector<float> gq, rq, gk, rk, gv, rv;
+  for (int t = 0; t < tokens; ++t) {
+    for (int i = 0; i < nh * hd; ++i) {
+      gq.push_back(q[size_t(t) * nh * hd + i]);
+      rq.push_back(ref[size_t(t) * width + i]);
+    }
+    const size_t slot = size_t(tables[seq[t] * max_blocks + pos[t] / bt]) * bt + pos[t] % bt;
+    for (int i = 0; i < nkv * hd; ++i) {
+      gk.push_back(k[slot * nkv * hd + i]);
+      rk.push_back(ref[size_t(t) * width + nh * hd + i]);
+      gv.push_back(v[slot * nkv * hd + i]);
+      rv.push_back(ref[size_t(t) * width + (nh + nkv) * hd + i]);
+    }
+  }
+  CHECK(rel_err(gq, rq) < 8e-3);
+  CHECK(rel_err(gk, rk) < 8e-3);
+  CHECK(rel_err(gv, rv) < 8e-3);
+}
+
+TEST_CASE("cuda paged attention (decode and prefill) matches the CPU", "[cuda][attention]") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(18);
+  for (int hd : {64, 128}) {
+    const int nh = 8, nkv = 2, bt = 16, max_blocks = 8, pool_blocks = 20;
+    INFO("head_dim " << hd);
+    const auto kpool = round_bf16(randn(size_t(pool_blocks) * bt * nkv * hd, rng));
+    const auto vpool = round_bf16(randn(kpool.size(), rng));
+    std::vector<int32_t> perm(pool_blocks);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    // Three sequences over disjoint, shuffled blocks.
+    std::vector<int32_t> tables(perm.begin(), perm.begin() + 3 * max_blocks - 4);
+    tables.resize(3 * max_blocks, 0);
+    // Decode: one query per sequence (contexts 1, 77, 100); prefill: 37
+    // queries of sequence 2 at positions 60..96.
+    std::vector<int32_t> seq = {0, 1, 2}, pos = {0, 76, 99};
+    for (int i = 0; i < 37; ++i) {
+      seq.push_back(2);
+      pos.push_back(60 + i);
+    }
+    const int tokens = int(seq.size());
+    const auto q = round_bf16(randn(size_t(tokens) * nh * hd, rng));
+    const float scale = 1.f / std::sqrt(float(hd));
+    std::vector<float> ref(q.size());
+    for (int t = 0; t < tokens; ++t) {
+      moe::cpu::PagedKv kv{kpool.data(), vpool.data(), tables.data() + seq[t] * max_blocks, bt};
+      moe::cpu::attention(q.data() + size_t(t) * nh * hd, nh * hd, kv, &pos[t], ref.data() + size_t(t) * nh * hd,
+                          nh * hd, 1, nh, nkv, hd, hd, scale, nullptr);
+    }
+    Dev<bf16> dq(to_bf16(q)), dk(to_bf16(kpool)), dv(to_bf16(vpool)), dout(q.size());
+    Dev<int32_t> dtab(tables), dseq(seq), dpos(pos);
+    moe::cuda::PagedKvPool kv;
+    kv.k = dk.p;
+    kv.v = dv.p;
+    kv.block_tables = dtab.p;
+    kv.max_blocks = max_blocks;
+    kv.block_tokens = bt;
+    kv.n_kv = nkv;
+    kv.head_dim = hd;
+    moe::cuda::AttentionArgs a;
+    a.q = dq.p;
+    a.seq_of_token = dseq.p;
+    a.positions = dpos.p;
+    a.tokens = tokens;
+    a.n_heads = nh;
+    a.scale = scale;
+    a.out = dout.p;
+    REQUIRE_OK(moe::cuda::paged_attention(a, kv, nullptr));
+    CHECK(rel_err(as_float(dout.get()), ref) < 8e-3);
+  }
+}
+
+TEST_CASE("cuda sampling picks the CPU twin's token", "[cuda][sampling]") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(19);
+  struct Cfg {
+    int vocab;
+    float temperature, top_p, sd;
+    int top_k;
+  };
+  const Cfg cfgs[] = {{151936, 0.f, 1.f, 3.f, 0},   {151936, 0.8f, 1.f, 3.f, 50}, {151936, 1.f, 0.9f, 6.f, 0},
+                      {151936, 0.7f, 0.5f, 2.f, 200}, {1001, 1.f, 1.f, 1.f, 0},    {32, 1.f, 1.f, 1.f, 1}};
+  for (const auto& c : cfgs) {
+    INFO("vocab " << c.vocab << " T " << c.temperature << " top_p " << c.top_p << " top_k " << c.top_k);
+    const int rows = 16;
+    auto logits = randn(size_t(rows) * c.vocab, rng, c.sd);
+    logits[5] = logits[7] = 1e3f;  // a tie at the top of row 0: the lower id wins
+    std::vector<moe::cuda::SampleRowParams> params(rows);
+    std::vector<int64_t> positions(rows);
+    std::vector<int32_t> ref(rows);
+    for (int r = 0; r < rows; ++r) {
+      params[r] = {c.temperature, c.top_p, c.top_k, uint64_t(1000 + r)};
+      positions[r] = 3 * r + 1;
+      moe::cpu::SampleParams sp;
+      sp.temperature = c.temperature;
+      sp.top_p = c.top_p;
+      sp.top_k = c.top_k;
+      sp.seed = params[r].seed;
+      ref[r] = moe::cpu::sample_token(logits.data() + size_t(r) * c.vocab, c.vocab, sp, positions[r]);
+    }
+    Dev<float> dl(logits);
+    Dev<moe::cuda::SampleRowParams> dp(params);
+    Dev<int64_t> dpos(positions);
+    Dev<int32_t> dt(rows);
+    REQUIRE_OK(moe::cuda::sample_tokens(dl.p, rows, c.vocab, dp.p, dpos.p, dt.p, nullptr));
+    CHECK(dt.get() == ref);
+    if (c.temperature <= 0.f) {
+      REQUIRE_OK(moe::cuda::argmax_tokens(dl.p, rows, c.vocab, dt.p, nullptr));
+      CHECK(dt.get() == ref);
+      CHECK(ref[0] == 5);
+    }
+  }
+}
+
+TEST_CASE("cuda bf16 dense layers (decode GEMV and cuBLASLt) match the CPU", "[cuda][dense]") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(20);
+  const int n_out = 77, k = 1000;
+  const auto w = round_bf16(randn(size_t(n_out) * k, rng, 0.05f));
+  const auto wbits = bf16_bits(w);
+  Dev<bf16> dw(to_bf16(w));
+  for (int tokens : {1, 3, 8}) {
+    INFO("tokens " << tokens);
+    const auto x = round_bf16(randn(size_t(tokens) * k, rng));
+    const auto y0 = randn(size_t(tokens) * n_out, rng);
+    const auto gate = randn(tokens, rng);
+    std::vector<float> ref(y0.size());
+    moe::cpu::matmul_bf16(x.data(), wbits.data(), nullptr, ref.data(), tokens, k, n_out, nullptr);
+    Dev<bf16> dx(to_bf16(x));
+    Dev<float> dy(y0.size()), dg(gate);
+    REQUIRE_OK(moe::cuda::dense_gemv_bf16(dw.p, dx.p, dy.p, tokens, n_out, k, false, nullptr, 0, nullptr));
+    CHECK(rel_err(dy.get(), ref) < 1e-5);
+    // Gated accumulate (the shared expert's output onto the residual).
+    dy.put(y0);
+    REQUIRE_OK(moe::cuda::dense_gemv_bf16(dw.p, dx.p, dy.p, tokens, n_out, k, true, dg.p, 1, nullptr));
+    std::vector<float> refg(y0.size());
+    for (int t = 0; t < tokens; ++t)
+      for (int n = 0; n < n_out; ++n)
+        refg[size_t(t) * n_out + n] =
+            y0[size_t(t) * n_out + n] + moe::cpu::sigmoid(gate[t]) * ref[size_t(t) * n_out + n];
+    CHECK(rel_err(dy.get(), refg) < 1e-5);
+  }
+  CHECK_FALSE(moe::cuda::dense_gemv_bf16(dw.p, dw.p, nullptr, 9, n_out, k, false, nullptr, 0, nullptr).ok());
+
+  auto mm = moe::cuda::CublasLtMatmul::create();
+  REQUIRE(mm.ok());
+  std::unique_ptr<moe::cuda::CublasLtMatmul> owner(mm.value());
+  const int m = 37;
+  const auto x = round_bf16(randn(size_t(m) * k, rng));
+  std::vector<float> ref(size_t(m) * n_out);
+  moe::cpu::matmul_bf16(x.data(), wbits.data(), nullptr, ref.data(), m, k, n_out, nullptr);
+  Dev<bf16> dx(to_bf16(x)), dyb(ref.size());
+  Dev<float> dy(ref.size());
+  REQUIRE_OK(owner->matmul(dx.p, dw.p, dy.p, true, m, n_out, k, 0.f, nullptr));
+  CHECK(rel_err(dy.get(), ref) < 1e-4);
+  REQUIRE_OK(owner->matmul(dx.p, dw.p, dyb.p, false, m, n_out, k, 0.f, nullptr));
+  CHECK(rel_err(as_float(dyb.get()), ref) < 8e-3);
+  // beta = 1 accumulates.
+  REQUIRE_OK(owner->matmul(dx.p, dw.p, dy.p, true, m, n_out, k, 1.f, nullptr));
+  std::vector<float> twice = ref;
+  for (auto& v : twice) v *= 2.f;
+  CHECK(rel_err(dy.get(), twice) < 1e-4);
+}
