@@ -5,8 +5,10 @@
 // docs/packed-format.md). Everything is mapped, nothing copied.
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "model/int4.h"
 #include "model/model_config.h"
@@ -28,6 +30,8 @@ class ModelFiles {
   // absent. In a packed file whose experts are INT4, expert matrices are not
   // found here: use expert_q4.
   const TensorView* find(const std::string& name) const;
+  // Every tensor find() can return, by name.
+  const std::map<std::string, TensorView>& tensors() const;
 
   // INT4 experts: present in packed files made with quantised experts.
   bool experts_q4() const { return experts_q4_; }
@@ -37,8 +41,11 @@ class ModelFiles {
   const uint8_t* expert_q4(int layer, int expert) const;
 
   // Text of the tokenizer files ("" when absent): tokenizer.json,
-  // tokenizer_config.json, chat_template.jinja, generation_config.json.
+  // tokenizer_config.json, chat_template.jinja, generation_config.json (and
+  // config.json itself).
   std::string tokenizer_file(const std::string& name) const;
+  // The names tokenizer_file() knows, config.json included.
+  static const std::vector<std::string>& text_file_names();
 
  private:
   friend class PackedModelReader;

@@ -33,15 +33,6 @@ constexpr DTypeInfo kDTypes[] = {
     {DType::u8, "U8", 1},    {DType::boolean, "BOOL", 1},
 };
 
-bool dtype_from_name(const std::string& s, DType* out) {
-  for (const auto& d : kDTypes)
-    if (s == d.name) {
-      *out = d.type;
-      return true;
-    }
-  return false;
-}
-
 std::string shape_str(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
@@ -127,6 +118,15 @@ Result<std::string> read_text(const std::string& path) {
 }
 
 }  // namespace
+
+bool dtype_from_name(const std::string& s, DType* out) {
+  for (const auto& d : kDTypes)
+    if (s == d.name) {
+      *out = d.type;
+      return true;
+    }
+  return false;
+}
 
 size_t dtype_size(DType t) {
   for (const auto& d : kDTypes)

@@ -17,6 +17,7 @@ enum class DType { f32, f16, bf16, f64, i64, i32, i16, i8, u8, boolean };
 
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);  // safetensors spelling: "F32", "BF16", ...
+bool dtype_from_name(const std::string& name, DType* out);  // false for an unknown spelling
 
 // A view of one tensor inside a mapped file. Valid while its Checkpoint lives.
 struct TensorView {

@@ -1,0 +1,224 @@
+#include "model/int4.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "model/safetensors.h"  // f32 <-> f16
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define MOE_Q4_AVX2 1
+#endif
+
+namespace moe {
+
+namespace {
+
+size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+// Lays out one matrix at `offset`; returns the offset just past its params.
+size_t place_matrix(Q4MatrixLayout* m, int rows, int cols, int group, size_t offset) {
+  m->rows = rows;
+  m->cols = cols;
+  m->group = q4_effective_group(cols, group);
+  m->codes_offset = align_up(offset, kQ4Align);
+  m->params_offset = align_up(m->codes_offset + m->codes_bytes(), kQ4Align);
+  return m->params_offset + m->params_bytes();
+}
+
+// The smallest half that is >= v (v > 0), so that the scale's grid covers the
+// group's range after rounding to half.
+float half_at_least(float v) {
+  uint16_t h = f32_to_f16(std::min(v, 65504.0f));
+  if (f16_to_f32(h) < v && h < 0x7bff) ++h;  // positive halves order like their bits
+  return f16_to_f32(h);
+}
+
+void store_params(uint8_t* p, float scale, float bias) {
+  const uint16_t s = f32_to_f16(scale), b = f32_to_f16(bias);
+  std::memcpy(p, &s, 2);
+  std::memcpy(p + 2, &b, 2);
+}
+
+void load_params(const uint8_t* p, float* scale, float* bias) {
+  uint16_t s, b;
+  std::memcpy(&s, p, 2);
+  std::memcpy(&b, p + 2, 2);
+  *scale = f16_to_f32(s);
+  *bias = f16_to_f32(b);
+}
+
+// Quantises one group of `n` weights (n even) into n/2 code bytes and its params.
+void quantize_group(const float* w, int n, uint8_t* codes, uint8_t* params) {
+  float lo = w[0], hi = w[0];
+  for (int j = 1; j < n; ++j) {
+    lo = std::min(lo, w[j]);
+    hi = std::max(hi, w[j]);
+  }
+  if (lo == hi) {
+    // A constant group: scale 0 and bias = the value, exact for any bf16 value
+    // in half's range.
+    store_params(params, 0.0f, lo);
+    std::memset(codes, 0, size_t(n) / 2);
+    return;
+  }
+  // An integer zero point in 0..15 puts 0 on the grid, so the range must hold 0.
+  lo = std::min(lo, 0.0f);
+  hi = std::max(hi, 0.0f);
+  const float scale = half_at_least((hi - lo) / 15.0f);
+  const float zp = std::clamp(std::round(-lo / scale), 0.0f, 15.0f);
+  const float bias = f16_to_f32(f32_to_f16(-zp * scale));
+  store_params(params, scale, bias);
+  // Codes against the stored (rounded) params, so dequantisation is nearest.
+  auto code = [&](float v) { return uint8_t(std::clamp(std::round((v - bias) / scale), 0.0f, 15.0f)); };
+  for (int j = 0; j < n / 2; ++j) codes[j] = uint8_t(code(w[2 * j]) | (code(w[2 * j + 1]) << 4));
+}
+
+// Splits a row's codes into one float per input: q[2j] = low nibble of byte j.
+void unpack_codes(const uint8_t* codes, int cols, float* q) {
+  for (int j = 0; j < cols / 2; ++j) {
+    q[2 * j] = float(codes[j] & 0x0f);
+    q[2 * j + 1] = float(codes[j] >> 4);
+  }
+}
+
+// Dot product with eight independent partial sums, so the compiler can keep
+// them in one vector register without reassociating a single sum.
+float dot(const float* a, const float* b, int n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int k = 0; k < 8; ++k) acc[k] += a[j + k] * b[j + k];
+  float tail = 0.0f;
+  for (; j < n; ++j) tail += a[j] * b[j];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
+}
+
+}  // namespace
+
+int q4_effective_group(int k, int group) {
+  int g = 2;
+  while (g * 2 <= group) g *= 2;  // the largest power of two <= group
+  while (g > 2 && k % g != 0) g /= 2;
+  return g;
+}
+
+ExpertLayout expert_layout(int hidden, int inter, int group) {
+  ExpertLayout e;
+  e.hidden = hidden;
+  e.inter = inter;
+  e.group = group;
+  size_t end = place_matrix(&e.gate, inter, hidden, group, 0);
+  end = place_matrix(&e.up, inter, hidden, group, end);
+  end = place_matrix(&e.down, hidden, inter, group, end);
+  e.blob_bytes = align_up(end, kQ4Align);
+  return e;
+}
+
+void q4_quantize_matrix(const float* w, const Q4MatrixLayout& m, uint8_t* blob) {
+  const int groups = m.cols / m.group;
+  for (int r = 0; r < m.rows; ++r)
+    for (int g = 0; g < groups; ++g)
+      quantize_group(w + size_t(r) * size_t(m.cols) + size_t(g) * size_t(m.group), m.group,
+                     blob + m.codes_offset + size_t(r) * size_t(m.cols / 2) + size_t(g) * size_t(m.group / 2),
+                     blob + m.params_offset + (size_t(r) * size_t(groups) + size_t(g)) * 4);
+}
+
+void q4_dequantize_row(const uint8_t* blob, const Q4MatrixLayout& m, int row, float* out) {
+  const int groups = m.cols / m.group;
+  const uint8_t* codes = blob + m.codes_offset + size_t(row) * size_t(m.cols / 2);
+  const uint8_t* params = blob + m.params_offset + size_t(row) * size_t(groups) * 4;
+  unpack_codes(codes, m.cols, out);
+  for (int g = 0; g < groups; ++g) {
+    float scale, bias;
+    load_params(params + size_t(g) * 4, &scale, &bias);
+    float* o = out + size_t(g) * size_t(m.group);
+    for (int j = 0; j < m.group; ++j) o[j] = o[j] * scale + bias;
+  }
+}
+
+namespace {
+
+// Portable path: works for any group size.
+void matvec_rows_portable(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, const float* x_sums,
+                          float* y) {
+  const int groups = m.cols / m.group;
+  std::vector<float> q(static_cast<size_t>(m.cols));  // [cols]: one row's codes as floats
+  for (int r = 0; r < m.rows; ++r) {
+    unpack_codes(blob + m.codes_offset + size_t(r) * size_t(m.cols / 2), m.cols, q.data());
+    const uint8_t* params = blob + m.params_offset + size_t(r) * size_t(groups) * 4;
+    float acc = 0.0f;
+    for (int g = 0; g < groups; ++g) {
+      float scale, bias;
+      load_params(params + size_t(g) * 4, &scale, &bias);
+      const size_t at = size_t(g) * size_t(m.group);
+      acc += scale * dot(q.data() + at, x + at, m.group) + bias * x_sums[g];
+    }
+    y[r] = acc;
+  }
+}
+
+#ifdef MOE_Q4_AVX2
+// AVX2 path for groups that are a multiple of 32 inputs (16 code bytes): the
+// nibbles are split and re-interleaved in registers, widened to floats and
+// multiplied with x; each group's partial sums are scaled in vector form so
+// only one horizontal sum is paid per row.
+void matvec_rows_avx2(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, const float* x_sums, float* y) {
+  const int groups = m.cols / m.group;
+  const int chunks = m.group / 32;  // 32 inputs per chunk
+  const __m128i low_nibble = _mm_set1_epi8(0x0f);
+  for (int r = 0; r < m.rows; ++r) {
+    const uint8_t* codes = blob + m.codes_offset + size_t(r) * size_t(m.cols / 2);
+    const uint16_t* params = reinterpret_cast<const uint16_t*>(blob + m.params_offset + size_t(r) * size_t(groups) * 4);
+    __m256 acc = _mm256_setzero_ps();
+    float bias_acc = 0.0f;
+    for (int g = 0; g < groups; ++g) {
+      __m256 p0 = _mm256_setzero_ps(), p1 = _mm256_setzero_ps();
+      const uint8_t* c = codes + size_t(g) * size_t(m.group / 2);
+      const float* xg = x + size_t(g) * size_t(m.group);
+      for (int i = 0; i < chunks; ++i) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * i));
+        const __m128i lo = _mm_and_si128(b, low_nibble);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low_nibble);
+        const __m128i q0 = _mm_unpacklo_epi8(lo, hi);  // inputs 0..15 of the chunk, in order
+        const __m128i q1 = _mm_unpackhi_epi8(lo, hi);  // inputs 16..31
+        const float* xc = xg + 32 * i;
+        p0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q0)), _mm256_loadu_ps(xc), p0);
+        p1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q0, 8))), _mm256_loadu_ps(xc + 8), p1);
+        p0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q1)), _mm256_loadu_ps(xc + 16), p0);
+        p1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q1, 8))), _mm256_loadu_ps(xc + 24), p1);
+      }
+      const float scale = _cvtsh_ss(params[2 * g]);
+      const float bias = _cvtsh_ss(params[2 * g + 1]);
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_add_ps(p0, p1), acc);
+      bias_acc += bias * x_sums[g];
+    }
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    y[r] = _mm_cvtss_f32(s) + bias_acc;
+  }
+}
+#endif
+
+}  // namespace
+
+void q4_matvec(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, float* y) {
+  // Per group, sum_j (q_j s + b) x_j = s (q . x) + b sum(x): the sums of x are
+  // shared by every row, so each weight costs one multiply-add.
+  const int groups = m.cols / m.group;
+  std::vector<float> x_sums(static_cast<size_t>(groups));  // [groups]
+  for (int g = 0; g < groups; ++g) {
+    float s = 0.0f;
+    for (int j = 0; j < m.group; ++j) s += x[size_t(g) * size_t(m.group) + size_t(j)];
+    x_sums[size_t(g)] = s;
+  }
+#ifdef MOE_Q4_AVX2
+  if (m.group % 32 == 0) return matvec_rows_avx2(blob, m, x, x_sums.data(), y);
+#endif
+  matvec_rows_portable(blob, m, x, x_sums.data(), y);
+}
+
+}  // namespace moe

@@ -1,0 +1,70 @@
+#include "model/model_files.h"
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "model/packed_model.h"
+
+namespace moe {
+
+const std::vector<std::string>& ModelFiles::text_file_names() {
+  static const std::vector<std::string> names = {"config.json", "tokenizer.json", "tokenizer_config.json",
+                                                 "chat_template.jinja", "generation_config.json"};
+  return names;
+}
+
+Result<std::shared_ptr<ModelFiles>> ModelFiles::open(const std::string& path) {
+  namespace fs = std::filesystem;
+  auto files = std::make_shared<ModelFiles>();
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    auto desc = load_model_desc(path);
+    if (!desc) return make_error(desc.error());
+    auto ckpt = Checkpoint::open_dir(path);
+    if (!ckpt) return make_error(ckpt.error());
+    files->path_ = path;
+    files->desc_ = std::move(*desc);
+    files->ckpt_ = std::move(*ckpt);
+    for (const std::string& name : text_file_names()) {
+      const fs::path p = fs::path(path) / name;
+      if (!fs::exists(p)) continue;
+      std::ifstream in(p, std::ios::binary);
+      if (!in) return make_error(p.string() + ": cannot open: " + std::strerror(errno));
+      std::ostringstream ss;
+      ss << in.rdbuf();
+      files->text_files_[name] = ss.str();
+    }
+    return files;
+  }
+  if (!fs::exists(path, ec)) return make_error(path + ": no such file or folder");
+  if (!is_packed_model_file(path))
+    return make_error(path + ": neither a checkpoint folder nor a packed model file (bad magic)");
+  if (Status s = PackedModelReader::read(path, files.get()); !s) return make_error(s.error());
+  return files;
+}
+
+const TensorView* ModelFiles::find(const std::string& name) const {
+  if (!packed_) return ckpt_.find(name);
+  auto it = packed_tensors_.find(name);
+  return it == packed_tensors_.end() ? nullptr : &it->second;
+}
+
+const std::map<std::string, TensorView>& ModelFiles::tensors() const {
+  return packed_ ? packed_tensors_ : ckpt_.tensors();
+}
+
+const uint8_t* ModelFiles::expert_q4(int layer, int expert) const {
+  if (!experts_q4_ || layer < 0 || layer >= desc_.n_layers || expert < 0 || expert >= desc_.moe.n_experts)
+    return nullptr;
+  return expert_blobs_[size_t(layer) * size_t(desc_.moe.n_experts) + size_t(expert)];
+}
+
+std::string ModelFiles::tokenizer_file(const std::string& name) const {
+  auto it = text_files_.find(name);
+  return it == text_files_.end() ? std::string() : it->second;
+}
+
+}  // namespace moe

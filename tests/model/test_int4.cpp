@@ -1,0 +1,225 @@
+// INT4 experts (docs/int4-experts.md): group sizes, the blob layout, the
+// quantisation error bound on odd shapes, constant groups, and q4_matvec
+// against dequantise-then-dot.
+
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "model/int4.h"
+#include "model/safetensors.h"
+
+using namespace moe;
+
+namespace {
+
+std::vector<float> random_matrix(int rows, int cols, uint32_t seed, float offset = 0.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 0.05f);
+  std::vector<float> w(size_t(rows) * size_t(cols));
+  for (auto& v : w) v = bf16_to_f32(f32_to_bf16(dist(rng) + offset));  // checkpoint weights are bf16
+  return w;
+}
+
+Q4MatrixLayout single_matrix(int rows, int cols, int group) {
+  Q4MatrixLayout m;
+  m.rows = rows;
+  m.cols = cols;
+  m.group = q4_effective_group(cols, group);
+  m.codes_offset = 0;
+  m.params_offset = (m.codes_bytes() + kQ4Align - 1) / kQ4Align * kQ4Align;
+  return m;
+}
+
+void read_params(const uint8_t* blob, const Q4MatrixLayout& m, int row, int g, float* scale, float* bias) {
+  uint16_t h[2];
+  std::memcpy(h, blob + m.params_offset + (size_t(row) * size_t(m.cols / m.group) + size_t(g)) * 4, 4);
+  *scale = f16_to_f32(h[0]);
+  *bias = f16_to_f32(h[1]);
+}
+
+// Checks every weight against the bound of docs/int4-experts.md:
+// |w - w'| <= scale/2 + the half rounding of the bias (<= |bias| * 2^-11).
+void check_round_trip(const std::vector<float>& w, const Q4MatrixLayout& m, const uint8_t* blob) {
+  std::vector<float> row(static_cast<size_t>(m.cols));
+  for (int r = 0; r < m.rows; ++r) {
+    q4_dequantize_row(blob, m, r, row.data());
+    for (int c = 0; c < m.cols; ++c) {
+      float scale, bias;
+      read_params(blob, m, r, c / m.group, &scale, &bias);
+      const float want = w[size_t(r) * size_t(m.cols) + size_t(c)];
+      const float bound = scale / 2 + std::fabs(bias) * 0x1p-11f + 1e-7f * std::fabs(want);
+      if (std::fabs(row[size_t(c)] - want) > bound) {
+        FAIL("row " << r << " col " << c << " w " << want << " got " << row[size_t(c)] << " scale " << scale);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("effective group: the largest power of two <= G that divides K", "[int4]") {
+  CHECK(q4_effective_group(64, 64) == 64);
+  CHECK(q4_effective_group(2048, 128) == 128);
+  CHECK(q4_effective_group(96, 64) == 32);  // Mixtral-like K
+  CHECK(q4_effective_group(96, 128) == 32);
+  CHECK(q4_effective_group(32, 64) == 32);
+  CHECK(q4_effective_group(48, 64) == 16);
+  CHECK(q4_effective_group(1408, 128) == 128);
+  CHECK(q4_effective_group(6, 64) == 2);
+  CHECK(q4_effective_group(64, 100) == 64);  // a non-power-of-two request rounds down
+}
+
+TEST_CASE("expert layout: regions in order, 256-byte aligned, disjoint", "[int4]") {
+  for (auto [h, i, g] : {std::tuple{64, 96, 64}, {64, 32, 64}, {256, 128, 32}, {2048, 768, 128}, {64, 96, 128}}) {
+    INFO("H " << h << " I " << i << " G " << g);
+    const ExpertLayout e = expert_layout(h, i, g);
+    CHECK(e.hidden == h);
+    CHECK(e.inter == i);
+    CHECK(e.group == g);
+    CHECK(e.gate.rows == i);
+    CHECK(e.gate.cols == h);
+    CHECK(e.up.rows == i);
+    CHECK(e.down.rows == h);
+    CHECK(e.down.cols == i);
+    CHECK(e.gate.group == q4_effective_group(h, g));
+    CHECK(e.down.group == q4_effective_group(i, g));
+    const Q4MatrixLayout* ms[] = {&e.gate, &e.up, &e.down};
+    size_t end = 0;
+    for (const Q4MatrixLayout* m : ms) {
+      CHECK(m->codes_offset % kQ4Align == 0);
+      CHECK(m->params_offset % kQ4Align == 0);
+      CHECK(m->codes_offset >= end);
+      CHECK(m->params_offset >= m->codes_offset + m->codes_bytes());
+      CHECK(m->params_offset - (m->codes_offset + m->codes_bytes()) < kQ4Align);  // no more padding than needed
+      end = m->params_offset + m->params_bytes();
+    }
+    CHECK(e.gate.codes_offset == 0);
+    CHECK(e.blob_bytes % kQ4Align == 0);
+    CHECK(e.blob_bytes >= end);
+    CHECK(e.blob_bytes - end < kQ4Align);
+  }
+  // A worked example: H = 64, I = 96, G = 64 (down uses groups of 32).
+  const ExpertLayout e = expert_layout(64, 96, 64);
+  CHECK(e.gate.codes_bytes() == 96 * 32);
+  CHECK(e.gate.params_bytes() == 96 * 1 * 4);
+  CHECK(e.up.codes_offset == 3072 + 512);
+  CHECK(e.down.group == 32);
+  CHECK(e.down.params_bytes() == 64 * 3 * 4);
+}
+
+TEST_CASE("round trip error stays within scale/2 on odd shapes", "[int4]") {
+  uint32_t seed = 1;
+  for (int k : {64, 96, 32})
+    for (int n : {1, 7, 33})
+      for (int g : {32, 64, 128})
+        for (float offset : {0.0f, 0.2f, -0.3f}) {  // offsets give one-signed groups (zero point at an end)
+          INFO("K " << k << " N " << n << " G " << g << " offset " << offset);
+          const Q4MatrixLayout m = single_matrix(n, k, g);
+          const auto w = random_matrix(n, k, seed++, offset);
+          std::vector<uint8_t> blob(m.params_offset + m.params_bytes(), 0xAB);
+          q4_quantize_matrix(w.data(), m, blob.data());
+          check_round_trip(w, m, blob.data());
+        }
+}
+
+TEST_CASE("the round trip error is what 4 bits give, not merely bounded", "[int4]") {
+  // Uniform-ish weights: the mean error of nearest rounding is about scale/4.
+  const Q4MatrixLayout m = single_matrix(64, 128, 64);
+  const auto w = random_matrix(64, 128, 99);
+  std::vector<uint8_t> blob(m.params_offset + m.params_bytes());
+  q4_quantize_matrix(w.data(), m, blob.data());
+  double err = 0, scale_sum = 0;
+  std::vector<float> row(128);
+  for (int r = 0; r < 64; ++r) {
+    q4_dequantize_row(blob.data(), m, r, row.data());
+    for (int c = 0; c < 128; ++c) {
+      float s, b;
+      read_params(blob.data(), m, r, c / 64, &s, &b);
+      err += std::fabs(row[size_t(c)] - w[size_t(r) * 128 + size_t(c)]);
+      scale_sum += s;
+    }
+  }
+  CHECK(err / scale_sum > 0.15);
+  CHECK(err / scale_sum < 0.35);
+}
+
+TEST_CASE("constant groups dequantise to their value exactly", "[int4]") {
+  const int k = 96, n = 3;
+  const Q4MatrixLayout m = single_matrix(n, k, 32);
+  auto w = random_matrix(n, k, 7);
+  // Row 0: three constant groups (zero, positive, negative); row 1: one.
+  for (int c = 0; c < 32; ++c) {
+    w[size_t(c)] = 0.0f;
+    w[size_t(32 + c)] = 0.375f;
+    w[size_t(64 + c)] = bf16_to_f32(f32_to_bf16(-1.2345f));
+    w[size_t(k + 32 + c)] = bf16_to_f32(f32_to_bf16(3.0e-3f));
+  }
+  std::vector<uint8_t> blob(m.params_offset + m.params_bytes());
+  q4_quantize_matrix(w.data(), m, blob.data());
+  std::vector<float> row(static_cast<size_t>(k));
+  q4_dequantize_row(blob.data(), m, 0, row.data());
+  for (int c = 0; c < k; ++c) REQUIRE(row[size_t(c)] == w[size_t(c)]);
+  q4_dequantize_row(blob.data(), m, 1, row.data());
+  for (int c = 32; c < 64; ++c) REQUIRE(row[size_t(c)] == w[size_t(k + c)]);
+  check_round_trip(w, m, blob.data());
+}
+
+TEST_CASE("q4_matvec equals dequantise-then-dot", "[int4]") {
+  uint32_t seed = 100;
+  for (int k : {64, 96, 32, 6})
+    for (int n : {1, 7, 33})
+      for (int g : {32, 64, 128}) {
+        INFO("K " << k << " N " << n << " G " << g);
+        const Q4MatrixLayout m = single_matrix(n, k, g);
+        const auto w = random_matrix(n, k, seed++);
+        std::vector<float> x(static_cast<size_t>(k));
+        std::mt19937 rng(seed++);
+        std::normal_distribution<float> dist(0.0f, 1.0f);
+        for (auto& v : x) v = dist(rng);
+        std::vector<uint8_t> blob(m.params_offset + m.params_bytes());
+        q4_quantize_matrix(w.data(), m, blob.data());
+        std::vector<float> y(static_cast<size_t>(n));
+        q4_matvec(blob.data(), m, x.data(), y.data());
+        std::vector<float> row(static_cast<size_t>(k));
+        for (int r = 0; r < n; ++r) {
+          q4_dequantize_row(blob.data(), m, r, row.data());
+          double want = 0, mag = 0;
+          for (int c = 0; c < k; ++c) {
+            want += double(row[size_t(c)]) * x[size_t(c)];
+            mag += std::fabs(double(row[size_t(c)]) * x[size_t(c)]);
+          }
+          REQUIRE(std::fabs(y[size_t(r)] - want) <= 1e-5 * mag + 1e-7);
+        }
+      }
+}
+
+TEST_CASE("an expert blob holds its three matrices without overlap", "[int4]") {
+  const ExpertLayout e = expert_layout(64, 96, 64);
+  const auto gate = random_matrix(96, 64, 1), up = random_matrix(96, 64, 2), down = random_matrix(64, 96, 3);
+  std::vector<uint8_t> blob(e.blob_bytes, 0xCD);
+  q4_quantize_matrix(gate.data(), e.gate, blob.data());
+  q4_quantize_matrix(up.data(), e.up, blob.data());
+  q4_quantize_matrix(down.data(), e.down, blob.data());
+  check_round_trip(gate, e.gate, blob.data());
+  check_round_trip(up, e.up, blob.data());
+  check_round_trip(down, e.down, blob.data());
+}
+
+TEST_CASE("q4_matvec throughput", "[int4][.bench]") {
+  const ExpertLayout e = expert_layout(2048, 768, 64);
+  const auto w = random_matrix(768, 2048, 5);
+  std::vector<uint8_t> blob(e.blob_bytes);
+  q4_quantize_matrix(w.data(), e.gate, blob.data());
+  std::vector<float> x(2048, 0.5f), y(768);
+  const int reps = 200;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < reps; ++i) q4_matvec(blob.data(), e.gate, x.data(), y.data());
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  WARN("q4_matvec 768x2048 G64: " << s / reps * 1e6 << " us/call, " << 768.0 * 2048 * reps / s / 1e9
+                                  << " G weights/s");
+}
