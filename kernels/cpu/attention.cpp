@@ -1,5 +1,7 @@
 #include "kernels/cpu/attention.h"
 
+#include "kernels/cpu/matmul.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -30,9 +32,7 @@ void attention(const float* q, int64_t q_stride, const PagedKv& kv, const int32_
     float mx = -INFINITY;
     for (int j = 0; j < n_keys; ++j) {
       const float* kj = kv.k + (slot_index(kv.block_table, kv.block_tokens, j) * n_kv + kvh) * qk_dim;
-      float d = 0.0f;
-      for (int i = 0; i < qk_dim; ++i) d += qv[i] * kj[i];
-      score[j] = d * scale;
+      score[j] = dot_f32(qv, kj, qk_dim) * scale;
       mx = std::max(mx, score[j]);
     }
     float sum = 0.0f;
@@ -45,8 +45,7 @@ void attention(const float* q, int64_t q_stride, const PagedKv& kv, const int32_
     std::fill(o, o + v_dim, 0.0f);
     for (int j = 0; j < n_keys; ++j) {
       const float* vj = kv.v + (slot_index(kv.block_table, kv.block_tokens, j) * n_kv + kvh) * v_dim;
-      const float p = score[j] * inv;
-      for (int i = 0; i < v_dim; ++i) o[i] += p * vj[i];
+      axpy_f32(score[j] * inv, vj, o, v_dim);
     }
   });
 }

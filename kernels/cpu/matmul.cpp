@@ -139,4 +139,14 @@ float dot_f32(const float* a, const float* b, int n) {
   return r[0][0];
 }
 
+void axpy_f32(float a, const float* x, float* y, int n) {
+  int i = 0;
+#ifdef MOE_MATMUL_AVX2
+  const __m256 av = _mm256_set1_ps(a);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
 }  // namespace moe::cpu

@@ -33,4 +33,7 @@ inline void matmul_bf16(const float* x, const uint16_t* w, const float* bias, fl
 // The dot product every matmul output uses: a[n] . b[n] (b as f32).
 float dot_f32(const float* a, const float* b, int n);
 
+// y[n] += a * x[n] (x and y must not overlap).
+void axpy_f32(float a, const float* x, float* y, int n);
+
 }  // namespace moe::cpu
