@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -16,6 +17,8 @@ namespace fb = moe::fb;
 using flatbuffers::FlatBufferBuilder;
 using flatbuffers::Offset;
 
+// Scalar vectors are copied as bytes (see Reader::scalars).
+static_assert(FLATBUFFERS_LITTLEENDIAN, "the wire format is little-endian");
 static_assert(static_cast<uint16_t>(ErrorCode::frame_too_small) == fb::ErrorCode_MAX,
               "ErrorCode must mirror moe.fb.ErrorCode");
 static_assert(static_cast<uint16_t>(ErrorCode::version_mismatch) == fb::ErrorCode_VersionMismatch);
@@ -81,7 +84,11 @@ class Reader {
   std::vector<T> scalars(const flatbuffers::Vector<T>* v, size_t limit, const char* field) {
     if (!v) return {};
     if (!within(v->size(), limit, field)) return {};
-    return std::vector<T>(v->begin(), v->end());
+    // The verifier checks a vector's length field for 4-byte alignment only,
+    // so 8-byte elements may sit misaligned in a crafted buffer: copy bytes.
+    std::vector<T> out(v->size());
+    if (!out.empty()) std::memcpy(out.data(), v->Data(), out.size() * sizeof(T));
+    return out;
   }
 
   bool within(size_t n, size_t limit, const char* field) {
