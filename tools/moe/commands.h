@@ -10,6 +10,9 @@ struct Command {
   int (*run)(int argc, char** argv);
 };
 
+int cmd_tokenize(int argc, char** argv);
+int cmd_detokenize(int argc, char** argv);
+
 // The table, defined in main.cpp.
 extern const Command kCommands[];
 extern const int kNumCommands;

@@ -9,6 +9,8 @@
 namespace moe::cli {
 
 const Command kCommands[] = {
+    {"tokenize", "text on stdin -> token ids (JSON array)", cmd_tokenize},
+    {"detokenize", "token ids (JSON array) on stdin -> text", cmd_detokenize},
     {nullptr, nullptr, nullptr},
 };
 const int kNumCommands = sizeof(kCommands) / sizeof(kCommands[0]) - 1;
