@@ -84,8 +84,8 @@ class LfuDecayPolicy final : public EvictionPolicy {
 // (routing is bursty: an expert used now is likelier next token). The score
 // is -E[T]. Visits of a layer are runs of consecutive acquires of that layer.
 struct OursPolicyParams {
-  double long_half_life_visits = 512.0;  // popularity memory, in visits of the layer
-  double short_half_life_visits = 2.0;   // burst memory
+  double long_half_life_visits = 128.0;  // popularity memory, in visits of the layer
+  double short_half_life_visits = 4.0;   // burst memory
   double short_weight = 0.25;            // share of the burst estimate in p
   double p_floor = 1e-3;                 // unseen experts: rare, not impossible
 };

@@ -97,8 +97,8 @@ TEST_CASE("ours and lfu resist a scan that defeats lru") {
   }
   const uint64_t optimum = 2 + uint64_t(n_cold);  // compulsory misses only
   CHECK(misses(t, "belady", 3) == optimum);
-  CHECK(misses(t, "lfu", 3) == optimum);
-  // ours may lose layer 0's hot expert while its popularity is still unknown.
+  // Both may lose layer 0's hot expert once, while its popularity is unknown.
+  CHECK(misses(t, "lfu", 3) <= optimum + 2);
   CHECK(misses(t, "ours", 3) <= optimum + 2);
   // lru loses it every cycle: one extra miss per 3 tokens.
   CHECK(misses(t, "lru", 3) >= optimum + T / 3 - 2);
