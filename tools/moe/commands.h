@@ -12,6 +12,7 @@ struct Command {
 
 int cmd_tokenize(int argc, char** argv);
 int cmd_detokenize(int argc, char** argv);
+int cmd_convert(int argc, char** argv);
 int cmd_replay_trace(int argc, char** argv);
 
 // The table, defined in main.cpp.

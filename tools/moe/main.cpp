@@ -11,6 +11,7 @@ namespace moe::cli {
 const Command kCommands[] = {
     {"tokenize", "text on stdin -> token ids (JSON array)", cmd_tokenize},
     {"detokenize", "token ids (JSON array) on stdin -> text", cmd_detokenize},
+    {"convert", "checkpoint folder -> one packed model file (INT4 experts)", cmd_convert},
     {"replay-trace", "routing trace -> expert-island hit rate per eviction policy", cmd_replay_trace},
     {nullptr, nullptr, nullptr},
 };
