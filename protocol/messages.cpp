@@ -417,12 +417,12 @@ Result<StepRequest> decode_step(Payload p) {
     for (const fb::StepSequence* q : *sv) {
       StepSequence s;
       s.seq_id = q->seq_id();
-      const std::string id = "sequence " + std::to_string(s.seq_id);
+      auto id = [&s] { return "sequence " + std::to_string(s.seq_id); };
       if (s.seq_id == 0) r.fail("sequence id 0 is reserved");
-      if (!seen.insert(s.seq_id).second) r.fail(id + " appears twice");
+      if (!seen.insert(s.seq_id).second) r.fail(id() + " appears twice");
       const auto* tv = q->tokens();
       const size_t n = tv ? tv->size() : 0;
-      if (n == 0) r.fail(id + " has no tokens");
+      if (n == 0) r.fail(id() + " has no tokens");
       total_tokens += n;
       if (total_tokens > kMaxStepTokens) {
         r.fail("more than " + std::to_string(kMaxStepTokens) + " tokens in one step");
@@ -431,13 +431,13 @@ Result<StepRequest> decode_step(Payload p) {
       s.tokens = r.scalars(tv, kMaxStepTokens, "tokens");
       for (int32_t tok : s.tokens) {
         if (tok < 0) {
-          r.fail(id + " has negative token id " + std::to_string(tok));
+          r.fail(id() + " has negative token id " + std::to_string(tok));
           break;
         }
       }
       s.start_pos = q->start_pos();
       if (uint64_t{s.start_pos} + n > std::numeric_limits<uint32_t>::max())
-        r.fail(id + " runs past position 2^32");
+        r.fail(id() + " runs past position 2^32");
       s.sample = q->sample();
       if (const fb::SamplingParams* sp = q->sampling()) {
         SamplingParams& o = s.sampling;
@@ -448,11 +448,11 @@ Result<StepRequest> decode_step(Payload p) {
         o.logprobs = sp->logprobs();
         o.top_logprobs = sp->top_logprobs();
         if (!finite(o.temperature) || o.temperature < 0.0f)
-          r.fail(id + ": temperature must be finite and >= 0");
+          r.fail(id() + ": temperature must be finite and >= 0");
         if (!finite(o.top_p) || o.top_p <= 0.0f || o.top_p > 1.0f)
-          r.fail(id + ": top_p must be in (0, 1]");
+          r.fail(id() + ": top_p must be in (0, 1]");
         if (o.top_logprobs > kMaxTopLogprobs)
-          r.fail(id + ": top_logprobs above " + std::to_string(kMaxTopLogprobs));
+          r.fail(id() + ": top_logprobs above " + std::to_string(kMaxTopLogprobs));
       }
       if (!r.ok()) break;
       m.sequences.push_back(std::move(s));
