@@ -10,13 +10,20 @@ __global__ void silu_mul_kernel(const float* g, const float* u, float* o, int64_
     o[i] = detail::silu(g[i]) * u[i];
 }
 
-__global__ void silu_mul_fused_kernel(const float* gu, __nv_bfloat16* o, int rows, int inter) {
+__global__ void silu_mul_fused_kernel(const float* gu, __nv_bfloat16* o, int rows, int inter, int stride) {
   const int64_t n = int64_t(rows) * inter;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / inter, c = i % inter;
-    const float* row = gu + r * 2 * inter;
+    const float* row = gu + r * stride;
     o[i] = __float2bfloat16(detail::silu(row[c]) * row[inter + c]);
   }
+}
+
+__global__ void gated_add_kernel(float* x, const float* y, const float* g, int gs, int rows, int n) {
+  const int64_t total = int64_t(rows) * n;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x)
+    x[i] += detail::sigmoid(g[(i / n) * gs]) * y[i];
 }
 
 int blocks_for(int64_t n) { return int(std::min<int64_t>((n + 255) / 256, 4096)); }
@@ -30,9 +37,21 @@ Status silu_mul(const float* gate, const float* up, float* out, int64_t n, cudaS
   return {};
 }
 
-Status silu_mul_fused(const float* gate_up, __nv_bfloat16* out, int rows, int inter, cudaStream_t stream) {
+Status silu_mul_fused(const float* gate_up, __nv_bfloat16* out, int rows, int inter, cudaStream_t stream,
+                      int in_stride) {
   MOE_CUDA_REQUIRE(gate_up && out && rows > 0 && inter > 0, "null pointer or empty");
-  silu_mul_fused_kernel<<<blocks_for(int64_t(rows) * inter), 256, 0, stream>>>(gate_up, out, rows, inter);
+  if (in_stride == 0) in_stride = 2 * inter;
+  MOE_CUDA_REQUIRE(in_stride >= 2 * inter, "in_stride must be at least 2 * inter");
+  silu_mul_fused_kernel<<<blocks_for(int64_t(rows) * inter), 256, 0, stream>>>(gate_up, out, rows, inter,
+                                                                                in_stride);
+  MOE_CUDA_LAUNCHED();
+  return {};
+}
+
+Status gated_add(float* x, const float* y, const float* gate_logits, int gate_stride, int rows, int n,
+                 cudaStream_t stream) {
+  MOE_CUDA_REQUIRE(x && y && gate_logits && rows > 0 && n > 0, "null pointer or empty");
+  gated_add_kernel<<<blocks_for(int64_t(rows) * n), 256, 0, stream>>>(x, y, gate_logits, gate_stride, rows, n);
   MOE_CUDA_LAUNCHED();
   return {};
 }

@@ -181,12 +181,23 @@ __global__ void __launch_bounds__(kThreads)
   }
   for (int i = threadIdx.x; i < C; i += kThreads)
     prob[i] = exp((double(row[~uint32_t(list[i] & 0xffffffffull)]) - mx) * inv_t);
+  if (limit_p && !limit_k) {
+    // top-p alone: the threshold is top_p of the whole vocabulary's mass,
+    // as on the CPU, even though only the candidates can be kept.
+    double s = 0.0;
+    for (int i = threadIdx.x; i < vocab; i += kThreads) s += exp((double(row[i]) - mx) * inv_t);
+    seg[threadIdx.x] = s;
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
     int keep = C;
     if (limit_p) {
       double total = 0.0;
-      for (int i = 0; i < keep; ++i) total += prob[i];
+      if (limit_k) {
+        for (int i = 0; i < keep; ++i) total += prob[i];
+      } else {
+        for (int i = 0; i < kThreads; ++i) total += seg[i];
+      }
       double acc = 0.0;
       int m = 0;
       while (m < keep) {

@@ -5,7 +5,9 @@
 // is the CPU twin's sample_uniform(seed, position), so both pick the same
 // token from the same logits (up to rounding at a probability boundary).
 // Candidates for top-k / top-p are the kMaxCandidates best tokens: top_k
-// above that is clamped, and top-p alone (top_k = 0) is applied within them.
+// above that is clamped; top-p alone (top_k = 0) measures its threshold on
+// the whole vocabulary but keeps at most kMaxCandidates tokens (a nucleus
+// wider than that, rare with real logits, is cut there).
 
 #include <cuda_runtime.h>
 

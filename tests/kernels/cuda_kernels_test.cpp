@@ -24,6 +24,7 @@
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/cuda_check.cuh"
 #include "kernels/cuda/dense_matmul.cuh"
+#include "kernels/cuda/embedding.cuh"
 #include "kernels/cuda/norm.cuh"
 #include "kernels/cuda/q4_gemm.cuh"
 #include "kernels/cuda/q4_gemv.cuh"
@@ -580,4 +581,30 @@ TEST_CASE("cuda bf16 dense layers (decode GEMV and cuBLASLt) match the CPU", "[c
   std::vector<float> twice = ref;
   for (auto& v : twice) v *= 2.f;
   CHECK(rel_err(dy.get(), twice) < 1e-4);
+}
+
+TEST_CASE("cuda embedding_gather and gated_add", "[cuda][activation]") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(21);
+  const int vocab = 37, hidden = 129;
+  const auto table = round_bf16(randn(size_t(vocab) * hidden, rng));
+  const std::vector<int32_t> ids = {5, 0, 36, -1, 37};  // the last two are out of range: zero rows
+  Dev<bf16> dtab(to_bf16(table));
+  Dev<int32_t> dids(ids);
+  Dev<float> dx(ids.size() * hidden);
+  REQUIRE_OK(moe::cuda::embedding_gather(dtab.p, vocab, hidden, dids.p, int(ids.size()), dx.p, nullptr));
+  const auto x = dx.get();
+  for (size_t t = 0; t < ids.size(); ++t)
+    for (int i = 0; i < hidden; ++i) {
+      const float want = ids[t] >= 0 && ids[t] < vocab ? table[size_t(ids[t]) * hidden + i] : 0.f;
+      REQUIRE(x[t * hidden + i] == want);
+    }
+  const int rows = 3;
+  const auto base = randn(size_t(rows) * hidden, rng), y = randn(base.size(), rng), g = randn(rows * 2, rng);
+  std::vector<float> ref = base;
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < hidden; ++i) ref[size_t(r) * hidden + i] += moe::cpu::sigmoid(g[r * 2]) * y[size_t(r) * hidden + i];
+  Dev<float> db(base), dy(y), dg(g);
+  REQUIRE_OK(moe::cuda::gated_add(db.p, dy.p, dg.p, 2, rows, hidden, nullptr));
+  CHECK(rel_err(db.get(), ref) < 1e-6);
 }

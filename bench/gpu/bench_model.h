@@ -1,0 +1,102 @@
+#pragma once
+// A whole MoE decoder on one GPU with seeded random weights, for timing:
+// experts INT4 (group 64) in the blob layout, everything else bf16, KV in a
+// paged bf16 pool. decode_step() is graph-capturable (no host sync, no
+// allocation); prefill() runs one prompt through cuBLASLt and the grouped
+// INT4 GEMM.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/dense_matmul.cuh"
+#include "model/int4.h"
+#include "model/result.h"
+
+namespace moe::bench {
+
+struct ModelShape {
+  std::string name;
+  int hidden, layers, n_heads, n_kv, head_dim;
+  int n_experts, top_k, inter;
+  int shared_inter;  // 0: no shared expert; else a sigmoid-gated shared MLP
+  bool qk_norm, qkv_bias, norm_topk;
+  int vocab;
+  float rope_theta;
+};
+
+ModelShape qwen15_moe_a27b();
+ModelShape qwen3_30b_a3b();
+
+// Bytes of weights one decode step reads for `tokens` tokens when each token
+// routes to top_k distinct experts (no sharing between tokens counted).
+double decode_bytes_per_step(const ModelShape& s, const ExpertLayout& L, int tokens);
+
+class BenchModel {
+ public:
+  // Allocates and fills everything for up to max_tokens tokens per call and
+  // max_seqs sequences of up to max_context positions.
+  static Result<std::unique_ptr<BenchModel>> create(const ModelShape& s, int max_tokens, int max_seqs,
+                                                    int max_context, uint64_t seed, cudaStream_t stream);
+  ~BenchModel();
+
+  // One decode step for `batch` sequences (<= 8): reads tokens_ / positions_
+  // (device), writes the greedy next tokens back to tokens_ and advances
+  // positions_ by one.
+  Status decode_step(int batch, cudaStream_t stream);
+
+  // One prompt of n tokens (sequence 0, positions 0..n-1); the last token's
+  // greedy next token lands in tokens_[0].
+  Status prefill(int n, cudaStream_t stream);
+
+  // Sets every sequence's next position (host -> device, synchronous).
+  Status set_positions(int first_position, int batch);
+
+  // Isolated kernel timings (graph replays over all layers, so that weights
+  // come from DRAM, not L2): time per call, bytes moved, flops.
+  struct KernelTiming {
+    std::string name;
+    double us = 0, bytes = 0, flops = 0;
+  };
+  Result<std::vector<KernelTiming>> time_kernels(cudaStream_t stream);
+
+  const ExpertLayout& layout() const { return layout_; }
+  int32_t* tokens() { return tokens_; }
+
+ private:
+  BenchModel() = default;
+  Status alloc(void** p, size_t bytes);
+
+  ModelShape s_{};
+  ExpertLayout layout_{};
+  int max_tokens_ = 0, max_seqs_ = 0, max_blocks_ = 0;
+  std::vector<void*> allocations_;
+  std::unique_ptr<cuda::CublasLtMatmul> mm_;
+
+  struct Layer {
+    __nv_bfloat16 *in_norm, *post_norm, *qkv_w, *qkv_b, *q_norm, *k_norm, *o_w, *router_w;
+    __nv_bfloat16 *shared_w, *shared_down;  // shared_w: [2 * shared_inter + 1, hidden] (gate | up | gate logit)
+    uint8_t* experts;                       // [n_experts * blob_bytes]
+    const uint8_t** expert_ptrs;            // [n_experts] device
+    __nv_bfloat16 *k_pool, *v_pool;
+  };
+  std::vector<Layer> layers_;
+  __nv_bfloat16 *embed_ = nullptr, *final_norm_ = nullptr, *lm_head_ = nullptr;
+  float* inv_freq_ = nullptr;
+  int32_t *block_tables_ = nullptr, *seq_of_token_ = nullptr, *prefill_seq_ = nullptr;
+  int32_t *positions_ = nullptr, *prefill_pos_ = nullptr, *tokens_ = nullptr, *prompt_ = nullptr;
+  // activations, sized for max_tokens
+  float *x_ = nullptr, *qkv_ = nullptr, *logits_ = nullptr, *router_logits_ = nullptr, *h_ = nullptr;
+  float *shared_gu_ = nullptr, *tmp_ = nullptr, *route_w_ = nullptr;
+  int32_t* route_ids_ = nullptr;
+  __nv_bfloat16 *xn_ = nullptr, *q_ = nullptr, *attn_ = nullptr, *shared_h_ = nullptr;
+  void* grouped_ws_ = nullptr;
+  size_t grouped_ws_bytes_ = 0;
+};
+
+}  // namespace moe::bench
