@@ -13,31 +13,48 @@ namespace moe::tok {
 
 namespace {
 
-bool is_ascii(std::string_view s) {
-  for (char c : s)
-    if (static_cast<unsigned char>(c) >= 0x80) return false;
-  return true;
-}
-
-// Unicode normal forms through utf8proc. ASCII text is invariant under all
-// four forms, which keeps the common case a copy.
+// Unicode normal forms through utf8proc. ASCII is invariant under all four
+// forms and an ASCII character never combines with what precedes it, so
+// only the non-ASCII runs (with the one ASCII character before each, which a
+// combining mark may attach to) go through utf8proc; the rest is copied.
 class UnicodeForm final : public Normalizer {
  public:
   explicit UnicodeForm(int options) : options_(options) {}
   std::string normalize(std::string_view text) const override {
-    if (is_ascii(text)) return std::string(text);
-    utf8proc_uint8_t* dst = nullptr;
-    // An explicit length (not NUL-terminated) so that NUL bytes pass through.
-    const utf8proc_ssize_t n =
-        utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()), static_cast<utf8proc_ssize_t>(text.size()),
-                     &dst, static_cast<utf8proc_option_t>(UTF8PROC_STABLE | options_));
-    if (n < 0) return std::string(text);
-    std::string out(reinterpret_cast<const char*>(dst), static_cast<size_t>(n));
-    std::free(dst);
+    std::string out;
+    out.reserve(text.size());
+    size_t copied = 0;  // text[0, copied) is in out
+    for (size_t i = 0; i < text.size();) {
+      if (static_cast<unsigned char>(text[i]) < 0x80) {
+        ++i;
+        continue;
+      }
+      size_t b = i;
+      if (b > copied) --b;  // the ASCII starter a mark may compose with
+      size_t e = i;
+      while (e < text.size() && static_cast<unsigned char>(text[e]) >= 0x80) ++e;
+      out.append(text.substr(copied, b - copied));
+      map_run(text.substr(b, e - b), out);
+      copied = i = e;
+    }
+    out.append(text.substr(copied));
     return out;
   }
 
  private:
+  void map_run(std::string_view run, std::string& out) const {
+    utf8proc_uint8_t* dst = nullptr;
+    // An explicit length (not NUL-terminated) so that NUL bytes pass through.
+    const utf8proc_ssize_t n =
+        utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(run.data()), static_cast<utf8proc_ssize_t>(run.size()),
+                     &dst, static_cast<utf8proc_option_t>(UTF8PROC_STABLE | options_));
+    if (n < 0) {
+      out.append(run);
+    } else {
+      out.append(reinterpret_cast<const char*>(dst), static_cast<size_t>(n));
+    }
+    std::free(dst);
+  }
   int options_;
 };
 

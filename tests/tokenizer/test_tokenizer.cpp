@@ -7,6 +7,7 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -273,4 +274,64 @@ TEST_CASE("loading reports bad input as errors", "[tokenizer]") {
       "");
   REQUIRE_FALSE(r.ok());
   CHECK(r.error().find("regex") != std::string::npos);
+}
+
+TEST_CASE("random text: never crashes, round-trips, streams as decode does", "[tokenizer]") {
+  // Characters that are their own NFC form, so decode(encode(s)) == s.
+  const char* const alphabet[] = {"a", "Z", " ", "  ", "\n", "\t", "'s", "'LL", "0", "42", "_", "(", "!", "\xC3\xA9",
+                                  "\xE6\x95\xB0", "\xF0\x9F\x99\x82", "<|im_end|>", "<s>", "\xE2\x96\x81", "\r\n"};
+  uint64_t state = 0x9E3779B97F4A7C15ull;
+  auto next = [&state] {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    return state;
+  };
+  for (const char* name : kReferenceTokenizers) {
+    auto tok = load(kFixtures + "/tokenizers/" + name);
+    INFO(name);
+    for (int round = 0; round < 200; ++round) {
+      std::string text, bytes;
+      const int n = static_cast<int>(next() % 40);
+      for (int k = 0; k < n; ++k) text += alphabet[next() % (sizeof(alphabet) / sizeof(alphabet[0]))];
+      for (int k = 0; k < n; ++k) bytes.push_back(static_cast<char>(next() & 0xFF));
+      INFO("text: " << text);
+      const auto ids = tok->encode(text, false);
+      std::string back = tok->decode(ids, false);
+      if (std::string(name) != "spm_bpe") {
+        CHECK(back == text);
+      } else if (text.find("<s>") == std::string::npos && text.find("\xE2\x96\x81") == std::string::npos) {
+        // SentencePiece: "▁" is a space once decoded, and a special token
+        // starts a new "▁"-prefixed piece.
+        CHECK(back == text);
+      }
+      CHECK(stream_all(*tok, ids, false) == tok->decode(ids, false));
+      // Arbitrary bytes: valid ids, valid UTF-8 out.
+      const auto byte_ids = tok->encode(bytes, true);
+      for (int32_t id : byte_ids) CHECK((id >= 0 && id < tok->vocab_size()));
+      CHECK(moe::tok::utf8_valid(tok->decode(byte_ids, false)));
+      CHECK(stream_all(*tok, byte_ids, true) == tok->decode(byte_ids, true));
+    }
+  }
+}
+
+TEST_CASE("one tokenizer encodes from many threads at once", "[tokenizer]") {
+  auto tok = load(kDemo);
+  const std::string eval_text = slurp(kDemo + "/eval.txt");
+  std::vector<std::string> texts;
+  for (size_t off = 0; off + 4000 < 200000; off += 4000) texts.push_back(eval_text.substr(off, 4000));
+  std::vector<std::vector<int32_t>> expected;
+  {
+    auto fresh = load(kDemo);
+    for (const auto& t : texts) expected.push_back(fresh->encode(t, false));
+  }
+  std::vector<int> mismatches(4, 0);
+  std::vector<std::thread> threads;
+  for (int w = 0; w < 4; ++w)
+    threads.emplace_back([&, w] {
+      for (size_t i = static_cast<size_t>(w); i < texts.size() * 4; i += 4)
+        if (tok->encode(texts[i % texts.size()], false) != expected[i % texts.size()]) ++mismatches[static_cast<size_t>(w)];
+    });
+  for (auto& t : threads) t.join();
+  for (int m : mismatches) CHECK(m == 0);
 }
