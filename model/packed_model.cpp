@@ -1,14 +1,17 @@
 #include "model/packed_model.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -118,6 +121,40 @@ bool parse_q4_name(const std::string& name, int* layer, int* expert) {
   return true;
 }
 
+// Tells the kernel a source tensor's pages are done with, so that converting
+// a checkpoint larger than memory does not hold it all resident. Only whole
+// pages inside the tensor; the mapping is read-only, so nothing is lost.
+void drop_pages(const uint8_t* p, size_t n) {
+  const uintptr_t page = uintptr_t(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) / page * page;
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
+// Runs fn(0..n-1) on up to `threads` threads.
+void parallel_for(size_t n, size_t threads, const std::function<void(size_t)>& fn) {
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t k; (k = next.fetch_add(1)) < n;) fn(k);
+  };
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < std::min(threads, n); ++t) pool.emplace_back(work);
+  work();
+  for (auto& th : pool) th.join();
+}
+
+std::vector<uint8_t> quantize_expert(const ModelFiles& files, const ExpertWeightNames& n, const ExpertLayout& layout) {
+  std::vector<uint8_t> blob(layout.blob_bytes, 0);
+  const std::pair<const std::string*, const Q4MatrixLayout*> parts[] = {
+      {&n.gate, &layout.gate}, {&n.up, &layout.up}, {&n.down, &layout.down}};
+  for (const auto& [name, m] : parts) {
+    const TensorView& t = *files.find(*name);
+    q4_quantize_matrix(to_f32(t).data(), *m, blob.data());
+    drop_pages(t.data, t.nbytes);
+  }
+  return blob;
+}
+
 }  // namespace
 
 ExpertWeightNames expert_weight_names(const ModelDesc& d, int layer, int expert) {
@@ -218,7 +255,12 @@ Status write_packed_model(const std::string& model_dir, const std::string& out_p
                        {"alignment", kPackedAlign},
                        {"data_bytes", data_bytes},
                        {"tensors", table}};
-  const std::string header_text = header.dump();
+  std::string header_text;
+  try {
+    header_text = header.dump();
+  } catch (const json::exception& e) {
+    return make_error(model_dir + ": a tokenizer or config file is not valid UTF-8: " + e.what());
+  }
   const size_t data_offset = align_up(kPackedPrefixBytes + header_text.size(), kPackedAlign);
 
   const std::string tmp_path = out_path + ".tmp";
@@ -235,19 +277,28 @@ Status write_packed_model(const std::string& model_dir, const std::string& out_p
 
     uint64_t bytes_done = 0;
     if (opts.progress) opts.progress(0, out.size(), 0, bytes_total);
-    std::vector<uint8_t> blob;
+    // Expert blobs are quantised a batch at a time on all threads, then
+    // written in order.
+    const size_t threads = opts.threads > 0 ? size_t(opts.threads) : std::max(1u, std::thread::hardware_concurrency());
+    std::vector<std::vector<uint8_t>> blobs;  // [batch][blob_bytes]
+    size_t batch_begin = 0, batch_end = 0;    // the out[] range `blobs` holds
     for (size_t i = 0; i < out.size() && !f.failed(); ++i) {
       const OutTensor& t = out[i];
       f.pad_to(data_offset + t.offset);
       if (t.src) {
         f.write(t.src->data, t.bytes);
+        drop_pages(t.src->data, t.bytes);
       } else {
-        blob.assign(layout.blob_bytes, 0);
-        const ExpertWeightNames n = expert_weight_names(d, t.layer, t.expert);
-        q4_quantize_matrix(to_f32(*files.find(n.gate)).data(), layout.gate, blob.data());
-        q4_quantize_matrix(to_f32(*files.find(n.up)).data(), layout.up, blob.data());
-        q4_quantize_matrix(to_f32(*files.find(n.down)).data(), layout.down, blob.data());
-        f.write(blob.data(), blob.size());
+        if (i >= batch_end) {
+          batch_begin = i;
+          batch_end = std::min(out.size(), i + 2 * threads);
+          blobs.resize(batch_end - batch_begin);
+          parallel_for(batch_end - batch_begin, threads, [&](size_t k) {
+            const OutTensor& x = out[batch_begin + k];
+            blobs[k] = quantize_expert(files, expert_weight_names(d, x.layer, x.expert), layout);
+          });
+        }
+        f.write(blobs[i - batch_begin].data(), t.bytes);
       }
       bytes_done += t.bytes;
       if (opts.progress) opts.progress(i + 1, out.size(), bytes_done, bytes_total);

@@ -34,6 +34,7 @@ std::string expert_q4_name(int layer, int expert);
 struct PackOptions {
   bool quantize_experts = true;  // false: experts stay as stored (bf16)
   int group_size = 64;           // 32, 64 or 128
+  int threads = 0;               // quantiser threads; 0: one per core
   // Called after each tensor is written (and once before the first, with 0s).
   std::function<void(size_t tensors_done, size_t tensors_total, uint64_t bytes_done, uint64_t bytes_total)> progress;
 };
