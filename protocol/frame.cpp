@@ -37,8 +37,7 @@ bool is_known_command(uint8_t command) {
     case Command::unload_expert_reply:
     case Command::stats_reply:
     case Command::pressure:
-    case Command::error:
-      return true;
+    case Command::error: return true;
   }
   return false;
 }
@@ -139,20 +138,23 @@ void FrameDecoder::feed(std::span<const uint8_t> bytes) {
         const uint64_t length = get_le(header_, 4);
         if (length < kMinLengthField) {
           failed_ = true;
-          events_.push_back({DecodeStatus::error, {},
-                             {true, ErrorCode::frame_too_small, 0, 0,
-                              "declared frame length " + std::to_string(length) +
-                                  " is below the header size " + std::to_string(kMinLengthField) +
-                                  "; stream out of sync"}});
+          events_.push_back(
+              {DecodeStatus::error,
+               {},
+               {true, ErrorCode::frame_too_small, 0, 0,
+                "declared frame length " + std::to_string(length) + " is below the header size " +
+                    std::to_string(kMinLengthField) + "; stream out of sync"}});
           break;
         }
         if (length + kLengthFieldBytes > max_frame_bytes_) {
           failed_ = true;
-          events_.push_back({DecodeStatus::error, {},
-                             {true, ErrorCode::frame_too_large, 0, 0,
-                              "declared frame length " + std::to_string(length) +
-                                  " exceeds the maximum frame of " +
-                                  std::to_string(max_frame_bytes_) + " bytes; stream out of sync"}});
+          events_.push_back(
+              {DecodeStatus::error,
+               {},
+               {true, ErrorCode::frame_too_large, 0, 0,
+                "declared frame length " + std::to_string(length) +
+                    " exceeds the maximum frame of " + std::to_string(max_frame_bytes_) +
+                    " bytes; stream out of sync"}});
           break;
         }
         payload_need_ = length - kMinLengthField;
@@ -182,7 +184,8 @@ void FrameDecoder::finish_frame() {
   } else {
     char hex[8];
     snprintf(hex, sizeof hex, "0x%02x", current_.command);
-    events_.push_back({DecodeStatus::error, {},
+    events_.push_back({DecodeStatus::error,
+                       {},
                        {false, ErrorCode::unknown_command, current_.command, current_.request_id,
                         std::string("unknown command ") + hex}});
   }

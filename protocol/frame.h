@@ -39,11 +39,11 @@ struct Frame {
 
 // Appends one frame to `out`. Fails (and appends nothing) when the frame
 // would exceed `max_frame_bytes`, which the receiver would treat as fatal.
-[[nodiscard]] Status append_frame(std::vector<uint8_t>& out, uint8_t command,
-                                  uint64_t request_id, std::span<const uint8_t> payload,
+[[nodiscard]] Status append_frame(std::vector<uint8_t>& out, uint8_t command, uint64_t request_id,
+                                  std::span<const uint8_t> payload,
                                   size_t max_frame_bytes = kMaxFrameBytes);
-[[nodiscard]] Status append_frame(std::vector<uint8_t>& out, Command command,
-                                  uint64_t request_id, std::span<const uint8_t> payload,
+[[nodiscard]] Status append_frame(std::vector<uint8_t>& out, Command command, uint64_t request_id,
+                                  std::span<const uint8_t> payload,
                                   size_t max_frame_bytes = kMaxFrameBytes);
 // The same as a fresh buffer.
 [[nodiscard]] Result<std::vector<uint8_t>> encode_frame(Command command, uint64_t request_id,

@@ -210,8 +210,8 @@ Result<Hello> decode_hello(Payload p) {
     }
     const ExpertLayout& e = m.experts;
     if (e.moe_layers.size() != e.n_moe_layers) {
-      r.fail("moe_layers lists " + std::to_string(e.moe_layers.size()) + " layers, n_moe_layers is " +
-             std::to_string(e.n_moe_layers));
+      r.fail("moe_layers lists " + std::to_string(e.moe_layers.size()) +
+             " layers, n_moe_layers is " + std::to_string(e.n_moe_layers));
     }
     for (uint16_t layer : e.moe_layers) {
       if (layer >= e.n_layers) {
@@ -243,14 +243,15 @@ std::vector<uint8_t> encode_load_expert(const LoadExpert& m) {
 }
 
 Result<LoadExpert> decode_load_expert(Payload p) {
-  return verified<fb::LoadExpert>(p, "load_expert", [](const fb::LoadExpert& t) -> Result<LoadExpert> {
-    Reader r("load_expert");
-    LoadExpert m;
-    m.layer = t.layer();
-    m.experts = r.scalars(t.experts(), kMaxExpertsPerMessage, "experts");
-    m.pin = t.pin();
-    return r.result(std::move(m));
-  });
+  return verified<fb::LoadExpert>(
+      p, "load_expert", [](const fb::LoadExpert& t) -> Result<LoadExpert> {
+        Reader r("load_expert");
+        LoadExpert m;
+        m.layer = t.layer();
+        m.experts = r.scalars(t.experts(), kMaxExpertsPerMessage, "experts");
+        m.pin = t.pin();
+        return r.result(std::move(m));
+      });
 }
 
 std::vector<uint8_t> encode_load_expert_reply(const LoadExpertReply& m) {
@@ -569,9 +570,10 @@ std::vector<uint8_t> encode_stats_request(const StatsRequest& m) {
 }
 
 Result<StatsRequest> decode_stats_request(Payload p) {
-  return verified<fb::StatsRequest>(p, "stats", [](const fb::StatsRequest& t) -> Result<StatsRequest> {
-    return StatsRequest{t.include_resident()};
-  });
+  return verified<fb::StatsRequest>(p, "stats",
+                                    [](const fb::StatsRequest& t) -> Result<StatsRequest> {
+                                      return StatsRequest{t.include_resident()};
+                                    });
 }
 
 std::vector<uint8_t> encode_stats_reply(const StatsReply& m) {
@@ -599,27 +601,29 @@ std::vector<uint8_t> encode_stats_reply(const StatsReply& m) {
 }
 
 Result<StatsReply> decode_stats_reply(Payload p) {
-  return verified<fb::StatsReply>(p, "stats_reply", [](const fb::StatsReply& t) -> Result<StatsReply> {
-    Reader r("stats_reply");
-    StatsReply m;
-    m.expert_hits = t.expert_hits();
-    m.expert_misses = t.expert_misses();
-    m.bytes_copied = t.bytes_copied();
-    m.islands_used = t.islands_used();
-    m.islands_total = t.islands_total();
-    m.kv_blocks_used = t.kv_blocks_used();
-    m.kv_blocks_free = t.kv_blocks_free();
-    m.steps = t.steps();
-    m.tokens = t.tokens();
-    m.sampled_tokens = t.sampled_tokens();
-    m.sequences_active = t.sequences_active();
-    m.uptime_ms = t.uptime_ms();
-    if (const auto* rv = t.resident(); rv && r.within(rv->size(), kMaxExpertsPerMessage, "resident")) {
-      m.resident.reserve(rv->size());
-      for (const fb::ExpertRef* e : *rv) m.resident.push_back({e->layer(), e->expert()});
-    }
-    return r.result(std::move(m));
-  });
+  return verified<fb::StatsReply>(
+      p, "stats_reply", [](const fb::StatsReply& t) -> Result<StatsReply> {
+        Reader r("stats_reply");
+        StatsReply m;
+        m.expert_hits = t.expert_hits();
+        m.expert_misses = t.expert_misses();
+        m.bytes_copied = t.bytes_copied();
+        m.islands_used = t.islands_used();
+        m.islands_total = t.islands_total();
+        m.kv_blocks_used = t.kv_blocks_used();
+        m.kv_blocks_free = t.kv_blocks_free();
+        m.steps = t.steps();
+        m.tokens = t.tokens();
+        m.sampled_tokens = t.sampled_tokens();
+        m.sequences_active = t.sequences_active();
+        m.uptime_ms = t.uptime_ms();
+        if (const auto* rv = t.resident();
+            rv && r.within(rv->size(), kMaxExpertsPerMessage, "resident")) {
+          m.resident.reserve(rv->size());
+          for (const fb::ExpertRef* e : *rv) m.resident.push_back({e->layer(), e->expert()});
+        }
+        return r.result(std::move(m));
+      });
 }
 
 std::vector<uint8_t> encode_shutdown(const Shutdown& m) {
@@ -654,9 +658,8 @@ std::vector<uint8_t> encode_ping(const Ping& m) {
 }
 
 Result<Ping> decode_ping(Payload p) {
-  return verified<fb::Ping>(p, "ping", [](const fb::Ping& t) -> Result<Ping> {
-    return Ping{t.sent_us()};
-  });
+  return verified<fb::Ping>(p, "ping",
+                            [](const fb::Ping& t) -> Result<Ping> { return Ping{t.sent_us()}; });
 }
 
 std::vector<uint8_t> encode_pong(const Pong& m) {
@@ -732,22 +735,70 @@ namespace {
 
 template <typename M>
 constexpr Command command_for();
-template <> constexpr Command command_for<Hello>() { return Command::hello; }
-template <> constexpr Command command_for<LoadExpert>() { return Command::load_expert; }
-template <> constexpr Command command_for<LoadExpertReply>() { return Command::load_expert_reply; }
-template <> constexpr Command command_for<UnloadExpert>() { return Command::unload_expert; }
-template <> constexpr Command command_for<UnloadExpertReply>() { return Command::unload_expert_reply; }
-template <> constexpr Command command_for<WarmHints>() { return Command::warm_hints; }
-template <> constexpr Command command_for<StepRequest>() { return Command::step; }
-template <> constexpr Command command_for<StepReply>() { return Command::step_reply; }
-template <> constexpr Command command_for<ReleaseSequences>() { return Command::release_sequences; }
-template <> constexpr Command command_for<StatsRequest>() { return Command::stats; }
-template <> constexpr Command command_for<StatsReply>() { return Command::stats_reply; }
-template <> constexpr Command command_for<Shutdown>() { return Command::shutdown; }
-template <> constexpr Command command_for<Ping>() { return Command::ping; }
-template <> constexpr Command command_for<Pong>() { return Command::pong; }
-template <> constexpr Command command_for<Pressure>() { return Command::pressure; }
-template <> constexpr Command command_for<ErrorReport>() { return Command::error; }
+template <>
+constexpr Command command_for<Hello>() {
+  return Command::hello;
+}
+template <>
+constexpr Command command_for<LoadExpert>() {
+  return Command::load_expert;
+}
+template <>
+constexpr Command command_for<LoadExpertReply>() {
+  return Command::load_expert_reply;
+}
+template <>
+constexpr Command command_for<UnloadExpert>() {
+  return Command::unload_expert;
+}
+template <>
+constexpr Command command_for<UnloadExpertReply>() {
+  return Command::unload_expert_reply;
+}
+template <>
+constexpr Command command_for<WarmHints>() {
+  return Command::warm_hints;
+}
+template <>
+constexpr Command command_for<StepRequest>() {
+  return Command::step;
+}
+template <>
+constexpr Command command_for<StepReply>() {
+  return Command::step_reply;
+}
+template <>
+constexpr Command command_for<ReleaseSequences>() {
+  return Command::release_sequences;
+}
+template <>
+constexpr Command command_for<StatsRequest>() {
+  return Command::stats;
+}
+template <>
+constexpr Command command_for<StatsReply>() {
+  return Command::stats_reply;
+}
+template <>
+constexpr Command command_for<Shutdown>() {
+  return Command::shutdown;
+}
+template <>
+constexpr Command command_for<Ping>() {
+  return Command::ping;
+}
+template <>
+constexpr Command command_for<Pong>() {
+  return Command::pong;
+}
+template <>
+constexpr Command command_for<Pressure>() {
+  return Command::pressure;
+}
+template <>
+constexpr Command command_for<ErrorReport>() {
+  return Command::error;
+}
 
 template <typename M>
 Result<Message> as_message(Result<M> r) {
@@ -755,8 +806,8 @@ Result<Message> as_message(Result<M> r) {
   return Message(std::move(r).value());
 }
 
-Result<std::vector<uint8_t>> framed(Command c, uint64_t request_id, const std::vector<uint8_t>& payload,
-                                    size_t max_frame_bytes) {
+Result<std::vector<uint8_t>> framed(Command c, uint64_t request_id,
+                                    const std::vector<uint8_t>& payload, size_t max_frame_bytes) {
   return encode_frame(c, request_id, payload, max_frame_bytes);
 }
 
@@ -789,7 +840,7 @@ Result<Message> decode_message(const Frame& f) {
   return make_error(std::string("unknown command ") + std::to_string(f.command));
 }
 
-#define MOE_PROTOCOL_MAKE_FRAME(Type, encoder)                                                   \
+#define MOE_PROTOCOL_MAKE_FRAME(Type, encoder)                                                    \
   Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const Type& m, size_t max_bytes) { \
     return framed(command_for<Type>(), request_id, encoder(m), max_bytes);                        \
   }
@@ -810,6 +861,11 @@ MOE_PROTOCOL_MAKE_FRAME(Pong, encode_pong)
 MOE_PROTOCOL_MAKE_FRAME(Pressure, encode_pressure)
 MOE_PROTOCOL_MAKE_FRAME(ErrorReport, encode_error)
 #undef MOE_PROTOCOL_MAKE_FRAME
+
+Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const Message& m,
+                                        size_t max_frame_bytes) {
+  return std::visit([&](const auto& x) { return make_frame(request_id, x, max_frame_bytes); }, m);
+}
 
 std::vector<uint8_t> make_error_frame(uint64_t request_id, uint8_t command, ErrorCode code,
                                       std::string_view message) {

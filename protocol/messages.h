@@ -32,13 +32,13 @@ namespace moe::protocol {
 // Checked by every decode; far above what a sane peer sends, low enough that
 // a hostile frame cannot make the receiver do unbounded work.
 inline constexpr size_t kMaxStepSequences = 4096;
-inline constexpr size_t kMaxStepTokens = 65535;       // per step, all sequences (u16 usage counts)
+inline constexpr size_t kMaxStepTokens = 65535;  // per step, all sequences (u16 usage counts)
 inline constexpr size_t kMaxTopLogprobs = 20;
-inline constexpr size_t kMaxExpertsPerMessage = 65536;  // expert lists, hints, resident sets
+inline constexpr size_t kMaxExpertsPerMessage = 65536;     // expert lists, hints, resident sets
 inline constexpr size_t kMaxExpertUsageEntries = 1 << 20;  // n_moe_layers * n_experts
 inline constexpr size_t kMaxReleaseSequences = 65536;
 inline constexpr size_t kMaxEosIds = 64;
-inline constexpr size_t kMaxStringBytes = 4096;       // names, messages, details
+inline constexpr size_t kMaxStringBytes = 4096;  // names, messages, details
 // FlatBuffers verifier bounds: our tables nest at most 4 deep.
 inline constexpr uint32_t kVerifierMaxDepth = 16;
 inline constexpr uint32_t kVerifierMaxTables = 3 * kMaxStepSequences + 64;
@@ -50,9 +50,9 @@ enum class Role : uint8_t { gateway = 0, worker = 1 };
 struct ExpertLayout {
   uint32_t n_layers = 0;
   uint32_t n_moe_layers = 0;
-  uint32_t n_experts = 0;           // routed experts per MoE layer
+  uint32_t n_experts = 0;  // routed experts per MoE layer
   uint32_t top_k = 0;
-  uint64_t expert_blob_bytes = 0;   // one expert's weights in an island
+  uint64_t expert_blob_bytes = 0;    // one expert's weights in an island
   std::vector<uint16_t> moe_layers;  // [n_moe_layers]: model layer index of each MoE layer
   bool operator==(const ExpertLayout&) const = default;
 };
@@ -174,9 +174,9 @@ struct StepResult {
   bool sampled = false;
   int32_t token = 0;
   float logprob = 0.0f;
-  std::vector<TokenLogprob> top;          // [top_logprobs], best first
-  std::vector<uint16_t> expert_usage;     // [n_moe_layers * n_experts]: tokens each expert served
-  uint32_t kv_tokens = 0;                 // tokens the worker now holds for the sequence
+  std::vector<TokenLogprob> top;       // [top_logprobs], best first
+  std::vector<uint16_t> expert_usage;  // [n_moe_layers * n_experts]: tokens each expert served
+  uint32_t kv_tokens = 0;              // tokens the worker now holds for the sequence
   bool operator==(const StepResult&) const = default;
 };
 
@@ -326,22 +326,44 @@ Command command_of(const Message& m);
 
 // A whole frame (header + payload). Fails only when the frame would exceed
 // `max_frame_bytes` (the peer would drop the connection over it).
-[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const Hello& m, size_t max_frame_bytes = kMaxFrameBytes);
-[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const LoadExpert& m, size_t max_frame_bytes = kMaxFrameBytes);
-[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const LoadExpertReply& m, size_t max_frame_bytes = kMaxFrameBytes);
-[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const UnloadExpert& m, size_t max_frame_bytes = kMaxFrameBytes);
-[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const UnloadExpertReply& m, size_t max_frame_bytes = kMaxFrameBytes);
-[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const WarmHints& m, size_t max_frame_bytes = kMaxFrameBytes);
-[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const StepRequest& m, size_t max_frame_bytes = kMaxFrameBytes);
-[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const StepReply& m, size_t max_frame_bytes = kMaxFrameBytes);
-[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const ReleaseSequences& m, size_t max_frame_bytes = kMaxFrameBytes);
-[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const StatsRequest& m, size_t max_frame_bytes = kMaxFrameBytes);
-[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const StatsReply& m, size_t max_frame_bytes = kMaxFrameBytes);
-[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const Shutdown& m, size_t max_frame_bytes = kMaxFrameBytes);
-[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const Ping& m, size_t max_frame_bytes = kMaxFrameBytes);
-[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const Pong& m, size_t max_frame_bytes = kMaxFrameBytes);
-[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const Pressure& m, size_t max_frame_bytes = kMaxFrameBytes);
-[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const ErrorReport& m, size_t max_frame_bytes = kMaxFrameBytes);
+[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const Hello& m,
+                                                      size_t max_frame_bytes = kMaxFrameBytes);
+[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const LoadExpert& m,
+                                                      size_t max_frame_bytes = kMaxFrameBytes);
+[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const LoadExpertReply& m,
+                                                      size_t max_frame_bytes = kMaxFrameBytes);
+[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const UnloadExpert& m,
+                                                      size_t max_frame_bytes = kMaxFrameBytes);
+[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id,
+                                                      const UnloadExpertReply& m,
+                                                      size_t max_frame_bytes = kMaxFrameBytes);
+[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const WarmHints& m,
+                                                      size_t max_frame_bytes = kMaxFrameBytes);
+[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const StepRequest& m,
+                                                      size_t max_frame_bytes = kMaxFrameBytes);
+[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const StepReply& m,
+                                                      size_t max_frame_bytes = kMaxFrameBytes);
+[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id,
+                                                      const ReleaseSequences& m,
+                                                      size_t max_frame_bytes = kMaxFrameBytes);
+[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const StatsRequest& m,
+                                                      size_t max_frame_bytes = kMaxFrameBytes);
+[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const StatsReply& m,
+                                                      size_t max_frame_bytes = kMaxFrameBytes);
+[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const Shutdown& m,
+                                                      size_t max_frame_bytes = kMaxFrameBytes);
+[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const Ping& m,
+                                                      size_t max_frame_bytes = kMaxFrameBytes);
+[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const Pong& m,
+                                                      size_t max_frame_bytes = kMaxFrameBytes);
+[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const Pressure& m,
+                                                      size_t max_frame_bytes = kMaxFrameBytes);
+[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const ErrorReport& m,
+                                                      size_t max_frame_bytes = kMaxFrameBytes);
+
+// Any message: the typed overload for the alternative it holds.
+[[nodiscard]] Result<std::vector<uint8_t>> make_frame(uint64_t request_id, const Message& m,
+                                                      size_t max_frame_bytes = kMaxFrameBytes);
 
 // The error frame answering frame (`request_id`, `command`); the message is
 // cut to kMaxStringBytes. Cannot fail.

@@ -1,7 +1,6 @@
 // Codec cost of a typical decode step, printed for the record. Hidden from
 // the default run: `moe_protocol_tests "[bench]"`.
 #include <catch2/catch.hpp>
-
 #include <chrono>
 #include <cstdio>
 
@@ -13,7 +12,8 @@ TEST_CASE("codec cost of a 64-sequence decode step and its reply", "[.][bench]")
   StepRequest req;
   StepReply reply;
   for (uint64_t i = 1; i <= 64; ++i) {
-    req.sequences.push_back({i, {static_cast<int32_t>(i)}, 500, true, {0.7f, 0.9f, 40, i, true, 5}});
+    req.sequences.push_back(
+        {i, {static_cast<int32_t>(i)}, 500, true, {0.7f, 0.9f, 40, i, true, 5}});
     StepResult r;
     r.seq_id = i;
     r.sampled = true;

@@ -1,7 +1,6 @@
 // The frame codec: byte layout, incremental decoding in any split, and the
 // line between recoverable and fatal stream errors.
 #include <catch2/catch.hpp>
-
 #include <string>
 #include <vector>
 
@@ -29,11 +28,11 @@ std::vector<DecodeEvent> drain(FrameDecoder& d) {
 
 TEST_CASE("a frame is [u32 length][u8 command][u64 request id][payload], little-endian") {
   const std::vector<uint8_t> f = frame_of(Command::step, 0x0102030405060708ull, {0xAA, 0xBB, 0xCC});
-  const std::vector<uint8_t> expected = {
-      12, 0, 0, 0,                                     // length: 1 + 8 + 3 payload bytes
-      0x02,                                            // step
-      0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // request id
-      0xAA, 0xBB, 0xCC};
+  const std::vector<uint8_t> expected = {12,   0,    0,    0,  // length: 1 + 8 + 3 payload bytes
+                                         0x02,                 // step
+                                         0x08, 0x07, 0x06, 0x05,
+                                         0x04, 0x03, 0x02, 0x01,  // request id
+                                         0xAA, 0xBB, 0xCC};
   CHECK(f == expected);
   CHECK(kFrameHeaderBytes == 13);
 

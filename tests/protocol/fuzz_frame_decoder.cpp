@@ -15,14 +15,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FrameDecoder decoder(size_t{1} << 20);
   for (size_t at = 1; at < size && !decoder.failed(); at += read_size) {
     decoder.feed(std::span<const uint8_t>(data + at, std::min(read_size, size - at)));
-    for (DecodeEvent ev = decoder.next(); ev.status != DecodeStatus::need_more; ev = decoder.next()) {
+    for (DecodeEvent ev = decoder.next(); ev.status != DecodeStatus::need_more;
+         ev = decoder.next()) {
       if (ev.status == DecodeStatus::error) {
         (void)make_error_frame(ev.error);
         continue;
       }
       auto msg = decode_message(ev.frame);
-      if (!msg) (void)make_error_frame(ev.frame.request_id, ev.frame.command,
-                                       ErrorCode::malformed_payload, msg.error());
+      if (!msg)
+        (void)make_error_frame(ev.frame.request_id, ev.frame.command, ErrorCode::malformed_payload,
+                               msg.error());
     }
   }
   return 0;

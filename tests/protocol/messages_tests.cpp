@@ -2,7 +2,6 @@
 // payloads written by flatc itself decode to the values in their JSON, and
 // malformed or out-of-limit payloads become recoverable errors.
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <fstream>
 #include <iterator>
@@ -64,6 +63,7 @@ TEST_CASE("every command round-trips through frame and payload") {
       REQUIRE(back.ok());
       CHECK(back->index() == m.index());
       CHECK(*back == m);
+      CHECK(testing::frame_for_variant(id, m) == frame_for(id, m));
     }
   }
 }
@@ -200,8 +200,8 @@ TEST_CASE("a payload that fails verification is a recoverable error naming the r
     const Frame f = single_frame(*frame);
     auto m = decode_message(f);
     REQUIRE_FALSE(m.ok());
-    const Frame reply = single_frame(make_error_frame(f.request_id, f.command,
-                                                      ErrorCode::malformed_payload, m.error()));
+    const Frame reply = single_frame(
+        make_error_frame(f.request_id, f.command, ErrorCode::malformed_payload, m.error()));
     CHECK(reply.command == static_cast<uint8_t>(Command::error));
     CHECK(reply.request_id == 4242);
     auto e = decode_error(reply.payload);
@@ -255,7 +255,8 @@ TEST_CASE("step sanity limits are refused with a message") {
   }
   SECTION("too many sequences") {
     StepRequest s;
-    for (uint64_t i = 1; i <= kMaxStepSequences + 1; ++i) s.sequences.push_back({i, {1}, 0, true, {}});
+    for (uint64_t i = 1; i <= kMaxStepSequences + 1; ++i)
+      s.sequences.push_back({i, {1}, 0, true, {}});
     CHECK(step_error(s).find("sequences has") != std::string::npos);
   }
   SECTION("negative token id") {
@@ -369,8 +370,8 @@ TEST_CASE("a step reply of a big batch with expert usage fits a frame") {
   auto f = make_frame(1, r);
   REQUIRE(f.ok());
   CHECK(f->size() < 300 * 1024);
-  auto back = decode_step_reply(std::span<const uint8_t>(f->data() + kFrameHeaderBytes,
-                                                         f->size() - kFrameHeaderBytes));
+  auto back = decode_step_reply(
+      std::span<const uint8_t>(f->data() + kFrameHeaderBytes, f->size() - kFrameHeaderBytes));
   REQUIRE(back.ok());
   CHECK(*back == r);
 }

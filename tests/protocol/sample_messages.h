@@ -40,7 +40,9 @@ class SampleMessages {
       case 12: return Ping{u64()};
       case 13: return Pong{u64(), u64()};
       case 14: return Pressure{static_cast<PressureLevel>(pick(0, 2)), text(), u64(), u64()};
-      default: return ErrorReport{static_cast<ErrorCode>(pick(1, 14)), uint8_t(pick(0, 255)), u64(), text()};
+      default:
+        return ErrorReport{static_cast<ErrorCode>(pick(1, 14)), uint8_t(pick(0, 255)), u64(),
+                           text()};
     }
   }
 
@@ -84,7 +86,8 @@ class SampleMessages {
     for (size_t i = 0, n = pick(1, 6); i < n; ++i) {
       StepSequence q;
       q.seq_id = 1000 + i;  // distinct, non-zero
-      for (size_t t = 0, nt = pick(1, 40); t < nt; ++t) q.tokens.push_back(static_cast<int32_t>(pick(0, 150000)));
+      for (size_t t = 0, nt = pick(1, 40); t < nt; ++t)
+        q.tokens.push_back(static_cast<int32_t>(pick(0, 150000)));
       q.start_pos = static_cast<uint32_t>(pick(0, 30000));
       q.sample = coin();
       q.sampling.temperature = static_cast<float>(pick(0, 200)) / 100.0f;
@@ -126,7 +129,8 @@ class SampleMessages {
   }
 
   StatsReply stats_reply() {
-    StatsReply s{u64(), u64(), u64(), u32(), u32(), u32(), u32(), u64(), u64(), u64(), u32(), u64(), {}};
+    StatsReply s{u64(), u64(), u64(), u32(), u32(), u32(), u32(),
+                 u64(), u64(), u64(), u32(), u64(), {}};
     for (size_t i = 0, n = pick(0, 30); i < n; ++i) s.resident.push_back({u16(), u16()});
     return s;
   }
@@ -162,6 +166,11 @@ class SampleMessages {
 // The frame carrying `m`, encoded through the typed make_frame overloads.
 inline std::vector<uint8_t> frame_for(uint64_t request_id, const Message& m) {
   return std::visit([&](const auto& x) { return make_frame(request_id, x).value(); }, m);
+}
+
+// The same through the overload that takes the variant.
+inline std::vector<uint8_t> frame_for_variant(uint64_t request_id, const Message& m) {
+  return make_frame(request_id, m).value();
 }
 
 }  // namespace moe::protocol::testing

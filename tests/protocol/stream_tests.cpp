@@ -2,7 +2,6 @@
 // unknown commands, corrupt payloads and random splits must decode to exactly
 // the expected events, and mutated streams must never crash the receiver.
 #include <catch2/catch.hpp>
-
 #include <random>
 #include <vector>
 
@@ -59,7 +58,8 @@ TEST_CASE("a random mix of valid, unknown and corrupt frames decodes exactly, in
         std::vector<uint8_t> payload(gen.pick(0, 64));
         for (auto& b : payload) b = static_cast<uint8_t>(rng());
         uint8_t cmd;
-        do cmd = static_cast<uint8_t>(rng()); while (is_known_command(cmd));
+        do cmd = static_cast<uint8_t>(rng());
+        while (is_known_command(cmd));
         REQUIRE(append_frame(stream, cmd, id, payload).ok());
         sent.push_back({Kind::unknown_command, id, Ping{}});
       } else {
@@ -131,7 +131,9 @@ TEST_CASE("a randomly mutated stream never crashes and stops at the first fatal 
         case 0: stream[at] ^= static_cast<uint8_t>(1u << gen.pick(0, 7)); break;
         case 1: stream[at] = static_cast<uint8_t>(rng()); break;
         case 2: stream.erase(stream.begin() + static_cast<long>(at)); break;
-        default: stream.insert(stream.begin() + static_cast<long>(at), static_cast<uint8_t>(rng())); break;
+        default:
+          stream.insert(stream.begin() + static_cast<long>(at), static_cast<uint8_t>(rng()));
+          break;
       }
     }
     FrameDecoder d(size_t{1} << 20);
@@ -151,7 +153,8 @@ TEST_CASE("a randomly mutated stream never crashes and stops at the first fatal 
     }
     // A decoded frame never exceeds the bound.
     for (const DecodeEvent& ev : rx.events)
-      if (ev.status == DecodeStatus::frame) CHECK(ev.frame.payload.size() + kFrameHeaderBytes <= (size_t{1} << 20));
+      if (ev.status == DecodeStatus::frame)
+        CHECK(ev.frame.payload.size() + kFrameHeaderBytes <= (size_t{1} << 20));
   }
 }
 
