@@ -1,20 +1,122 @@
 // moe-gateway: the OpenAI-compatible HTTP front end.
+#include <csignal>
 #include <cstdio>
-#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
 
+#include <uv.h>
+
+#include "gateway/gateway_options.h"
+#include "gateway/http_server.h"
+#include "gateway/metrics.h"
+#include "gateway/model_text_codec.h"
+#include "gateway/openai_api.h"
+#include "gateway/scheduler_factory.h"
 #include "moe_version.h"
 
-int main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--version")) {
-      std::printf("moe-gateway %s\n", MOE_VERSION);
-      return 0;
-    }
-    if (!std::strcmp(argv[i], "--help")) {
-      std::printf("moe-gateway %s\nusage: moe-gateway [options]\n", MOE_VERSION);
-      return 0;
-    }
+namespace {
+
+// Stops the server on SIGINT/SIGTERM; the loop ends once every handle closed.
+struct Shutdown {
+  moe::gw::HttpServer* server = nullptr;
+  uv_signal_t sigint{}, sigterm{};
+
+  static void on_signal(uv_signal_t* s, int signum) {
+    auto* self = static_cast<Shutdown*>(s->data);
+    std::fprintf(stderr, "moe-gateway: signal %d, shutting down\n", signum);
+    self->server->close();
+    uv_close(reinterpret_cast<uv_handle_t*>(&self->sigint), nullptr);
+    uv_close(reinterpret_cast<uv_handle_t*>(&self->sigterm), nullptr);
+    uv_stop(s->loop);
   }
-  std::fprintf(stderr, "moe-gateway: not implemented yet\n");
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  auto cl = moe::gw::parse_gateway_args(args);
+  if (!cl.ok()) {
+    std::fprintf(stderr, "moe-gateway: %s\n", cl.error().c_str());
+    return 2;
+  }
+  if (cl->help) {
+    std::printf("moe-gateway %s\n%s", MOE_VERSION, moe::gw::gateway_usage().c_str());
+    return 0;
+  }
+  if (cl->version) {
+    std::printf("moe-gateway %s\n", MOE_VERSION);
+    return 0;
+  }
+  const moe::gw::GatewayOptions& opts = cl->options;
+  if (!opts.redis_url.empty()) {
+    std::fprintf(stderr, "moe-gateway: --redis %s accepted; sessions are kept in-process for now\n",
+                 opts.redis_url.c_str());
+  }
+
+  // The two construction points below are filled as their parts land.
+  std::unique_ptr<moe::gw::TextCodec> text;
+#if MOE_GATEWAY_HAVE_TEXT_CODEC
+  auto codec = moe::gw::load_model_text_codec(opts.model_path);
+  if (!codec.ok()) {
+    std::fprintf(stderr, "moe-gateway: %s\n", codec.error().c_str());
+    return 1;
+  }
+  text = std::move(codec.value());
+#else
+  std::fprintf(stderr, "moe-gateway: built without the chat template library; cannot load %s\n",
+               opts.model_path.c_str());
   return 1;
+#endif
+
+  uv_loop_t* loop = uv_default_loop();
+  std::unique_ptr<moe::gw::Scheduler> engine;
+#if MOE_GATEWAY_HAVE_SCHEDULER
+  auto scheduler = moe::gw::make_scheduler(loop, opts);
+  if (!scheduler.ok()) {
+    std::fprintf(stderr, "moe-gateway: %s\n", scheduler.error().c_str());
+    return 1;
+  }
+  engine = std::move(scheduler.value());
+#else
+  std::fprintf(stderr,
+               "moe-gateway: no engine side built yet (gateway/scheduler_factory.cpp is missing), "
+               "so there is nothing to serve requests with\n");
+  return 1;
+#endif
+
+  moe::gw::GatewayMetrics metrics;
+  moe::gw::ApiOptions api_opts;
+  api_opts.served_model_name = opts.served_model_name;
+  api_opts.api_key = opts.api_key;
+  moe::gw::OpenAiApi api(api_opts, engine.get(), text.get(), &metrics);
+
+  moe::gw::HttpServerOptions http;
+  http.host = opts.host;
+  http.port = opts.port;
+  http.limits.max_body_bytes = opts.max_body_bytes;
+  http.request_timeout_ms = opts.request_timeout_ms;
+  http.keepalive_timeout_ms = opts.keepalive_timeout_ms;
+  http.max_write_queue_bytes = opts.max_write_queue_bytes;
+  moe::gw::HttpServer server(loop, http, &api);
+  if (auto st = server.listen(); !st.ok()) {
+    std::fprintf(stderr, "moe-gateway: %s\n", st.error().c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "moe-gateway %s: serving '%s' on http://%s:%d\n", MOE_VERSION, opts.served_model_name.c_str(),
+               opts.host.c_str(), server.port());
+
+  std::signal(SIGPIPE, SIG_IGN);
+  Shutdown shutdown;
+  shutdown.server = &server;
+  uv_signal_init(loop, &shutdown.sigint);
+  uv_signal_init(loop, &shutdown.sigterm);
+  shutdown.sigint.data = shutdown.sigterm.data = &shutdown;
+  uv_signal_start(&shutdown.sigint, Shutdown::on_signal, SIGINT);
+  uv_signal_start(&shutdown.sigterm, Shutdown::on_signal, SIGTERM);
+  uv_run(loop, UV_RUN_DEFAULT);
+  // Let the closing connections finish their close callbacks.
+  uv_run(loop, UV_RUN_NOWAIT);
+  return 0;
 }

@@ -1,0 +1,115 @@
+#include "gateway/metrics.h"
+
+#include <cstdio>
+
+namespace moe::gw {
+namespace {
+
+void append_number(std::string& out, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.9g", v);
+  out += buf;
+}
+
+void render_scalar(std::string& out, const char* name, const char* type, const char* help, double v) {
+  out += "# HELP ";
+  out += name;
+  out += ' ';
+  out += help;
+  out += "\n# TYPE ";
+  out += name;
+  out += ' ';
+  out += type;
+  out += '\n';
+  out += name;
+  out += ' ';
+  append_number(out, v);
+  out += '\n';
+}
+
+}  // namespace
+
+void LatencyHistogram::observe(double seconds) {
+  ++count_;
+  sum_ += seconds;
+  for (size_t i = 0; i < kBounds.size(); ++i) {
+    if (seconds <= kBounds[i]) {
+      ++buckets_[i];
+      return;
+    }
+  }
+}
+
+void LatencyHistogram::render(std::string& out, const char* name, const char* help) const {
+  out += "# HELP ";
+  out += name;
+  out += ' ';
+  out += help;
+  out += "\n# TYPE ";
+  out += name;
+  out += " histogram\n";
+  uint64_t cumulative = 0;
+  for (size_t i = 0; i < kBounds.size(); ++i) {
+    cumulative += buckets_[i];
+    out += name;
+    out += "_bucket{le=\"";
+    append_number(out, kBounds[i]);
+    out += "\"} " + std::to_string(cumulative) + "\n";
+  }
+  out += name;
+  out += "_bucket{le=\"+Inf\"} " + std::to_string(count_) + "\n";
+  out += name;
+  out += "_sum ";
+  append_number(out, sum_);
+  out += '\n';
+  out += name;
+  out += "_count " + std::to_string(count_) + "\n";
+}
+
+void GatewayMetrics::count_request(const std::string& endpoint, int status) {
+  ++requests_[{endpoint, status}];
+}
+
+uint64_t GatewayMetrics::requests(const std::string& endpoint, int status) const {
+  auto it = requests_.find({endpoint, status});
+  return it == requests_.end() ? 0 : it->second;
+}
+
+std::string GatewayMetrics::render(const SchedulerStats& stats, bool ready) const {
+  std::string out;
+  out += "# HELP moe_gateway_requests_total HTTP requests answered, by endpoint and status.\n";
+  out += "# TYPE moe_gateway_requests_total counter\n";
+  for (const auto& [key, n] : requests_) {
+    // Endpoints are fixed route names chosen by the gateway, never raw
+    // request paths, so they need no label escaping.
+    out += "moe_gateway_requests_total{endpoint=\"" + key.first + "\",status=\"" +
+           std::to_string(key.second) + "\"} " + std::to_string(n) + "\n";
+  }
+  render_scalar(out, "moe_gateway_prompt_tokens_total", "counter", "Prompt tokens submitted.",
+                static_cast<double>(prompt_tokens_));
+  render_scalar(out, "moe_gateway_completion_tokens_total", "counter", "Tokens generated.",
+                static_cast<double>(completion_tokens_));
+  ttft_.render(out, "moe_gateway_time_to_first_token_seconds",
+               "Time from accepting a request to the first token of a choice.");
+  itl_.render(out, "moe_gateway_inter_token_latency_seconds", "Time between consecutive tokens of a choice.");
+  render_scalar(out, "moe_gateway_sequences_waiting", "gauge", "Sequences queued, not yet admitted.",
+                stats.waiting);
+  render_scalar(out, "moe_gateway_sequences_running", "gauge", "Sequences admitted (prefill or decode).",
+                stats.running);
+  render_scalar(out, "moe_gateway_kv_blocks_used", "gauge", "KV cache blocks in use.", stats.kv_blocks_used);
+  render_scalar(out, "moe_gateway_kv_blocks_total", "gauge", "KV cache blocks the worker has.",
+                stats.kv_blocks_total);
+  render_scalar(out, "moe_gateway_preemptions_total", "counter", "Sequences preempted for KV space.",
+                static_cast<double>(stats.preemptions));
+  render_scalar(out, "moe_gateway_degraded", "gauge", "1 while serving from the fallback worker.",
+                stats.degraded ? 1 : 0);
+  render_scalar(out, "moe_gateway_degraded_responses_total", "counter",
+                "Responses served while degraded.", static_cast<double>(degraded_responses_));
+  render_scalar(out, "moe_gateway_client_disconnects_total", "counter",
+                "Requests whose client went away (or read too slowly) before the end.",
+                static_cast<double>(client_disconnects_));
+  render_scalar(out, "moe_gateway_ready", "gauge", "1 once a worker can take steps.", ready ? 1 : 0);
+  return out;
+}
+
+}  // namespace moe::gw

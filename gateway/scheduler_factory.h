@@ -1,0 +1,21 @@
+#pragma once
+// The construction point of the engine side. The gateway's main() builds the
+// Scheduler here from the command line (workers, Redis, model); its
+// definition lives in gateway/scheduler_factory.cpp with the scheduler.
+// Until that file exists the gateway builds without it and refuses to start.
+
+#include <memory>
+
+#include <uv.h>
+
+#include "gateway/gateway_options.h"
+#include "gateway/scheduler.h"
+#include "model/result.h"
+
+namespace moe::gw {
+
+// A Scheduler running on `loop` (connecting to opts.workers); an error when
+// it cannot be set up. The loop must outlive it.
+Result<std::unique_ptr<Scheduler>> make_scheduler(uv_loop_t* loop, const GatewayOptions& opts);
+
+}  // namespace moe::gw

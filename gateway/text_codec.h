@@ -1,0 +1,47 @@
+#pragma once
+// What the OpenAI layer needs of the model's text side: prompts to token ids
+// (plain text, or chat messages through the model's chat template) and
+// generated ids back to text, incrementally. The gateway's implementation is
+// ModelTextCodec (the model's tokenizer.json and chat template); tests may
+// give their own.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "model/result.h"
+
+namespace moe::gw {
+
+// Detokenises one generated sequence: push() returns only complete UTF-8
+// text; flush() returns what is left at the end.
+class TokenTextStream {
+ public:
+  virtual ~TokenTextStream() = default;
+  virtual std::string push(int32_t id) = 0;
+  virtual std::string flush() = 0;
+};
+
+class TextCodec {
+ public:
+  virtual ~TextCodec() = default;
+  // A /v1/completions prompt (with the tokenizer's own special tokens, e.g. BOS).
+  virtual std::vector<int32_t> encode(std::string_view text) const = 0;
+  // Chat messages ([{role, content: string}, …]) rendered through the chat
+  // template with the generation prompt, then encoded. Fails when the
+  // template rejects the conversation (e.g. roles out of order).
+  virtual Result<std::vector<int32_t>> encode_chat(const nlohmann::json& messages) const = 0;
+  virtual std::unique_ptr<TokenTextStream> stream_decoder() const = 0;
+  // The bytes one token stands for (may be part of a UTF-8 character); for logprobs.
+  virtual std::string token_bytes(int32_t id) const = 0;
+  // Ids are valid in [0, vocab_size()).
+  virtual int vocab_size() const = 0;
+  // Ids whose generation ends a sequence (EOS, end of turn); never shown as text.
+  virtual std::vector<int32_t> stop_token_ids() const = 0;
+};
+
+}  // namespace moe::gw

@@ -1,0 +1,443 @@
+// The OpenAI layer over real TCP with a scheduler double: response and SSE
+// chunk shapes, stop strings, n > 1, usage, errors, health, metrics,
+// cancellation.
+#include <catch2/catch.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include "gateway_test_harness.h"
+
+using namespace moe::gw;
+using namespace moe::gw::test;
+using nlohmann::json;
+
+namespace {
+
+ClientResponse post(TestGateway& gw, const std::string& path, const json& body) {
+  return http(gw.port(), "POST", path, body.dump());
+}
+
+json chat(const std::string& content, json extra = json::object()) {
+  json j = {{"model", "demo-moe"}, {"messages", {{{"role", "user"}, {"content", content}}}}};
+  j.update(extra);
+  return j;
+}
+
+void check_error(const ClientResponse& r, int status, const char* param, const char* code) {
+  INFO(r.body);
+  REQUIRE(r.ok);
+  CHECK(r.status == status);
+  json j = json::parse(r.body);
+  REQUIRE(j["error"].is_object());
+  CHECK(j["error"]["message"].is_string());
+  CHECK_FALSE(j["error"]["message"].get<std::string>().empty());
+  CHECK(j["error"]["type"] == (status >= 500 ? "server_error" : "invalid_request_error"));
+  if (param) {
+    CHECK(j["error"]["param"] == param);
+  } else {
+    CHECK(j["error"]["param"].is_null());
+  }
+  if (code) CHECK(j["error"]["code"] == code);
+}
+
+std::vector<json> events_json(const ClientResponse& r) {
+  std::vector<json> out;
+  auto ev = sse_events(r.body);
+  REQUIRE_FALSE(ev.empty());
+  CHECK(ev.back() == "[DONE]");
+  for (size_t i = 0; i + 1 < ev.size(); ++i) out.push_back(json::parse(ev[i]));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("api: chat completion, whole response", "[gateway][api]") {
+  TestGateway gw;
+  auto r = post(gw, "/v1/chat/completions", chat("hi", {{"temperature", 0}, {"seed", 7}, {"top_k", 5}}));
+  REQUIRE(r.ok);
+  REQUIRE(r.status == 200);
+  CHECK(r.headers["content-type"] == "application/json");
+  CHECK(r.headers.count("x-moe-degraded") == 0);
+  json j = json::parse(r.body);
+  CHECK(j["id"].get<std::string>().rfind("chatcmpl-", 0) == 0);
+  CHECK(j["object"] == "chat.completion");
+  CHECK(j["created"].is_number_integer());
+  CHECK(j["model"] == "demo-moe");
+  REQUIRE(j["choices"].size() == 1);
+  CHECK(j["choices"][0]["index"] == 0);
+  CHECK(j["choices"][0]["message"]["role"] == "assistant");
+  CHECK(j["choices"][0]["message"]["content"] == "Hello world");
+  CHECK(j["choices"][0]["finish_reason"] == "stop");
+  CHECK(j["choices"][0]["logprobs"].is_null());
+  // The prompt went through the chat template; 11 letters + EOS generated.
+  std::string prompt = "user: hi\nassistant:";
+  CHECK(j["usage"]["prompt_tokens"] == prompt.size());
+  CHECK(j["usage"]["completion_tokens"] == 12);
+  CHECK(j["usage"]["total_tokens"] == prompt.size() + 12);
+  auto sub = gw.scheduler().submitted();
+  REQUIRE(sub.size() == 1);
+  CHECK(sub[0].prompt == byte_tokens(prompt));
+  CHECK(sub[0].sampling.temperature == 0.0f);
+  CHECK(sub[0].sampling.seed == 7);
+  CHECK(sub[0].sampling.top_k == 5);
+  CHECK(sub[0].stop_ids == std::vector<int32_t>{ByteCodec::kEos});
+  // No max_tokens: until EOS or the end of the context.
+  CHECK(sub[0].max_new_tokens == 4096 - static_cast<int>(prompt.size()));
+}
+
+TEST_CASE("api: max_tokens ends with finish_reason length", "[gateway][api]") {
+  TestGateway gw;
+  auto r = post(gw, "/v1/chat/completions", chat("hi", {{"max_completion_tokens", 4}}));
+  json j = json::parse(r.body);
+  CHECK(j["choices"][0]["message"]["content"] == "Hell");
+  CHECK(j["choices"][0]["finish_reason"] == "length");
+  CHECK(j["usage"]["completion_tokens"] == 4);
+}
+
+TEST_CASE("api: chat stream chunks: role first, content, finish, [DONE]", "[gateway][api][sse]") {
+  TestGateway gw;
+  auto r = post(gw, "/v1/chat/completions", chat("hi", {{"stream", true}}));
+  REQUIRE(r.ok);
+  CHECK(r.status == 200);
+  CHECK(r.headers["content-type"] == "text/event-stream");
+  CHECK(r.headers["transfer-encoding"] == "chunked");
+  auto ev = events_json(r);
+  REQUIRE(ev.size() >= 3);
+  std::string id = ev[0]["id"];
+  CHECK(id.rfind("chatcmpl-", 0) == 0);
+  for (const auto& e : ev) {
+    CHECK(e["id"] == id);
+    CHECK(e["object"] == "chat.completion.chunk");
+    CHECK(e["model"] == "demo-moe");
+    CHECK(e.contains("created"));
+    CHECK_FALSE(e.contains("usage"));
+    REQUIRE(e["choices"].size() == 1);
+  }
+  CHECK(ev[0]["choices"][0]["delta"] == json({{"role", "assistant"}, {"content", ""}}));
+  CHECK(ev[0]["choices"][0]["finish_reason"].is_null());
+  std::string text;
+  for (size_t i = 1; i + 1 < ev.size(); ++i) {
+    const auto& d = ev[i]["choices"][0]["delta"];
+    CHECK_FALSE(d.contains("role"));
+    text += d["content"].get<std::string>();
+    CHECK(ev[i]["choices"][0]["finish_reason"].is_null());
+  }
+  CHECK(text == "Hello world");
+  CHECK(ev.back()["choices"][0]["delta"] == json::object());
+  CHECK(ev.back()["choices"][0]["finish_reason"] == "stop");
+}
+
+TEST_CASE("api: stream_options.include_usage adds a usage chunk with no choices", "[gateway][api][sse]") {
+  TestGateway gw;
+  auto r = post(gw, "/v1/chat/completions",
+                chat("hi", {{"stream", true}, {"max_tokens", 3}, {"stream_options", {{"include_usage", true}}}}));
+  auto ev = events_json(r);
+  for (size_t i = 0; i + 1 < ev.size(); ++i) CHECK(ev[i]["usage"].is_null());
+  const auto& last = ev.back();
+  CHECK(last["choices"] == json::array());
+  CHECK(last["usage"]["completion_tokens"] == 3);
+  CHECK(last["usage"]["prompt_tokens"] == std::string("user: hi\nassistant:").size());
+  CHECK(ev[ev.size() - 2]["choices"][0]["finish_reason"] == "length");
+}
+
+TEST_CASE("api: completions, whole and streamed", "[gateway][api][sse]") {
+  TestGateway gw;
+  auto r = post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", "abc"}, {"max_tokens", 5}});
+  json j = json::parse(r.body);
+  CHECK(j["id"].get<std::string>().rfind("cmpl-", 0) == 0);
+  CHECK(j["object"] == "text_completion");
+  CHECK(j["choices"][0]["text"] == "Hello");
+  CHECK(j["choices"][0]["finish_reason"] == "length");
+  CHECK(j["usage"]["prompt_tokens"] == 3);
+  CHECK(gw.scheduler().submitted()[0].prompt == byte_tokens("abc"));
+
+  auto s = post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", {1, 2, 3}}, {"stream", true}});
+  auto ev = events_json(s);
+  std::string text;
+  for (const auto& e : ev) {
+    CHECK(e["object"] == "text_completion");
+    text += e["choices"][0]["text"].get<std::string>();
+  }
+  CHECK(text == "Hello world");
+  CHECK(ev.back()["choices"][0]["finish_reason"] == "stop");
+  CHECK(gw.scheduler().submitted()[1].prompt == std::vector<int32_t>{1, 2, 3});
+}
+
+TEST_CASE("api: stop strings are held back across token boundaries and never shown", "[gateway][api][stop]") {
+  TestGateway gw;
+  gw.scheduler().set_script(spell("one two END three"));
+  SECTION("streamed") {
+    auto r = post(gw, "/v1/chat/completions", chat("x", {{"stream", true}, {"stop", "END"}}));
+    auto ev = events_json(r);
+    std::string text;
+    for (const auto& e : ev) {
+      const auto& d = e["choices"][0]["delta"];
+      if (d.contains("content")) {
+        std::string piece = d["content"];
+        CHECK(piece.find('E') == std::string::npos);  // no part of the stop string, ever
+        text += piece;
+      }
+    }
+    CHECK(text == "one two ");
+    CHECK(ev.back()["choices"][0]["finish_reason"] == "stop");
+  }
+  SECTION("whole, several stop strings, the sequence is cancelled at the match") {
+    auto r = post(gw, "/v1/completions",
+                  {{"model", "demo-moe"}, {"prompt", "p"}, {"stop", {"zzz", "two E"}}, {"max_tokens", 100}});
+    json j = json::parse(r.body);
+    CHECK(j["choices"][0]["text"] == "one ");
+    CHECK(j["choices"][0]["finish_reason"] == "stop");
+    CHECK(j["usage"]["completion_tokens"] == 9);  // "one two E"
+    CHECK(gw.scheduler().cancelled().size() == 1);
+  }
+  SECTION("a false start is shown once it is ruled out") {
+    gw.scheduler().set_script(spell("a EN b"));
+    auto r = post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", "p"}, {"stop", "END"}});
+    json j = json::parse(r.body);
+    CHECK(j["choices"][0]["text"] == "a EN b");
+    CHECK(j["choices"][0]["finish_reason"] == "stop");  // by EOS
+  }
+}
+
+TEST_CASE("api: multi-byte characters split over tokens come out whole", "[gateway][api][sse]") {
+  TestGateway gw;
+  gw.scheduler().set_script(spell("h\xC3\xA9\xE2\x82\xAC!"));  // "h", "é", "€", "!"
+  auto r = post(gw, "/v1/chat/completions", chat("x", {{"stream", true}}));
+  auto ev = events_json(r);
+  std::vector<std::string> pieces;
+  for (size_t i = 1; i + 1 < ev.size(); ++i) pieces.push_back(ev[i]["choices"][0]["delta"]["content"]);
+  CHECK(pieces == std::vector<std::string>{"h", "\xC3\xA9", "\xE2\x82\xAC", "!"});
+}
+
+TEST_CASE("api: n > 1 runs one sequence per choice with seeds seed+i", "[gateway][api]") {
+  TestGateway gw;
+  gw.scheduler().set_script([](const SequenceRequest& req, int step) -> int32_t {
+    std::string text = "choice" + std::to_string(req.sampling.seed);
+    return step < static_cast<int>(text.size()) ? static_cast<int32_t>(text[step]) : ByteCodec::kEos;
+  });
+  auto r = post(gw, "/v1/chat/completions", chat("x", {{"n", 3}, {"seed", 40}}));
+  json j = json::parse(r.body);
+  REQUIRE(j["choices"].size() == 3);
+  for (int i = 0; i < 3; ++i) {
+    CHECK(j["choices"][i]["index"] == i);
+    CHECK(j["choices"][i]["message"]["content"] == "choice" + std::to_string(40 + i));
+  }
+  CHECK(j["usage"]["completion_tokens"] == 3 * 9);
+  CHECK(j["usage"]["prompt_tokens"] == std::string("user: x\nassistant:").size());
+
+  auto s = post(gw, "/v1/chat/completions", chat("x", {{"n", 2}, {"seed", 1}, {"stream", true}}));
+  auto ev = events_json(s);
+  std::map<int, std::string> text;
+  std::map<int, int> finishes;
+  for (const auto& e : ev) {
+    int idx = e["choices"][0]["index"];
+    const auto& d = e["choices"][0]["delta"];
+    if (d.contains("content")) text[idx] += d["content"].get<std::string>();
+    if (!e["choices"][0]["finish_reason"].is_null()) ++finishes[idx];
+  }
+  CHECK(text[0] == "choice1");
+  CHECK(text[1] == "choice2");
+  CHECK(finishes[0] == 1);
+  CHECK(finishes[1] == 1);
+}
+
+TEST_CASE("api: a list of prompts gives prompts x n choices", "[gateway][api]") {
+  TestGateway gw;
+  auto r = post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", {"a", "bb"}}, {"n", 2}, {"max_tokens", 2}});
+  json j = json::parse(r.body);
+  REQUIRE(j["choices"].size() == 4);
+  auto sub = gw.scheduler().submitted();
+  REQUIRE(sub.size() == 4);
+  CHECK(sub[0].prompt == byte_tokens("a"));
+  CHECK(sub[1].prompt == byte_tokens("a"));
+  CHECK(sub[2].prompt == byte_tokens("bb"));
+  CHECK(j["usage"]["prompt_tokens"] == 3);
+}
+
+TEST_CASE("api: logprobs in the chat and completions shapes", "[gateway][api]") {
+  TestGateway gw;
+  auto r = post(gw, "/v1/chat/completions", chat("x", {{"logprobs", true}, {"top_logprobs", 2}, {"max_tokens", 2}}));
+  json j = json::parse(r.body);
+  const auto& content = j["choices"][0]["logprobs"]["content"];
+  REQUIRE(content.size() == 2);
+  CHECK(content[0]["token"] == "H");
+  CHECK(content[0]["logprob"] == Approx(-0.5));
+  CHECK(content[0]["bytes"] == json::array({72}));
+  CHECK(content[0]["top_logprobs"].size() == 2);
+  CHECK(gw.scheduler().submitted()[0].sampling.top_logprobs == 2);
+
+  auto c = post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", "p"}, {"logprobs", 1}, {"max_tokens", 2}});
+  json k = json::parse(c.body);
+  CHECK(k["choices"][0]["logprobs"]["tokens"] == json::array({"H", "e"}));
+  CHECK(k["choices"][0]["logprobs"]["text_offset"] == json::array({0, 1}));
+}
+
+TEST_CASE("api: validation errors have OpenAI's shape and status", "[gateway][api][errors]") {
+  TestGateway gw;
+  int port = gw.port();
+  check_error(http(port, "POST", "/v1/chat/completions", "{not json"), 400, nullptr, "invalid_json");
+  check_error(http(port, "POST", "/v1/chat/completions", "[1,2]"), 400, nullptr, "invalid_json");
+  check_error(http(port, "POST", "/v1/chat/completions",
+                   "{\"model\":\"demo-moe\",\"messages\":[{\"role\":\"user\",\"content\":\"\xff\xfe\"}]}"),
+              400, nullptr, "invalid_utf8");
+  check_error(http(port, "POST", "/v1/chat/completions",
+                   R"({"model":"demo-moe","messages":[{"role":"user","content":"\ud800"}]})"),
+              400, nullptr, "invalid_utf8");
+  check_error(post(gw, "/v1/chat/completions", {{"messages", json::array()}}), 400, "model", "missing_required_parameter");
+  check_error(post(gw, "/v1/chat/completions", {{"model", "demo-moe"}}), 400, "messages", "missing_required_parameter");
+  check_error(post(gw, "/v1/completions", {{"model", "demo-moe"}}), 400, "prompt", "missing_required_parameter");
+  check_error(post(gw, "/v1/chat/completions", chat("x", {{"model", "gpt-9"}})), 404, "model", "model_not_found");
+  check_error(post(gw, "/v1/chat/completions", chat("x", {{"model", 5}})), 400, "model", "invalid_type");
+  check_error(post(gw, "/v1/chat/completions", chat("x", {{"max_tokens", "5"}})), 400, "max_tokens", "invalid_type");
+  check_error(post(gw, "/v1/chat/completions", chat("x", {{"max_tokens", 2.5}})), 400, "max_tokens", "invalid_type");
+  check_error(post(gw, "/v1/chat/completions", chat("x", {{"max_tokens", 0}})), 400, "max_tokens", "invalid_value");
+  check_error(post(gw, "/v1/chat/completions", chat("x", {{"max_completion_tokens", -3}})), 400,
+              "max_completion_tokens", "invalid_value");
+  check_error(post(gw, "/v1/chat/completions", chat("x", {{"max_tokens", 5000}})), 400, "max_tokens",
+              "context_length_exceeded");
+  check_error(post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", std::string(4096, 'a')}}), 400, "prompt",
+              "context_length_exceeded");
+  check_error(post(gw, "/v1/chat/completions", chat("x", {{"temperature", 3}})), 400, "temperature", "invalid_value");
+  check_error(post(gw, "/v1/chat/completions", chat("x", {{"temperature", "hot"}})), 400, "temperature", "invalid_type");
+  check_error(post(gw, "/v1/chat/completions", chat("x", {{"top_p", 0}})), 400, "top_p", "invalid_value");
+  check_error(post(gw, "/v1/chat/completions", chat("x", {{"n", 0}})), 400, "n", "invalid_value");
+  check_error(post(gw, "/v1/chat/completions", chat("x", {{"stream", "yes"}})), 400, "stream", "invalid_type");
+  check_error(post(gw, "/v1/chat/completions", chat("x", {{"stop", {"a", "b", "c", "d", "e"}}})), 400, "stop",
+              "invalid_value");
+  check_error(post(gw, "/v1/chat/completions", chat("x", {{"stop", 5}})), 400, "stop", "invalid_type");
+  check_error(post(gw, "/v1/chat/completions", chat("x", {{"stream_options", {{"include_usage", true}}}})), 400,
+              "stream_options", "invalid_value");
+  check_error(post(gw, "/v1/chat/completions", {{"model", "demo-moe"}, {"messages", "hi"}}), 400, "messages",
+              "invalid_type");
+  check_error(post(gw, "/v1/chat/completions", {{"model", "demo-moe"}, {"messages", {{{"content", "hi"}}}}}), 400,
+              "messages[0].role", "missing_required_parameter");
+  check_error(post(gw, "/v1/chat/completions", {{"model", "demo-moe"}, {"messages", {{{"role", "wizard"}, {"content", "x"}}}}}),
+              400, "messages[0].role", "invalid_value");
+  check_error(post(gw, "/v1/chat/completions", chat("x", {{"logprobs", true}, {"top_logprobs", 21}})), 400,
+              "top_logprobs", "invalid_value");
+  check_error(post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", {1, 99999}}}), 400, "prompt", nullptr);
+  check_error(post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", {"a", 1}}}), 400, "prompt", "invalid_type");
+  check_error(http(port, "GET", "/v2/whatever"), 404, nullptr, "unknown_url");
+  auto m = http(port, "GET", "/v1/chat/completions");
+  check_error(m, 405, nullptr, "method_not_allowed");
+  CHECK(m.headers["allow"] == "POST");
+  check_error(http(port, "DELETE", "/v1/models"), 405, nullptr, "method_not_allowed");
+  check_error(http(port, "GET", "/v1/models/other"), 404, "model", "model_not_found");
+  CHECK(gw.scheduler().submitted().empty());
+}
+
+TEST_CASE("api: /v1/models lists the served model", "[gateway][api]") {
+  TestGateway gw;
+  auto r = http(gw.port(), "GET", "/v1/models");
+  json j = json::parse(r.body);
+  CHECK(j["object"] == "list");
+  REQUIRE(j["data"].size() == 1);
+  CHECK(j["data"][0]["id"] == "demo-moe");
+  CHECK(j["data"][0]["object"] == "model");
+  auto one = json::parse(http(gw.port(), "GET", "/v1/models/demo-moe").body);
+  CHECK(one["id"] == "demo-moe");
+}
+
+TEST_CASE("api: /health is 503 until the scheduler is ready, and requests are refused", "[gateway][api]") {
+  TestGateway gw;
+  gw.scheduler().ready_ = false;
+  auto h = http(gw.port(), "GET", "/health");
+  CHECK(h.status == 503);
+  check_error(post(gw, "/v1/chat/completions", chat("x")), 503, nullptr, "engine_not_ready");
+  gw.scheduler().ready_ = true;
+  CHECK(http(gw.port(), "GET", "/health").status == 200);
+  CHECK(json::parse(http(gw.port(), "GET", "/health").body)["status"] == "ok");
+}
+
+TEST_CASE("api: degraded serving is marked with X-Moe-Degraded", "[gateway][api]") {
+  TestGateway gw;
+  gw.scheduler().degraded_ = true;
+  auto r = post(gw, "/v1/chat/completions", chat("x"));
+  CHECK(r.headers["x-moe-degraded"] == "1");
+  auto s = post(gw, "/v1/chat/completions", chat("x", {{"stream", true}}));
+  CHECK(s.headers["x-moe-degraded"] == "1");
+  auto m = http(gw.port(), "GET", "/metrics").body;
+  CHECK(m.find("\nmoe_gateway_degraded 1\n") != std::string::npos);
+  CHECK(m.find("\nmoe_gateway_degraded_responses_total 2\n") != std::string::npos);
+}
+
+TEST_CASE("api: /metrics is Prometheus text with the gateway's series", "[gateway][api][metrics]") {
+  TestGateway gw;
+  post(gw, "/v1/chat/completions", chat("hi", {{"max_tokens", 4}}));
+  post(gw, "/v1/chat/completions", chat("hi", {{"max_tokens", 0}}));
+  auto r = http(gw.port(), "GET", "/metrics");
+  REQUIRE(r.status == 200);
+  CHECK(r.headers["content-type"].rfind("text/plain; version=0.0.4", 0) == 0);
+  const std::string& m = r.body;
+  CHECK(m.find("moe_gateway_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 1\n") != std::string::npos);
+  CHECK(m.find("moe_gateway_requests_total{endpoint=\"/v1/chat/completions\",status=\"400\"} 1\n") != std::string::npos);
+  CHECK(m.find("\nmoe_gateway_completion_tokens_total 4\n") != std::string::npos);
+  CHECK(m.find("\nmoe_gateway_prompt_tokens_total 19\n") != std::string::npos);
+  CHECK(m.find("\nmoe_gateway_time_to_first_token_seconds_count 1\n") != std::string::npos);
+  CHECK(m.find("\nmoe_gateway_inter_token_latency_seconds_count 3\n") != std::string::npos);
+  CHECK(m.find("moe_gateway_time_to_first_token_seconds_bucket{le=\"+Inf\"} 1\n") != std::string::npos);
+  CHECK(m.find("\nmoe_gateway_kv_blocks_total 64\n") != std::string::npos);
+  CHECK(m.find("\nmoe_gateway_preemptions_total 3\n") != std::string::npos);
+  CHECK(m.find("\nmoe_gateway_sequences_running 0\n") != std::string::npos);
+  CHECK(m.find("\nmoe_gateway_sequences_waiting 0\n") != std::string::npos);
+  CHECK(m.find("\nmoe_gateway_degraded 0\n") != std::string::npos);
+  // Every line is a comment or "name{labels} value".
+  size_t pos = 0;
+  while (pos < m.size()) {
+    size_t e = m.find('\n', pos);
+    REQUIRE(e != std::string::npos);
+    std::string line = m.substr(pos, e - pos);
+    INFO(line);
+    if (line.rfind("# ", 0) != 0) {
+      size_t sp = line.rfind(' ');
+      REQUIRE(sp != std::string::npos);
+      CHECK(line.substr(0, sp).rfind("moe_gateway_", 0) == 0);
+      std::string value = line.substr(sp + 1);
+      char* end = nullptr;
+      std::strtod(value.c_str(), &end);
+      CHECK(*end == '\0');
+    }
+    pos = e + 1;
+  }
+}
+
+TEST_CASE("api: a client disconnect cancels its sequences at once", "[gateway][api][cancel]") {
+  TestGateway gw;
+  gw.scheduler().set_script([](const SequenceRequest&, int) { return int32_t{'y'}; });  // never ends
+  gw.scheduler().tick_ms_ = 5;
+  SECTION("streaming") {
+    TestClient c(gw.port());
+    std::string body = chat("x", {{"stream", true}, {"n", 2}}).dump();
+    c.send("POST /v1/chat/completions HTTP/1.1\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body);
+    c.read_until("\"content\":\"y\"");
+    REQUIRE(gw.scheduler().active() == 2);
+    c.close();
+  }
+  SECTION("whole response") {
+    TestClient c(gw.port());
+    std::string body = chat("x").dump();
+    c.send("POST /v1/chat/completions HTTP/1.1\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body);
+    REQUIRE(eventually([&] { return gw.scheduler().active() == 1; }));
+    c.close();
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  REQUIRE(eventually([&] { return gw.scheduler().active() == 0; }));
+  auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(ms < 500);
+  CHECK_FALSE(gw.scheduler().cancelled().empty());
+  auto m = http(gw.port(), "GET", "/metrics").body;
+  CHECK(m.find("\nmoe_gateway_client_disconnects_total 1\n") != std::string::npos);
+}
+
+TEST_CASE("api: an engine failure mid-generation is a clear error", "[gateway][api]") {
+  TestGateway gw;
+  gw.scheduler().set_script([](const SequenceRequest&, int step) { return step < 2 ? int32_t{'o'} : int32_t{-1}; });
+  auto r = post(gw, "/v1/chat/completions", chat("x"));
+  check_error(r, 500, nullptr, "engine_error");
+  auto s = post(gw, "/v1/chat/completions", chat("x", {{"stream", true}}));
+  auto ev = sse_events(s.body);
+  REQUIRE(ev.size() >= 2);
+  CHECK(ev.back() == "[DONE]");
+  json err = json::parse(ev[ev.size() - 2]);
+  CHECK(err["error"]["type"] == "server_error");
+}
