@@ -2,6 +2,7 @@
 
 #include "bench/gpu/random_weights.cuh"
 #include "kernels/cuda/cuda_check.cuh"
+#include "kernels/cuda/launch.cuh"
 
 namespace moe::bench {
 namespace {
@@ -62,12 +63,14 @@ Status fill_experts(uint8_t* blobs, const ExpertLayout& L, int n_blobs, uint64_t
 }
 
 __global__ void advance_kernel(int32_t* p, int n) {
+  cuda::detail::allow_next_grid();
+  cuda::detail::wait_prior_grid();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) p[i] += 1;
 }
 
 Status advance_positions(int32_t* positions, int n, cudaStream_t stream) {
-  advance_kernel<<<(n + 255) / 256, 256, 0, stream>>>(positions, n);
+  MOE_CUDA_TRY(cuda::detail::launch_pdl(advance_kernel, dim3((n + 255) / 256), dim3(256), 0, stream, positions, n));
   MOE_CUDA_LAUNCHED();
   return {};
 }

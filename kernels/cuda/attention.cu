@@ -5,6 +5,7 @@
 // and merge through shared memory at the end.
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/cuda_check.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/device_math.cuh"
 
 namespace moe::cuda {
@@ -13,8 +14,33 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 
+// D consecutive bf16 values (D = 2, 4 or 8) as one 4-, 8- or 16-byte load.
+template <int D>
+__device__ __forceinline__ void load_row_part(const __nv_bfloat16* p, float* out) {
+  uint32_t w[D / 2];
+  if constexpr (D == 2) {
+    w[0] = *reinterpret_cast<const uint32_t*>(p);
+  } else if constexpr (D == 4) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    w[0] = u.x, w[1] = u.y;
+  } else {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
+  }
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) {
+    __nv_bfloat162 b;
+    memcpy(&b, &w[i], 4);
+    const float2 f = __bfloat1622float2(b);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
 template <int HD>
 __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, PagedKvPool kv) {
+  detail::allow_next_grid();
+  detail::wait_prior_grid();
   constexpr int D = HD / 32;  // head dims per lane in the value phase
   __shared__ float qs[HD];
   __shared__ float wm[kWarps], wl[kWarps];
@@ -63,12 +89,26 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
     for (int i = 0; i < D; ++i) o[i] *= corr;
     m = m_new;
     const int valid = min(32, n_keys - tile * 32);
-    for (int jj = 0; jj < valid; ++jj) {
-      const float pj = __shfl_sync(0xffffffffu, p, jj);
-      const unsigned long long sj = __shfl_sync(0xffffffffu, (unsigned long long)slot, jj);
-      const __nv_bfloat16* vr = kv.v + sj * row_stride + size_t(kvh) * HD + lane * D;
+    // Eight keys' value rows are loaded before their FMAs, so eight loads
+    // are in flight per lane instead of one.
+    for (int j0 = 0; j0 < valid; j0 += 8) {
+      float pv[8];
+      float vv[8][D];
 #pragma unroll
-      for (int i = 0; i < D; ++i) o[i] = fmaf(pj, __bfloat162float(vr[i]), o[i]);
+      for (int u = 0; u < 8; ++u) {
+        pv[u] = __shfl_sync(0xffffffffu, p, j0 + u);  // p is 0 past the last key
+        const unsigned long long sj = __shfl_sync(0xffffffffu, (unsigned long long)slot, j0 + u);
+        if (j0 + u < valid) {
+          load_row_part<D>(kv.v + sj * row_stride + size_t(kvh) * HD + lane * D, vv[u]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < D; ++i) vv[u][i] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+#pragma unroll
+        for (int i = 0; i < D; ++i) o[i] = fmaf(pv[u], vv[u][i], o[i]);
     }
   }
   if (lane == 0) {
@@ -101,9 +141,9 @@ Status paged_attention(const AttentionArgs& a, const PagedKvPool& kv, cudaStream
   MOE_CUDA_REQUIRE(kv.block_tokens > 0 && kv.max_blocks > 0, "bad block geometry");
   const dim3 grid(a.tokens, a.n_heads);
   switch (kv.head_dim) {
-    case 64: attention_kernel<64><<<grid, kThreads, 0, stream>>>(a, kv); break;
-    case 128: attention_kernel<128><<<grid, kThreads, 0, stream>>>(a, kv); break;
-    case 256: attention_kernel<256><<<grid, kThreads, 0, stream>>>(a, kv); break;
+    case 64: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<64>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
+    case 128: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<128>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
+    case 256: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<256>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
     default:
       return make_error("paged_attention: unsupported head_dim " + std::to_string(kv.head_dim) +
                         " (64, 128, 256)");

@@ -1,4 +1,5 @@
 #include "kernels/cuda/cuda_check.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/dense_matmul.cuh"
 #include "kernels/cuda/device_math.cuh"
 
@@ -10,35 +11,45 @@ constexpr int kRowsPerWarp = 2;
 constexpr int kThreads = kWarps * 32;
 
 // x staged in shared memory as bf16 [tokens, k]; each lane takes 16-byte runs
-// (8 inputs) of two rows and dots them with every token.
+// (8 inputs) of two rows and dots them with every token. The first runs of
+// weights are loaded before waiting for the previous kernel (nothing writes
+// weights), and each round loads the next runs before using the current.
 template <int T>
 __global__ void __launch_bounds__(kThreads)
     gemv_kernel(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x, float* y, int n_out,
                 int k, bool accumulate, const float* gate, int gate_stride) {
   extern __shared__ uint4 xs[];  // [T, k/8]
+  detail::allow_next_grid();
   const int kc = k / 8;
+  const int lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * kRowsPerWarp;
+  const uint4* wr[kRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r)
+    wr[r] = reinterpret_cast<const uint4*>(w + size_t(min(row0 + r, n_out - 1)) * k);
+  const bool active = row0 < n_out;
+  uint4 cur[kRowsPerWarp][2];
+  auto load = [&](uint4 (&dst)[kRowsPerWarp][2], int c0) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r)
+        if (active && c0 + 32 * u < kc) dst[r][u] = __ldcs(wr[r] + c0 + 32 * u);
+  };
+  load(cur, lane);
+  detail::wait_prior_grid();
   const uint4* xg = reinterpret_cast<const uint4*>(x);
   for (int i = threadIdx.x; i < T * kc; i += kThreads) xs[i] = xg[i];
   __syncthreads();
-  const int lane = threadIdx.x & 31;
-  const int row0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * kRowsPerWarp;
-  if (row0 >= n_out) return;
+  if (!active) return;
   float acc[kRowsPerWarp][T];
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r)
 #pragma unroll
     for (int t = 0; t < T; ++t) acc[r][t] = 0.f;
-  const uint4* wr[kRowsPerWarp];
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r)
-    wr[r] = reinterpret_cast<const uint4*>(w + size_t(min(row0 + r, n_out - 1)) * k);
   for (int c0 = lane; c0 < kc; c0 += 64) {
-    uint4 wv[kRowsPerWarp][2];
-#pragma unroll
-    for (int u = 0; u < 2; ++u)
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r)
-        if (c0 + 32 * u < kc) wv[r][u] = __ldcs(wr[r] + c0 + 32 * u);
+    uint4 nxt[kRowsPerWarp][2];
+    load(nxt, c0 + 64);
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int c = c0 + 32 * u;
@@ -46,7 +57,7 @@ __global__ void __launch_bounds__(kThreads)
       float wf[kRowsPerWarp][8];
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r) {
-        const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&wv[r][u]);
+        const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&cur[r][u]);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float2 f = __bfloat1622float2(b[e]);
@@ -69,6 +80,10 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     }
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) cur[r][u] = nxt[r][u];
   }
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r)
@@ -96,8 +111,8 @@ Status launch_gemv(const __nv_bfloat16* w, const __nv_bfloat16* x, float* y, int
   if (smem > 48 * 1024)
     MOE_CUDA_TRY(cudaFuncSetAttribute(gemv_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   const int rows_per_block = kWarps * kRowsPerWarp;
-  gemv_kernel<T><<<(n_out + rows_per_block - 1) / rows_per_block, kThreads, smem, stream>>>(
-      w, x, y, n_out, k, acc, gate, gate_stride);
+  MOE_CUDA_TRY(detail::launch_pdl(gemv_kernel<T>, dim3((n_out + rows_per_block - 1) / rows_per_block),
+                                  dim3(kThreads), smem, stream, w, x, y, n_out, k, acc, gate, gate_stride));
   MOE_CUDA_LAUNCHED();
   return {};
 }

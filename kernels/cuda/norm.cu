@@ -1,4 +1,5 @@
 #include "kernels/cuda/cuda_check.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/norm.cuh"
 
@@ -10,6 +11,8 @@ constexpr int kThreads = 256;
 template <typename YT>
 __global__ void __launch_bounds__(kThreads)
     rmsnorm_kernel(float* x, const float* add, const __nv_bfloat16* w, YT* y, int dim, float eps) {
+  detail::allow_next_grid();
+  detail::wait_prior_grid();
   __shared__ float scratch[kThreads / 32];
   float* xr = x + size_t(blockIdx.x) * dim;
   const float* ar = add ? add + size_t(blockIdx.x) * dim : nullptr;
@@ -34,7 +37,7 @@ Status launch(float* x, const float* add, const __nv_bfloat16* w, YT* y, int row
               cudaStream_t stream) {
   MOE_CUDA_REQUIRE(x && w && y, "null pointer");
   MOE_CUDA_REQUIRE(rows > 0 && dim > 0, "rows and dim must be positive");
-  rmsnorm_kernel<YT><<<rows, kThreads, 0, stream>>>(x, add, w, y, dim, eps);
+  MOE_CUDA_TRY(detail::launch_pdl(rmsnorm_kernel<YT>, dim3(rows), dim3(kThreads), 0, stream, x, add, w, y, dim, eps));
   MOE_CUDA_LAUNCHED();
   return {};
 }

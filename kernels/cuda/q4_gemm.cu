@@ -7,6 +7,7 @@
 #include <mma.h>
 
 #include "kernels/cuda/cuda_check.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/q4_gemm.cuh"
 
@@ -55,6 +56,8 @@ Workspace carve(void* base, const ExpertLayout& L, int pairs, int n_experts) {
 }
 
 __global__ void align_kernel(const int32_t* ids, int pairs, int n_experts, Workspace w) {
+  detail::allow_next_grid();
+  detail::wait_prior_grid();
   extern __shared__ int32_t sh[];
   int32_t* counts = sh;
   int32_t* cursor = sh + n_experts;
@@ -135,6 +138,8 @@ struct GemmParams {
 // grid: (ceil(N / BN), max_tiles)
 template <bool GATE_UP>
 __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(GemmParams p) {
+  detail::allow_next_grid();
+  detail::wait_prior_grid();
   constexpr int kMats = GATE_UP ? 2 : 1;
   constexpr size_t kTileBytes = size_t(BM) * LDS * 2;
   constexpr size_t kMainBytes = kTileBytes * (1 + kMats);
@@ -223,6 +228,8 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(GemmParams p) {
 
 __global__ void combine_kernel(const float* partial, const int32_t* ids, int n_experts, int top_k, int hidden,
                                float* out) {
+  detail::allow_next_grid();
+  detail::wait_prior_grid();
   const int t = blockIdx.x;
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
     float s = 0.f;
@@ -253,7 +260,7 @@ Status q4_grouped_moe(const Q4ExpertArgs& a, const __nv_bfloat16* x, float* out,
   const int pairs = a.tokens * a.top_k;
   const Workspace w = carve(workspace, a.layout, pairs, a.n_experts);
   MOE_CUDA_REQUIRE(workspace_bytes >= w.bytes, "workspace too small");
-  align_kernel<<<1, 1024, size_t(3) * a.n_experts * 4, stream>>>(a.expert_ids, pairs, a.n_experts, w);
+  MOE_CUDA_TRY(detail::launch_pdl(align_kernel, dim3(1), dim3(1024), size_t(3) * a.n_experts * 4, stream, a.expert_ids, pairs, a.n_experts, w));
   MOE_CUDA_LAUNCHED();
   GemmParams p{};
   p.blobs = a.blobs;
@@ -265,14 +272,13 @@ Status q4_grouped_moe(const Q4ExpertArgs& a, const __nv_bfloat16* x, float* out,
   p.m0 = a.layout.gate;
   p.m1 = a.layout.up;
   p.a = x;
-  grouped_gemm_kernel<true><<<dim3((a.layout.inter + BN - 1) / BN, mt), kThreads, 0, stream>>>(p);
+  MOE_CUDA_TRY(detail::launch_pdl(grouped_gemm_kernel<true>, dim3((a.layout.inter + BN - 1) / BN, mt), dim3(kThreads), 0, stream, p));
   MOE_CUDA_LAUNCHED();
   p.m0 = a.layout.down;
   p.a = w.h;
-  grouped_gemm_kernel<false><<<dim3((a.layout.hidden + BN - 1) / BN, mt), kThreads, 0, stream>>>(p);
+  MOE_CUDA_TRY(detail::launch_pdl(grouped_gemm_kernel<false>, dim3((a.layout.hidden + BN - 1) / BN, mt), dim3(kThreads), 0, stream, p));
   MOE_CUDA_LAUNCHED();
-  combine_kernel<<<a.tokens, 256, 0, stream>>>(w.partial, a.expert_ids, a.n_experts, a.top_k, a.layout.hidden,
-                                              out);
+  MOE_CUDA_TRY(detail::launch_pdl(combine_kernel, dim3(a.tokens), dim3(256), 0, stream, w.partial, a.expert_ids, a.n_experts, a.top_k, a.layout.hidden, out));
   MOE_CUDA_LAUNCHED();
   return {};
 }

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_check.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/q4_gemv.cuh"
 
 namespace moe::cuda {
@@ -49,29 +50,56 @@ __host__ __device__ inline size_t staged_bytes(int K, bool fast) {
 // xs[q * nchunks + c] = 4 half2 (x0,x4) (x1,x5) (x2,x6) (x3,x7) of x / m_c,
 // matching the nibble order one 32-bit code word unpacks into (see dot).
 // stats[c] = (m_c = max |x| over the chunk, sum of x over the chunk).
+__device__ __forceinline__ void load4(const float* p, float v[4]) {
+  const float4 f = *reinterpret_cast<const float4*>(p);
+  v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+}
+__device__ __forceinline__ void load4(const __nv_bfloat16* p, float v[4]) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  __nv_bfloat162 a, b;
+  memcpy(&a, &u.x, 4);
+  memcpy(&b, &u.y, 4);
+  const float2 fa = __bfloat1622float2(a), fb = __bfloat1622float2(b);
+  v[0] = fa.x, v[1] = fa.y, v[2] = fb.x, v[3] = fb.y;
+}
+
+// Eight threads stage one chunk, four inputs each; the chunk's max and sum
+// come from shuffles within the eight. Every lane of a warp runs the same
+// number of rounds (shuffles need the whole warp).
 template <typename XT>
 __device__ void stage_fast(const XT* __restrict__ x, int K, uint4* xs, float2* stats) {
-  const int nchunks = K / 32;
-  for (int c = threadIdx.x; c < nchunks; c += blockDim.x) {
-    float v[32];
-    float m = 0.f, s = 0.f;
+  const int nchunks = K / 32, items = nchunks * 8;
+  const int rounds = (items + blockDim.x - 1) / blockDim.x;
+  for (int r = 0; r < rounds; ++r) {
+    const int i = r * blockDim.x + threadIdx.x;
+    const bool on = i < items;
+    const int c = i >> 3, sub = i & 7;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (on) load4(x + c * 32 + sub * 4, v);
+    float m = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+    float sm = (v[0] + v[1]) + (v[2] + v[3]);
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      v[i] = to_f(x[c * 32 + i]);
-      m = fmaxf(m, fabsf(v[i]));
-      s += v[i];
+    for (int o = 1; o < 8; o <<= 1) {
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      sm += __shfl_xor_sync(0xffffffffu, sm, o);
     }
     const float inv = m > 0.f ? 1.f / m : 0.f;
+    // Word q = subs 2q (inputs 0..3) and 2q+1 (inputs 4..7): swap with the
+    // partner, then the even sub writes (x0,x4) (x1,x5), the odd (x2,x6) (x3,x7).
+    float w[4];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      uint4 u;
-      u.x = as_u32(__floats2half2_rn(v[8 * q + 0] * inv, v[8 * q + 4] * inv));
-      u.y = as_u32(__floats2half2_rn(v[8 * q + 1] * inv, v[8 * q + 5] * inv));
-      u.z = as_u32(__floats2half2_rn(v[8 * q + 2] * inv, v[8 * q + 6] * inv));
-      u.w = as_u32(__floats2half2_rn(v[8 * q + 3] * inv, v[8 * q + 7] * inv));
-      xs[q * nchunks + c] = u;
+    for (int j = 0; j < 4; ++j) w[j] = __shfl_xor_sync(0xffffffffu, v[j], 1);
+    if (on) {
+      const bool odd = sub & 1;
+      // even: (v0, w0) (v1, w1); odd: (w2, v2) (w3, v3)
+      const float l0 = odd ? w[2] : v[0], h0 = odd ? v[2] : w[0];
+      const float l1 = odd ? w[3] : v[1], h1 = odd ? v[3] : w[1];
+      uint2 u;
+      u.x = as_u32(__floats2half2_rn(l0 * inv, h0 * inv));
+      u.y = as_u32(__floats2half2_rn(l1 * inv, h1 * inv));
+      reinterpret_cast<uint2*>(xs + (sub >> 1) * nchunks + c)[odd] = u;
+      if (sub == 0) stats[c] = make_float2(m, sm);
     }
-    stats[c] = make_float2(m, s);
   }
 }
 
@@ -173,45 +201,62 @@ struct RowsParams {
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
 
-// grid: (ceil(rows / kWarps), pairs). GATE_UP: y = silu(m0 x) * (m1 x); else y = m0 x.
-template <typename XT, int CPL, bool FAST, bool GATE_UP>
+// grid: (ceil(rows / (kWarps * R)), pairs). GATE_UP: y = silu(m0 x) * (m1 x);
+// else y = m0 x. A warp owns R consecutive rows; their weights are loaded
+// before the activations are staged, so the two latencies overlap.
+template <typename XT, int CPL, bool FAST, bool GATE_UP, int R>
 __global__ void __launch_bounds__(kThreads) q4_rows_kernel(RowsParams p) {
   extern __shared__ uint4 smem[];
+  detail::allow_next_grid();
   const int pair = blockIdx.y;
   const uint8_t* blob = p.blob;
   if (p.blobs) {
+    detail::wait_prior_grid();  // the expert ids come from the router
     const int e = p.expert_ids[pair];
     if (e < 0 || e >= p.n_experts) return;  // uniform per block
     blob = p.blobs[e];
   }
   const int K = p.m0.cols;
   const int nchunks = K / 32;
+  const int lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * R;
+  const int rows = p.m0.rows;
   const XT* x = static_cast<const XT*>(p.x) + size_t(pair / p.top_k) * K;
   uint4* xs = smem;
   float2* stats = reinterpret_cast<float2*>(smem + 4 * nchunks);
   float* xf = reinterpret_cast<float*>(smem);
-  if constexpr (FAST) stage_fast(x, K, xs, stats);
-  else stage_generic(x, K, xf);
-  __syncthreads();
-
-  const int lane = threadIdx.x & 31;
-  const int row = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  const int rows = p.m0.rows;
-  if (row >= rows) return;
-  float a, b = 0.f;
   if constexpr (FAST) {
-    FastRow<CPL> r0, r1;
-    r0.load(blob, p.m0, row, nchunks, p.group_shift, lane);
-    if constexpr (GATE_UP) r1.load(blob, p.m1, row, nchunks, p.group_shift, lane);
-    a = r0.dot(xs, stats, nchunks, lane);
-    if constexpr (GATE_UP) b = r1.dot(xs, stats, nchunks, lane);
+    FastRow<CPL> r0[R], r1[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (row0 + r < rows) {
+        r0[r].load(blob, p.m0, row0 + r, nchunks, p.group_shift, lane);
+        if constexpr (GATE_UP) r1[r].load(blob, p.m1, row0 + r, nchunks, p.group_shift, lane);
+      }
+    }
+    detail::wait_prior_grid();  // x comes from the previous kernel; the weights did not
+    stage_fast(x, K, xs, stats);
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (row0 + r >= rows) break;
+      float a = warp_sum(r0[r].dot(xs, stats, nchunks, lane));
+      float b = 0.f;
+      if constexpr (GATE_UP) b = warp_sum(r1[r].dot(xs, stats, nchunks, lane));
+      if (lane == 0) p.y[size_t(pair) * rows + row0 + r] = GATE_UP ? silu(a) * b : a;
+    }
   } else {
-    a = generic_row_dot(blob, p.m0, row, xf, lane);
-    if constexpr (GATE_UP) b = generic_row_dot(blob, p.m1, row, xf, lane);
+    detail::wait_prior_grid();
+    stage_generic(x, K, xf);
+    __syncthreads();
+    for (int r = 0; r < R; ++r) {
+      if (row0 + r >= rows) break;
+      float a = warp_sum(generic_row_dot(blob, p.m0, row0 + r, xf, lane));
+      float b = 0.f;
+      if constexpr (GATE_UP) b = warp_sum(generic_row_dot(blob, p.m1, row0 + r, xf, lane));
+      if (lane == 0) p.y[size_t(pair) * rows + row0 + r] = GATE_UP ? silu(a) * b : a;
+    }
   }
-  a = warp_sum(a);
-  if constexpr (GATE_UP) b = warp_sum(b);
-  if (lane == 0) p.y[size_t(pair) * rows + row] = GATE_UP ? silu(a) * b : a;
 }
 
 struct DownParams {
@@ -228,65 +273,81 @@ struct DownParams {
 
 constexpr int kDownGroup = 4;  // experts whose rows are loaded together
 
-// grid: (ceil(hidden / kWarps), tokens). Stages the token's top_k vectors h.
-template <int CPL, bool FAST>
+// grid: (ceil(hidden / (kWarps * R)), tokens). Stages the token's top_k
+// vectors h; the first kDownGroup experts' rows are loaded before staging.
+template <int CPL, bool FAST, int R>
 __global__ void __launch_bounds__(kThreads) q4_down_kernel(DownParams p) {
+  detail::allow_next_grid();
+  detail::wait_prior_grid();
   extern __shared__ uint4 smem[];
   const int t = blockIdx.y;
   const int K = p.m.cols;
   const int nchunks = K / 32;
   const size_t per = staged_bytes(K, FAST);  // a multiple of 8 bytes
-  for (int k = 0; k < p.top_k; ++k) {
-    uint8_t* base = reinterpret_cast<uint8_t*>(smem) + k * per;
-    const float* hk = p.h + (size_t(t) * p.top_k + k) * K;
-    if constexpr (FAST)
-      stage_fast(hk, K, reinterpret_cast<uint4*>(base),
-                 reinterpret_cast<float2*>(base + size_t(nchunks) * 64));
-    else
-      stage_generic(hk, K, reinterpret_cast<float*>(base));
-  }
-  __syncthreads();
-
   const int lane = threadIdx.x & 31;
-  const int row = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const int row0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * R;
   const int rows = p.m.rows;
-  if (row >= rows) return;
   const int32_t* ids = p.expert_ids + size_t(t) * p.top_k;
   const float* wts = p.weights + size_t(t) * p.top_k;
-  float acc = 0.f;
-  for (int k0 = 0; k0 < p.top_k; k0 += kDownGroup) {
-    if constexpr (FAST) {
-      FastRow<CPL> r[kDownGroup];
+  auto stage_all = [&]() {
+    for (int k = 0; k < p.top_k; ++k) {
+      uint8_t* base = reinterpret_cast<uint8_t*>(smem) + k * per;
+      const float* hk = p.h + (size_t(t) * p.top_k + k) * K;
+      if constexpr (FAST)
+        stage_fast(hk, K, reinterpret_cast<uint4*>(base), reinterpret_cast<float2*>(base + size_t(nchunks) * 64));
+      else
+        stage_generic(hk, K, reinterpret_cast<float*>(base));
+    }
+    __syncthreads();
+  };
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  if constexpr (FAST) {
+    for (int k0 = 0; k0 < p.top_k; k0 += kDownGroup) {
+      FastRow<CPL> fr[kDownGroup][R];
       bool ok[kDownGroup];
 #pragma unroll
       for (int j = 0; j < kDownGroup; ++j) {
         const int k = k0 + j;
         const int e = k < p.top_k ? ids[k] : -1;
         ok[j] = e >= 0 && e < p.n_experts;
-        if (ok[j]) r[j].load(p.blobs[e], p.m, row, nchunks, p.group_shift, lane);
+        if (ok[j]) {
+          const uint8_t* blob = p.blobs[e];
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+            if (row0 + r < rows) fr[j][r].load(blob, p.m, row0 + r, nchunks, p.group_shift, lane);
+        }
       }
+      if (k0 == 0) stage_all();
 #pragma unroll
       for (int j = 0; j < kDownGroup; ++j) {
         if (!ok[j]) continue;
         const uint8_t* base = reinterpret_cast<const uint8_t*>(smem) + (k0 + j) * per;
-        acc += wts[k0 + j] * r[j].dot(reinterpret_cast<const uint4*>(base),
-                                      reinterpret_cast<const float2*>(base + size_t(nchunks) * 64),
-                                      nchunks, lane);
-      }
-    } else {
-      for (int k = k0; k < p.top_k && k < k0 + kDownGroup; ++k) {
-        const int e = ids[k];
-        if (e < 0 || e >= p.n_experts) continue;
-        const float* xf =
-            reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(smem) + k * per);
-        acc += wts[k] * generic_row_dot(p.blobs[e], p.m, row, xf, lane);
+        const uint4* xs = reinterpret_cast<const uint4*>(base);
+        const float2* st = reinterpret_cast<const float2*>(base + size_t(nchunks) * 64);
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          if (row0 + r < rows) acc[r] += wts[k0 + j] * fr[j][r].dot(xs, st, nchunks, lane);
       }
     }
+  } else {
+    stage_all();
+    for (int k = 0; k < p.top_k; ++k) {
+      const int e = ids[k];
+      if (e < 0 || e >= p.n_experts) continue;
+      const float* xf = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(smem) + k * per);
+      for (int r = 0; r < R; ++r)
+        if (row0 + r < rows) acc[r] += wts[k] * generic_row_dot(p.blobs[e], p.m, row0 + r, xf, lane);
+    }
   }
-  acc = warp_sum(acc);
-  if (lane == 0) {
-    float* o = p.out + size_t(t) * rows + row;
-    *o = p.accumulate ? *o + acc : acc;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float v = warp_sum(acc[r]);
+    if (lane == 0 && row0 + r < rows) {
+      float* o = p.out + size_t(t) * rows + row0 + r;
+      *o = p.accumulate ? *o + v : v;
+    }
   }
 }
 
@@ -328,21 +389,26 @@ Status launch_rows(RowsParams p, int pairs, cudaStream_t stream) {
   const bool fast = fast_ok(p.m0) && (!GATE_UP || fast_ok(p.m1));
   const int K = p.m0.cols;
   const size_t smem = staged_bytes(K, fast);
-  const dim3 grid((p.m0.rows + kWarps - 1) / kWarps, pairs);
   Status st;
+  cudaError_t lerr = cudaSuccess;
   if (fast) {
     p.group_shift = log2_int(p.m0.group / 32);
     with_cpl(K / 32, [&](auto cpl) {
-      auto kern = q4_rows_kernel<XT, decltype(cpl)::value, true, GATE_UP>;
+      constexpr int C = decltype(cpl)::value;
+      constexpr int R = GATE_UP ? 4 / C : 8 / C;  // about 40 registers of weights in flight per lane
+      auto kern = q4_rows_kernel<XT, C, true, GATE_UP, R>;
       st = set_smem(kern, smem);
-      if (st.ok()) kern<<<grid, kThreads, smem, stream>>>(p);
+      const dim3 grid((p.m0.rows + kWarps * R - 1) / (kWarps * R), pairs);
+      if (st.ok()) lerr = detail::launch_pdl(kern, grid, dim3(kThreads), smem, stream, p);
     });
   } else {
-    auto kern = q4_rows_kernel<XT, 1, false, GATE_UP>;
+    auto kern = q4_rows_kernel<XT, 1, false, GATE_UP, 1>;
     st = set_smem(kern, smem);
-    if (st.ok()) kern<<<grid, kThreads, smem, stream>>>(p);
+    const dim3 grid((p.m0.rows + kWarps - 1) / kWarps, pairs);
+    if (st.ok()) lerr = detail::launch_pdl(kern, grid, dim3(kThreads), smem, stream, p);
   }
   if (!st.ok()) return st;
+  MOE_CUDA_TRY(lerr);
   MOE_CUDA_LAUNCHED();
   return {};
 }
@@ -426,21 +492,34 @@ Status q4_expert_down(const Q4ExpertArgs& a, const float* h, float* out, bool ac
   const int K = p.m.cols;
   const size_t smem = staged_bytes(K, fast) * size_t(a.top_k);
   MOE_CUDA_REQUIRE(smem <= 200 * 1024, "top_k * inter too large for one block's shared memory");
-  const dim3 grid((p.m.rows + kWarps - 1) / kWarps, a.tokens);
   Status st;
+  cudaError_t lerr = cudaSuccess;
   if (fast) {
     p.group_shift = log2_int(p.m.group / 32);
+    // Two rows a warp halve the staging work per row, once there are enough
+    // blocks to fill the GPU without it.
+    const int blocks_r1 = (p.m.rows + kWarps - 1) / kWarps * a.tokens;
+    const bool two = blocks_r1 >= 4 * 132 && K / 32 <= 64;
     with_cpl(K / 32, [&](auto cpl) {
-      auto kern = q4_down_kernel<decltype(cpl)::value, true>;
-      st = set_smem(kern, smem);
-      if (st.ok()) kern<<<grid, kThreads, smem, stream>>>(p);
+      constexpr int C = decltype(cpl)::value;
+      auto launch = [&](auto rr) {
+        constexpr int R = decltype(rr)::value;
+        auto kern = q4_down_kernel<C, true, R>;
+        st = set_smem(kern, smem);
+        const dim3 grid((p.m.rows + kWarps * R - 1) / (kWarps * R), a.tokens);
+        if (st.ok()) lerr = detail::launch_pdl(kern, grid, dim3(kThreads), smem, stream, p);
+      };
+      if (two && C <= 2) launch(std::integral_constant<int, 2>{});
+      else launch(std::integral_constant<int, 1>{});
     });
   } else {
-    auto kern = q4_down_kernel<1, false>;
+    auto kern = q4_down_kernel<1, false, 1>;
     st = set_smem(kern, smem);
-    if (st.ok()) kern<<<grid, kThreads, smem, stream>>>(p);
+    const dim3 grid((p.m.rows + kWarps - 1) / kWarps, a.tokens);
+    if (st.ok()) lerr = detail::launch_pdl(kern, grid, dim3(kThreads), smem, stream, p);
   }
   if (!st.ok()) return st;
+  MOE_CUDA_TRY(lerr);
   MOE_CUDA_LAUNCHED();
   return {};
 }

@@ -1,5 +1,6 @@
-// One block per token, one warp per head (q heads, then k heads, then v).
+// A block per (token, 8 heads), a warp per head (q heads, then k heads, then v).
 #include "kernels/cuda/cuda_check.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/rope.cuh"
 
@@ -9,9 +10,12 @@ namespace {
 constexpr int kThreads = 256;
 
 __global__ void __launch_bounds__(kThreads) qkv_rope_kernel(QkvRopeArgs a, PagedKvPool kv) {
+  detail::allow_next_grid();
+  detail::wait_prior_grid();
   extern __shared__ float sh[];  // one head_dim row per warp
   const int t = blockIdx.x;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int first_head = blockIdx.y * nw;  // a block covers nw heads of one token
   const int HD = kv.head_dim, half = HD / 2;
   const int n_total = a.n_heads + 2 * kv.n_kv;
   const int pos = a.positions[t];
@@ -19,7 +23,7 @@ __global__ void __launch_bounds__(kThreads) qkv_rope_kernel(QkvRopeArgs a, Paged
   const int32_t* table = kv.block_tables + size_t(a.seq_of_token[t]) * kv.max_blocks;
   const size_t slot = size_t(table[pos / kv.block_tokens]) * kv.block_tokens + pos % kv.block_tokens;
   float* x = sh + warp * HD;
-  for (int head = warp; head < n_total; head += nw) {
+  for (int head = first_head + warp; head < n_total && head < first_head + nw; head += nw) {
     const bool is_q = head < a.n_heads, is_k = !is_q && head < a.n_heads + kv.n_kv;
     float ss = 0.f;
     for (int i = lane; i < HD; i += 32) {
@@ -64,7 +68,9 @@ Status qkv_rope_store(const QkvRopeArgs& a, const PagedKvPool& kv, cudaStream_t 
   MOE_CUDA_REQUIRE(a.tokens > 0 && a.n_heads > 0 && kv.n_kv > 0, "tokens and heads must be positive");
   MOE_CUDA_REQUIRE(kv.head_dim > 0 && kv.head_dim % 2 == 0, "head_dim must be even");
   const size_t smem = size_t(kThreads / 32) * kv.head_dim * sizeof(float);
-  qkv_rope_kernel<<<a.tokens, kThreads, smem, stream>>>(a, kv);
+  const int heads = a.n_heads + 2 * kv.n_kv;
+  const dim3 grid(a.tokens, (heads + kThreads / 32 - 1) / (kThreads / 32));
+  MOE_CUDA_TRY(detail::launch_pdl(qkv_rope_kernel, grid, dim3(kThreads), smem, stream, a, kv));
   MOE_CUDA_LAUNCHED();
   return {};
 }

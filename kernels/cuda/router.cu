@@ -1,6 +1,7 @@
 // One warp per token; the row's probabilities sit in shared memory and the k
 // winners come from k warp-wide arg-max rounds.
 #include "kernels/cuda/cuda_check.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/router.cuh"
 
@@ -11,6 +12,8 @@ constexpr int kWarps = 4;
 
 __global__ void router_kernel(const float* logits, int tokens, int n, int k, bool renorm, float scale,
                               int32_t* ids, float* weights) {
+  detail::allow_next_grid();
+  detail::wait_prior_grid();
   extern __shared__ float sh[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t = blockIdx.x * kWarps + warp;
@@ -74,8 +77,7 @@ Status router_topk(const float* logits, int tokens, int n_experts, int top_k, bo
   MOE_CUDA_REQUIRE(tokens > 0 && n_experts > 0 && n_experts <= 1024, "n_experts must be in [1, 1024]");
   MOE_CUDA_REQUIRE(top_k > 0 && top_k <= n_experts, "top_k must be in [1, n_experts]");
   const size_t smem = size_t(kWarps) * n_experts * sizeof(float);
-  router_kernel<<<(tokens + kWarps - 1) / kWarps, kWarps * 32, smem, stream>>>(
-      logits, tokens, n_experts, top_k, renormalize, scale, ids, weights);
+  MOE_CUDA_TRY(detail::launch_pdl(router_kernel, dim3((tokens + kWarps - 1) / kWarps), dim3(kWarps * 32), smem, stream, logits, tokens, n_experts, top_k, renormalize, scale, ids, weights));
   MOE_CUDA_LAUNCHED();
   return {};
 }

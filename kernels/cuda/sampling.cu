@@ -5,6 +5,7 @@
 #include <climits>
 
 #include "kernels/cuda/cuda_check.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/sampling.cuh"
 
@@ -58,6 +59,8 @@ __device__ Best block_argmax(const float* row, int vocab, Best* scratch) {
 }
 
 __global__ void __launch_bounds__(kThreads) argmax_kernel(const float* logits, int vocab, int32_t* tokens) {
+  detail::allow_next_grid();
+  detail::wait_prior_grid();
   __shared__ Best scratch[kThreads / 32];
   const Best b = block_argmax(logits + size_t(blockIdx.x) * vocab, vocab, scratch);
   if (threadIdx.x == 0) tokens[blockIdx.x] = b.i;
@@ -66,6 +69,8 @@ __global__ void __launch_bounds__(kThreads) argmax_kernel(const float* logits, i
 __global__ void __launch_bounds__(kThreads)
     sample_kernel(const float* logits, int vocab, const SampleRowParams* params, const int64_t* positions,
                   int32_t* tokens) {
+  detail::allow_next_grid();
+  detail::wait_prior_grid();
   __shared__ Best scratch[kThreads / 32];
   __shared__ unsigned long long list[kList];  // (key << 32) | (~id): sorts desc by key, asc by id
   __shared__ double prob[kMaxCandidates];
@@ -228,14 +233,14 @@ Status sample_tokens(const float* logits, int rows, int vocab, const SampleRowPa
                      const int64_t* positions, int32_t* tokens, cudaStream_t stream) {
   MOE_CUDA_REQUIRE(logits && params && positions && tokens, "null pointer");
   MOE_CUDA_REQUIRE(rows > 0 && vocab > 0, "rows and vocab must be positive");
-  sample_kernel<<<rows, kThreads, 0, stream>>>(logits, vocab, params, positions, tokens);
+  MOE_CUDA_TRY(detail::launch_pdl(sample_kernel, dim3(rows), dim3(kThreads), 0, stream, logits, vocab, params, positions, tokens));
   MOE_CUDA_LAUNCHED();
   return {};
 }
 
 Status argmax_tokens(const float* logits, int rows, int vocab, int32_t* tokens, cudaStream_t stream) {
   MOE_CUDA_REQUIRE(logits && tokens && rows > 0 && vocab > 0, "null pointer or empty");
-  argmax_kernel<<<rows, kThreads, 0, stream>>>(logits, vocab, tokens);
+  MOE_CUDA_TRY(detail::launch_pdl(argmax_kernel, dim3(rows), dim3(kThreads), 0, stream, logits, vocab, tokens));
   MOE_CUDA_LAUNCHED();
   return {};
 }
