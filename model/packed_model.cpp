@@ -407,11 +407,12 @@ Status PackedModelReader::read(const std::string& path, ModelFiles* out) {
     std::sort(spans.begin(), spans.end());
     for (size_t i = 1; i < spans.size(); ++i)
       if (spans[i].first < spans[i - 1].second) return bad("two tensors overlap at offset " + std::to_string(spans[i].first));
-    if (out->experts_q4_)
-      for (int l = 0; l < d.n_layers; ++l)
-        for (int x = 0; l < d.n_layers && d.layer_is_moe[size_t(l)] && x < d.moe.n_experts; ++x)
-          if (!out->expert_blobs_[size_t(l) * size_t(d.moe.n_experts) + size_t(x)])
-            return bad("missing INT4 expert '" + expert_q4_name(l, x) + "'");
+    for (int l = 0; out->experts_q4_ && l < d.n_layers; ++l) {
+      if (!d.layer_is_moe[size_t(l)]) continue;
+      for (int x = 0; x < d.moe.n_experts; ++x)
+        if (!out->expert_blobs_[size_t(l) * size_t(d.moe.n_experts) + size_t(x)])
+          return bad("missing INT4 expert '" + expert_q4_name(l, x) + "'");
+    }
   } catch (const json::exception& e) {
     return bad(std::string("the header lacks a field or has a wrong type: ") + e.what());
   }

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 #include "model/int4.h"
 #include "model/model_files.h"
@@ -174,6 +175,27 @@ std::string copy_prefix(const std::string& src, const std::string& dst, size_t b
   return dst;
 }
 
+// Rewrites the JSON header of a packed file in place; the edit must not make
+// the header longer than the room before the data.
+void rewrite_header(const std::string& path, const std::function<void(nlohmann::json&)>& edit) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  uint8_t prefix[kPackedPrefixBytes];
+  f.read(reinterpret_cast<char*>(prefix), sizeof prefix);
+  uint64_t n = 0, data_offset = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | prefix[16 + i];
+  for (int i = 7; i >= 0; --i) data_offset = (data_offset << 8) | prefix[24 + i];
+  std::string text(n, '\0');
+  f.read(text.data(), std::streamsize(n));
+  auto h = nlohmann::json::parse(text);
+  edit(h);
+  const std::string out = h.dump();
+  REQUIRE(kPackedPrefixBytes + out.size() <= data_offset);
+  for (int i = 0; i < 8; ++i) prefix[16 + i] = uint8_t(uint64_t(out.size()) >> (8 * i));
+  f.seekp(0);
+  f.write(reinterpret_cast<const char*>(prefix), sizeof prefix);
+  f.write(out.data(), std::streamsize(out.size()));
+}
+
 long resident_kb() {
   std::ifstream in("/proc/self/status");
   std::string line;
@@ -281,6 +303,28 @@ TEST_CASE("damaged packed files are rejected with a clear message", "[packed]") 
     auto r = ModelFiles::open(good);
     REQUIRE_FALSE(r.ok());
     CHECK(r.error().find("version 9") != std::string::npos);
+  }
+  SECTION("an expert missing from the tensor table") {
+    rewrite_header(good, [](nlohmann::json& h) {
+      auto& t = h["tensors"];
+      for (auto it = t.begin(); it != t.end(); ++it)
+        if ((*it)["name"] == "model.layers.1.experts.3.q4") {
+          t.erase(it);
+          break;
+        }
+    });
+    auto r = ModelFiles::open(good);
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.error().find("model.layers.1.experts.3.q4") != std::string::npos);
+  }
+  SECTION("a tensor whose size does not match its dtype") {
+    rewrite_header(good, [](nlohmann::json& h) {
+      for (auto& t : h["tensors"])
+        if (t["name"] == "model.norm.weight") t["dtype"] = "F32";
+    });
+    auto r = ModelFiles::open(good);
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.error().find("'model.norm.weight'") != std::string::npos);
   }
   SECTION("not a model at all") {
     const std::string p = (tmp.path / "text.txt").string();
