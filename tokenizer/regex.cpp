@@ -19,8 +19,8 @@ Result<std::shared_ptr<const Regex>> Regex::compile(std::string_view pattern) {
                       reinterpret_cast<const char*>(msg));
   }
   // JIT is an optimisation only: without it pcre2_match interprets.
-  (void)pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);
-  return std::shared_ptr<const Regex>(new Regex(code));
+  const bool jit = pcre2_jit_compile(code, PCRE2_JIT_COMPLETE) == 0;
+  return std::shared_ptr<const Regex>(new Regex(code, jit));
 }
 
 Regex::~Regex() { pcre2_code_free(static_cast<pcre2_code*>(code_)); }
@@ -30,12 +30,14 @@ void Regex::find_all(std::string_view text, std::vector<std::pair<size_t, size_t
   pcre2_match_data* md = pcre2_match_data_create_from_pattern(code, nullptr);
   const auto* subject = reinterpret_cast<PCRE2_SPTR>(text.data());
   size_t pos = 0;
-  uint32_t no_jit = 0;
+  bool use_jit = jit_;
   while (pos < text.size()) {
-    int rc = pcre2_match(code, subject, text.size(), pos, PCRE2_NO_UTF_CHECK | no_jit, md, nullptr);
-    if (rc < 0 && rc != PCRE2_ERROR_NOMATCH && !no_jit) {
+    // The direct JIT entry skips pcre2_match's per-call checks.
+    const int rc = use_jit ? pcre2_jit_match(code, subject, text.size(), pos, 0, md, nullptr)
+                           : pcre2_match(code, subject, text.size(), pos, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, md, nullptr);
+    if (rc < 0 && rc != PCRE2_ERROR_NOMATCH && use_jit) {
       // The JIT ran out of stack on a pathological input: interpret instead.
-      no_jit = PCRE2_NO_JIT;
+      use_jit = false;
       continue;
     }
     if (rc < 0) break;

@@ -26,8 +26,9 @@ class Regex {
   void find_all(std::string_view text, std::vector<std::pair<size_t, size_t>>& out) const;
 
  private:
-  explicit Regex(void* code) : code_(code) {}
+  Regex(void* code, bool jit) : code_(code), jit_(jit) {}
   void* code_;  // pcre2_code_8*
+  bool jit_;    // compiled to machine code
 };
 
 }  // namespace moe::tok

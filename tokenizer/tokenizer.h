@@ -43,7 +43,7 @@ class Tokenizer {
 
   int32_t token_to_id(std::string_view token) const;  // -1 if none
   std::string id_to_token(int32_t id) const;          // "" if none
-  int vocab_size() const;                              // model vocab + added tokens
+  int vocab_size() const;  // one more than the largest id (model vocab or added token)
 
   const std::string& bos_token() const { return bos_token_; }  // "" if none
   const std::string& eos_token() const { return eos_token_; }  // "" if none
