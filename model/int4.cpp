@@ -72,7 +72,9 @@ void quantize_group(const float* w, int n, uint8_t* codes, uint8_t* params) {
   const float bias = f16_to_f32(f32_to_f16(-zp * scale));
   store_params(params, scale, bias);
   // Codes against the stored (rounded) params, so dequantisation is nearest.
-  auto code = [&](float v) { return uint8_t(std::clamp(std::round((v - bias) / scale), 0.0f, 15.0f)); };
+  auto code = [&](float v) {
+    return uint8_t(std::clamp(std::round((v - bias) / scale), 0.0f, 15.0f));
+  };
   for (int j = 0; j < n / 2; ++j) codes[j] = uint8_t(code(w[2 * j]) | (code(w[2 * j + 1]) << 4));
 }
 
@@ -121,9 +123,10 @@ void q4_quantize_matrix(const float* w, const Q4MatrixLayout& m, uint8_t* blob) 
   const int groups = m.cols / m.group;
   for (int r = 0; r < m.rows; ++r)
     for (int g = 0; g < groups; ++g)
-      quantize_group(w + size_t(r) * size_t(m.cols) + size_t(g) * size_t(m.group), m.group,
-                     blob + m.codes_offset + size_t(r) * size_t(m.cols / 2) + size_t(g) * size_t(m.group / 2),
-                     blob + m.params_offset + (size_t(r) * size_t(groups) + size_t(g)) * 4);
+      quantize_group(
+          w + size_t(r) * size_t(m.cols) + size_t(g) * size_t(m.group), m.group,
+          blob + m.codes_offset + size_t(r) * size_t(m.cols / 2) + size_t(g) * size_t(m.group / 2),
+          blob + m.params_offset + (size_t(r) * size_t(groups) + size_t(g)) * 4);
 }
 
 void q4_dequantize_row(const uint8_t* blob, const Q4MatrixLayout& m, int row, float* out) {
@@ -142,8 +145,8 @@ void q4_dequantize_row(const uint8_t* blob, const Q4MatrixLayout& m, int row, fl
 namespace {
 
 // Portable path: works for any group size.
-void matvec_rows_portable(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, const float* x_sums,
-                          float* y) {
+void matvec_rows_portable(const uint8_t* blob, const Q4MatrixLayout& m, const float* x,
+                          const float* x_sums, float* y) {
   const int groups = m.cols / m.group;
   std::vector<float> q(static_cast<size_t>(m.cols));  // [cols]: one row's codes as floats
   for (int r = 0; r < m.rows; ++r) {
@@ -165,13 +168,15 @@ void matvec_rows_portable(const uint8_t* blob, const Q4MatrixLayout& m, const fl
 // nibbles are split and re-interleaved in registers, widened to floats and
 // multiplied with x; each group's partial sums are scaled in vector form so
 // only one horizontal sum is paid per row.
-void matvec_rows_avx2(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, const float* x_sums, float* y) {
+void matvec_rows_avx2(const uint8_t* blob, const Q4MatrixLayout& m, const float* x,
+                      const float* x_sums, float* y) {
   const int groups = m.cols / m.group;
   const int chunks = m.group / 32;  // 32 inputs per chunk
   const __m128i low_nibble = _mm_set1_epi8(0x0f);
   for (int r = 0; r < m.rows; ++r) {
     const uint8_t* codes = blob + m.codes_offset + size_t(r) * size_t(m.cols / 2);
-    const uint16_t* params = reinterpret_cast<const uint16_t*>(blob + m.params_offset + size_t(r) * size_t(groups) * 4);
+    const uint16_t* params =
+        reinterpret_cast<const uint16_t*>(blob + m.params_offset + size_t(r) * size_t(groups) * 4);
     __m256 acc = _mm256_setzero_ps();
     float bias_acc = 0.0f;
     for (int g = 0; g < groups; ++g) {
@@ -186,9 +191,12 @@ void matvec_rows_avx2(const uint8_t* blob, const Q4MatrixLayout& m, const float*
         const __m128i q1 = _mm_unpackhi_epi8(lo, hi);  // inputs 16..31
         const float* xc = xg + 32 * i;
         p0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q0)), _mm256_loadu_ps(xc), p0);
-        p1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q0, 8))), _mm256_loadu_ps(xc + 8), p1);
-        p0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q1)), _mm256_loadu_ps(xc + 16), p0);
-        p1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q1, 8))), _mm256_loadu_ps(xc + 24), p1);
+        p1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q0, 8))),
+                             _mm256_loadu_ps(xc + 8), p1);
+        p0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q1)), _mm256_loadu_ps(xc + 16),
+                             p0);
+        p1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q1, 8))),
+                             _mm256_loadu_ps(xc + 24), p1);
       }
       const float scale = _cvtsh_ss(params[2 * g]);
       const float bias = _cvtsh_ss(params[2 * g + 1]);

@@ -6,9 +6,8 @@
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 namespace moe {
 
@@ -41,14 +40,16 @@ class ConfigReader {
       for (const char* n : keys) names += std::string(names.empty() ? "'" : " or '") + n + "'";
       return make_error(where_ + ": missing key " + names);
     }
-    if (!j_[k].is_number_integer()) return make_error(where_ + ": key '" + k + "' is not an integer");
+    if (!j_[k].is_number_integer())
+      return make_error(where_ + ": key '" + k + "' is not an integer");
     *out = j_[k].get<int>();
     return Status::ok_status();
   }
 
   Status opt_int(const char* key, int* out) const {
     if (!has(key)) return Status::ok_status();
-    if (!j_[key].is_number_integer()) return make_error(where_ + ": key '" + key + "' is not an integer");
+    if (!j_[key].is_number_integer())
+      return make_error(where_ + ": key '" + key + "' is not an integer");
     *out = j_[key].get<int>();
     return Status::ok_status();
   }
@@ -81,15 +82,16 @@ class ConfigReader {
   std::string where_;
 };
 
-#define MOE_TRY(expr)                   \
-  do {                                  \
+#define MOE_TRY(expr)                                           \
+  do {                                                          \
     if (Status s_ = (expr); !s_) return make_error(s_.error()); \
   } while (0)
 
 bool arch_from_model_type(const std::string& t, Arch* out) {
   static constexpr std::pair<const char*, Arch> kTypes[] = {
-      {"qwen2_moe", Arch::qwen2_moe}, {"qwen3_moe", Arch::qwen3_moe}, {"mixtral", Arch::mixtral},
-      {"olmoe", Arch::olmoe},         {"qwen2", Arch::qwen2},         {"deepseek_v2", Arch::deepseek_v2},
+      {"qwen2_moe", Arch::qwen2_moe}, {"qwen3_moe", Arch::qwen3_moe},
+      {"mixtral", Arch::mixtral},     {"olmoe", Arch::olmoe},
+      {"qwen2", Arch::qwen2},         {"deepseek_v2", Arch::deepseek_v2},
   };
   for (const auto& [name, a] : kTypes)
     if (t == name) {
@@ -118,8 +120,8 @@ Status parse_rope(const ConfigReader& c, RopeConfig* rope) {
   MOE_TRY(r.opt_float("mscale", &rope->mscale));
   MOE_TRY(r.opt_float("mscale_all_dim", &rope->mscale_all_dim));
   static constexpr const char* kKnown[] = {"default", "linear", "dynamic", "yarn"};
-  if (std::find_if(std::begin(kKnown), std::end(kKnown), [&](const char* k) { return rope->type == k; }) ==
-      std::end(kKnown))
+  if (std::find_if(std::begin(kKnown), std::end(kKnown),
+                   [&](const char* k) { return rope->type == k; }) == std::end(kKnown))
     return make_error(c.where() + ": unsupported rope type '" + rope->type + "'");
   return Status::ok_status();
 }
@@ -129,7 +131,8 @@ Status append_ids(const ConfigReader& c, const char* key, std::vector<int32_t>* 
   if (!c.has(key)) return Status::ok_status();
   const json& v = c.at(key);
   auto add = [&](const json& x) -> Status {
-    if (!x.is_number_integer()) return make_error(c.where() + ": key '" + key + "' holds a non-integer");
+    if (!x.is_number_integer())
+      return make_error(c.where() + ": key '" + key + "' holds a non-integer");
     const int32_t id = x.get<int32_t>();
     if (std::find(ids->begin(), ids->end(), id) == ids->end()) ids->push_back(id);
     return Status::ok_status();
@@ -173,15 +176,18 @@ Status parse_moe(const ConfigReader& c, ModelDesc* d) {
       if (step < 1) return make_error(c.where() + ": decoder_sparse_step must be >= 1");
       std::vector<int> mlp_only;
       if (c.has("mlp_only_layers")) {
-        if (!c.at("mlp_only_layers").is_array()) return make_error(c.where() + ": 'mlp_only_layers' is not a list");
+        if (!c.at("mlp_only_layers").is_array())
+          return make_error(c.where() + ": 'mlp_only_layers' is not a list");
         for (const auto& x : c.at("mlp_only_layers")) {
-          if (!x.is_number_integer()) return make_error(c.where() + ": 'mlp_only_layers' holds a non-integer");
+          if (!x.is_number_integer())
+            return make_error(c.where() + ": 'mlp_only_layers' holds a non-integer");
           mlp_only.push_back(x.get<int>());
         }
       }
       for (int l = 0; l < d->n_layers; ++l)
-        d->layer_is_moe[size_t(l)] = m.n_experts > 0 && (l + 1) % step == 0 &&
-                                     std::find(mlp_only.begin(), mlp_only.end(), l) == mlp_only.end();
+        d->layer_is_moe[size_t(l)] =
+            m.n_experts > 0 && (l + 1) % step == 0 &&
+            std::find(mlp_only.begin(), mlp_only.end(), l) == mlp_only.end();
       if (d->arch == Arch::qwen2_moe) {
         MOE_TRY(c.need_int("shared_expert_intermediate_size", &m.shared_intermediate));
         m.shared_expert_gate = m.shared_intermediate > 0;
@@ -205,7 +211,8 @@ Status parse_moe(const ConfigReader& c, ModelDesc* d) {
         return make_error(c.where() + ": unsupported topk_method '" + m.topk_method + "'");
       MOE_TRY(c.opt_int("n_group", &m.n_group));
       MOE_TRY(c.opt_int("topk_group", &m.topk_group));
-      if (m.n_group < 1 || m.topk_group < 1 || m.topk_group > m.n_group || m.n_experts % m.n_group != 0)
+      if (m.n_group < 1 || m.topk_group < 1 || m.topk_group > m.n_group ||
+          m.n_experts % m.n_group != 0)
         return make_error(c.where() + ": n_group / topk_group do not fit n_routed_experts");
       int first_dense = 0, freq = 1;
       MOE_TRY(c.opt_int("first_k_dense_replace", &first_dense));
@@ -220,8 +227,10 @@ Status parse_moe(const ConfigReader& c, ModelDesc* d) {
   }
   if (m.n_experts < 1 || m.top_k < 1 || m.top_k > m.n_experts)
     return make_error(c.where() + ": num_experts_per_tok (" + std::to_string(m.top_k) +
-                      ") must be between 1 and the number of experts (" + std::to_string(m.n_experts) + ")");
-  if (m.expert_intermediate < 1) return make_error(c.where() + ": the expert intermediate size must be positive");
+                      ") must be between 1 and the number of experts (" +
+                      std::to_string(m.n_experts) + ")");
+  if (m.expert_intermediate < 1)
+    return make_error(c.where() + ": the expert intermediate size must be positive");
   return Status::ok_status();
 }
 
@@ -229,17 +238,25 @@ Status parse_moe(const ConfigReader& c, ModelDesc* d) {
 
 const char* arch_name(Arch a) {
   switch (a) {
-    case Arch::qwen2_moe: return "qwen2_moe";
-    case Arch::qwen3_moe: return "qwen3_moe";
-    case Arch::mixtral: return "mixtral";
-    case Arch::olmoe: return "olmoe";
-    case Arch::qwen2: return "qwen2";
-    case Arch::deepseek_v2: return "deepseek_v2";
+    case Arch::qwen2_moe:
+      return "qwen2_moe";
+    case Arch::qwen3_moe:
+      return "qwen3_moe";
+    case Arch::mixtral:
+      return "mixtral";
+    case Arch::olmoe:
+      return "olmoe";
+    case Arch::qwen2:
+      return "qwen2";
+    case Arch::deepseek_v2:
+      return "deepseek_v2";
   }
   return "?";
 }
 
-int ModelDesc::n_moe_layers() const { return int(std::count(layer_is_moe.begin(), layer_is_moe.end(), true)); }
+int ModelDesc::n_moe_layers() const {
+  return int(std::count(layer_is_moe.begin(), layer_is_moe.end(), true));
+}
 
 int ModelDesc::moe_layer_index(int layer) const {
   if (layer < 0 || size_t(layer) >= layer_is_moe.size() || !layer_is_moe[size_t(layer)]) return -1;
@@ -250,7 +267,8 @@ Result<ModelDesc> parse_model_desc(const std::string& config_json_text) {
   return parse_model_desc(config_json_text, "");
 }
 
-Result<ModelDesc> parse_model_desc(const std::string& config_json_text, const std::string& generation_config_text) {
+Result<ModelDesc> parse_model_desc(const std::string& config_json_text,
+                                   const std::string& generation_config_text) {
   auto parsed = parse_json(config_json_text, "config.json");
   if (!parsed) return make_error(parsed.error());
   const json& j = *parsed;
@@ -270,14 +288,17 @@ Result<ModelDesc> parse_model_desc(const std::string& config_json_text, const st
   MOE_TRY(c.need_int("num_hidden_layers", &d.n_layers));
   MOE_TRY(c.need_int("num_attention_heads", &d.n_heads));
   if (d.vocab_size < 1 || d.hidden_size < 1 || d.n_layers < 1 || d.n_heads < 1)
-    return make_error(c.where() + ": vocab_size, hidden_size, num_hidden_layers and num_attention_heads must be positive");
+    return make_error(
+        c.where() +
+        ": vocab_size, hidden_size, num_hidden_layers and num_attention_heads must be positive");
   d.n_kv_heads = d.n_heads;
   MOE_TRY(c.opt_int("num_key_value_heads", &d.n_kv_heads));
   if (c.has("head_dim")) {
     MOE_TRY(c.need_int("head_dim", &d.head_dim));
   } else {
     if (d.hidden_size % d.n_heads != 0)
-      return make_error(c.where() + ": no head_dim and hidden_size is not a multiple of num_attention_heads");
+      return make_error(c.where() +
+                        ": no head_dim and hidden_size is not a multiple of num_attention_heads");
     d.head_dim = d.hidden_size / d.n_heads;
   }
   MOE_TRY(c.opt_int("intermediate_size", &d.intermediate_size));
@@ -315,9 +336,11 @@ Result<ModelDesc> parse_model_desc(const std::string& config_json_text, const st
   } else {
     MOE_TRY(parse_moe(c, &d));
   }
-  const bool has_dense = std::find(d.layer_is_moe.begin(), d.layer_is_moe.end(), false) != d.layer_is_moe.end();
+  const bool has_dense =
+      std::find(d.layer_is_moe.begin(), d.layer_is_moe.end(), false) != d.layer_is_moe.end();
   if (has_dense && d.intermediate_size < 1)
-    return make_error(c.where() + ": missing key 'intermediate_size' (the width of the dense layers' MLP)");
+    return make_error(c.where() +
+                      ": missing key 'intermediate_size' (the width of the dense layers' MLP)");
 
   MOE_TRY(append_ids(c, "eos_token_id", &d.eos_token_ids));
   MOE_TRY(c.opt_int("bos_token_id", &d.bos_token_id));

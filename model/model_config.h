@@ -29,8 +29,8 @@ struct RopeConfig {
   float theta = 10000.0f;
   std::string type = "default";  // "default", "linear", "dynamic", "yarn"
   float factor = 1.0f;
-  int original_max_position = 0;  // yarn / dynamic
-  float beta_fast = 32.0f, beta_slow = 1.0f;  // yarn
+  int original_max_position = 0;               // yarn / dynamic
+  float beta_fast = 32.0f, beta_slow = 1.0f;   // yarn
   float mscale = 1.0f, mscale_all_dim = 0.0f;  // yarn (DeepSeek)
 };
 
@@ -43,15 +43,15 @@ struct MlaConfig {
 };
 
 struct MoeConfig {
-  int n_experts = 0;             // routed experts per MoE layer
-  int top_k = 0;                 // experts each token is routed to
-  bool norm_topk_prob = false;   // renormalise the top-k weights to sum to 1
-  int expert_intermediate = 0;   // moe_intermediate_size
-  int n_shared_experts = 0;      // DeepSeek: shared experts fused in one MLP of
-                                 // n_shared_experts * expert_intermediate
-  int shared_intermediate = 0;   // width of the shared MLP (0: none)
-  bool shared_expert_gate = false;  // Qwen2-MoE: sigmoid(gate(x)) scales shared out
-  float routed_scaling = 1.0f;   // DeepSeek routed_scaling_factor
+  int n_experts = 0;                   // routed experts per MoE layer
+  int top_k = 0;                       // experts each token is routed to
+  bool norm_topk_prob = false;         // renormalise the top-k weights to sum to 1
+  int expert_intermediate = 0;         // moe_intermediate_size
+  int n_shared_experts = 0;            // DeepSeek: shared experts fused in one MLP of
+                                       // n_shared_experts * expert_intermediate
+  int shared_intermediate = 0;         // width of the shared MLP (0: none)
+  bool shared_expert_gate = false;     // Qwen2-MoE: sigmoid(gate(x)) scales shared out
+  float routed_scaling = 1.0f;         // DeepSeek routed_scaling_factor
   std::string topk_method = "greedy";  // DeepSeek: "greedy" | "group_limited_greedy"
   int n_group = 1, topk_group = 1;
 };

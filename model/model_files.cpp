@@ -11,8 +11,9 @@
 namespace moe {
 
 const std::vector<std::string>& ModelFiles::text_file_names() {
-  static const std::vector<std::string> names = {"config.json", "tokenizer.json", "tokenizer_config.json",
-                                                 "chat_template.jinja", "generation_config.json"};
+  static const std::vector<std::string> names = {"config.json", "tokenizer.json",
+                                                 "tokenizer_config.json", "chat_template.jinja",
+                                                 "generation_config.json"};
   return names;
 }
 
@@ -57,7 +58,8 @@ const std::map<std::string, TensorView>& ModelFiles::tensors() const {
 }
 
 const uint8_t* ModelFiles::expert_q4(int layer, int expert) const {
-  if (!experts_q4_ || layer < 0 || layer >= desc_.n_layers || expert < 0 || expert >= desc_.moe.n_experts)
+  if (!experts_q4_ || layer < 0 || layer >= desc_.n_layers || expert < 0 ||
+      expert >= desc_.moe.n_experts)
     return nullptr;
   return expert_blobs_[size_t(layer) * size_t(desc_.moe.n_experts) + size_t(expert)];
 }

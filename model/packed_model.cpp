@@ -10,11 +10,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <thread>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "model/int4.h"
 #include "model/model_files.h"
@@ -50,12 +49,12 @@ uint64_t get_u64(const uint8_t* p) {
 // One tensor of the file being written.
 struct OutTensor {
   std::string name;
-  std::string dtype;             // safetensors spelling, or Q4EXPERT
+  std::string dtype;  // safetensors spelling, or Q4EXPERT
   std::vector<int64_t> shape;
   size_t bytes = 0;
-  size_t offset = 0;             // from the start of the data region
+  size_t offset = 0;                // from the start of the data region
   const TensorView* src = nullptr;  // copied as stored; nullptr for a q4 blob
-  int layer = -1, expert = -1;   // q4 blobs
+  int layer = -1, expert = -1;      // q4 blobs
 };
 
 // A file being written, with one error path: the first failure sticks.
@@ -79,9 +78,12 @@ class OutFile {
   }
   Status close() {
     if (!f_) return make_error(err_);
-    if (err_.empty() && std::fflush(f_) != 0) err_ = path_ + ": write failed: " + std::strerror(errno);
-    if (err_.empty() && ::fsync(fileno(f_)) != 0) err_ = path_ + ": fsync failed: " + std::strerror(errno);
-    if (std::fclose(f_) != 0 && err_.empty()) err_ = path_ + ": close failed: " + std::strerror(errno);
+    if (err_.empty() && std::fflush(f_) != 0)
+      err_ = path_ + ": write failed: " + std::strerror(errno);
+    if (err_.empty() && ::fsync(fileno(f_)) != 0)
+      err_ = path_ + ": fsync failed: " + std::strerror(errno);
+    if (std::fclose(f_) != 0 && err_.empty())
+      err_ = path_ + ": close failed: " + std::strerror(errno);
     f_ = nullptr;
     if (!err_.empty()) return make_error(err_);
     return Status::ok_status();
@@ -96,18 +98,23 @@ class OutFile {
   size_t written_ = 0;
 };
 
-bool is_float(DType t) { return t == DType::bf16 || t == DType::f16 || t == DType::f32 || t == DType::f64; }
+bool is_float(DType t) {
+  return t == DType::bf16 || t == DType::f16 || t == DType::f32 || t == DType::f64;
+}
 
-Status check_expert_matrix(const ModelFiles& files, const std::string& name, int64_t rows, int64_t cols) {
+Status check_expert_matrix(const ModelFiles& files, const std::string& name, int64_t rows,
+                           int64_t cols) {
   const TensorView* t = files.find(name);
   if (!t) return make_error(files.path() + ": missing expert weight '" + name + "'");
   if (t->shape != std::vector<int64_t>{rows, cols})
     return make_error(files.path() + ": expert weight '" + name + "' has shape [" +
-                      (t->shape.size() == 2 ? std::to_string(t->shape[0]) + ", " + std::to_string(t->shape[1])
-                                            : std::string("rank ") + std::to_string(t->shape.size())) +
+                      (t->shape.size() == 2
+                           ? std::to_string(t->shape[0]) + ", " + std::to_string(t->shape[1])
+                           : std::string("rank ") + std::to_string(t->shape.size())) +
                       "], expected [" + std::to_string(rows) + ", " + std::to_string(cols) + "]");
   if (!is_float(t->dtype))
-    return make_error(files.path() + ": expert weight '" + name + "' is " + dtype_name(t->dtype) + ", not a float type");
+    return make_error(files.path() + ": expert weight '" + name + "' is " + dtype_name(t->dtype) +
+                      ", not a float type");
   return Status::ok_status();
 }
 
@@ -143,7 +150,8 @@ void parallel_for(size_t n, size_t threads, const std::function<void(size_t)>& f
   for (auto& th : pool) th.join();
 }
 
-std::vector<uint8_t> quantize_expert(const ModelFiles& files, const ExpertWeightNames& n, const ExpertLayout& layout) {
+std::vector<uint8_t> quantize_expert(const ModelFiles& files, const ExpertWeightNames& n,
+                                     const ExpertLayout& layout) {
   std::vector<uint8_t> blob(layout.blob_bytes, 0);
   const std::pair<const std::string*, const Q4MatrixLayout*> parts[] = {
       {&n.gate, &layout.gate}, {&n.up, &layout.up}, {&n.down, &layout.down}};
@@ -178,9 +186,11 @@ bool is_packed_model_file(const std::string& path) {
   return std::memcmp(magic, kPackedMagic, 8) == 0;
 }
 
-Status write_packed_model(const std::string& model_dir, const std::string& out_path, const PackOptions& opts) {
+Status write_packed_model(const std::string& model_dir, const std::string& out_path,
+                          const PackOptions& opts) {
   if (opts.group_size != 32 && opts.group_size != 64 && opts.group_size != 128)
-    return make_error("group size " + std::to_string(opts.group_size) + " is not one of 32, 64, 128");
+    return make_error("group size " + std::to_string(opts.group_size) +
+                      " is not one of 32, 64, 128");
   if (!std::filesystem::is_directory(model_dir))
     return make_error(model_dir + ": not a checkpoint folder (config.json + safetensors)");
   auto opened = ModelFiles::open(model_dir);
@@ -225,7 +235,8 @@ Status write_packed_model(const std::string& model_dir, const std::string& out_p
   // Everything else is copied as stored, by name; then the experts, so that
   // they form one contiguous run of the file.
   for (const auto& [name, v] : files.tensors())
-    if (!expert_names.count(name)) out.push_back({name, dtype_name(v.dtype), v.shape, v.nbytes, 0, &v, -1, -1});
+    if (!expert_names.count(name))
+      out.push_back({name, dtype_name(v.dtype), v.shape, v.nbytes, 0, &v, -1, -1});
   for (auto& t : experts) out.push_back(std::move(t));
 
   size_t end = 0;
@@ -235,7 +246,11 @@ Status write_packed_model(const std::string& model_dir, const std::string& out_p
     t.offset = align_up(end, kPackedAlign);
     end = t.offset + t.bytes;
     bytes_total += t.bytes;
-    table.push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"offset", t.offset}, {"bytes", t.bytes}});
+    table.push_back({{"name", t.name},
+                     {"dtype", t.dtype},
+                     {"shape", t.shape},
+                     {"offset", t.offset},
+                     {"bytes", t.bytes}});
   }
   const size_t data_bytes = align_up(end, kPackedAlign);
 
@@ -279,7 +294,8 @@ Status write_packed_model(const std::string& model_dir, const std::string& out_p
     if (opts.progress) opts.progress(0, out.size(), 0, bytes_total);
     // Expert blobs are quantised a batch at a time on all threads, then
     // written in order.
-    const size_t threads = opts.threads > 0 ? size_t(opts.threads) : std::max(1u, std::thread::hardware_concurrency());
+    const size_t threads =
+        opts.threads > 0 ? size_t(opts.threads) : std::max(1u, std::thread::hardware_concurrency());
     std::vector<std::vector<uint8_t>> blobs;  // [batch][blob_bytes]
     size_t batch_begin = 0, batch_end = 0;    // the out[] range `blobs` holds
     for (size_t i = 0; i < out.size() && !f.failed(); ++i) {
@@ -324,7 +340,8 @@ Status PackedModelReader::read(const std::string& path, ModelFiles* out) {
   const MappedFile& f = **mapped;
   auto bad = [&](const std::string& why) { return make_error(path + ": " + why); };
   if (f.size() < kPackedPrefixBytes) return bad("too short for a packed model file");
-  if (std::memcmp(f.data(), kPackedMagic, 8) != 0) return bad("not a packed model file (bad magic)");
+  if (std::memcmp(f.data(), kPackedMagic, 8) != 0)
+    return bad("not a packed model file (bad magic)");
   const uint32_t version = get_u32(f.data() + 8);
   if (version != kPackedVersion)
     return bad("packed format version " + std::to_string(version) + " (this build reads version " +
@@ -332,9 +349,11 @@ Status PackedModelReader::read(const std::string& path, ModelFiles* out) {
   const uint64_t header_len = get_u64(f.data() + 16);
   const uint64_t data_offset = get_u64(f.data() + 24);
   if (header_len > f.size() - kPackedPrefixBytes)
-    return bad("the header runs past the end of the file (" + std::to_string(f.size()) + " bytes): truncated");
+    return bad("the header runs past the end of the file (" + std::to_string(f.size()) +
+               " bytes): truncated");
   if (data_offset % kPackedAlign != 0 || data_offset < kPackedPrefixBytes + header_len)
-    return bad("data offset " + std::to_string(data_offset) + " is not a page boundary past the header");
+    return bad("data offset " + std::to_string(data_offset) +
+               " is not a page boundary past the header");
 
   json h;
   try {
@@ -351,20 +370,24 @@ Status PackedModelReader::read(const std::string& path, ModelFiles* out) {
 
     out->text_files_.clear();
     out->text_files_["config.json"] = h.at("config").get<std::string>();
-    for (const auto& [name, text] : h.at("files").items()) out->text_files_[name] = text.get<std::string>();
-    auto desc = parse_model_desc(out->text_files_["config.json"], out->tokenizer_file("generation_config.json"));
+    for (const auto& [name, text] : h.at("files").items())
+      out->text_files_[name] = text.get<std::string>();
+    auto desc = parse_model_desc(out->text_files_["config.json"],
+                                 out->tokenizer_file("generation_config.json"));
     if (!desc) return bad(desc.error());
     out->desc_ = std::move(*desc);
     const ModelDesc& d = out->desc_;
 
     const json& q = h.at("quantization");
     const std::string experts = q.at("experts").get<std::string>();
-    if (experts != "q4" && experts != "bf16") return bad("unknown expert quantisation '" + experts + "'");
+    if (experts != "q4" && experts != "bf16")
+      return bad("unknown expert quantisation '" + experts + "'");
     out->experts_q4_ = experts == "q4";
     out->q4_group_ = out->experts_q4_ ? q.at("group_size").get<int>() : 0;
     if (out->experts_q4_) {
       if (out->q4_group_ != 32 && out->q4_group_ != 64 && out->q4_group_ != 128)
-        return bad("INT4 group size " + std::to_string(out->q4_group_) + " is not one of 32, 64, 128");
+        return bad("INT4 group size " + std::to_string(out->q4_group_) +
+                   " is not one of 32, 64, 128");
       out->layout_ = expert_layout(d.hidden_size, d.moe.expert_intermediate, out->q4_group_);
       out->expert_blobs_.assign(size_t(d.n_layers) * size_t(d.moe.n_experts), nullptr);
     }
@@ -373,18 +396,24 @@ Status PackedModelReader::read(const std::string& path, ModelFiles* out) {
     std::vector<std::pair<uint64_t, uint64_t>> spans;  // [offset, end)
     for (const json& e : h.at("tensors")) {
       const std::string name = e.at("name").get<std::string>();
-      auto bad_tensor = [&](const std::string& why) { return bad("tensor '" + name + "': " + why); };
+      auto bad_tensor = [&](const std::string& why) {
+        return bad("tensor '" + name + "': " + why);
+      };
       const std::string dtype = e.at("dtype").get<std::string>();
       const uint64_t offset = e.at("offset").get<uint64_t>();
       const uint64_t bytes = e.at("bytes").get<uint64_t>();
-      if (offset % kPackedAlign != 0) return bad_tensor("offset " + std::to_string(offset) + " is not page aligned");
+      if (offset % kPackedAlign != 0)
+        return bad_tensor("offset " + std::to_string(offset) + " is not page aligned");
       if (offset > data_bytes || bytes > data_bytes - offset)
-        return bad_tensor("runs past the end of the data (" + std::to_string(data_bytes) + " bytes)");
+        return bad_tensor("runs past the end of the data (" + std::to_string(data_bytes) +
+                          " bytes)");
       spans.push_back({offset, offset + bytes});
       if (dtype == kQ4DType) {
         int l = -1, x = -1;
-        if (!out->experts_q4_) return bad_tensor("an INT4 expert in a file whose experts are not INT4");
-        if (!parse_q4_name(name, &l, &x) || l >= d.n_layers || !d.layer_is_moe[size_t(l)] || x >= d.moe.n_experts)
+        if (!out->experts_q4_)
+          return bad_tensor("an INT4 expert in a file whose experts are not INT4");
+        if (!parse_q4_name(name, &l, &x) || l >= d.n_layers || !d.layer_is_moe[size_t(l)] ||
+            x >= d.moe.n_experts)
           return bad_tensor("not the name of a routed expert of this model");
         if (bytes != out->layout_.blob_bytes)
           return bad_tensor("holds " + std::to_string(bytes) + " bytes, the expert layout needs " +
@@ -399,14 +428,17 @@ Status PackedModelReader::read(const std::string& path, ModelFiles* out) {
       for (int64_t dim : t.shape)
         if (dim < 0) return bad_tensor("negative dimension");
       if (uint64_t(t.numel()) * dtype_size(t.dtype) != bytes)
-        return bad_tensor("holds " + std::to_string(bytes) + " bytes, which does not match its dtype and shape");
+        return bad_tensor("holds " + std::to_string(bytes) +
+                          " bytes, which does not match its dtype and shape");
       t.data = data + offset;
       t.nbytes = size_t(bytes);
-      if (!out->packed_tensors_.emplace(name, std::move(t)).second) return bad_tensor("listed twice");
+      if (!out->packed_tensors_.emplace(name, std::move(t)).second)
+        return bad_tensor("listed twice");
     }
     std::sort(spans.begin(), spans.end());
     for (size_t i = 1; i < spans.size(); ++i)
-      if (spans[i].first < spans[i - 1].second) return bad("two tensors overlap at offset " + std::to_string(spans[i].first));
+      if (spans[i].first < spans[i - 1].second)
+        return bad("two tensors overlap at offset " + std::to_string(spans[i].first));
     for (int l = 0; out->experts_q4_ && l < d.n_layers; ++l) {
       if (!d.layer_is_moe[size_t(l)]) continue;
       for (int x = 0; x < d.moe.n_experts; ++x)

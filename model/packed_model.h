@@ -36,7 +36,9 @@ struct PackOptions {
   int group_size = 64;           // 32, 64 or 128
   int threads = 0;               // quantiser threads; 0: one per core
   // Called after each tensor is written (and once before the first, with 0s).
-  std::function<void(size_t tensors_done, size_t tensors_total, uint64_t bytes_done, uint64_t bytes_total)> progress;
+  std::function<void(size_t tensors_done, size_t tensors_total, uint64_t bytes_done,
+                     uint64_t bytes_total)>
+      progress;
 };
 
 // Packs the checkpoint folder `model_dir` into `out_path`, writing

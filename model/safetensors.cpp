@@ -10,10 +10,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
-
-#include <nlohmann/json.hpp>
 
 namespace moe {
 
@@ -28,9 +27,10 @@ struct DTypeInfo {
 };
 
 constexpr DTypeInfo kDTypes[] = {
-    {DType::f32, "F32", 4},  {DType::f16, "F16", 2}, {DType::bf16, "BF16", 2}, {DType::f64, "F64", 8},
-    {DType::i64, "I64", 8},  {DType::i32, "I32", 4}, {DType::i16, "I16", 2},   {DType::i8, "I8", 1},
-    {DType::u8, "U8", 1},    {DType::boolean, "BOOL", 1},
+    {DType::f32, "F32", 4},      {DType::f16, "F16", 2}, {DType::bf16, "BF16", 2},
+    {DType::f64, "F64", 8},      {DType::i64, "I64", 8}, {DType::i32, "I32", 4},
+    {DType::i16, "I16", 2},      {DType::i8, "I8", 1},   {DType::u8, "U8", 1},
+    {DType::boolean, "BOOL", 1},
 };
 
 std::string shape_str(const std::vector<int64_t>& shape) {
@@ -43,12 +43,14 @@ std::string shape_str(const std::vector<int64_t>& shape) {
 Status parse_file(const MappedFile& f, std::map<std::string, TensorView>* out) {
   const std::string& path = f.path();
   if (f.size() < 8)
-    return make_error(path + ": too short for a safetensors file (" + std::to_string(f.size()) + " bytes)");
+    return make_error(path + ": too short for a safetensors file (" + std::to_string(f.size()) +
+                      " bytes)");
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | f.data()[i];  // little-endian u64
   if (header_len > f.size() - 8)
-    return make_error(path + ": header length " + std::to_string(header_len) + " runs past the end of the file (" +
-                      std::to_string(f.size()) + " bytes): truncated or not a safetensors file");
+    return make_error(path + ": header length " + std::to_string(header_len) +
+                      " runs past the end of the file (" + std::to_string(f.size()) +
+                      " bytes): truncated or not a safetensors file");
   json header;
   try {
     header = json::parse(reinterpret_cast<const char*>(f.data()) + 8,
@@ -70,7 +72,9 @@ Status parse_file(const MappedFile& f, std::map<std::string, TensorView>* out) {
     const std::string& name = it.key();
     if (name == "__metadata__") continue;
     const json& e = it.value();
-    auto bad = [&](const std::string& why) { return make_error(path + ": tensor '" + name + "': " + why); };
+    auto bad = [&](const std::string& why) {
+      return make_error(path + ": tensor '" + name + "': " + why);
+    };
     if (!e.is_object()) return bad("entry is not an object");
     if (!e.contains("dtype") || !e["dtype"].is_string()) return bad("missing dtype");
     TensorView t;
@@ -79,33 +83,39 @@ Status parse_file(const MappedFile& f, std::map<std::string, TensorView>* out) {
     if (!dtype_from_name(dt, &t.dtype)) return bad("unknown dtype '" + dt + "'");
     if (!e.contains("shape") || !e["shape"].is_array()) return bad("missing shape");
     for (const auto& d : e["shape"]) {
-      if (!d.is_number_integer() || d.get<int64_t>() < 0) return bad("shape has a non-integer or negative dimension");
+      if (!d.is_number_integer() || d.get<int64_t>() < 0)
+        return bad("shape has a non-integer or negative dimension");
       t.shape.push_back(d.get<int64_t>());
     }
-    if (!e.contains("data_offsets") || !e["data_offsets"].is_array() || e["data_offsets"].size() != 2 ||
-        !e["data_offsets"][0].is_number_unsigned() || !e["data_offsets"][1].is_number_unsigned())
+    if (!e.contains("data_offsets") || !e["data_offsets"].is_array() ||
+        e["data_offsets"].size() != 2 || !e["data_offsets"][0].is_number_unsigned() ||
+        !e["data_offsets"][1].is_number_unsigned())
       return bad("data_offsets must be two non-negative integers");
     const uint64_t begin = e["data_offsets"][0].get<uint64_t>();
     const uint64_t end = e["data_offsets"][1].get<uint64_t>();
-    if (begin > end) return bad("data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) + "] are reversed");
+    if (begin > end)
+      return bad("data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+                 "] are reversed");
     if (end > region_bytes)
       return bad("data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
                  "] run past the end of the data region (" + std::to_string(region_bytes) +
                  " bytes): the file is truncated or inconsistent");
     const uint64_t want = uint64_t(t.numel()) * dtype_size(t.dtype);
     if (end - begin != want)
-      return bad("holds " + std::to_string(end - begin) + " bytes but " + dt + " " + shape_str(t.shape) + " needs " +
-                 std::to_string(want));
+      return bad("holds " + std::to_string(end - begin) + " bytes but " + dt + " " +
+                 shape_str(t.shape) + " needs " + std::to_string(want));
     t.data = region + begin;
     t.nbytes = size_t(want);
     spans.push_back({size_t(begin), size_t(end), name});
     if (out->count(name)) return bad("appears in more than one file");
     (*out)[name] = std::move(t);
   }
-  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  std::sort(spans.begin(), spans.end(),
+            [](const Span& a, const Span& b) { return a.begin < b.begin; });
   for (size_t i = 1; i < spans.size(); ++i)
     if (spans[i].begin < spans[i - 1].end)
-      return make_error(path + ": tensors '" + spans[i - 1].name + "' and '" + spans[i].name + "' overlap");
+      return make_error(path + ": tensors '" + spans[i - 1].name + "' and '" + spans[i].name +
+                        "' overlap");
   return Status::ok_status();
 }
 
@@ -190,7 +200,8 @@ Result<Checkpoint> Checkpoint::open_dir(const std::string& dir) {
   const fs::path single_path = fs::path(dir) / "model.safetensors";
   if (!fs::exists(index_path)) {
     if (!fs::exists(single_path))
-      return make_error(dir + ": no model.safetensors or model.safetensors.index.json in this folder");
+      return make_error(dir +
+                        ": no model.safetensors or model.safetensors.index.json in this folder");
     return open_file(single_path.string());
   }
 
@@ -210,10 +221,12 @@ Result<Checkpoint> Checkpoint::open_dir(const std::string& dir) {
   std::set<std::string> seen;
   for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
     if (!it.value().is_string())
-      return make_error(index_path.string() + ": tensor '" + it.key() + "': the shard name is not a string");
+      return make_error(index_path.string() + ": tensor '" + it.key() +
+                        "': the shard name is not a string");
     const std::string shard = it.value().get<std::string>();
     if (shard.find('/') != std::string::npos || shard == "..")
-      return make_error(index_path.string() + ": tensor '" + it.key() + "': shard '" + shard + "' is outside the folder");
+      return make_error(index_path.string() + ": tensor '" + it.key() + "': shard '" + shard +
+                        "' is outside the folder");
     if (seen.insert(shard).second) shards.push_back(shard);
   }
 
@@ -225,7 +238,8 @@ Result<Checkpoint> Checkpoint::open_dir(const std::string& dir) {
     if (Status s = parse_file(**f, &part); !s) return make_error(s.error());
     for (auto& [name, t] : part) {
       if (c.tensors_.count(name))
-        return make_error((fs::path(dir) / shard).string() + ": tensor '" + name + "' appears in more than one shard");
+        return make_error((fs::path(dir) / shard).string() + ": tensor '" + name +
+                          "' appears in more than one shard");
       c.tensors_[name] = std::move(t);
     }
     c.files_.push_back(std::move(*f));
@@ -253,7 +267,7 @@ uint16_t f32_to_bf16(float v) {
   uint32_t u;
   std::memcpy(&u, &v, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN stays a quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);                                          // round to nearest even
+  u += 0x7fffu + ((u >> 16) & 1u);                                         // round to nearest even
   return uint16_t(u >> 16);
 }
 
@@ -287,11 +301,11 @@ uint16_t f32_to_f16(float v) {
   std::memcpy(&u, &v, 4);
   const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
   const uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return uint16_t(sign | 0x7e00u);  // NaN
+  if (abs > 0x7f800000u) return uint16_t(sign | 0x7e00u);   // NaN
   if (abs >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to >= 65520: inf
   if (abs >= 0x38800000u) {                                 // normal half (>= 2^-14)
-    uint32_t r = abs - 0x38000000u;                          // rebias exponent 127 -> 15
-    r += 0xfffu + ((r >> 13) & 1u);                          // round to nearest even
+    uint32_t r = abs - 0x38000000u;                         // rebias exponent 127 -> 15
+    r += 0xfffu + ((r >> 13) & 1u);                         // round to nearest even
     return uint16_t(sign | (r >> 13));
   }
   if (abs < 0x33000000u) return sign;  // below half the smallest subnormal: zero

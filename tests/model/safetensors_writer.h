@@ -4,17 +4,17 @@
 
 #include <cstdint>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "model/safetensors.h"
 
 namespace moe::test {
 
 // Writes `header` (whose entries carry data_offsets already) and `data`.
-inline void write_raw_safetensors(const std::string& path, const nlohmann::json& header, const std::string& data) {
+inline void write_raw_safetensors(const std::string& path, const nlohmann::json& header,
+                                  const std::string& data) {
   std::string h = header.dump();
   while (h.size() % 8) h += ' ';
   const uint64_t n = h.size();
@@ -24,7 +24,8 @@ inline void write_raw_safetensors(const std::string& path, const nlohmann::json&
 }
 
 // Writes the given tensors, packed in order, as one safetensors file.
-inline void write_safetensors(const std::string& path, const std::vector<const TensorView*>& tensors) {
+inline void write_safetensors(const std::string& path,
+                              const std::vector<const TensorView*>& tensors) {
   nlohmann::json header = nlohmann::json::object();
   std::string data;
   for (const TensorView* t : tensors) {

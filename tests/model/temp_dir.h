@@ -11,7 +11,8 @@ namespace moe::test {
 struct TempDir {
   std::filesystem::path path;
   explicit TempDir(const std::string& tag) {
-    path = std::filesystem::temp_directory_path() / ("moe_model_test_" + tag + "_" + std::to_string(::getpid()));
+    path = std::filesystem::temp_directory_path() /
+           ("moe_model_test_" + tag + "_" + std::to_string(::getpid()));
     std::filesystem::remove_all(path);
     std::filesystem::create_directories(path);
   }

@@ -2,10 +2,9 @@
 // quantisation error bound on odd shapes, constant groups, and q4_matvec
 // against dequantise-then-dot.
 
-#include <catch2/catch.hpp>
-
 #include <time.h>
 
+#include <catch2/catch.hpp>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -23,7 +22,8 @@ std::vector<float> random_matrix(int rows, int cols, uint32_t seed, float offset
   std::mt19937 rng(seed);
   std::normal_distribution<float> dist(0.0f, 0.05f);
   std::vector<float> w(size_t(rows) * size_t(cols));
-  for (auto& v : w) v = bf16_to_f32(f32_to_bf16(dist(rng) + offset));  // checkpoint weights are bf16
+  for (auto& v : w)
+    v = bf16_to_f32(f32_to_bf16(dist(rng) + offset));  // checkpoint weights are bf16
   return w;
 }
 
@@ -37,9 +37,11 @@ Q4MatrixLayout single_matrix(int rows, int cols, int group) {
   return m;
 }
 
-void read_params(const uint8_t* blob, const Q4MatrixLayout& m, int row, int g, float* scale, float* bias) {
+void read_params(const uint8_t* blob, const Q4MatrixLayout& m, int row, int g, float* scale,
+                 float* bias) {
   uint16_t h[2];
-  std::memcpy(h, blob + m.params_offset + (size_t(row) * size_t(m.cols / m.group) + size_t(g)) * 4, 4);
+  std::memcpy(h, blob + m.params_offset + (size_t(row) * size_t(m.cols / m.group) + size_t(g)) * 4,
+              4);
   *scale = f16_to_f32(h[0]);
   *bias = f16_to_f32(h[1]);
 }
@@ -56,7 +58,8 @@ void check_round_trip(const std::vector<float>& w, const Q4MatrixLayout& m, cons
       const float want = w[size_t(r) * size_t(m.cols) + size_t(c)];
       const float bound = scale / 2 + std::fabs(bias) * 0x1p-11f + 1e-7f * std::fabs(want);
       if (std::fabs(row[size_t(c)] - want) > bound) {
-        FAIL("row " << r << " col " << c << " w " << want << " got " << row[size_t(c)] << " scale " << scale);
+        FAIL("row " << r << " col " << c << " w " << want << " got " << row[size_t(c)] << " scale "
+                    << scale);
       }
     }
   }
@@ -77,7 +80,8 @@ TEST_CASE("effective group: the largest power of two <= G that divides K", "[int
 }
 
 TEST_CASE("expert layout: regions in order, 256-byte aligned, disjoint", "[int4]") {
-  for (auto [h, i, g] : {std::tuple{64, 96, 64}, {64, 32, 64}, {256, 128, 32}, {2048, 768, 128}, {64, 96, 128}}) {
+  for (auto [h, i, g] :
+       {std::tuple{64, 96, 64}, {64, 32, 64}, {256, 128, 32}, {2048, 768, 128}, {64, 96, 128}}) {
     INFO("H " << h << " I " << i << " G " << g);
     const ExpertLayout e = expert_layout(h, i, g);
     CHECK(e.hidden == h);
@@ -97,7 +101,8 @@ TEST_CASE("expert layout: regions in order, 256-byte aligned, disjoint", "[int4]
       CHECK(m->params_offset % kQ4Align == 0);
       CHECK(m->codes_offset >= end);
       CHECK(m->params_offset >= m->codes_offset + m->codes_bytes());
-      CHECK(m->params_offset - (m->codes_offset + m->codes_bytes()) < kQ4Align);  // no more padding than needed
+      CHECK(m->params_offset - (m->codes_offset + m->codes_bytes()) <
+            kQ4Align);  // no more padding than needed
       end = m->params_offset + m->params_bytes();
     }
     CHECK(e.gate.codes_offset == 0);
@@ -119,7 +124,8 @@ TEST_CASE("round trip error stays within scale/2 on odd shapes", "[int4]") {
   for (int k : {64, 96, 32})
     for (int n : {1, 7, 33})
       for (int g : {32, 64, 128})
-        for (float offset : {0.0f, 0.2f, -0.3f}) {  // offsets give one-signed groups (zero point at an end)
+        for (float offset :
+             {0.0f, 0.2f, -0.3f}) {  // offsets give one-signed groups (zero point at an end)
           INFO("K " << k << " N " << n << " G " << g << " offset " << offset);
           const Q4MatrixLayout m = single_matrix(n, k, g);
           const auto w = random_matrix(n, k, seed++, offset);
@@ -202,7 +208,8 @@ TEST_CASE("q4_matvec equals dequantise-then-dot", "[int4]") {
 
 TEST_CASE("an expert blob holds its three matrices without overlap", "[int4]") {
   const ExpertLayout e = expert_layout(64, 96, 64);
-  const auto gate = random_matrix(96, 64, 1), up = random_matrix(96, 64, 2), down = random_matrix(64, 96, 3);
+  const auto gate = random_matrix(96, 64, 1), up = random_matrix(96, 64, 2),
+             down = random_matrix(64, 96, 3);
   std::vector<uint8_t> blob(e.blob_bytes, 0xCD);
   q4_quantize_matrix(gate.data(), e.gate, blob.data());
   q4_quantize_matrix(up.data(), e.up, blob.data());

@@ -2,7 +2,6 @@
 // fixture configs and against the shapes of the weights they describe.
 
 #include <catch2/catch.hpp>
-
 #include <filesystem>
 #include <fstream>
 
@@ -25,7 +24,9 @@ ModelDesc load(const std::string& fixture) {
   return *d;
 }
 
-json fixture_config(const std::string& fixture) { return moe::test::read_json(fixture_dir(fixture) + "/config.json"); }
+json fixture_config(const std::string& fixture) {
+  return moe::test::read_json(fixture_dir(fixture) + "/config.json");
+}
 
 std::vector<int64_t> shape_of(const Checkpoint& ck, const std::string& name) {
   const TensorView* t = ck.find(name);
@@ -111,7 +112,8 @@ TEST_CASE("olmoe: whole-projection q/k norm, top-4 of 16 without renormalising",
   CHECK(d.vocab_size == 771);
 }
 
-TEST_CASE("qwen2 dense: transformers-5 rope_parameters, tied embeddings, no MoE layer", "[config]") {
+TEST_CASE("qwen2 dense: transformers-5 rope_parameters, tied embeddings, no MoE layer",
+          "[config]") {
   const ModelDesc d = load("qwen2_dense");
   CHECK(d.arch == Arch::qwen2);
   CHECK(d.tie_embeddings);
@@ -162,39 +164,47 @@ TEST_CASE("every fixture's description fits the shapes of its weights", "[config
       INFO("layer " << l);
       const std::string p = "model.layers." + std::to_string(l) + ".";
       if (d.attention == AttentionKind::gqa) {
-        CHECK(shape_of(*ck, p + "self_attn.q_proj.weight") == std::vector<int64_t>{d.n_heads * d.head_dim, H});
-        CHECK(shape_of(*ck, p + "self_attn.k_proj.weight") == std::vector<int64_t>{d.n_kv_heads * d.head_dim, H});
+        CHECK(shape_of(*ck, p + "self_attn.q_proj.weight") ==
+              std::vector<int64_t>{d.n_heads * d.head_dim, H});
+        CHECK(shape_of(*ck, p + "self_attn.k_proj.weight") ==
+              std::vector<int64_t>{d.n_kv_heads * d.head_dim, H});
         CHECK((ck->find(p + "self_attn.q_proj.bias") != nullptr) == d.qkv_bias);
         if (d.qk_norm == QkNorm::per_head)
           CHECK(shape_of(*ck, p + "self_attn.q_norm.weight") == std::vector<int64_t>{d.head_dim});
         if (d.qk_norm == QkNorm::whole) {
-          CHECK(shape_of(*ck, p + "self_attn.q_norm.weight") == std::vector<int64_t>{d.n_heads * d.head_dim});
-          CHECK(shape_of(*ck, p + "self_attn.k_norm.weight") == std::vector<int64_t>{d.n_kv_heads * d.head_dim});
+          CHECK(shape_of(*ck, p + "self_attn.q_norm.weight") ==
+                std::vector<int64_t>{d.n_heads * d.head_dim});
+          CHECK(shape_of(*ck, p + "self_attn.k_norm.weight") ==
+                std::vector<int64_t>{d.n_kv_heads * d.head_dim});
         }
         if (d.qk_norm == QkNorm::none) CHECK(ck->find(p + "self_attn.q_norm.weight") == nullptr);
       } else {
         const int qk = d.mla.qk_nope_head_dim + d.mla.qk_rope_head_dim;
-        CHECK(shape_of(*ck, p + "self_attn.q_proj.weight") == std::vector<int64_t>{d.n_heads * qk, H});
+        CHECK(shape_of(*ck, p + "self_attn.q_proj.weight") ==
+              std::vector<int64_t>{d.n_heads * qk, H});
         CHECK(shape_of(*ck, p + "self_attn.kv_a_proj_with_mqa.weight") ==
               std::vector<int64_t>{d.mla.kv_lora_rank + d.mla.qk_rope_head_dim, H});
         CHECK(shape_of(*ck, p + "self_attn.kv_b_proj.weight") ==
-              std::vector<int64_t>{d.n_heads * (d.mla.qk_nope_head_dim + d.mla.v_head_dim), d.mla.kv_lora_rank});
-        CHECK(shape_of(*ck, p + "self_attn.o_proj.weight") == std::vector<int64_t>{H, d.n_heads * d.mla.v_head_dim});
+              std::vector<int64_t>{d.n_heads * (d.mla.qk_nope_head_dim + d.mla.v_head_dim),
+                                   d.mla.kv_lora_rank});
+        CHECK(shape_of(*ck, p + "self_attn.o_proj.weight") ==
+              std::vector<int64_t>{H, d.n_heads * d.mla.v_head_dim});
       }
 
       const std::string moe_prefix = d.arch == Arch::mixtral ? p + "block_sparse_moe." : p + "mlp.";
       const std::string gate_name = d.arch == Arch::mixtral ? "w1" : "gate_proj";
       if (!d.layer_is_moe[size_t(l)]) {
-        CHECK(shape_of(*ck, p + "mlp.gate_proj.weight") == std::vector<int64_t>{d.intermediate_size, H});
+        CHECK(shape_of(*ck, p + "mlp.gate_proj.weight") ==
+              std::vector<int64_t>{d.intermediate_size, H});
         CHECK(ck->find(moe_prefix + "experts.0." + gate_name + ".weight") == nullptr);
         continue;
       }
       CHECK(shape_of(*ck, moe_prefix + "gate.weight") == std::vector<int64_t>{d.moe.n_experts, H});
       for (int e = 0; e < d.moe.n_experts; ++e)
-        CHECK(shape_of(*ck, moe_prefix + "experts." + std::to_string(e) + "." + gate_name + ".weight") ==
-              std::vector<int64_t>{d.moe.expert_intermediate, H});
-      CHECK(ck->find(moe_prefix + "experts." + std::to_string(d.moe.n_experts) + "." + gate_name + ".weight") ==
-            nullptr);
+        CHECK(shape_of(*ck, moe_prefix + "experts." + std::to_string(e) + "." + gate_name +
+                                ".weight") == std::vector<int64_t>{d.moe.expert_intermediate, H});
+      CHECK(ck->find(moe_prefix + "experts." + std::to_string(d.moe.n_experts) + "." + gate_name +
+                     ".weight") == nullptr);
       if (d.arch == Arch::qwen2_moe) {
         CHECK(shape_of(*ck, p + "mlp.shared_expert.gate_proj.weight") ==
               std::vector<int64_t>{d.moe.shared_intermediate, H});
@@ -238,9 +248,10 @@ TEST_CASE("hub and transformers-5 spellings give the same description", "[config
   json ds = fixture_config("deepseek_v2");
   ds.erase("rope_parameters");
   ds["rope_theta"] = 10000.0;
-  ds["rope_scaling"] = {{"type", "yarn"},     {"factor", 40.0},         {"original_max_position_embeddings", 4096},
-                        {"beta_fast", 32.0},  {"beta_slow", 1.0},       {"mscale", 0.707},
-                        {"mscale_all_dim", 0.707}};
+  ds["rope_scaling"] = {
+      {"type", "yarn"},         {"factor", 40.0},   {"original_max_position_embeddings", 4096},
+      {"beta_fast", 32.0},      {"beta_slow", 1.0}, {"mscale", 0.707},
+      {"mscale_all_dim", 0.707}};
   ds["q_lora_rank"] = 1536;
   auto c = parse_model_desc(ds.dump());
   REQUIRE(c.ok());
@@ -251,8 +262,10 @@ TEST_CASE("hub and transformers-5 spellings give the same description", "[config
   CHECK(c->mla.q_lora_rank == 1536);
 }
 
-TEST_CASE("which layers are MoE follows decoder_sparse_step, mlp_only_layers, first_k_dense_replace and moe_layer_freq",
-          "[config]") {
+TEST_CASE(
+    "which layers are MoE follows decoder_sparse_step, mlp_only_layers, first_k_dense_replace and "
+    "moe_layer_freq",
+    "[config]") {
   json q = fixture_config("qwen2_moe");
   q["num_hidden_layers"] = 6;
   q["decoder_sparse_step"] = 2;

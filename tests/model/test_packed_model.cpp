@@ -2,10 +2,9 @@
 // back through ModelFiles and compared with the checkpoint folder; INT4
 // experts within the quantisation bound; damaged files rejected.
 
-#include <catch2/catch.hpp>
-
 #include <unistd.h>
 
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -113,7 +112,8 @@ void check_conversion(const std::string& dir, const std::string& out, int group)
   check_same_desc(F.desc(), P.desc());
   const ModelDesc& d = F.desc();
 
-  for (const std::string& name : ModelFiles::text_file_names()) CHECK(P.tokenizer_file(name) == F.tokenizer_file(name));
+  for (const std::string& name : ModelFiles::text_file_names())
+    CHECK(P.tokenizer_file(name) == F.tokenizer_file(name));
   CHECK(!P.tokenizer_file("tokenizer.json").empty());
 
   // Non-expert tensors: byte-identical and page aligned; expert matrices gone.
@@ -241,7 +241,8 @@ TEST_CASE("the demo model converts and maps without copying", "[packed]") {
     for (size_t i = 0; i < t.nbytes; i += 4096) sink = sink + t.data[i];
   for (int l = 0; l < (*m)->desc().n_layers; ++l)
     for (int e = 0; e < (*m)->desc().moe.n_experts; ++e)
-      for (size_t i = 0; i < (*m)->expert_layout().blob_bytes; i += 4096) sink = sink + (*m)->expert_q4(l, e)[i];
+      for (size_t i = 0; i < (*m)->expert_layout().blob_bytes; i += 4096)
+        sink = sink + (*m)->expert_q4(l, e)[i];
   const long grown_kb = resident_kb() - before;
   INFO("resident memory grew by " << grown_kb << " KB for a " << file_bytes / 1024 << " KB file");
   CHECK(grown_kb < long(file_bytes / 1024) * 5 / 4 + 4096);
@@ -363,7 +364,8 @@ TEST_CASE("conversion errors are reported, and leave no file behind", "[packed]"
     auto cfg = moe::test::read_json((tmp.path / "config.json").string());
     cfg["num_experts"] = 17;
     std::ofstream(tmp.path / "config.json", std::ios::trunc) << cfg.dump();
-    fs::create_symlink(fs::path(fixture_dir("olmoe")) / "model.safetensors", tmp.path / "model.safetensors");
+    fs::create_symlink(fs::path(fixture_dir("olmoe")) / "model.safetensors",
+                       tmp.path / "model.safetensors");
     auto s = write_packed_model(tmp.path.string(), out, opts);
     REQUIRE_FALSE(s.ok());
     CHECK(s.error().find("model.layers.0.mlp.experts.16.gate_proj.weight") != std::string::npos);

@@ -3,7 +3,6 @@
 // truncated files are rejected by name, and sharded checkpoints load the same.
 
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -47,7 +46,8 @@ std::string copy_prefix(const fs::path& src, const fs::path& dst, size_t bytes) 
 
 }  // namespace
 
-TEST_CASE("every weight listed in reference.json is in model.safetensors with its shape", "[safetensors]") {
+TEST_CASE("every weight listed in reference.json is in model.safetensors with its shape",
+          "[safetensors]") {
   for (const auto& name : fixture_names()) {
     INFO("fixture " << name);
     auto ck = Checkpoint::open_dir(fixture_dir(name));
@@ -70,7 +70,8 @@ TEST_CASE("every weight listed in reference.json is in model.safetensors with it
   }
 }
 
-TEST_CASE("bf16 embedding rows decode to the hidden state transformers fed layer 0", "[safetensors]") {
+TEST_CASE("bf16 embedding rows decode to the hidden state transformers fed layer 0",
+          "[safetensors]") {
   for (const auto& name : fixture_names()) {
     INFO("fixture " << name);
     auto ck = Checkpoint::open_dir(fixture_dir(name));
@@ -94,7 +95,8 @@ TEST_CASE("bf16 embedding rows decode to the hidden state transformers fed layer
       std::memcpy(&id, ids->data + 8 * t, 8);
       REQUIRE(id >= 0);
       REQUIRE(id < emb->shape[0]);
-      for (int64_t c = 0; c < hidden; ++c) REQUIRE(table[size_t(id * hidden + c)] == want[size_t(t * hidden + c)]);
+      for (int64_t c = 0; c < hidden; ++c)
+        REQUIRE(table[size_t(id * hidden + c)] == want[size_t(t * hidden + c)]);
     }
   }
 }
@@ -126,7 +128,8 @@ TEST_CASE("bf16 and f16 conversions", "[safetensors]") {
   }
 }
 
-TEST_CASE("truncated copies of a real checkpoint are rejected naming the file and tensor", "[safetensors]") {
+TEST_CASE("truncated copies of a real checkpoint are rejected naming the file and tensor",
+          "[safetensors]") {
   const fs::path src = fs::path(fixture_dir("qwen3_moe")) / "model.safetensors";
   auto full = Checkpoint::open_file(src.string());
   REQUIRE(full.ok());
@@ -142,7 +145,8 @@ TEST_CASE("truncated copies of a real checkpoint are rejected naming the file an
     CHECK(r.error().find(path) != std::string::npos);
     CHECK(r.error().find("past the end") != std::string::npos);
     bool names_a_cut_tensor = false;
-    const uint8_t* data_end = full->tensors().begin()->second.data;  // any tensor: find the region end
+    const uint8_t* data_end =
+        full->tensors().begin()->second.data;  // any tensor: find the region end
     for (const auto& [n, t] : full->tensors()) data_end = std::max(data_end, t.data + t.nbytes);
     for (const auto& [n, t] : full->tensors())
       if (t.data + t.nbytes > data_end - 100 && r.error().find("'" + n + "'") != std::string::npos)
@@ -174,24 +178,27 @@ TEST_CASE("inconsistent headers are rejected naming the tensor", "[safetensors]"
   using nlohmann::json;
 
   SECTION("byte count does not match dtype and shape") {
-    write_raw_safetensors(path, json{{"w", {{"dtype", "F32"}, {"shape", {4, 4}}, {"data_offsets", {0, 32}}}}}, data);
+    write_raw_safetensors(
+        path, json{{"w", {{"dtype", "F32"}, {"shape", {4, 4}}, {"data_offsets", {0, 32}}}}}, data);
     auto r = Checkpoint::open_file(path);
     REQUIRE_FALSE(r.ok());
     CHECK(r.error().find("'w'") != std::string::npos);
     CHECK(r.error().find(path) != std::string::npos);
   }
   SECTION("unknown dtype") {
-    write_raw_safetensors(path, json{{"w", {{"dtype", "Q4"}, {"shape", {8}}, {"data_offsets", {0, 4}}}}}, data);
+    write_raw_safetensors(
+        path, json{{"w", {{"dtype", "Q4"}, {"shape", {8}}, {"data_offsets", {0, 4}}}}}, data);
     auto r = Checkpoint::open_file(path);
     REQUIRE_FALSE(r.ok());
     CHECK(r.error().find("'w'") != std::string::npos);
     CHECK(r.error().find("Q4") != std::string::npos);
   }
   SECTION("overlapping tensors") {
-    write_raw_safetensors(path,
-                          json{{"a", {{"dtype", "F32"}, {"shape", {8}}, {"data_offsets", {0, 32}}}},
-                               {"b", {{"dtype", "F32"}, {"shape", {8}}, {"data_offsets", {16, 48}}}}},
-                          data);
+    write_raw_safetensors(
+        path,
+        json{{"a", {{"dtype", "F32"}, {"shape", {8}}, {"data_offsets", {0, 32}}}},
+             {"b", {{"dtype", "F32"}, {"shape", {8}}, {"data_offsets", {16, 48}}}}},
+        data);
     auto r = Checkpoint::open_file(path);
     REQUIRE_FALSE(r.ok());
     CHECK(r.error().find("overlap") != std::string::npos);
@@ -199,7 +206,8 @@ TEST_CASE("inconsistent headers are rejected naming the tensor", "[safetensors]"
     CHECK(r.error().find("'b'") != std::string::npos);
   }
   SECTION("offsets past the data region") {
-    write_raw_safetensors(path, json{{"w", {{"dtype", "U8"}, {"shape", {32}}, {"data_offsets", {40, 72}}}}}, data);
+    write_raw_safetensors(
+        path, json{{"w", {{"dtype", "U8"}, {"shape", {32}}, {"data_offsets", {40, 72}}}}}, data);
     auto r = Checkpoint::open_file(path);
     REQUIRE_FALSE(r.ok());
     CHECK(r.error().find("'w'") != std::string::npos);
@@ -207,10 +215,11 @@ TEST_CASE("inconsistent headers are rejected naming the tensor", "[safetensors]"
   SECTION("every listed dtype is accepted") {
     json h = json::object();
     size_t off = 0;
-    for (DType t : {DType::f32, DType::f16, DType::bf16, DType::f64, DType::i64, DType::i32, DType::i16, DType::i8,
-                    DType::u8, DType::boolean}) {
+    for (DType t : {DType::f32, DType::f16, DType::bf16, DType::f64, DType::i64, DType::i32,
+                    DType::i16, DType::i8, DType::u8, DType::boolean}) {
       const size_t bytes = 2 * dtype_size(t);
-      h[std::string("t_") + dtype_name(t)] = {{"dtype", dtype_name(t)}, {"shape", {2}}, {"data_offsets", {off, off + bytes}}};
+      h[std::string("t_") + dtype_name(t)] = {
+          {"dtype", dtype_name(t)}, {"shape", {2}}, {"data_offsets", {off, off + bytes}}};
       off += bytes;
     }
     write_raw_safetensors(path, h, std::string(off, '\0'));
@@ -236,7 +245,8 @@ TEST_CASE("a sharded checkpoint loads the same tensors as the single file", "[sa
   for (const auto& [name, t] : single->tensors()) {
     const bool in_first = i++ % 2 == 0;
     (in_first ? first : second).push_back(&t);
-    weight_map[name] = in_first ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
+    weight_map[name] =
+        in_first ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
   }
   write_safetensors((tmp.path / "model-00001-of-00002.safetensors").string(), first);
   write_safetensors((tmp.path / "model-00002-of-00002.safetensors").string(), second);
@@ -260,7 +270,8 @@ TEST_CASE("a sharded checkpoint loads the same tensors as the single file", "[sa
 
   SECTION("an index naming a tensor its shard lacks is rejected") {
     weight_map["model.extra.weight"] = "model-00001-of-00002.safetensors";
-    std::ofstream(tmp.path / "model.safetensors.index.json") << nlohmann::json{{"weight_map", weight_map}}.dump();
+    std::ofstream(tmp.path / "model.safetensors.index.json")
+        << nlohmann::json{{"weight_map", weight_map}}.dump();
     auto r = Checkpoint::open_dir(tmp.path.string());
     REQUIRE_FALSE(r.ok());
     CHECK(r.error().find("model.extra.weight") != std::string::npos);

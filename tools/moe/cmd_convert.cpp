@@ -15,13 +15,14 @@ namespace moe::cli {
 namespace {
 
 void usage(FILE* out) {
-  std::fprintf(out,
-               "usage: moe convert --model DIR --out FILE [--group-size 32|64|128] [--no-quantize]\n\n"
-               "  --model DIR        a checkpoint folder: config.json, model.safetensors (or shards\n"
-               "                     with model.safetensors.index.json), tokenizer files\n"
-               "  --out FILE         the packed model file to write (written to FILE.tmp, then renamed)\n"
-               "  --group-size G     INT4 group size along each row's inputs (default 64)\n"
-               "  --no-quantize      keep the routed experts as stored (bf16) instead of INT4\n");
+  std::fprintf(
+      out,
+      "usage: moe convert --model DIR --out FILE [--group-size 32|64|128] [--no-quantize]\n\n"
+      "  --model DIR        a checkpoint folder: config.json, model.safetensors (or shards\n"
+      "                     with model.safetensors.index.json), tokenizer files\n"
+      "  --out FILE         the packed model file to write (written to FILE.tmp, then renamed)\n"
+      "  --group-size G     INT4 group size along each row's inputs (default 64)\n"
+      "  --no-quantize      keep the routed experts as stored (bf16) instead of INT4\n");
 }
 
 // One progress line on stderr, redrawn in place.
@@ -36,8 +37,8 @@ class ProgressLine {
     char bar[kWidth + 1];
     for (int i = 0; i < kWidth; ++i) bar[i] = i < int(frac * kWidth) ? '#' : '.';
     bar[kWidth] = '\0';
-    std::fprintf(stderr, "\r[%s] %zu/%zu tensors, %.1f/%.1f MB", bar, done, total, double(bytes_done) / 1e6,
-                 double(bytes_total) / 1e6);
+    std::fprintf(stderr, "\r[%s] %zu/%zu tensors, %.1f/%.1f MB", bar, done, total,
+                 double(bytes_done) / 1e6, double(bytes_total) / 1e6);
     std::fflush(stderr);
   }
 
@@ -60,7 +61,8 @@ int cmd_convert(int argc, char** argv) {
       char* end = nullptr;
       const long g = std::strtol(argv[++i], &end, 10);
       if (*end != '\0' || (g != 32 && g != 64 && g != 128)) {
-        std::fprintf(stderr, "moe convert: --group-size must be 32, 64 or 128, not '%s'\n", argv[i]);
+        std::fprintf(stderr, "moe convert: --group-size must be 32, 64 or 128, not '%s'\n",
+                     argv[i]);
         return 2;
       }
       opts.group_size = int(g);
@@ -82,7 +84,9 @@ int cmd_convert(int argc, char** argv) {
   }
 
   ProgressLine progress;
-  opts.progress = [&](size_t d, size_t t, uint64_t bd, uint64_t bt) { progress.update(d, t, bd, bt); };
+  opts.progress = [&](size_t d, size_t t, uint64_t bd, uint64_t bt) {
+    progress.update(d, t, bd, bt);
+  };
   const auto t0 = std::chrono::steady_clock::now();
   Status s = write_packed_model(model, out, opts);
   std::fprintf(stderr, "\n");
@@ -92,7 +96,8 @@ int cmd_convert(int argc, char** argv) {
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::fprintf(stderr, "moe convert: wrote %s (experts %s) in %.1f s\n", out.c_str(),
-               opts.quantize_experts ? ("INT4, group " + std::to_string(opts.group_size)).c_str() : "as stored",
+               opts.quantize_experts ? ("INT4, group " + std::to_string(opts.group_size)).c_str()
+                                     : "as stored",
                secs);
   return 0;
 }
