@@ -135,6 +135,18 @@ TEST_CASE("round trip error stays within scale/2 on odd shapes", "[int4]") {
         }
 }
 
+TEST_CASE("round trip bound holds for tiny (subnormal-half scale) and large weights", "[int4]") {
+  for (float magnitude : {1e-5f, 3e-4f, 40.0f}) {
+    INFO("magnitude " << magnitude);
+    const Q4MatrixLayout m = single_matrix(5, 96, 64);
+    auto w = random_matrix(5, 96, 11);
+    for (auto& v : w) v = bf16_to_f32(f32_to_bf16(v * magnitude / 0.05f));
+    std::vector<uint8_t> blob(m.params_offset + m.params_bytes());
+    q4_quantize_matrix(w.data(), m, blob.data());
+    check_round_trip(w, m, blob.data());
+  }
+}
+
 TEST_CASE("the round trip error is what 4 bits give, not merely bounded", "[int4]") {
   // Uniform-ish weights: the mean error of nearest rounding is about scale/4.
   const Q4MatrixLayout m = single_matrix(64, 128, 64);
