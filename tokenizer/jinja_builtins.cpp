@@ -11,6 +11,8 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include <utf8proc.h>
+
 namespace moe::jinja {
 
 namespace {
@@ -64,18 +66,42 @@ class Args {
 // ---- strings -------------------------------------------------------------------
 
 bool is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
-char to_upper(char c) { return (c >= 'a' && c <= 'z') ? static_cast<char>(c - 32) : c; }
-char to_lower(char c) { return (c >= 'A' && c <= 'Z') ? static_cast<char>(c + 32) : c; }
 bool is_alpha(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
 
-// Case mapping covers ASCII; other characters pass through unchanged.
-std::string upper(std::string s) {
-  for (char& c : s) c = to_upper(c);
-  return s;
+// Case mapping over code points (utf8proc's simple mappings: one code point
+// to one, so 'ß'.upper() stays 'ß' where Python gives 'SS').
+template <typename F>
+std::string map_codepoints(const std::string& s, F f) {
+  std::string out;
+  out.reserve(s.size());
+  size_t i = 0;
+  while (i < s.size()) {
+    utf8proc_int32_t cp = 0;
+    auto n = utf8proc_iterate(reinterpret_cast<const utf8proc_uint8_t*>(s.data()) + i,
+                              static_cast<utf8proc_ssize_t>(s.size() - i), &cp);
+    if (n <= 0) {  // not UTF-8: the byte passes through
+      out += s[i++];
+      continue;
+    }
+    utf8proc_uint8_t buf[4];
+    auto len = utf8proc_encode_char(f(cp), buf);
+    out.append(reinterpret_cast<const char*>(buf), static_cast<size_t>(len));
+    i += static_cast<size_t>(n);
+  }
+  return out;
 }
-std::string lower(std::string s) {
-  for (char& c : s) c = to_lower(c);
-  return s;
+
+bool is_cased(utf8proc_int32_t cp) {
+  auto cat = utf8proc_category(cp);
+  return cat == UTF8PROC_CATEGORY_LU || cat == UTF8PROC_CATEGORY_LL || cat == UTF8PROC_CATEGORY_LT;
+}
+
+std::string upper(const std::string& s) { return map_codepoints(s, utf8proc_toupper); }
+std::string lower(const std::string& s) { return map_codepoints(s, utf8proc_tolower); }
+std::string swapcase(const std::string& s) {
+  return map_codepoints(s, [](utf8proc_int32_t cp) {
+    return utf8proc_category(cp) == UTF8PROC_CATEGORY_LU ? utf8proc_tolower(cp) : utf8proc_toupper(cp);
+  });
 }
 
 // Python's str.strip family: `chars` undefined or none means whitespace.
@@ -94,33 +120,34 @@ std::string strip(const std::string& s, const Value& chars, bool left, bool righ
   return s.substr(b, e - b);
 }
 
-// Python's str.title(): a letter after a non-letter starts a word.
+// Python's str.title(): a cased letter after an uncased character starts a word.
 std::string py_title(const std::string& s) {
-  std::string out = s;
-  bool prev_letter = false;
-  for (char& c : out) {
-    c = prev_letter ? to_lower(c) : to_upper(c);
-    prev_letter = is_alpha(c);
-  }
-  return out;
+  bool prev_cased = false;
+  return map_codepoints(s, [&](utf8proc_int32_t cp) {
+    utf8proc_int32_t out = prev_cased ? utf8proc_tolower(cp) : utf8proc_totitle(cp);
+    prev_cased = is_cased(cp);
+    return out;
+  });
 }
 
 // Jinja's title filter: words begin after whitespace, '-', '(', '{', '[' or '<'.
 std::string jinja_title(const std::string& s) {
-  std::string out = s;
   bool word_start = true;
-  for (char& c : out) {
-    bool delim = is_ws(c) || c == '-' || c == '(' || c == '{' || c == '[' || c == '<';
-    c = word_start ? to_upper(c) : to_lower(c);
-    word_start = delim;
-  }
-  return out;
+  return map_codepoints(s, [&](utf8proc_int32_t cp) {
+    utf8proc_int32_t out = word_start ? utf8proc_toupper(cp) : utf8proc_tolower(cp);
+    word_start = cp < 0x80 && (is_ws(static_cast<char>(cp)) || cp == '-' || cp == '(' || cp == '{' || cp == '[' || cp == '<');
+    return out;
+  });
 }
 
+// Python 3.8+: the first character in title case, the rest lower case.
 std::string capitalize(const std::string& s) {
-  std::string out = lower(s);
-  if (!out.empty()) out[0] = to_upper(out[0]);
-  return out;
+  bool first = true;
+  return map_codepoints(s, [&](utf8proc_int32_t cp) {
+    utf8proc_int32_t out = first ? utf8proc_totitle(cp) : utf8proc_tolower(cp);
+    first = false;
+    return out;
+  });
 }
 
 std::string replace_all(const std::string& s, const std::string& from, const std::string& to, int64_t count) {
@@ -266,6 +293,8 @@ Value string_method(const std::string& s, const std::string& name) {
     });
   if (name == "upper") return make_method(name, [s](Interpreter&, CallArgs& a) { Args("upper", a, {}); return Value(upper(s)); });
   if (name == "lower") return make_method(name, [s](Interpreter&, CallArgs& a) { Args("lower", a, {}); return Value(lower(s)); });
+  if (name == "swapcase")
+    return make_method(name, [s](Interpreter&, CallArgs& a) { Args("swapcase", a, {}); return Value(swapcase(s)); });
   if (name == "title") return make_method(name, [s](Interpreter&, CallArgs& a) { Args("title", a, {}); return Value(py_title(s)); });
   if (name == "capitalize")
     return make_method(name, [s](Interpreter&, CallArgs& a) { Args("capitalize", a, {}); return Value(capitalize(s)); });
@@ -642,7 +671,11 @@ const std::unordered_map<std::string, FilterFn>& filters() {
     };
     f["attr"] = [](Interpreter&, const Value& v, CallArgs& a) {
       Args args("attr", a, {"name"});
-      return get_attr(v, args.str(0, ""));
+      // Python attributes only: a dict's keys are not attributes here
+      std::string name = args.str(0, "");
+      require_defined(v);
+      Value m = method_of(v, name);
+      return m.is_undefined() ? Value(Undefined{name}) : m;
     };
     f["select"] = [](Interpreter& in, const Value& v, CallArgs& a) { return filter_items(in, v, a, false, true); };
     f["reject"] = [](Interpreter& in, const Value& v, CallArgs& a) { return filter_items(in, v, a, false, false); };
@@ -777,6 +810,23 @@ const std::unordered_map<std::string, FilterFn>& filters() {
       }
       if (lines.empty() && first) out = pad;
       return Value(std::move(out));
+    };
+    f["dictsort"] = [](Interpreter&, const Value& v, CallArgs& a) {
+      Args args("dictsort", a, {"case_sensitive", "by", "reverse"});
+      if (!v.is_dict()) throw TemplateError("dictsort needs a mapping, got " + v.type_name());
+      bool case_sensitive = args.flag(0, false), reverse = args.flag(2, false);
+      std::string by = args.str(1, "key");
+      if (by != "key" && by != "value") throw TemplateError("You can only sort by either \"key\" or \"value\"");
+      List pairs;
+      for (const auto& [k, x] : v.as_dict().entries()) pairs.push_back(Value::list({Value(k), x}));
+      auto key = [&](const Value& pair) {
+        Value k = pair.as_list()[by == "key" ? 0 : 1];
+        return (!case_sensitive && k.is_string()) ? Value(lower(k.as_string())) : k;
+      };
+      std::stable_sort(pairs.begin(), pairs.end(), [&](const Value& x, const Value& y) {
+        return reverse ? less(key(y), key(x)) : less(key(x), key(y));
+      });
+      return Value::list(std::move(pairs));
     };
     f["wordcount"] = [](Interpreter&, const Value& v, CallArgs& a) {
       Args("wordcount", a, {});
