@@ -34,33 +34,34 @@ void LfuDecayPolicy::attach(int n_layers, int n_experts) {
   const size_t n = size_t(n_layers) * size_t(n_experts);
   count_.assign(n, 0.0);
   stamp_.assign(n, 0);
-  last_.assign(n, 0);
-}
-
-double LfuDecayPolicy::decay_at(size_t i, uint64_t now) const {
-  return count_[i] * std::exp2(-double(now - stamp_[i]) / half_life_);
+  score_.assign(n, -std::numeric_limits<double>::max());
 }
 
 void LfuDecayPolicy::on_access(ExpertKey key, uint64_t now) {
   const size_t i = index_of(key, n_experts_);
-  count_[i] = decay_at(i, now) + 1.0;
+  count_[i] = count_[i] * std::exp2(-double(now - stamp_[i]) / half_life_) + 1.0;
   stamp_[i] = now;
-  last_[i] = now + 1;
+  score_[i] = std::log2(count_[i]) + double(now) / half_life_;
 }
 
-void LfuDecayPolicy::on_load(ExpertKey key, uint64_t now) { last_[index_of(key, n_experts_)] = now + 1; }
-
-double LfuDecayPolicy::keep_score(ExpertKey key, uint64_t now) const {
-  const size_t i = index_of(key, n_experts_);
-  // Recency only breaks ties: its term stays below any whole use.
-  return decay_at(i, now) + 1e-6 * double(last_[i]) / double(now + 2);
-}
+double LfuDecayPolicy::keep_score(ExpertKey key, uint64_t) const { return score_[index_of(key, n_experts_)]; }
 
 // ---------------------------------------------------------------- ours
 
 OursPolicy::OursPolicy(OursPolicyParams p) : prm_(p) {
-  long_factor_ = std::exp2(-1.0 / std::max(1e-3, prm_.long_half_life_visits));
-  short_factor_ = std::exp2(-1.0 / std::max(1e-3, prm_.short_half_life_visits));
+  // Beyond 32 half-lives a weight is below 2^-32: the tables stop there.
+  auto table = [](double half_life) {
+    const double f = std::exp2(-1.0 / std::max(1e-3, half_life));
+    std::vector<double> t(size_t(std::clamp(32.0 * half_life, 2.0, 1e6)));
+    double x = 1.0;
+    for (double& v : t) {
+      v = x;
+      x *= f;
+    }
+    return t;
+  };
+  long_pow_ = table(prm_.long_half_life_visits);
+  short_pow_ = table(prm_.short_half_life_visits);
 }
 
 void OursPolicy::attach(int n_layers, int n_experts) {
@@ -71,19 +72,11 @@ void OursPolicy::attach(int n_layers, int n_experts) {
   visits_.assign(size_t(n_layers), 0);
   visit_start_.assign(size_t(n_layers), 0);
   period_.assign(size_t(n_layers), 0.0);
+  long_visits_.assign(size_t(n_layers), 0.0);
+  short_visits_.assign(size_t(n_layers), 0.0);
   long_.assign(n, Rate{});
   short_.assign(n, Rate{});
   last_visit_use_.assign(n, 0);
-}
-
-double OursPolicy::decayed(const Rate& r, int64_t visits, double factor) const {
-  return r.uses * std::pow(factor, double(visits - r.stamp));
-}
-
-// Sum over the layer's visits j = 1..V of factor^(V - j).
-double OursPolicy::layer_visits_decayed(int layer, double factor) const {
-  const double v = double(visits_[size_t(layer)]);
-  return factor >= 1.0 ? v : (1.0 - std::pow(factor, v)) / (1.0 - factor);
 }
 
 void OursPolicy::on_access(ExpertKey key, uint64_t now) {
@@ -97,13 +90,16 @@ void OursPolicy::on_access(ExpertKey key, uint64_t now) {
       period_[l] = period_[l] == 0.0 ? gap : 0.875 * period_[l] + 0.125 * gap;
     }
     ++visits_[l];
+    // Sum over the layer's visits j = 1..V of factor^(V - j).
+    long_visits_[l] = long_visits_[l] * decay(long_pow_, 1) + 1.0;
+    short_visits_[l] = short_visits_[l] * decay(short_pow_, 1) + 1.0;
     visit_start_[l] = now;
     cur_layer_ = key.layer;
   }
   const int64_t v = visits_[l];
   last_visit_use_[i] = uint64_t(v);
-  long_[i] = Rate{decayed(long_[i], v, long_factor_) + 1.0, v};
-  short_[i] = Rate{decayed(short_[i], v, short_factor_) + 1.0, v};
+  long_[i] = Rate{long_[i].uses * decay(long_pow_, v - long_[i].stamp) + 1.0, v};
+  short_[i] = Rate{short_[i].uses * decay(short_pow_, v - short_[i].stamp) + 1.0, v};
 }
 
 double OursPolicy::use_probability(ExpertKey key) const {
@@ -111,8 +107,8 @@ double OursPolicy::use_probability(ExpertKey key) const {
   const int64_t v = visits_[l];
   if (v == 0) return prm_.p_floor;
   const size_t i = index_of(key, n_experts_);
-  const double pl = decayed(long_[i], v, long_factor_) / layer_visits_decayed(key.layer, long_factor_);
-  const double ps = decayed(short_[i], v, short_factor_) / layer_visits_decayed(key.layer, short_factor_);
+  const double pl = long_[i].uses * decay(long_pow_, v - long_[i].stamp) / long_visits_[l];
+  const double ps = short_[i].uses * decay(short_pow_, v - short_[i].stamp) / short_visits_[l];
   return std::clamp((1.0 - prm_.short_weight) * pl + prm_.short_weight * ps, prm_.p_floor, 1.0);
 }
 

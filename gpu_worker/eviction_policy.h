@@ -56,23 +56,23 @@ class LruPolicy final : public EvictionPolicy {
 
 // ---- Least frequently used with exponential decay: each use adds 1, and
 // the count halves every `half_life` acquires, so old popularity fades.
-// Ties (equal decayed counts) go to recency.
+// Compared in the log domain, log2(count at stamp) + stamp / half_life, which
+// orders residents exactly as their counts decayed to any common `now` would,
+// but is computed once per use instead of once per candidate per eviction.
 class LfuDecayPolicy final : public EvictionPolicy {
  public:
   explicit LfuDecayPolicy(double half_life_acquires = 2048.0);
   std::string name() const override { return "lfu"; }
   void attach(int n_layers, int n_experts) override;
   void on_access(ExpertKey key, uint64_t now) override;
-  void on_load(ExpertKey key, uint64_t now) override;
   double keep_score(ExpertKey key, uint64_t now) const override;
 
  private:
-  double decay_at(size_t i, uint64_t now) const;
   double half_life_;
   int n_experts_ = 0;
   std::vector<double> count_;     // decayed uses as of stamp_
   std::vector<uint64_t> stamp_;   // acquire counter of the last update
-  std::vector<uint64_t> last_;    // last use or load, for ties
+  std::vector<double> score_;     // log2(count_) + stamp_ / half_life_; lowest when never used
 };
 
 // ---- The project's policy: evict the expert expected to be needed last.
@@ -106,11 +106,15 @@ class OursPolicy final : public EvictionPolicy {
     double uses = 0;       // decayed uses as of `stamp`
     int64_t stamp = 0;     // visits of the layer at the last update
   };
-  double decayed(const Rate& r, int64_t visits, double factor) const;
-  double layer_visits_decayed(int layer, double factor) const;
+  // factor^k from a table: keep_score runs for every candidate of every
+  // eviction, so it must not call pow.
+  static double decay(const std::vector<double>& table, int64_t k) {
+    return k < int64_t(table.size()) ? table[size_t(k)] : 0.0;
+  }
 
   OursPolicyParams prm_;
-  double long_factor_ = 1, short_factor_ = 1;  // per-visit decay factors
+  std::vector<double> long_pow_, short_pow_;  // [k] per-visit decay factor^k
+  std::vector<double> long_visits_, short_visits_;  // [layer] decayed visit counts
   int n_layers_ = 0, n_experts_ = 0;
   int cur_layer_ = -1;                   // layer of the current visit
   std::vector<int64_t> visits_;          // [layer] visits so far

@@ -11,10 +11,15 @@ std::string key_text(ExpertKey k) {
 }  // namespace
 
 ResidencyMap::ResidencyMap(int n_layers, int n_experts, int64_t n_islands, size_t blob_bytes,
-                           std::unique_ptr<EvictionPolicy> policy)
-    : n_layers_(n_layers), n_experts_(n_experts), blob_bytes_(blob_bytes), policy_(std::move(policy)) {
+                           std::unique_ptr<EvictionPolicy> policy, int64_t max_scan)
+    : n_layers_(n_layers),
+      n_experts_(n_experts),
+      blob_bytes_(blob_bytes),
+      max_scan_(max_scan),
+      policy_(std::move(policy)) {
   island_of_.assign(size_t(n_layers) * size_t(n_experts), -1);
   key_of_.assign(size_t(n_islands), -1);
+  key_at_.assign(size_t(n_islands), ExpertKey{});
   pins_.assign(size_t(n_islands), 0);
   predicted_.assign(size_t(n_islands), 0);
   prefetched_.assign(size_t(n_islands), 0);
@@ -52,23 +57,30 @@ int64_t ResidencyMap::take_island(bool allow_predicted_victims, std::optional<Ex
     return i;
   }
   // Cheapest unpinned resident; predicted ones only when nothing else is left.
-  int64_t best = -1;
+  // With max_scan, the candidates are the next max_scan unpredicted ones from
+  // a cursor that moves on each time (a rotating window, like a clock hand).
+  const int64_t n = n_islands();
+  const bool whole = max_scan_ <= 0 || n <= max_scan_;
+  const int64_t start = whole ? 0 : scan_cursor_;
+  int64_t best = -1, considered = 0, j = 0;
   bool best_pred = true;
   double best_score = 0;
-  for (int64_t i = 0; i < n_islands(); ++i) {
+  for (; j < n && (whole || considered < max_scan_); ++j) {
+    const int64_t i = start + j < n ? start + j : start + j - n;
     if (pins_[size_t(i)] > 0) continue;
     const bool pred = predicted_[size_t(i)] != 0;
     if (pred && !allow_predicted_victims) continue;
-    const ExpertKey k = *resident(i);
-    const double s = policy_->keep_score(k, now_);
+    considered += !pred;
+    const double s = policy_->keep_score(key_at_[size_t(i)], now_);
     if (best < 0 || (best_pred && !pred) || (pred == best_pred && s < best_score)) {
       best = i;
       best_pred = pred;
       best_score = s;
     }
   }
+  if (!whole) scan_cursor_ = (start + j) % n;
   if (best < 0) return -1;
-  const ExpertKey victim = *resident(best);
+  const ExpertKey victim = key_at_[size_t(best)];
   island_of_[index_of(victim)] = -1;
   key_of_[size_t(best)] = -1;
   predicted_[size_t(best)] = 0;
@@ -83,6 +95,7 @@ int64_t ResidencyMap::take_island(bool allow_predicted_victims, std::optional<Ex
 void ResidencyMap::place(ExpertKey key, int64_t island) {
   island_of_[index_of(key)] = island;
   key_of_[size_t(island)] = int64_t(index_of(key));
+  key_at_[size_t(island)] = key;
   pins_[size_t(island)] = 0;
   ++stats_.islands_in_use;
   stats_.bytes_copied += blob_bytes_;
@@ -181,6 +194,7 @@ Status ResidencyMap::check_invariants() const {
       continue;
     }
     ++used;
+    if (int64_t(index_of(key_at_[size_t(i)])) != k) return make_error("island " + std::to_string(i) + " key copy is stale");
     if (island_of_[size_t(k)] != i)
       return make_error("island " + std::to_string(i) + " holds key " + std::to_string(k) + " which maps to island " +
                         std::to_string(island_of_[size_t(k)]));

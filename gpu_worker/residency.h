@@ -50,8 +50,13 @@ class ResidencyMap {
  public:
   // n_islands: IslandPlan::n_islands; blob_bytes: one expert's blob (for the
   // byte counter). The policy is attached here and owned by the map.
+  // max_scan bounds the work of one eviction: with more islands than that,
+  // each eviction scores only max_scan candidates (a rotating window) instead
+  // of every resident; 0 scores all (exact; Belady's replay needs it).
   ResidencyMap(int n_layers, int n_experts, int64_t n_islands, size_t blob_bytes,
-               std::unique_ptr<EvictionPolicy> policy);
+               std::unique_ptr<EvictionPolicy> policy, int64_t max_scan = kDefaultMaxScan);
+
+  static constexpr int64_t kDefaultMaxScan = 256;
 
   int n_layers() const { return n_layers_; }
   int n_experts() const { return n_experts_; }
@@ -101,10 +106,13 @@ class ResidencyMap {
 
   int n_layers_ = 0, n_experts_ = 0;
   size_t blob_bytes_ = 0;
+  int64_t max_scan_ = 0;
+  int64_t scan_cursor_ = 0;             // where the next windowed scan starts
   std::unique_ptr<EvictionPolicy> policy_;
   uint64_t now_ = 0;                    // acquires so far: the policies' clock
   std::vector<int64_t> island_of_;      // [layer * n_experts + expert] -> island or -1
   std::vector<int64_t> key_of_;         // [island] -> key index or -1 (free)
+  std::vector<ExpertKey> key_at_;       // [island] -> its key while occupied (the eviction scan reads it)
   std::vector<int> pins_;               // [island]
   std::vector<uint8_t> predicted_;      // [island]: loaded or marked by a prefetch hint, not used yet
   std::vector<uint8_t> prefetched_;     // [island]: loaded by a hint, not used yet

@@ -27,7 +27,9 @@ Result<ReplayResult> replay_trace(const RoutingTrace& trace, std::unique_ptr<Evi
                       std::to_string(trace.top_k) + " experts");
   ReplayResult out;
   out.policy = policy->name() + (opt.predict ? "+prediction" : "");
-  ResidencyMap map(trace.n_layers, n_experts, opt.slots, opt.expert_bytes, std::move(policy));
+  // Belady is the bound only when it sees every candidate.
+  const int64_t max_scan = policy->name() == "belady" ? 0 : opt.max_scan;
+  ResidencyMap map(trace.n_layers, n_experts, opt.slots, opt.expert_bytes, std::move(policy), max_scan);
   ExpertPredictor predictor(trace.n_layers, n_experts, opt.predictor);
 
   for (const RoutingStep& s : trace.steps) {

@@ -22,6 +22,7 @@ struct ReplayOptions {
   size_t expert_bytes = 0;    // one expert blob, for the byte counter
   int n_experts = 0;          // experts per layer; 0: the trace's
   bool predict = false;       // hint the predictor's guesses one layer ahead
+  int64_t max_scan = ResidencyMap::kDefaultMaxScan;  // as the worker runs it; belady always scans all
   PredictorParams predictor;
 };
 

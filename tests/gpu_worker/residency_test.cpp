@@ -22,12 +22,14 @@ std::unique_ptr<EvictionPolicy> policy_named(int which) {
 }  // namespace
 
 TEST_CASE("residency: invariants hold under a long random workload of acquires, pins and hints") {
-  for (int which = 0; which < 3; ++which) {
+  for (int round = 0; round < 6; ++round) {
+    const int which = round % 3;
+    const int64_t max_scan = round < 3 ? 0 : 5;  // exact scans, then a rotating window
     const int L = 4, E = 16;
     const int64_t N = 12;
-    ResidencyMap map(L, E, N, kBlob, policy_named(which));
-    INFO("policy " << map.policy().name());
-    std::mt19937 rng(1234 + which);
+    ResidencyMap map(L, E, N, kBlob, policy_named(which), max_scan);
+    INFO("policy " << map.policy().name() << " max_scan " << max_scan);
+    std::mt19937 rng(1234 + round);
     std::map<std::pair<int, int>, int> my_pins;     // what the test pinned
     std::set<std::pair<int, int>> mirror;           // what the test believes is resident
     uint64_t hits = 0, misses = 0, prefetches = 0;
