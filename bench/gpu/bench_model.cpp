@@ -27,7 +27,11 @@ namespace {
 constexpr int kBlockTokens = 16;
 constexpr int kGroup = 64;
 constexpr float kEps = 1e-6f;
-constexpr int kSharedPad = 8;  // shared_w rows: 2 * SI + 1 used, padded to keep cuBLASLt rows 16-byte aligned
+// With a shared expert, one projection of the normed hidden state yields
+// [shared gate SI | shared up SI | shared gate logit 1 | router logits E],
+// its rows padded to a multiple of 8 (16-byte aligned cuBLASLt rows).
+int shared_rows(const ModelShape& s) { return 2 * s.shared_inter + 1 + s.n_experts; }
+int shared_rows_padded(const ModelShape& s) { return (shared_rows(s) + 7) / 8 * 8; }
 }  // namespace
 
 ModelShape qwen15_moe_a27b() {
@@ -40,7 +44,7 @@ ModelShape qwen3_30b_a3b() {
 double decode_bytes_per_step(const ModelShape& s, const ExpertLayout& L, int tokens) {
   const double H = s.hidden, W = double(s.n_heads + 2 * s.n_kv) * s.head_dim;
   double per_layer = (W * H + H * s.n_heads * s.head_dim + s.n_experts * H) * 2;
-  if (s.shared_inter) per_layer += (2.0 * s.shared_inter + 1 + s.shared_inter) * H * 2;
+  if (s.shared_inter) per_layer += (2.0 * s.shared_inter + 1 + s.shared_inter) * H * 2;  // + router rows above
   // Distinct experts a layer reads, expected under uniform routing.
   const double picks = double(tokens) * s.top_k;
   const double distinct = s.n_experts * (1.0 - std::pow(1.0 - 1.0 / s.n_experts, picks));
@@ -72,7 +76,7 @@ Result<std::unique_ptr<BenchModel>> BenchModel::create(const ModelShape& s, int 
   m->mm_.reset(cm.value());
 
   const size_t H = s.hidden, W = size_t(s.n_heads + 2 * s.n_kv) * s.head_dim, QD = size_t(s.n_heads) * s.head_dim;
-  const size_t SW = s.shared_inter ? 2 * size_t(s.shared_inter) + kSharedPad : 0;
+  const size_t SW = s.shared_inter ? size_t(shared_rows_padded(s)) : 0;
   const size_t pool_slots = size_t(max_seqs) * m->max_blocks_ * kBlockTokens;
   const size_t kv_elems = pool_slots * s.n_kv * s.head_dim;
   uint64_t sd = seed;
@@ -93,7 +97,7 @@ Result<std::unique_ptr<BenchModel>> BenchModel::create(const ModelShape& s, int 
       BENCH_TRY(bf(&L.k_norm, s.head_dim, 0.1f, 1.f));
     }
     BENCH_TRY(bf(&L.o_w, H * QD, lin(QD), 0.f));
-    BENCH_TRY(bf(&L.router_w, size_t(s.n_experts) * H, lin(H), 0.f));
+    if (!s.shared_inter) BENCH_TRY(bf(&L.router_w, size_t(s.n_experts) * H, lin(H), 0.f));
     if (s.shared_inter) {
       BENCH_TRY(bf(&L.shared_w, SW * H, lin(H), 0.f));
       BENCH_TRY(bf(&L.shared_down, H * s.shared_inter, lin(s.shared_inter), 0.f));
@@ -179,7 +183,7 @@ Status BenchModel::decode_step(int B, cudaStream_t st) {
   MOE_CUDA_REQUIRE(B >= 1 && B <= cuda::kGemvMaxTokens && B <= max_seqs_, "batch out of range");
   const ModelShape& s = s_;
   const int H = s.hidden, W = (s.n_heads + 2 * s.n_kv) * s.head_dim, QD = s.n_heads * s.head_dim;
-  const int SI = s.shared_inter, SN = 2 * SI + 1;
+  const int SI = s.shared_inter, SN = SI ? shared_rows(s) : 0;
   BENCH_TRY(cuda::embedding_gather(embed_, s.vocab, H, tokens_, B, x_, st));
   for (const Layer& L : layers_) {
     cuda::PagedKvPool kv{L.k_pool, L.v_pool, block_tables_, max_blocks_, kBlockTokens, s.n_kv, s.head_dim};
@@ -209,9 +213,15 @@ Status BenchModel::decode_step(int B, cudaStream_t st) {
     BENCH_TRY(cuda::paged_attention(aa, kv, st));
     BENCH_TRY(cuda::dense_gemv_bf16(L.o_w, attn_, x_, B, H, QD, true, nullptr, 0, st));
     BENCH_TRY(cuda::rmsnorm(x_, L.post_norm, xn_, B, H, kEps, st));
-    BENCH_TRY(cuda::dense_gemv_bf16(L.router_w, xn_, router_logits_, B, s.n_experts, H, false, nullptr, 0, st));
-    BENCH_TRY(cuda::router_topk(router_logits_, B, s.n_experts, s.top_k, s.norm_topk, 1.f, route_ids_, route_w_,
-                                st));
+    if (SI) {
+      BENCH_TRY(cuda::dense_gemv_bf16(L.shared_w, xn_, shared_gu_, B, SN, H, false, nullptr, 0, st));
+      BENCH_TRY(cuda::router_topk(shared_gu_ + 2 * SI + 1, B, s.n_experts, s.top_k, s.norm_topk, 1.f, route_ids_,
+                                  route_w_, st, SN));
+    } else {
+      BENCH_TRY(cuda::dense_gemv_bf16(L.router_w, xn_, router_logits_, B, s.n_experts, H, false, nullptr, 0, st));
+      BENCH_TRY(cuda::router_topk(router_logits_, B, s.n_experts, s.top_k, s.norm_topk, 1.f, route_ids_, route_w_,
+                                  st));
+    }
     cuda::Q4ExpertArgs a;
     a.layout = layout_;
     a.blobs = L.expert_ptrs;
@@ -223,7 +233,6 @@ Status BenchModel::decode_step(int B, cudaStream_t st) {
     BENCH_TRY(cuda::q4_expert_gate_up(a, xn_, h_, st));
     BENCH_TRY(cuda::q4_expert_down(a, h_, x_, true, st));
     if (SI) {
-      BENCH_TRY(cuda::dense_gemv_bf16(L.shared_w, xn_, shared_gu_, B, SN, H, false, nullptr, 0, st));
       BENCH_TRY(cuda::silu_mul_fused(shared_gu_, shared_h_, B, SI, st, SN));
       BENCH_TRY(cuda::dense_gemv_bf16(L.shared_down, shared_h_, x_, B, H, SI, true, shared_gu_ + 2 * SI, SN, st));
     }
@@ -238,7 +247,7 @@ Status BenchModel::prefill(int n, cudaStream_t st) {
   MOE_CUDA_REQUIRE(n >= 1 && n <= max_tokens_ && n <= max_blocks_ * kBlockTokens, "prompt too long");
   const ModelShape& s = s_;
   const int H = s.hidden, W = (s.n_heads + 2 * s.n_kv) * s.head_dim, QD = s.n_heads * s.head_dim;
-  const int SI = s.shared_inter, SW = 2 * SI + kSharedPad;
+  const int SI = s.shared_inter, SW = SI ? shared_rows_padded(s) : 0;
   BENCH_TRY(cuda::embedding_gather(embed_, s.vocab, H, prompt_, n, x_, st));
   for (const Layer& L : layers_) {
     cuda::PagedKvPool kv{L.k_pool, L.v_pool, block_tables_, max_blocks_, kBlockTokens, s.n_kv, s.head_dim};
@@ -268,9 +277,15 @@ Status BenchModel::prefill(int n, cudaStream_t st) {
     BENCH_TRY(cuda::paged_attention(aa, kv, st));
     BENCH_TRY(mm_->matmul(attn_, L.o_w, x_, true, n, H, QD, 1.f, st));
     BENCH_TRY(cuda::rmsnorm(x_, L.post_norm, xn_, n, H, kEps, st));
-    BENCH_TRY(mm_->matmul(xn_, L.router_w, router_logits_, true, n, s.n_experts, H, 0.f, st));
-    BENCH_TRY(cuda::router_topk(router_logits_, n, s.n_experts, s.top_k, s.norm_topk, 1.f, route_ids_, route_w_,
-                                st));
+    if (SI) {
+      BENCH_TRY(mm_->matmul(xn_, L.shared_w, shared_gu_, true, n, SW, H, 0.f, st));
+      BENCH_TRY(cuda::router_topk(shared_gu_ + 2 * SI + 1, n, s.n_experts, s.top_k, s.norm_topk, 1.f, route_ids_,
+                                  route_w_, st, SW));
+    } else {
+      BENCH_TRY(mm_->matmul(xn_, L.router_w, router_logits_, true, n, s.n_experts, H, 0.f, st));
+      BENCH_TRY(cuda::router_topk(router_logits_, n, s.n_experts, s.top_k, s.norm_topk, 1.f, route_ids_, route_w_,
+                                  st));
+    }
     cuda::Q4ExpertArgs a;
     a.layout = layout_;
     a.blobs = L.expert_ptrs;
@@ -281,7 +296,6 @@ Status BenchModel::prefill(int n, cudaStream_t st) {
     a.top_k = s.top_k;
     BENCH_TRY(cuda::q4_grouped_moe(a, xn_, x_, grouped_ws_, grouped_ws_bytes_, st));
     if (SI) {
-      BENCH_TRY(mm_->matmul(xn_, L.shared_w, shared_gu_, true, n, SW, H, 0.f, st));
       BENCH_TRY(cuda::silu_mul_fused(shared_gu_, shared_h_, n, SI, st, SW));
       BENCH_TRY(mm_->matmul(shared_h_, L.shared_down, tmp_, true, n, H, SI, 0.f, st));
       BENCH_TRY(cuda::gated_add(x_, tmp_, shared_gu_ + 2 * SI, SW, n, H, st));

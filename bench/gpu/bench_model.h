@@ -80,7 +80,9 @@ class BenchModel {
 
   struct Layer {
     __nv_bfloat16 *in_norm, *post_norm, *qkv_w, *qkv_b, *q_norm, *k_norm, *o_w, *router_w;
-    __nv_bfloat16 *shared_w, *shared_down;  // shared_w: [2 * shared_inter + 1, hidden] (gate | up | gate logit)
+    // shared_w: [2 SI + 1 + n_experts (padded to 8), hidden]: shared gate, shared up,
+    // the shared gate logit and the router, one projection of the normed state.
+    __nv_bfloat16 *shared_w, *shared_down;
     uint8_t* experts;                       // [n_experts * blob_bytes]
     const uint8_t** expert_ptrs;            // [n_experts] device
     __nv_bfloat16 *k_pool, *v_pool;

@@ -271,10 +271,14 @@ struct DownParams {
   int group_shift;
 };
 
-constexpr int kDownGroup = 4;  // experts whose rows are loaded together
+// Experts whose rows a warp loads together: 8 when a warp owns one row of
+// one 16-byte run per lane (K <= 1024), else 4 (at most ~80 registers of
+// weights in flight).
+template <int CPL, int R>
+constexpr int down_group() { return CPL == 1 && R == 1 ? 8 : 4; }
 
 // grid: (ceil(hidden / (kWarps * R)), tokens). Stages the token's top_k
-// vectors h; the first kDownGroup experts' rows are loaded before staging.
+// vectors h; the first group of experts' rows is loaded before staging.
 template <int CPL, bool FAST, int R>
 __global__ void __launch_bounds__(kThreads) q4_down_kernel(DownParams p) {
   detail::allow_next_grid();
@@ -304,6 +308,7 @@ __global__ void __launch_bounds__(kThreads) q4_down_kernel(DownParams p) {
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
   if constexpr (FAST) {
+    constexpr int kDownGroup = down_group<CPL, R>();
     for (int k0 = 0; k0 < p.top_k; k0 += kDownGroup) {
       FastRow<CPL> fr[kDownGroup][R];
       bool ok[kDownGroup];

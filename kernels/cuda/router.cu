@@ -10,8 +10,8 @@ namespace {
 
 constexpr int kWarps = 4;
 
-__global__ void router_kernel(const float* logits, int tokens, int n, int k, bool renorm, float scale,
-                              int32_t* ids, float* weights) {
+__global__ void router_kernel(const float* logits, int stride, int tokens, int n, int k, bool renorm,
+                              float scale, int32_t* ids, float* weights) {
   detail::allow_next_grid();
   detail::wait_prior_grid();
   extern __shared__ float sh[];
@@ -19,7 +19,7 @@ __global__ void router_kernel(const float* logits, int tokens, int n, int k, boo
   const int t = blockIdx.x * kWarps + warp;
   if (t >= tokens) return;
   float* p = sh + warp * n;
-  const float* row = logits + size_t(t) * n;
+  const float* row = logits + size_t(t) * stride;
   float mx = -INFINITY;
   for (int i = lane; i < n; i += 32) mx = fmaxf(mx, row[i]);
   mx = detail::warp_max(mx);
@@ -72,12 +72,13 @@ __global__ void router_kernel(const float* logits, int tokens, int n, int k, boo
 }  // namespace
 
 Status router_topk(const float* logits, int tokens, int n_experts, int top_k, bool renormalize, float scale,
-                   int32_t* ids, float* weights, cudaStream_t stream) {
+                   int32_t* ids, float* weights, cudaStream_t stream, int logits_stride) {
   MOE_CUDA_REQUIRE(logits && ids && weights, "null pointer");
   MOE_CUDA_REQUIRE(tokens > 0 && n_experts > 0 && n_experts <= 1024, "n_experts must be in [1, 1024]");
   MOE_CUDA_REQUIRE(top_k > 0 && top_k <= n_experts, "top_k must be in [1, n_experts]");
+  MOE_CUDA_REQUIRE(logits_stride == 0 || logits_stride >= n_experts, "logits_stride must be >= n_experts");
   const size_t smem = size_t(kWarps) * n_experts * sizeof(float);
-  MOE_CUDA_TRY(detail::launch_pdl(router_kernel, dim3((tokens + kWarps - 1) / kWarps), dim3(kWarps * 32), smem, stream, logits, tokens, n_experts, top_k, renormalize, scale, ids, weights));
+  MOE_CUDA_TRY(detail::launch_pdl(router_kernel, dim3((tokens + kWarps - 1) / kWarps), dim3(kWarps * 32), smem, stream, logits, logits_stride ? logits_stride : n_experts, tokens, n_experts, top_k, renormalize, scale, ids, weights));
   MOE_CUDA_LAUNCHED();
   return {};
 }

@@ -12,9 +12,10 @@
 
 namespace moe::cuda {
 
-// logits: [tokens, n_experts] f32; ids, weights: [tokens, top_k].
-// n_experts <= 1024, top_k <= n_experts.
+// logits: [tokens, logits_stride >= n_experts] f32 (0: n_experts; a wider
+// row lets the router share a projection with other outputs);
+// ids, weights: [tokens, top_k]. n_experts <= 1024, top_k <= n_experts.
 Status router_topk(const float* logits, int tokens, int n_experts, int top_k, bool renormalize, float scale,
-                   int32_t* ids, float* weights, cudaStream_t stream);
+                   int32_t* ids, float* weights, cudaStream_t stream, int logits_stride = 0);
 
 }  // namespace moe::cuda

@@ -247,8 +247,14 @@ TEST_CASE("cuda decode expert kernels (gate/up + SiLU, weighted down) match the 
     a.route_weights = dw.p;
     a.tokens = c.tokens;
     a.top_k = c.top_k;
-    REQUIRE_OK(moe::cuda::q4_expert_gate_up(a, dx.p, dh.p, nullptr));
-    REQUIRE_OK(moe::cuda::q4_expert_down(a, dh.p, dout.p, /*accumulate=*/true, nullptr));
+    // On a stream of its own the kernels overlap through programmatic
+    // dependent launch; the result must not change.
+    cudaStream_t stream;
+    REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+    REQUIRE_OK(moe::cuda::q4_expert_gate_up(a, dx.p, dh.p, stream));
+    REQUIRE_OK(moe::cuda::q4_expert_down(a, dh.p, dout.p, /*accumulate=*/true, stream));
+    REQUIRE(cudaStreamSynchronize(stream) == cudaSuccess);
+    REQUIRE(cudaStreamDestroy(stream) == cudaSuccess);
     std::vector<float> ref = d.out0;
     moe_reference(d.L, d.blobs, d.ids, d.wts, d.x, c.tokens, c.top_k, false, ref);
     // Compare the MoE contribution (out - out0), not the residual it rides on.
