@@ -77,8 +77,8 @@ int main(int argc, char** argv) {
               static_cast<double>(text.size()) / static_cast<double>(unit.size()), mb, ids.size(),
               static_cast<double>(text.size()) / static_cast<double>(ids.size()));
   std::printf("encode: %.1f MB/s (CPU %.3f s; wall %.3f s)\n", mb / enc_cpu, enc_cpu, enc_s);
-  std::printf("decode: %.1f MB/s (CPU %.3f s; wall %.3f s), round trip %s\n", mb / dec_cpu, dec_cpu, dec_s,
-              back == text ? "exact" : "DIFFERS");
+  std::printf("decode: %.1f MB/s (CPU %.3f s; wall %.3f s), round trip %s\n", mb / dec_cpu, dec_cpu,
+              dec_s, back == text ? "exact" : "DIFFERS");
   std::printf("stream decode: %.2f us/token CPU over %zu tokens (%zu bytes)\n",
               stream_cpu * 1e6 / static_cast<double>(n_stream), n_stream, streamed);
   return back == text ? 0 : 1;

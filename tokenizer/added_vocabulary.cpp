@@ -45,13 +45,15 @@ size_t char_start_before(std::string_view s, size_t e) {
 
 }  // namespace
 
-AddedMatcher::AddedMatcher(std::vector<AddedToken> tokens) : tokens_(std::move(tokens)), by_first_byte_(256) {
+AddedMatcher::AddedMatcher(std::vector<AddedToken> tokens)
+    : tokens_(std::move(tokens)), by_first_byte_(256) {
   std::erase_if(tokens_, [](const AddedToken& t) { return t.content.empty(); });
   for (uint32_t i = 0; i < tokens_.size(); ++i)
     by_first_byte_[static_cast<uint8_t>(tokens_[i].content[0])].push_back(i);
   for (auto& v : by_first_byte_)
-    std::stable_sort(v.begin(), v.end(),
-                     [&](uint32_t a, uint32_t b) { return tokens_[a].content.size() > tokens_[b].content.size(); });
+    std::stable_sort(v.begin(), v.end(), [&](uint32_t a, uint32_t b) {
+      return tokens_[a].content.size() > tokens_[b].content.size();
+    });
 }
 
 void AddedMatcher::split(std::string_view text, std::vector<Segment>& out) const {
@@ -84,12 +86,14 @@ void AddedMatcher::split(std::string_view text, std::vector<Segment>& out) const
     if (hit->lstrip)
       while (b > plain_from && is_space_char(char_before(text, b))) b = char_start_before(text, b);
     if (hit->rstrip)
-      while (e < text.size() && is_space_char(char_at(text, e))) e += std::max<size_t>(1, utf8_char_len(text, e));
+      while (e < text.size() && is_space_char(char_at(text, e)))
+        e += std::max<size_t>(1, utf8_char_len(text, e));
     if (b > plain_from) out.push_back({text.substr(plain_from, b - plain_from), -1});
     out.push_back({text.substr(b, e - b), hit->id});
     plain_from = pos = e;
   }
-  if (plain_from < text.size() || out.size() == first_out) out.push_back({text.substr(plain_from), -1});
+  if (plain_from < text.size() || out.size() == first_out)
+    out.push_back({text.substr(plain_from), -1});
 }
 
 }  // namespace moe::tok

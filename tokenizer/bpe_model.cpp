@@ -32,15 +32,18 @@ Result<std::unique_ptr<BpeModel>> BpeModel::from_json(const nlohmann::json& mode
   for (const auto& [tok, id] : m->vocab_) m->tokens_[static_cast<size_t>(id)] = tok;
 
   auto opt_string = [&](const char* key) {
-    return model.contains(key) && model[key].is_string() ? model[key].get<std::string>() : std::string();
+    return model.contains(key) && model[key].is_string() ? model[key].get<std::string>()
+                                                         : std::string();
   };
   m->subword_prefix_ = opt_string("continuing_subword_prefix");
   m->word_suffix_ = opt_string("end_of_word_suffix");
   const std::string unk = opt_string("unk_token");
   if (!unk.empty()) m->unk_id_ = m->token_to_id(unk);
   m->fuse_unk_ = model.value("fuse_unk", false) == true;
-  m->byte_fallback_ = model.contains("byte_fallback") && model["byte_fallback"].is_boolean() && model["byte_fallback"].get<bool>();
-  m->ignore_merges_ = model.contains("ignore_merges") && model["ignore_merges"].is_boolean() && model["ignore_merges"].get<bool>();
+  m->byte_fallback_ = model.contains("byte_fallback") && model["byte_fallback"].is_boolean() &&
+                      model["byte_fallback"].get<bool>();
+  m->ignore_merges_ = model.contains("ignore_merges") && model["ignore_merges"].is_boolean() &&
+                      model["ignore_merges"].get<bool>();
   for (int b = 0; b < 256; ++b) {
     char name[8];
     std::snprintf(name, sizeof(name), "<0x%02X>", b);
@@ -65,10 +68,12 @@ Result<std::unique_ptr<BpeModel>> BpeModel::from_json(const nlohmann::json& mode
       return make_error("model: bad merge entry " + mg.dump());
     }
     const int32_t ia = m->token_to_id(a), ib = m->token_to_id(b);
-    if (ia < 0 || ib < 0) return make_error("model: merge '" + a + " " + b + "' uses a token not in the vocab");
+    if (ia < 0 || ib < 0)
+      return make_error("model: merge '" + a + " " + b + "' uses a token not in the vocab");
     std::string joined = a;
     joined += std::string_view(b).substr(
-        !m->subword_prefix_.empty() && b.starts_with(m->subword_prefix_) ? m->subword_prefix_.size() : 0);
+        !m->subword_prefix_.empty() && b.starts_with(m->subword_prefix_) ? m->subword_prefix_.size()
+                                                                         : 0);
     const int32_t inew = m->token_to_id(joined);
     if (inew < 0) return make_error("model: merge result '" + joined + "' not in the vocab");
     m->merges_.emplace(pair_key(ia, ib), Merge{rank++, inew});
@@ -82,7 +87,9 @@ int32_t BpeModel::token_to_id(std::string_view token) const {
 }
 
 const std::string* BpeModel::id_to_token(int32_t id) const {
-  if (id < 0 || static_cast<size_t>(id) >= tokens_.size() || tokens_[static_cast<size_t>(id)].empty()) return nullptr;
+  if (id < 0 || static_cast<size_t>(id) >= tokens_.size() ||
+      tokens_[static_cast<size_t>(id)].empty())
+    return nullptr;
   return &tokens_[static_cast<size_t>(id)];
 }
 
@@ -101,7 +108,10 @@ void BpeModel::encode_word(std::string_view word, std::vector<int32_t>& out) con
   merge_word(word, out);
   if (cacheable) {
     std::unique_lock lock(cache_mu_);
-    if (cache_.size() < kCacheMaxWords) cache_.emplace(std::string(word), std::vector<int32_t>(out.begin() + static_cast<std::ptrdiff_t>(start), out.end()));
+    if (cache_.size() < kCacheMaxWords)
+      cache_.emplace(
+          std::string(word),
+          std::vector<int32_t>(out.begin() + static_cast<std::ptrdiff_t>(start), out.end()));
   }
 }
 
@@ -173,7 +183,8 @@ void BpeModel::merge_word(std::string_view word, std::vector<int32_t>& out) cons
     if (pos < 0) return;
     const int32_t nx = sym[static_cast<size_t>(pos)].next;
     if (nx < 0) return;
-    auto it = merges_.find(pair_key(sym[static_cast<size_t>(pos)].id, sym[static_cast<size_t>(nx)].id));
+    auto it =
+        merges_.find(pair_key(sym[static_cast<size_t>(pos)].id, sym[static_cast<size_t>(nx)].id));
     if (it != merges_.end()) queue.push({it->second.rank, pos, it->second.new_id});
   };
   if (!merges_.empty())
@@ -194,7 +205,8 @@ void BpeModel::merge_word(std::string_view word, std::vector<int32_t>& out) cons
     consider(left.prev);
     consider(c.pos);
   }
-  for (int32_t p = 0; p >= 0; p = sym[static_cast<size_t>(p)].next) out.push_back(sym[static_cast<size_t>(p)].id);
+  for (int32_t p = 0; p >= 0; p = sym[static_cast<size_t>(p)].next)
+    out.push_back(sym[static_cast<size_t>(p)].id);
 }
 
 }  // namespace moe::tok

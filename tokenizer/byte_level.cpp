@@ -5,14 +5,17 @@
 namespace moe::tok {
 
 namespace {
-bool shown_as_itself(int b) { return (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF); }
+bool shown_as_itself(int b) {
+  return (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+}
 }  // namespace
 
 ByteAlphabet::ByteAlphabet() {
   byte_of_cp_.fill(-1);
   int next = 256;
   for (int b = 0; b < 256; ++b) {
-    const char32_t cp = shown_as_itself(b) ? static_cast<char32_t>(b) : static_cast<char32_t>(next++);
+    const char32_t cp =
+        shown_as_itself(b) ? static_cast<char32_t>(b) : static_cast<char32_t>(next++);
     std::string s;
     append_utf8(s, cp);
     lens_[b] = static_cast<uint8_t>(s.size());

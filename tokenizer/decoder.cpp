@@ -95,7 +95,8 @@ class Fuse final : public Decoder {
 // from every token.
 class Strip final : public Decoder {
  public:
-  Strip(std::string content, size_t start, size_t stop) : content_(std::move(content)), start_(start), stop_(stop) {}
+  Strip(std::string content, size_t start, size_t stop)
+      : content_(std::move(content)), start_(start), stop_(stop) {}
   void decode_chain(std::vector<std::string>& tokens) const override {
     if (content_.empty()) return;
     const size_t w = content_.size();
@@ -116,7 +117,8 @@ class Strip final : public Decoder {
 // dropped instead when a space was prepended at encoding.
 class Metaspace final : public Decoder {
  public:
-  Metaspace(std::string replacement, bool drop_first) : repl_(std::move(replacement)), drop_first_(drop_first) {}
+  Metaspace(std::string replacement, bool drop_first)
+      : repl_(std::move(replacement)), drop_first_(drop_first) {}
   void decode_chain(std::vector<std::string>& tokens) const override {
     for (size_t i = 0; i < tokens.size(); ++i) {
       std::string out;
@@ -152,14 +154,15 @@ class Sequence final : public Decoder {
 
 Result<std::unique_ptr<Decoder>> make_decoder(const nlohmann::json& spec) {
   if (spec.is_null()) return std::unique_ptr<Decoder>();
-  if (!spec.is_object() || !spec.contains("type")) return make_error("decoder: not an object with a type");
+  if (!spec.is_object() || !spec.contains("type"))
+    return make_error("decoder: not an object with a type");
   const std::string type = spec["type"].get<std::string>();
   if (type == "ByteLevel") return std::unique_ptr<Decoder>(new ByteLevel());
   if (type == "ByteFallback") return std::unique_ptr<Decoder>(new ByteFallback());
   if (type == "Fuse") return std::unique_ptr<Decoder>(new Fuse());
   if (type == "Strip")
-    return std::unique_ptr<Decoder>(
-        new Strip(spec.value("content", " "), spec.value("start", size_t{0}), spec.value("stop", size_t{0})));
+    return std::unique_ptr<Decoder>(new Strip(
+        spec.value("content", " "), spec.value("start", size_t{0}), spec.value("stop", size_t{0})));
   if (type == "Replace") {
     auto p = ReplacePattern::from_json(spec);
     if (!p) return make_error("decoder Replace: " + p.error());
@@ -171,7 +174,8 @@ Result<std::unique_ptr<Decoder>> make_decoder(const nlohmann::json& spec) {
       drop_first = spec["prepend_scheme"].get<std::string>() != "never";
     else if (spec.contains("add_prefix_space"))
       drop_first = spec.value("add_prefix_space", true);
-    return std::unique_ptr<Decoder>(new Metaspace(spec.value("replacement", "\xE2\x96\x81"), drop_first));
+    return std::unique_ptr<Decoder>(
+        new Metaspace(spec.value("replacement", "\xE2\x96\x81"), drop_first));
   }
   if (type == "Sequence") {
     std::vector<std::unique_ptr<Decoder>> parts;

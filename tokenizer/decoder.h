@@ -4,10 +4,9 @@
 // decode() joins what the chain leaves.
 
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "model/result.h"
 

@@ -46,8 +46,9 @@ class UnicodeForm final : public Normalizer {
     utf8proc_uint8_t* dst = nullptr;
     // An explicit length (not NUL-terminated) so that NUL bytes pass through.
     const utf8proc_ssize_t n =
-        utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(run.data()), static_cast<utf8proc_ssize_t>(run.size()),
-                     &dst, static_cast<utf8proc_option_t>(UTF8PROC_STABLE | options_));
+        utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(run.data()),
+                     static_cast<utf8proc_ssize_t>(run.size()), &dst,
+                     static_cast<utf8proc_option_t>(UTF8PROC_STABLE | options_));
     if (n < 0) {
       out.append(run);
     } else {
@@ -65,7 +66,8 @@ class Lowercase final : public Normalizer {
     out.reserve(text.size());
     for (size_t i = 0; i < text.size();) {
       const size_t n = utf8_char_len(text, i);
-      append_utf8(out, static_cast<char32_t>(utf8proc_tolower(static_cast<utf8proc_int32_t>(utf8_decode_at(text, i, n)))));
+      append_utf8(out, static_cast<char32_t>(utf8proc_tolower(
+                           static_cast<utf8proc_int32_t>(utf8_decode_at(text, i, n)))));
       i += n;
     }
     return out;
@@ -122,7 +124,8 @@ class Strip final : public Normalizer {
   static bool is_space(char32_t cp) {
     if (cp == ' ' || (cp >= 0x09 && cp <= 0x0D)) return true;
     const auto cat = utf8proc_category(static_cast<utf8proc_int32_t>(cp));
-    return cat == UTF8PROC_CATEGORY_ZS || cat == UTF8PROC_CATEGORY_ZL || cat == UTF8PROC_CATEGORY_ZP || cp == 0x85;
+    return cat == UTF8PROC_CATEGORY_ZS || cat == UTF8PROC_CATEGORY_ZL ||
+           cat == UTF8PROC_CATEGORY_ZP || cp == 0x85;
   }
   bool left_, right_;
 };
@@ -144,16 +147,20 @@ class Sequence final : public Normalizer {
 
 Result<std::unique_ptr<Normalizer>> make_normalizer(const nlohmann::json& spec) {
   if (spec.is_null()) return std::unique_ptr<Normalizer>();
-  if (!spec.is_object() || !spec.contains("type")) return make_error("normalizer: not an object with a type");
+  if (!spec.is_object() || !spec.contains("type"))
+    return make_error("normalizer: not an object with a type");
   const std::string type = spec["type"].get<std::string>();
   if (type == "NFC") return std::unique_ptr<Normalizer>(new UnicodeForm(UTF8PROC_COMPOSE));
   if (type == "NFD") return std::unique_ptr<Normalizer>(new UnicodeForm(UTF8PROC_DECOMPOSE));
-  if (type == "NFKC") return std::unique_ptr<Normalizer>(new UnicodeForm(UTF8PROC_COMPOSE | UTF8PROC_COMPAT));
-  if (type == "NFKD") return std::unique_ptr<Normalizer>(new UnicodeForm(UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT));
+  if (type == "NFKC")
+    return std::unique_ptr<Normalizer>(new UnicodeForm(UTF8PROC_COMPOSE | UTF8PROC_COMPAT));
+  if (type == "NFKD")
+    return std::unique_ptr<Normalizer>(new UnicodeForm(UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT));
   if (type == "Lowercase") return std::unique_ptr<Normalizer>(new Lowercase());
   if (type == "Prepend") return std::unique_ptr<Normalizer>(new Prepend(spec.value("prepend", "")));
   if (type == "Strip")
-    return std::unique_ptr<Normalizer>(new Strip(spec.value("strip_left", true), spec.value("strip_right", true)));
+    return std::unique_ptr<Normalizer>(
+        new Strip(spec.value("strip_left", true), spec.value("strip_right", true)));
   if (type == "Replace") {
     auto p = ReplacePattern::from_json(spec);
     if (!p) return make_error("normalizer Replace: " + p.error());

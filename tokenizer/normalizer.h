@@ -5,10 +5,9 @@
 // needed).
 
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
-
-#include <nlohmann/json.hpp>
 
 #include "model/result.h"
 

@@ -5,9 +5,8 @@
 
 #include <cstdint>
 #include <memory>
-#include <vector>
-
 #include <nlohmann/json.hpp>
+#include <vector>
 
 #include "model/result.h"
 
@@ -23,6 +22,7 @@ class PostProcessor {
 Result<std::unique_ptr<PostProcessor>> make_post_processor(const nlohmann::json& spec);
 
 // prefix + ids + suffix: what add_bos_token / add_eos_token ask for.
-std::unique_ptr<PostProcessor> make_wrap_processor(std::vector<int32_t> prefix, std::vector<int32_t> suffix);
+std::unique_ptr<PostProcessor> make_wrap_processor(std::vector<int32_t> prefix,
+                                                   std::vector<int32_t> suffix);
 
 }  // namespace moe::tok

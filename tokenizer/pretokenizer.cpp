@@ -33,7 +33,8 @@ class Split final : public PreTokenizer {
       if (re_) {
         re_->find_all(p, matches);
       } else if (!literal_.empty()) {
-        for (size_t pos = 0, hit; (hit = p.find(literal_, pos)) != std::string::npos; pos = hit + literal_.size())
+        for (size_t pos = 0, hit; (hit = p.find(literal_, pos)) != std::string::npos;
+             pos = hit + literal_.size())
           matches.emplace_back(hit, hit + literal_.size());
       }
       split_by_matches(p, matches, behavior_, invert_, out);
@@ -100,14 +101,16 @@ class Metaspace final : public PreTokenizer {
         else
           s.push_back(c);
       }
-      const bool prepend = prepend_ == Prepend::kAlways || (prepend_ == Prepend::kFirst && i == 0 && at_text_start);
+      const bool prepend =
+          prepend_ == Prepend::kAlways || (prepend_ == Prepend::kFirst && i == 0 && at_text_start);
       if (prepend && !s.empty() && s.compare(0, repl_.size(), repl_) != 0) s.insert(0, repl_);
       if (!split_) {
         if (!s.empty()) out.push_back(std::move(s));
         continue;
       }
       matches.clear();
-      for (size_t pos = 0, hit; (hit = s.find(repl_, pos)) != std::string::npos; pos = hit + repl_.size())
+      for (size_t pos = 0, hit; (hit = s.find(repl_, pos)) != std::string::npos;
+           pos = hit + repl_.size())
         matches.emplace_back(hit, hit + repl_.size());
       split_by_matches(s, matches, SplitBehavior::kMergedWithNext, false, out);
     }
@@ -142,8 +145,9 @@ Result<SplitBehavior> parse_behavior(const std::string& s) {
 
 }  // namespace
 
-void split_by_matches(const std::string& text, const std::vector<std::pair<size_t, size_t>>& matches,
-                      SplitBehavior behavior, bool invert, std::vector<std::string>& out) {
+void split_by_matches(const std::string& text,
+                      const std::vector<std::pair<size_t, size_t>>& matches, SplitBehavior behavior,
+                      bool invert, std::vector<std::string>& out) {
   if (text.empty()) return;
   // Alternate gaps and matches covering the whole text.
   std::vector<Span> spans;
@@ -208,7 +212,8 @@ void split_by_matches(const std::string& text, const std::vector<std::pair<size_
 
 Result<std::unique_ptr<PreTokenizer>> make_pre_tokenizer(const nlohmann::json& spec) {
   if (spec.is_null()) return std::unique_ptr<PreTokenizer>();
-  if (!spec.is_object() || !spec.contains("type")) return make_error("pre_tokenizer: not an object with a type");
+  if (!spec.is_object() || !spec.contains("type"))
+    return make_error("pre_tokenizer: not an object with a type");
   const std::string type = spec["type"].get<std::string>();
   if (type == "Split") {
     auto behavior = parse_behavior(spec.value("behavior", "Isolated"));
@@ -225,7 +230,8 @@ Result<std::unique_ptr<PreTokenizer>> make_pre_tokenizer(const nlohmann::json& s
     } else {
       return make_error("pre_tokenizer Split: pattern is neither Regex nor String");
     }
-    return std::unique_ptr<PreTokenizer>(new Split(std::move(re), std::move(literal), *behavior, spec.value("invert", false)));
+    return std::unique_ptr<PreTokenizer>(
+        new Split(std::move(re), std::move(literal), *behavior, spec.value("invert", false)));
   }
   if (type == "ByteLevel") {
     std::shared_ptr<const Regex> re;
@@ -234,18 +240,21 @@ Result<std::unique_ptr<PreTokenizer>> make_pre_tokenizer(const nlohmann::json& s
       if (!r) return make_error("pre_tokenizer ByteLevel: " + r.error());
       re = std::move(r.value());
     }
-    return std::unique_ptr<PreTokenizer>(new ByteLevel(spec.value("add_prefix_space", false), std::move(re)));
+    return std::unique_ptr<PreTokenizer>(
+        new ByteLevel(spec.value("add_prefix_space", false), std::move(re)));
   }
   if (type == "Metaspace") {
     Metaspace::Prepend prepend = Metaspace::Prepend::kAlways;
     if (spec.contains("prepend_scheme")) {
       const std::string s = spec["prepend_scheme"].get<std::string>();
-      prepend = s == "first" ? Metaspace::Prepend::kFirst : s == "never" ? Metaspace::Prepend::kNever : Metaspace::Prepend::kAlways;
+      prepend = s == "first"   ? Metaspace::Prepend::kFirst
+                : s == "never" ? Metaspace::Prepend::kNever
+                               : Metaspace::Prepend::kAlways;
     } else if (spec.contains("add_prefix_space") && !spec.value("add_prefix_space", true)) {
       prepend = Metaspace::Prepend::kNever;
     }
-    return std::unique_ptr<PreTokenizer>(
-        new Metaspace(spec.value("replacement", "\xE2\x96\x81"), prepend, spec.value("split", true)));
+    return std::unique_ptr<PreTokenizer>(new Metaspace(spec.value("replacement", "\xE2\x96\x81"),
+                                                       prepend, spec.value("split", true)));
   }
   if (type == "Sequence") {
     std::vector<std::unique_ptr<PreTokenizer>> parts;

@@ -5,10 +5,9 @@
 // model then runs on every final piece on its own.
 
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "model/result.h"
 
@@ -31,7 +30,8 @@ enum class SplitBehavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWith
 
 // Cuts text by the [begin, end) match ranges (sorted, non-overlapping) the way
 // the Split pre-tokeniser does, appending non-empty pieces to out.
-void split_by_matches(const std::string& text, const std::vector<std::pair<size_t, size_t>>& matches,
-                      SplitBehavior behavior, bool invert, std::vector<std::string>& out);
+void split_by_matches(const std::string& text,
+                      const std::vector<std::pair<size_t, size_t>>& matches, SplitBehavior behavior,
+                      bool invert, std::vector<std::string>& out);
 
 }  // namespace moe::tok

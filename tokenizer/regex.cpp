@@ -34,7 +34,8 @@ void Regex::find_all(std::string_view text, std::vector<std::pair<size_t, size_t
   while (pos < text.size()) {
     // The direct JIT entry skips pcre2_match's per-call checks.
     const int rc = use_jit ? pcre2_jit_match(code, subject, text.size(), pos, 0, md, nullptr)
-                           : pcre2_match(code, subject, text.size(), pos, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, md, nullptr);
+                           : pcre2_match(code, subject, text.size(), pos,
+                                         PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, md, nullptr);
     if (rc < 0 && rc != PCRE2_ERROR_NOMATCH && use_jit) {
       // The JIT ran out of stack on a pathological input: interpret instead.
       use_jit = false;

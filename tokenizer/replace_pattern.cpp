@@ -7,7 +7,8 @@ namespace moe::tok {
 
 Result<ReplacePattern> ReplacePattern::from_json(const nlohmann::json& spec) {
   ReplacePattern p;
-  if (!spec.contains("pattern") || !spec["pattern"].is_object()) return make_error("missing pattern");
+  if (!spec.contains("pattern") || !spec["pattern"].is_object())
+    return make_error("missing pattern");
   const auto& pat = spec["pattern"];
   if (pat.contains("String")) {
     p.literal_ = pat["String"].get<std::string>();
@@ -28,7 +29,8 @@ std::string ReplacePattern::apply(std::string_view text) const {
   out.reserve(text.size());
   if (!regex_) {
     size_t pos = 0;
-    for (size_t hit; (hit = text.find(literal_, pos)) != std::string_view::npos; pos = hit + literal_.size()) {
+    for (size_t hit; (hit = text.find(literal_, pos)) != std::string_view::npos;
+         pos = hit + literal_.size()) {
       out.append(text.substr(pos, hit - pos));
       out.append(content_);
     }

@@ -3,10 +3,9 @@
 // Replace normaliser and the Replace decoder: every match becomes content.
 
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
-
-#include <nlohmann/json.hpp>
 
 #include "model/result.h"
 #include "tokenizer/regex.h"
@@ -19,7 +18,7 @@ class ReplacePattern {
   std::string apply(std::string_view text) const;
 
  private:
-  std::string literal_;                  // used when regex_ is null
+  std::string literal_;  // used when regex_ is null
   std::shared_ptr<const Regex> regex_;
   std::string content_;
 };

@@ -1,5 +1,4 @@
 #include "tokenizer/tokenizer.h"
-
 #include "tokenizer/utf8.h"
 
 namespace moe {
@@ -19,7 +18,8 @@ size_t common_prefix(const std::string& a, const std::string& b) {
 
 }  // namespace
 
-StreamDecoder::StreamDecoder(const Tokenizer& tok, bool skip_special) : tok_(tok), skip_special_(skip_special) {}
+StreamDecoder::StreamDecoder(const Tokenizer& tok, bool skip_special)
+    : tok_(tok), skip_special_(skip_special) {}
 
 std::string StreamDecoder::push(int32_t id) {
   ids_.push_back(id);

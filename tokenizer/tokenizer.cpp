@@ -2,10 +2,9 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <unordered_map>
-
-#include <nlohmann/json.hpp>
 
 #include "tokenizer/added_vocabulary.h"
 #include "tokenizer/bpe_model.h"
@@ -29,8 +28,9 @@ struct Tokenizer::Impl {
   std::vector<tok::AddedToken> added;
   std::unordered_map<int32_t, size_t> added_by_id;  // id -> index in added
   tok::TokenMap added_by_content;
-  std::unique_ptr<tok::AddedMatcher> raw_matcher;         // normalized=false tokens, on raw text
-  std::unique_ptr<tok::AddedMatcher> normalized_matcher;  // normalized=true tokens, on normalised text
+  std::unique_ptr<tok::AddedMatcher> raw_matcher;  // normalized=false tokens, on raw text
+  std::unique_ptr<tok::AddedMatcher>
+      normalized_matcher;  // normalized=true tokens, on normalised text
   int32_t max_id = -1;
 
   // Plain text between raw-matched added tokens: normalise, cut out the
@@ -66,7 +66,8 @@ std::string config_token(const json& cfg, const char* key) {
   if (!cfg.contains(key)) return {};
   const auto& v = cfg[key];
   if (v.is_string()) return v.get<std::string>();
-  if (v.is_object() && v.contains("content") && v["content"].is_string()) return v["content"].get<std::string>();
+  if (v.is_object() && v.contains("content") && v["content"].is_string())
+    return v["content"].get<std::string>();
   return {};
 }
 
@@ -97,7 +98,8 @@ Result<std::unique_ptr<Tokenizer>> Tokenizer::from_json(std::string_view tokeniz
                                                         std::string_view tokenizer_config_json) {
   try {
     const json tj = json::parse(tokenizer_json);
-    const json cfg = tokenizer_config_json.empty() ? json::object() : json::parse(tokenizer_config_json);
+    const json cfg =
+        tokenizer_config_json.empty() ? json::object() : json::parse(tokenizer_config_json);
     if (!tj.is_object()) return make_error("tokenizer.json: not an object");
     auto t = std::unique_ptr<Tokenizer>(new Tokenizer());
     Impl& im = *t->impl_;
@@ -146,7 +148,8 @@ Result<std::unique_ptr<Tokenizer>> Tokenizer::from_json(std::string_view tokeniz
       }
     }
     if (!raw.empty()) im.raw_matcher = std::make_unique<tok::AddedMatcher>(std::move(raw));
-    if (!normalized.empty()) im.normalized_matcher = std::make_unique<tok::AddedMatcher>(std::move(normalized));
+    if (!normalized.empty())
+      im.normalized_matcher = std::make_unique<tok::AddedMatcher>(std::move(normalized));
 
     t->bos_token_ = config_token(cfg, "bos_token");
     t->eos_token_ = config_token(cfg, "eos_token");
@@ -159,8 +162,10 @@ Result<std::unique_ptr<Tokenizer>> Tokenizer::from_json(std::string_view tokeniz
     const bool has_add_eos = cfg.contains("add_eos_token") && cfg["add_eos_token"].is_boolean();
     if (has_add_bos || has_add_eos) {
       std::vector<int32_t> prefix, suffix;
-      if (has_add_bos && cfg["add_bos_token"].get<bool>() && t->bos_id_ >= 0) prefix.push_back(t->bos_id_);
-      if (has_add_eos && cfg["add_eos_token"].get<bool>() && t->eos_id_ >= 0) suffix.push_back(t->eos_id_);
+      if (has_add_bos && cfg["add_bos_token"].get<bool>() && t->bos_id_ >= 0)
+        prefix.push_back(t->bos_id_);
+      if (has_add_eos && cfg["add_eos_token"].get<bool>() && t->eos_id_ >= 0)
+        suffix.push_back(t->eos_id_);
       im.post_processor = tok::make_wrap_processor(std::move(prefix), std::move(suffix));
     }
     return t;

@@ -13,11 +13,23 @@ size_t lead_info(unsigned char b, unsigned char& lo, unsigned char& hi) {
   hi = 0xBF;
   if (b < 0x80) return 1;
   if (b >= 0xC2 && b <= 0xDF) return 2;
-  if (b == 0xE0) { lo = 0xA0; return 3; }
-  if (b == 0xED) { hi = 0x9F; return 3; }
+  if (b == 0xE0) {
+    lo = 0xA0;
+    return 3;
+  }
+  if (b == 0xED) {
+    hi = 0x9F;
+    return 3;
+  }
   if (b >= 0xE1 && b <= 0xEF) return 3;
-  if (b == 0xF0) { lo = 0x90; return 4; }
-  if (b == 0xF4) { hi = 0x8F; return 4; }
+  if (b == 0xF0) {
+    lo = 0x90;
+    return 4;
+  }
+  if (b == 0xF4) {
+    hi = 0x8F;
+    return 4;
+  }
   if (b >= 0xF1 && b <= 0xF3) return 4;
   return 0;
 }
@@ -85,12 +97,18 @@ std::string sanitize_utf8(std::string_view s) {
 }
 
 char32_t utf8_decode_at(std::string_view s, size_t i, size_t len) {
-  const auto b = [&](size_t k) { return static_cast<char32_t>(static_cast<unsigned char>(s[i + k])); };
+  const auto b = [&](size_t k) {
+    return static_cast<char32_t>(static_cast<unsigned char>(s[i + k]));
+  };
   switch (len) {
-    case 1: return b(0);
-    case 2: return ((b(0) & 0x1F) << 6) | (b(1) & 0x3F);
-    case 3: return ((b(0) & 0x0F) << 12) | ((b(1) & 0x3F) << 6) | (b(2) & 0x3F);
-    default: return ((b(0) & 0x07) << 18) | ((b(1) & 0x3F) << 12) | ((b(2) & 0x3F) << 6) | (b(3) & 0x3F);
+    case 1:
+      return b(0);
+    case 2:
+      return ((b(0) & 0x1F) << 6) | (b(1) & 0x3F);
+    case 3:
+      return ((b(0) & 0x0F) << 12) | ((b(1) & 0x3F) << 6) | (b(2) & 0x3F);
+    default:
+      return ((b(0) & 0x07) << 18) | ((b(1) & 0x3F) << 12) | ((b(2) & 0x3F) << 6) | (b(3) & 0x3F);
   }
 }
 

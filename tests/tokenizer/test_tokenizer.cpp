@@ -1,17 +1,15 @@
 // The tokenizer against what the reference library computed on the same
 // tokenizer.json files (tests/data/fixtures, models/demo-moe).
 
-#include <catch2/catch.hpp>
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cstring>
 #include <fstream>
-#include <sstream>
-#include <thread>
-#include <string>
-#include <vector>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
 
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/utf8.h"
@@ -71,7 +69,8 @@ std::vector<int32_t> safetensors_ids(const std::string& path, const std::string&
 }
 
 // Streams ids one at a time; every piece must be valid UTF-8.
-std::string stream_all(const moe::Tokenizer& tok, const std::vector<int32_t>& ids, bool skip_special) {
+std::string stream_all(const moe::Tokenizer& tok, const std::vector<int32_t>& ids,
+                       bool skip_special) {
   moe::StreamDecoder sd(tok, skip_special);
   std::string all;
   for (int32_t id : ids) {
@@ -105,7 +104,8 @@ TEST_CASE("reference strings encode and decode exactly as the reference library"
   }
 }
 
-TEST_CASE("rendered chats encode to the reference ids without adding special tokens", "[tokenizer]") {
+TEST_CASE("rendered chats encode to the reference ids without adding special tokens",
+          "[tokenizer]") {
   const json ref = json::parse(slurp(kFixtures + "/tokenizers/reference.json"));
   for (const char* name : kReferenceTokenizers) {
     auto tok = load(kFixtures + "/tokenizers/" + name);
@@ -121,7 +121,8 @@ TEST_CASE("rendered chats encode to the reference ids without adding special tok
   }
 }
 
-TEST_CASE("streaming decode, token by token, gives the same text as decode", "[tokenizer][stream]") {
+TEST_CASE("streaming decode, token by token, gives the same text as decode",
+          "[tokenizer][stream]") {
   const json ref = json::parse(slurp(kFixtures + "/tokenizers/reference.json"));
   for (const char* name : kReferenceTokenizers) {
     auto tok = load(kFixtures + "/tokenizers/" + name);
@@ -186,7 +187,8 @@ TEST_CASE("bos, eos and special ids come from the tokenizer files", "[tokenizer]
 TEST_CASE("every model fixture's tokenizer reproduces its prompts' input ids", "[tokenizer]") {
   const json index = json::parse(slurp(kFixtures + "/index.json"));
   int checked_models = 0;
-  for (const char* model : {"qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "qwen2_dense", "deepseek_v2"}) {
+  for (const char* model :
+       {"qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "qwen2_dense", "deepseek_v2"}) {
     const std::string dir = kFixtures + "/" + model;
     auto tok = load(dir);
     const json ref = json::parse(slurp(dir + "/reference.json"));
@@ -195,7 +197,8 @@ TEST_CASE("every model fixture's tokenizer reproduces its prompts' input ids", "
       const std::string text = p["text"];
       const bool chat = p["chat"];
       INFO(model << " prompt " << i << ": " << text);
-      const auto expected = safetensors_ids(dir + "/reference.safetensors", "p" + std::to_string(i) + ".input_ids");
+      const auto expected =
+          safetensors_ids(dir + "/reference.safetensors", "p" + std::to_string(i) + ".input_ids");
       CHECK(tok->encode(text, !chat) == expected);
       CHECK(stream_all(*tok, expected, false) == tok->decode(expected, false));
     }
@@ -229,10 +232,12 @@ TEST_CASE("demo model: prompts, greedy samples and held-out text", "[tokenizer]"
   REQUIRE(sep >= 0);
   std::string joined;
   int files = 0;
-  for (size_t b = 0, e; (e = static_cast<size_t>(std::find(eval_ids.begin() + static_cast<long>(b), eval_ids.end(), sep) -
-                                                  eval_ids.begin())) < eval_ids.size();
+  for (size_t b = 0, e; (e = static_cast<size_t>(std::find(eval_ids.begin() + static_cast<long>(b),
+                                                           eval_ids.end(), sep) -
+                                                 eval_ids.begin())) < eval_ids.size();
        b = e + 1) {
-    const std::vector<int32_t> file(eval_ids.begin() + static_cast<long>(b), eval_ids.begin() + static_cast<long>(e));
+    const std::vector<int32_t> file(eval_ids.begin() + static_cast<long>(b),
+                                    eval_ids.begin() + static_cast<long>(e));
     const std::string file_text = tok->decode(file, false);
     CHECK(tok->encode(file_text, false) == file);
     joined += file_text;
@@ -247,8 +252,16 @@ TEST_CASE("invalid UTF-8 and NUL bytes are encoded, never rejected", "[tokenizer
     auto tok = load(kFixtures + "/tokenizers/" + name);
     INFO(name);
     // Each maximal invalid subsequence counts as one U+FFFD.
-    CHECK(tok->encode("a\xFF" "b", false) == tok->encode("a\xEF\xBF\xBD" "b", false));
-    CHECK(tok->encode("a\xE2\x82" "b", false) == tok->encode("a\xEF\xBF\xBD" "b", false));
+    CHECK(tok->encode("a\xFF"
+                      "b",
+                      false) == tok->encode("a\xEF\xBF\xBD"
+                                            "b",
+                                            false));
+    CHECK(tok->encode("a\xE2\x82"
+                      "b",
+                      false) == tok->encode("a\xEF\xBF\xBD"
+                                            "b",
+                                            false));
     CHECK(tok->encode("x\xF0\x9F\x99", false) == tok->encode("x\xEF\xBF\xBD", false));
     CHECK(tok->encode("\xC0\x80", false) == tok->encode("\xEF\xBF\xBD\xEF\xBF\xBD", false));
     // NUL is a character like any other and survives the round trip.
@@ -278,8 +291,26 @@ TEST_CASE("loading reports bad input as errors", "[tokenizer]") {
 
 TEST_CASE("random text: never crashes, round-trips, streams as decode does", "[tokenizer]") {
   // Characters that are their own NFC form, so decode(encode(s)) == s.
-  const char* const alphabet[] = {"a", "Z", " ", "  ", "\n", "\t", "'s", "'LL", "0", "42", "_", "(", "!", "\xC3\xA9",
-                                  "\xE6\x95\xB0", "\xF0\x9F\x99\x82", "<|im_end|>", "<s>", "\xE2\x96\x81", "\r\n"};
+  const char* const alphabet[] = {"a",
+                                  "Z",
+                                  " ",
+                                  "  ",
+                                  "\n",
+                                  "\t",
+                                  "'s",
+                                  "'LL",
+                                  "0",
+                                  "42",
+                                  "_",
+                                  "(",
+                                  "!",
+                                  "\xC3\xA9",
+                                  "\xE6\x95\xB0",
+                                  "\xF0\x9F\x99\x82",
+                                  "<|im_end|>",
+                                  "<s>",
+                                  "\xE2\x96\x81",
+                                  "\r\n"};
   uint64_t state = 0x9E3779B97F4A7C15ull;
   auto next = [&state] {
     state ^= state << 13;
@@ -293,14 +324,16 @@ TEST_CASE("random text: never crashes, round-trips, streams as decode does", "[t
     for (int round = 0; round < 200; ++round) {
       std::string text, bytes;
       const int n = static_cast<int>(next() % 40);
-      for (int k = 0; k < n; ++k) text += alphabet[next() % (sizeof(alphabet) / sizeof(alphabet[0]))];
+      for (int k = 0; k < n; ++k)
+        text += alphabet[next() % (sizeof(alphabet) / sizeof(alphabet[0]))];
       for (int k = 0; k < n; ++k) bytes.push_back(static_cast<char>(next() & 0xFF));
       INFO("text: " << text);
       const auto ids = tok->encode(text, false);
       std::string back = tok->decode(ids, false);
       if (std::string(name) != "spm_bpe") {
         CHECK(back == text);
-      } else if (text.find("<s>") == std::string::npos && text.find("\xE2\x96\x81") == std::string::npos) {
+      } else if (text.find("<s>") == std::string::npos &&
+                 text.find("\xE2\x96\x81") == std::string::npos) {
         // SentencePiece: "▁" is a space once decoded, and a special token
         // starts a new "▁"-prefixed piece.
         CHECK(back == text);
@@ -319,7 +352,8 @@ TEST_CASE("one tokenizer encodes from many threads at once", "[tokenizer]") {
   auto tok = load(kDemo);
   const std::string eval_text = slurp(kDemo + "/eval.txt");
   std::vector<std::string> texts;
-  for (size_t off = 0; off + 4000 < 200000; off += 4000) texts.push_back(eval_text.substr(off, 4000));
+  for (size_t off = 0; off + 4000 < 200000; off += 4000)
+    texts.push_back(eval_text.substr(off, 4000));
   std::vector<std::vector<int32_t>> expected;
   {
     auto fresh = load(kDemo);
@@ -330,7 +364,8 @@ TEST_CASE("one tokenizer encodes from many threads at once", "[tokenizer]") {
   for (int w = 0; w < 4; ++w)
     threads.emplace_back([&, w] {
       for (size_t i = static_cast<size_t>(w); i < texts.size() * 4; i += 4)
-        if (tok->encode(texts[i % texts.size()], false) != expected[i % texts.size()]) ++mismatches[static_cast<size_t>(w)];
+        if (tok->encode(texts[i % texts.size()], false) != expected[i % texts.size()])
+          ++mismatches[static_cast<size_t>(w)];
     });
   for (auto& t : threads) t.join();
   for (int m : mismatches) CHECK(m == 0);
@@ -341,9 +376,11 @@ TEST_CASE("merges written as \"a b\" strings give the same ids as [a, b] pairs",
   for (const char* name : {"bytelevel_qwen", "bytelevel_gpt2"}) {
     json tj = json::parse(slurp(kFixtures + "/tokenizers/" + name + "/tokenizer.json"));
     json merges = json::array();
-    for (const auto& m : tj["model"]["merges"]) merges.push_back(m[0].get<std::string>() + " " + m[1].get<std::string>());
+    for (const auto& m : tj["model"]["merges"])
+      merges.push_back(m[0].get<std::string>() + " " + m[1].get<std::string>());
     tj["model"]["merges"] = merges;
-    auto tok = moe::Tokenizer::from_json(tj.dump(), slurp(kFixtures + "/tokenizers/" + name + "/tokenizer_config.json"));
+    auto tok = moe::Tokenizer::from_json(
+        tj.dump(), slurp(kFixtures + "/tokenizers/" + name + "/tokenizer_config.json"));
     REQUIRE(tok.ok());
     for (const auto& s : ref[name]["strings"]) {
       INFO(name << ": " << s["text"].get<std::string>());
@@ -352,17 +389,26 @@ TEST_CASE("merges written as \"a b\" strings give the same ids as [a, b] pairs",
   }
 }
 
-TEST_CASE("a Metaspace pre-tokenizer and decoder match the Prepend+Replace normaliser", "[tokenizer]") {
+TEST_CASE("a Metaspace pre-tokenizer and decoder match the Prepend+Replace normaliser",
+          "[tokenizer]") {
   // The SentencePiece fixture spells "spaces become ▁, one ▁ in front" as
   // normalisers; Metaspace says the same, so it must give the same ids.
   const json ref = json::parse(slurp(kFixtures + "/tokenizers/reference.json"));
   for (bool split : {false, true}) {
     json tj = json::parse(slurp(kFixtures + "/tokenizers/spm_bpe/tokenizer.json"));
     tj["normalizer"] = nullptr;
-    tj["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "\xE2\x96\x81"}, {"prepend_scheme", "always"}, {"split", split}};
+    tj["pre_tokenizer"] = {{"type", "Metaspace"},
+                           {"replacement", "\xE2\x96\x81"},
+                           {"prepend_scheme", "always"},
+                           {"split", split}};
     tj["decoder"] = {{"type", "Sequence"},
-                     {"decoders", json::array({{{"type", "ByteFallback"}}, {{"type", "Metaspace"}, {"replacement", "\xE2\x96\x81"}, {"prepend_scheme", "always"}, {"split", split}}})}};
-    auto tok = moe::Tokenizer::from_json(tj.dump(), slurp(kFixtures + "/tokenizers/spm_bpe/tokenizer_config.json"));
+                     {"decoders", json::array({{{"type", "ByteFallback"}},
+                                               {{"type", "Metaspace"},
+                                                {"replacement", "\xE2\x96\x81"},
+                                                {"prepend_scheme", "always"},
+                                                {"split", split}}})}};
+    auto tok = moe::Tokenizer::from_json(
+        tj.dump(), slurp(kFixtures + "/tokenizers/spm_bpe/tokenizer_config.json"));
     REQUIRE(tok.ok());
     for (const auto& s : ref["spm_bpe"]["strings"]) {
       const std::string text = s["text"];

@@ -4,10 +4,9 @@
 #include <cstring>
 #include <iostream>
 #include <iterator>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "tools/moe/commands.h"
 #include "tools/moe/load_tokenizer.h"
@@ -51,7 +50,8 @@ int cmd_detokenize(int argc, char** argv) {
     return 1;
   }
   std::cin >> std::noskipws;
-  const std::string input((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
+  const std::string input((std::istreambuf_iterator<char>(std::cin)),
+                          std::istreambuf_iterator<char>());
   std::vector<int32_t> ids;
   const auto j = nlohmann::json::parse(input, nullptr, /*allow_exceptions=*/false);
   if (!j.is_array()) {

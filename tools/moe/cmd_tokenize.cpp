@@ -50,7 +50,8 @@ int cmd_tokenize(int argc, char** argv) {
     return 1;
   }
   std::cin >> std::noskipws;
-  const std::string text((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
+  const std::string text((std::istreambuf_iterator<char>(std::cin)),
+                         std::istreambuf_iterator<char>());
   const auto ids = tok.value()->encode(text, add_special);
   std::string out = "[";
   for (size_t i = 0; i < ids.size(); ++i) {
