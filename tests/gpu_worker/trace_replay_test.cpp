@@ -6,6 +6,8 @@
 #include <fstream>
 #include <map>
 
+#include <unistd.h>
+
 #include "gpu_worker/trace_replay.h"
 
 using namespace moe;
@@ -70,6 +72,36 @@ TEST_CASE("routing trace: [layers, tokens, k] is replayed token by token, layer 
   CHECK(tr.steps[1].token == 0);
   CHECK(tr.steps[1].experts == std::vector<int>{100, 101});
   CHECK(tr.steps[4].experts == std::vector<int>{20, 21});
+}
+
+TEST_CASE("routing trace: a JSON-lines file of the demo routing reads back as the tensor does") {
+  auto full = read_routing_trace(kDemoReference);
+  REQUIRE(full.ok());
+  const std::string path = "/tmp/moe_residency_test_" + std::to_string(::getpid()) + ".jsonl";
+  {
+    std::ofstream f(path);
+    for (size_t i = 0; i < 600; ++i) {
+      const RoutingStep& s = full->steps[i];
+      f << "{\"token\": " << s.token << ", \"layer\": " << s.layer << ", \"experts\": [";
+      for (size_t j = 0; j < s.experts.size(); ++j) f << (j ? ", " : "") << s.experts[j];
+      f << "]}\n";
+    }
+  }
+  auto part = read_routing_trace(path);
+  std::remove(path.c_str());
+  REQUIRE(part.ok());
+  REQUIRE(part->steps.size() == 600);
+  CHECK(part->n_layers == 6);
+  CHECK(part->top_k == 4);
+  for (size_t i = 0; i < 600; ++i) {
+    CHECK(part->steps[i].layer == full->steps[i].layer);
+    CHECK(part->steps[i].token == full->steps[i].token);
+    CHECK(part->steps[i].experts == full->steps[i].experts);
+  }
+  // Known values of the demo routing: token 0, layers 0 and 1.
+  CHECK(full->steps[0].experts == std::vector<int>{1, 21, 2, 28});
+  CHECK(full->steps[1].experts == std::vector<int>{17, 10, 8, 18});
+  CHECK_FALSE(read_routing_trace(kDemoReference, "eval.ids").ok());  // [8193] is not [layers, tokens, k]
 }
 
 TEST_CASE("predictor: learns a fixed layer-to-layer mapping online") {
