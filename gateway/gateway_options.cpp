@@ -13,7 +13,7 @@ bool parse_u64(const std::string& s, uint64_t* out) {
 
 bool takes_value(const std::string& name) {
   for (const char* known : {"--model", "--worker", "--host", "--port", "--api-key", "--max-body-bytes",
-                            "--served-model-name", "--redis", "--request-timeout-ms", "--keepalive-timeout-ms",
+                            "--served-model-name", "--redis", "--fallback-worker", "--request-timeout-ms", "--keepalive-timeout-ms",
                             "--max-write-queue-bytes"}) {
     if (name == known) return true;
   }
@@ -38,6 +38,8 @@ std::string gateway_usage() {
          "                            or a packed model file (required)\n"
          "  --worker unix:PATH        a worker's Unix socket; repeat for more workers, the\n"
          "                            last one given is the fallback\n"
+         "  --fallback-worker unix:PATH  a worker (e.g. the CPU backend) that serves only while\n"
+         "                            the others are down; running streams move to it and back\n"
          "  --host ADDR               address to listen on (default 127.0.0.1)\n"
          "  --port N                  TCP port (default 8080; 0 picks a free one)\n"
          "  --api-key KEY             require 'Authorization: Bearer KEY' on every endpoint\n"
@@ -97,6 +99,11 @@ Result<GatewayCommandLine> parse_gateway_args(const std::vector<std::string>& ar
         return make_error("option --worker needs unix:PATH, got '" + value + "'");
       }
       o.workers.push_back(value);
+    } else if (name == "--fallback-worker") {
+      if (value.rfind("unix:", 0) != 0 || value.size() == 5) {
+        return make_error("option --fallback-worker needs unix:PATH, got '" + value + "'");
+      }
+      o.fallback_worker = value;
     } else if (name == "--host") {
       o.host = value;
     } else if (name == "--port") {

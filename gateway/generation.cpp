@@ -64,6 +64,7 @@ void Generation::start(uint64_t seed) {
   if (req_.stream) {
     HttpHeaders h = {{"Content-Type", "text/event-stream"}, {"Cache-Control", "no-cache"}};
     if (ctx_.degraded) h.emplace_back("X-Moe-Degraded", "1");
+    h.insert(h.end(), ctx_.extra_headers.begin(), ctx_.extra_headers.end());
     ex_->begin_stream(200, std::move(h));
     ctx_.metrics->count_request(ctx_.endpoint, 200);
   }
@@ -92,6 +93,7 @@ void Generation::start(uint64_t seed) {
     sr.stop_ids = stop_ids_;
     c->last_token_ns = ctx_.start_ns;
     c->seq = ctx_.scheduler->submit(std::move(sr), c.get());
+    c->submitted = true;
     if (over_) return;  // the client left while we submitted
   }
 }
@@ -165,6 +167,7 @@ json Generation::usage() const {
 void Generation::complete() {
   over_ = true;
   if (ctx_.degraded) ctx_.metrics->count_degraded_response();
+  if (ctx_.on_complete && !choices_.empty()) ctx_.on_complete(choices_[0]->text);
   if (req_.stream) {
     if (req_.include_usage) {
       json u = {{"id", ctx_.response_id},
@@ -200,6 +203,7 @@ void Generation::complete() {
   HttpResponse r;
   r.headers = {{"Content-Type", "application/json"}};
   if (ctx_.degraded) r.headers.emplace_back("X-Moe-Degraded", "1");
+  r.headers.insert(r.headers.end(), ctx_.extra_headers.begin(), ctx_.extra_headers.end());
   r.body = dump(body);
   ctx_.metrics->count_request(ctx_.endpoint, 200);
   ex_->respond(std::move(r));
@@ -209,7 +213,7 @@ void Generation::cancel_running() {
   for (auto& c : choices_) {
     if (!c->done) {
       c->done = true;
-      ctx_.scheduler->cancel(c->seq);
+      if (c->submitted) ctx_.scheduler->cancel(c->seq);
     }
   }
 }

@@ -10,6 +10,7 @@
 // Threading: loop thread only (scheduler observers are called there).
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -34,6 +35,10 @@ struct GenerationContext {
   int64_t created = 0;        // unix seconds
   uint64_t start_ns = 0;      // uv_hrtime() when the request was accepted
   bool degraded = false;      // adds X-Moe-Degraded: 1
+  // Sessions: headers added to the response, and choice 0's text once the
+  // response completed (not after an error or a disconnect).
+  HttpHeaders extra_headers;
+  std::function<void(const std::string& text)> on_complete;
 };
 
 class Generation : public std::enable_shared_from_this<Generation> {
@@ -50,6 +55,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
     Generation* gen = nullptr;
     int index = 0;
     uint64_t seq = 0;
+    bool submitted = false;
     bool done = false;
     std::unique_ptr<TokenTextStream> decoder;
     StopMatcher matcher{{}};

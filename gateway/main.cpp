@@ -12,6 +12,9 @@
 #include "gateway/metrics.h"
 #include "gateway/model_text_codec.h"
 #include "gateway/openai_api.h"
+#include "gateway/redis_client.h"
+#include "gateway/redis_worker_streams.h"
+#include "gateway/session_store.h"
 #include "gateway/scheduler_factory.h"
 #include "moe_version.h"
 
@@ -50,10 +53,6 @@ int main(int argc, char** argv) {
     return 0;
   }
   const moe::gw::GatewayOptions& opts = cl->options;
-  if (!opts.redis_url.empty()) {
-    std::fprintf(stderr, "moe-gateway: --redis %s accepted; sessions are kept in-process for now\n",
-                 opts.redis_url.c_str());
-  }
 
   // The two construction points below are filled as their parts land.
   std::unique_ptr<moe::gw::TextCodec> text;
@@ -86,8 +85,31 @@ int main(int argc, char** argv) {
   return 1;
 #endif
 
+  // Redis: sessions and the workers' streams; without it, in this process.
+  std::unique_ptr<moe::gw::RedisClient> redis;
+  std::unique_ptr<moe::gw::RedisWorkerStreams> worker_streams;
+  if (opts.redis_url.empty()) {
+    std::fprintf(stderr, "moe-gateway: no --redis; sessions and expert state stay in this process\n");
+  } else {
+    auto ep = moe::gw::parse_redis_url(opts.redis_url);
+    if (!ep.ok()) {
+      std::fprintf(stderr, "moe-gateway: %s\n", ep.error().c_str());
+      return 2;
+    }
+    redis = std::make_unique<moe::gw::RedisClient>(loop, ep.value());
+    moe::gw::RedisWorkerStreamsOptions wso;
+    wso.model = moe::gw::redis_model_name(opts.model_path);
+    worker_streams = std::make_unique<moe::gw::RedisWorkerStreams>(loop, redis.get(), wso);
+    worker_streams->start();
+    redis->start();
+  }
+  moe::gw::SessionStoreOptions sso;
+  if (worker_streams) sso.events_key = worker_streams->events_key();
+  moe::gw::SessionStore sessions(redis.get(), sso);
+
   moe::gw::GatewayMetrics metrics;
   moe::gw::ApiOptions api_opts;
+  api_opts.sessions = &sessions;
   api_opts.served_model_name = opts.served_model_name;
   api_opts.api_key = opts.api_key;
   moe::gw::OpenAiApi api(api_opts, engine.get(), text.get(), &metrics);
@@ -117,6 +139,10 @@ int main(int argc, char** argv) {
   uv_signal_start(&shutdown.sigterm, Shutdown::on_signal, SIGTERM);
   uv_run(loop, UV_RUN_DEFAULT);
   // Let the closing connections finish their close callbacks.
+  uv_run(loop, UV_RUN_NOWAIT);
+  // Redis first: its pending callbacks (called with nullptr) reach the store and streams.
+  redis.reset();
+  worker_streams.reset();
   uv_run(loop, UV_RUN_NOWAIT);
   return 0;
 }

@@ -127,12 +127,50 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
 }
 
 void OpenAiApi::completions(ApiKind kind, const std::shared_ptr<HttpExchange>& ex) {
+  // Sessions (chat only): `session_id` in the body or an X-Session-Id header
+  // names a stored conversation; its messages go before the new ones.
+  std::string session_id;
+  if (kind == ApiKind::chat && opts_.sessions) {
+    if (const std::string* h = ex->request().header("x-session-id")) session_id = *h;
+    const std::string& body = ex->request().body;
+    if (session_id.empty() && body.find("\"session_id\"") != std::string::npos) {
+      json j = json::parse(body, nullptr, false);
+      if (j.is_object() && j.contains("session_id") && j["session_id"].is_string()) session_id = j["session_id"];
+    }
+    if (!session_id.empty() && !SessionStore::valid_id(session_id)) {
+      return reply_error(ex, kChat,
+                         ApiError{400, "session_id must be 1-128 characters of letters, digits, '_', '-', '.', ':'.",
+                                  "invalid_request_error", "session_id", "invalid_session_id"});
+    }
+  }
+  if (session_id.empty()) return run_completion(kind, ex, "", json());
+  opts_.sessions->load(session_id, [this, kind, ex, session_id](json prior) {
+    run_completion(kind, ex, session_id, std::move(prior));
+  });
+}
+
+void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const std::string& session_id,
+                               json prior) {
   const char* endpoint = kind == ApiKind::chat ? kChat : kCompletions;
+  // With a session: the stored messages, then this request's, make the prompt.
+  std::string merged_body;
+  json conversation;
+  if (!session_id.empty()) {
+    json j = json::parse(ex->request().body, nullptr, false);
+    if (j.is_object() && j.contains("messages") && j["messages"].is_array()) {
+      conversation = prior.is_array() ? prior : json::array();
+      for (auto& m : j["messages"]) conversation.push_back(m);
+      j["messages"] = conversation;
+      j.erase("session_id");
+      merged_body = j.dump(-1, ' ', false, json::error_handler_t::replace);
+    }
+  }
+  const std::string& body = merged_body.empty() ? ex->request().body : merged_body;
   RequestLimits limits;
   limits.served_model_name = opts_.served_model_name;
   limits.max_context = scheduler_->ready() ? scheduler_->max_context() : 0;
   limits.max_choices = opts_.max_choices;
-  ParsedRequest parsed = parse_completion_request(kind, ex->request().body, *codec_, limits);
+  ParsedRequest parsed = parse_completion_request(kind, body, *codec_, limits);
   if (auto* err = std::get_if<ApiError>(&parsed)) return reply_error(ex, endpoint, *err);
   if (!scheduler_->ready()) {
     return reply_error(ex, endpoint,
@@ -150,6 +188,14 @@ void OpenAiApi::completions(ApiKind kind, const std::shared_ptr<HttpExchange>& e
   ctx.created = static_cast<int64_t>(std::time(nullptr));
   ctx.start_ns = uv_hrtime();
   ctx.degraded = scheduler_->stats().degraded;
+  if (!session_id.empty() && conversation.is_array()) {
+    ctx.extra_headers.emplace_back("X-Session-Id", session_id);
+    SessionStore* store = opts_.sessions;
+    ctx.on_complete = [store, session_id, conversation](const std::string& text) mutable {
+      conversation.push_back({{"role", "assistant"}, {"content", text}});
+      store->save(session_id, conversation);
+    };
+  }
   auto gen = std::make_shared<Generation>(std::move(ctx), std::move(req), ex);
   gen->start(seed);
 }

@@ -13,10 +13,13 @@
 #include <random>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "gateway/completion_request.h"
 #include "gateway/http_server.h"
 #include "gateway/metrics.h"
 #include "gateway/scheduler.h"
+#include "gateway/session_store.h"
 #include "gateway/text_codec.h"
 
 namespace moe::gw {
@@ -25,6 +28,7 @@ struct ApiOptions {
   std::string served_model_name = "demo-moe";
   std::string api_key;    // "": no authentication
   int max_choices = 128;  // prompts × n per request
+  SessionStore* sessions = nullptr;  // chat sessions by `session_id` / X-Session-Id (null: off)
 };
 
 class OpenAiApi final : public HttpHandler {
@@ -37,6 +41,9 @@ class OpenAiApi final : public HttpHandler {
 
  private:
   void completions(ApiKind kind, const std::shared_ptr<HttpExchange>& ex);
+  // After the session's stored messages (if any) were loaded.
+  void run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const std::string& session_id,
+                      nlohmann::json prior);
   void models(const std::shared_ptr<HttpExchange>& ex, const std::string& path);
   void health(const std::shared_ptr<HttpExchange>& ex);
   void metrics(const std::shared_ptr<HttpExchange>& ex);

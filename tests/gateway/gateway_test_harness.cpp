@@ -198,10 +198,10 @@ void ScriptedScheduler::tick() {
 
 // --- TestGateway ---
 
-TestGateway::TestGateway(HttpServerOptions http, ApiOptions api) {
+TestGateway::TestGateway(HttpServerOptions http, ApiOptions api, const TextCodec* codec) {
   uv_loop_init(&loop_);
   scheduler_ = std::make_unique<ScriptedScheduler>(&loop_);
-  api_ = std::make_unique<OpenAiApi>(api, scheduler_.get(), &codec_, &metrics_);
+  api_ = std::make_unique<OpenAiApi>(api, scheduler_.get(), codec ? codec : &codec_, &metrics_);
   http.port = 0;
   http.host = "127.0.0.1";
   server_ = std::make_unique<HttpServer>(&loop_, http, api_.get());

@@ -90,7 +90,8 @@ ScriptedScheduler::Script spell(std::string text);
 // The gateway (API + HTTP server) on its own loop thread.
 class TestGateway {
  public:
-  explicit TestGateway(HttpServerOptions http = {}, ApiOptions api = {});
+  // `codec`: the text side to use (default: a ByteCodec); must outlive the gateway.
+  explicit TestGateway(HttpServerOptions http = {}, ApiOptions api = {}, const TextCodec* codec = nullptr);
   ~TestGateway();
   int port() const { return port_; }
   ScriptedScheduler& scheduler() { return *scheduler_; }

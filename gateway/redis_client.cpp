@@ -1,0 +1,153 @@
+#include "gateway/redis_client.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cstdio>
+
+#include <hiredis/adapters/libuv.h>
+#include <hiredis/async.h>
+#include <hiredis/hiredis.h>
+
+namespace moe::gw {
+namespace {
+
+bool parse_int(std::string_view s, int* out) {
+  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
+  return ec == std::errc() && p == s.data() + s.size() && !s.empty();
+}
+
+}  // namespace
+
+Result<RedisEndpoint> parse_redis_url(const std::string& url) {
+  RedisEndpoint ep;
+  std::string rest = url;
+  if (rest.rfind("redis://", 0) == 0) rest = rest.substr(8);
+  if (rest.empty()) return make_error("Redis URL '" + url + "' names no host");
+  if (auto at = rest.find('@'); at != std::string::npos) rest = rest.substr(at + 1);  // AUTH is not supported
+  if (auto slash = rest.find('/'); slash != std::string::npos) {
+    std::string db = rest.substr(slash + 1);
+    rest = rest.substr(0, slash);
+    if (!db.empty() && !parse_int(db, &ep.db)) return make_error("Redis URL '" + url + "': bad database number");
+  }
+  if (auto colon = rest.rfind(':'); colon != std::string::npos) {
+    if (!parse_int(rest.substr(colon + 1), &ep.port) || ep.port <= 0 || ep.port > 65535)
+      return make_error("Redis URL '" + url + "': bad port");
+    rest = rest.substr(0, colon);
+  }
+  if (!rest.empty()) ep.host = rest;
+  return ep;
+}
+
+RedisClient::RedisClient(uv_loop_t* loop, RedisEndpoint ep, uint64_t retry_max_ms)
+    : loop_(loop), ep_(std::move(ep)), retry_max_ms_(retry_max_ms) {
+  timer_ = new uv_timer_t;
+  uv_timer_init(loop_, timer_);
+  timer_->data = this;
+}
+
+RedisClient::~RedisClient() {
+  closing_ = true;
+  if (ac_) {
+    ac_->data = nullptr;
+    redisAsyncFree(ac_);  // pending callbacks get nullptr now
+    ac_ = nullptr;
+  }
+  uv_close(reinterpret_cast<uv_handle_t*>(timer_), [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
+}
+
+void RedisClient::start() { connect_now(); }
+
+void RedisClient::connect_now() {
+  if (closing_ || ac_) return;
+  redisAsyncContext* ac = redisAsyncConnect(ep_.host.c_str(), ep_.port);
+  if (!ac || ac->err) {
+    if (ac) redisAsyncFree(ac);
+    lost("cannot create a connection");
+    return;
+  }
+  if (redisLibuvAttach(ac, loop_) != REDIS_OK) {
+    redisAsyncFree(ac);
+    lost("cannot attach to the loop");
+    return;
+  }
+  ac->data = this;
+  redisAsyncSetConnectCallback(ac, &RedisClient::on_connect);
+  redisAsyncSetDisconnectCallback(ac, &RedisClient::on_disconnect);
+  ac_ = ac;
+}
+
+void RedisClient::on_connect(const redisAsyncContext* ac, int status) {
+  auto* self = static_cast<RedisClient*>(ac->data);
+  if (!self) return;
+  if (status != REDIS_OK) {
+    // hiredis frees the context after this callback.
+    self->ac_ = nullptr;
+    self->lost(ac->errstr);
+    return;
+  }
+  self->connected_ = true;
+  self->retry_ms_ = 0;
+  if (self->ever_connected_) ++self->reconnects_;
+  std::fprintf(stderr, "moe-gateway: Redis at %s:%d connected%s\n", self->ep_.host.c_str(), self->ep_.port,
+               self->ever_connected_ ? " again" : "");
+  self->ever_connected_ = true;
+  self->down_logged_ = false;
+  if (self->ep_.db != 0) self->command({"SELECT", std::to_string(self->ep_.db)}, [](const redisReply*) {});
+  if (self->on_connected_) self->on_connected_();
+}
+
+void RedisClient::on_disconnect(const redisAsyncContext* ac, int status) {
+  auto* self = static_cast<RedisClient*>(ac->data);
+  if (!self) return;
+  // hiredis frees the context after this callback.
+  self->ac_ = nullptr;
+  self->connected_ = false;
+  self->lost(status == REDIS_OK ? "closed" : ac->errstr);
+}
+
+void RedisClient::lost(const char* why) {
+  connected_ = false;
+  if (closing_) return;
+  if (!down_logged_) {
+    std::fprintf(stderr, "moe-gateway: Redis at %s:%d unreachable (%s); sessions and state stay in this process, "
+                 "reconnecting\n", ep_.host.c_str(), ep_.port, why ? why : "?");
+    down_logged_ = true;
+  }
+  schedule_retry();
+}
+
+void RedisClient::schedule_retry() {
+  retry_ms_ = std::clamp<uint64_t>(retry_ms_ * 2, 50, retry_max_ms_);
+  uv_timer_start(timer_, [](uv_timer_t* t) {
+    auto* self = static_cast<RedisClient*>(t->data);
+    self->connect_now();
+  }, retry_ms_, 0);
+}
+
+void RedisClient::command(const std::vector<std::string>& args, ReplyFn done) {
+  if (!connected_ || !ac_) {
+    if (done) done(nullptr);
+    return;
+  }
+  std::vector<const char*> argv;
+  std::vector<size_t> lens;
+  for (const auto& a : args) {
+    argv.push_back(a.data());
+    lens.push_back(a.size());
+  }
+  auto* fn = new ReplyFn(std::move(done));
+  if (redisAsyncCommandArgv(ac_, &RedisClient::on_reply, fn, int(argv.size()), argv.data(), lens.data()) != REDIS_OK) {
+    ReplyFn f = std::move(*fn);
+    delete fn;
+    if (f) f(nullptr);
+  }
+}
+
+void RedisClient::on_reply(redisAsyncContext*, void* reply, void* priv) {
+  auto* fn = static_cast<ReplyFn*>(priv);
+  ReplyFn f = std::move(*fn);
+  delete fn;
+  if (f) f(static_cast<const redisReply*>(reply));
+}
+
+}  // namespace moe::gw

@@ -1,0 +1,74 @@
+#pragma once
+// An asynchronous Redis connection on the gateway's libuv loop (hiredis's
+// async API through its libuv adapter): commands never block the loop. When
+// Redis is not reachable, commands fail at once (their callback gets
+// nullptr) and the client reconnects by itself with backoff; the log says
+// "unreachable" once per outage and "connected" when it is back.
+//
+// Threading: loop thread only. Lifetime: destroy on the loop thread; the
+// callbacks of commands still pending are called with nullptr first.
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <uv.h>
+
+#include "model/result.h"
+
+struct redisAsyncContext;
+struct redisReply;
+
+namespace moe::gw {
+
+struct RedisEndpoint {
+  std::string host = "127.0.0.1";
+  int port = 6379;
+  int db = 0;
+};
+
+// redis://host[:port][/db] (or host:port).
+Result<RedisEndpoint> parse_redis_url(const std::string& url);
+
+class RedisClient {
+ public:
+  // reply == nullptr: not connected, or the connection broke before the answer.
+  using ReplyFn = std::function<void(const redisReply* reply)>;
+
+  RedisClient(uv_loop_t* loop, RedisEndpoint ep, uint64_t retry_max_ms = 2000);
+  ~RedisClient();
+  RedisClient(const RedisClient&) = delete;
+  RedisClient& operator=(const RedisClient&) = delete;
+
+  void start();  // connects, and keeps reconnecting until destroyed
+  bool connected() const { return connected_; }
+  uint64_t reconnects() const { return reconnects_; }
+  // Called after every (re)connection.
+  void on_connected(std::function<void()> fn) { on_connected_ = std::move(fn); }
+
+  void command(const std::vector<std::string>& args, ReplyFn done);
+
+ private:
+  static void on_connect(const redisAsyncContext* ac, int status);
+  static void on_disconnect(const redisAsyncContext* ac, int status);
+  static void on_reply(redisAsyncContext* ac, void* reply, void* priv);
+  void connect_now();
+  void lost(const char* why);
+  void schedule_retry();
+
+  uv_loop_t* loop_;
+  RedisEndpoint ep_;
+  uint64_t retry_max_ms_;
+  uint64_t retry_ms_ = 0;
+  redisAsyncContext* ac_ = nullptr;
+  bool connected_ = false;
+  bool down_logged_ = false;
+  bool ever_connected_ = false;
+  bool closing_ = false;
+  uint64_t reconnects_ = 0;
+  uv_timer_t* timer_ = nullptr;
+  std::function<void()> on_connected_;
+};
+
+}  // namespace moe::gw

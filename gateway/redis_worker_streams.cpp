@@ -1,0 +1,167 @@
+#include "gateway/redis_worker_streams.h"
+
+#include <cstdio>
+#include <memory>
+
+#include <hiredis/hiredis.h>
+
+namespace moe::gw {
+namespace {
+
+std::string text_of(const redisReply* r) {
+  if (r && (r->type == REDIS_REPLY_STRING || r->type == REDIS_REPLY_STATUS)) return std::string(r->str, r->len);
+  return "";
+}
+
+bool all_digits(const std::string& s) {
+  if (s.empty()) return false;
+  for (char c : s)
+    if (c < '0' || c > '9') return false;
+  return true;
+}
+
+// "3:17 3:20" (or empty): space-separated layer:expert pairs.
+bool is_expert_list(const std::string& s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    size_t end = s.find(' ', i);
+    if (end == std::string::npos) end = s.size();
+    const std::string item = s.substr(i, end - i);
+    const size_t colon = item.find(':');
+    if (!item.empty() && (colon == std::string::npos || !all_digits(item.substr(0, colon)) ||
+                          !all_digits(item.substr(colon + 1))))
+      return false;
+    i = end + 1;
+  }
+  return true;
+}
+
+std::string field(const std::vector<std::string>& fields, const std::string& name, bool* found) {
+  for (size_t i = 0; i + 1 < fields.size(); i += 2)
+    if (fields[i] == name) {
+      *found = true;
+      return fields[i + 1];
+    }
+  *found = false;
+  return "";
+}
+
+}  // namespace
+
+std::string redis_model_name(const std::string& model_path) {
+  std::string p = model_path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  const size_t slash = p.rfind('/');
+  return slash == std::string::npos ? p : p.substr(slash + 1);
+}
+
+RedisWorkerStreams::RedisWorkerStreams(uv_loop_t* loop, RedisClient* redis, RedisWorkerStreamsOptions opts)
+    : loop_(loop), redis_(redis), opts_(std::move(opts)) {
+  timer_ = new uv_timer_t;
+  uv_timer_init(loop_, timer_);
+  timer_->data = this;
+}
+
+RedisWorkerStreams::~RedisWorkerStreams() {
+  timer_->data = nullptr;
+  uv_close(reinterpret_cast<uv_handle_t*>(timer_), [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
+}
+
+void RedisWorkerStreams::start() {
+  redis_->on_connected([this] {
+    ++connection_;
+    positioned_ = false;
+  });
+  uv_timer_start(timer_, [](uv_timer_t* t) {
+    if (auto* self = static_cast<RedisWorkerStreams*>(t->data)) self->poll();
+  }, opts_.poll_ms, opts_.poll_ms);
+}
+
+void RedisWorkerStreams::publish_warm_hints(const std::string& experts) {
+  redis_->command({"XADD", events_key(), "MAXLEN", "~", std::to_string(opts_.stream_max_len), "*", "type", "warm",
+                   "experts", experts},
+                  [](const redisReply*) {});
+}
+
+// After a (re)connection: the newest resident entry is read whole, and both
+// streams continue after their newest id (a restarted Redis may have reset them).
+void RedisWorkerStreams::sync_positions() {
+  busy_ = true;
+  const uint64_t conn = connection_;
+  auto pending = std::make_shared<int>(2);
+  for (const std::string& key : {resident_key(), routing_key()}) {
+    redis_->command({"XREVRANGE", key, "+", "-", "COUNT", "1"}, [this, key, conn, pending](const redisReply* r) {
+      if (r && r->type == REDIS_REPLY_ARRAY && r->elements == 1 && r->element[0]->type == REDIS_REPLY_ARRAY &&
+          r->element[0]->elements == 2) {
+        last_id_[key] = text_of(r->element[0]->element[0]);
+        if (key == resident_key()) {
+          std::vector<std::string> fields;
+          const redisReply* f = r->element[0]->element[1];
+          for (size_t i = 0; f->type == REDIS_REPLY_ARRAY && i < f->elements; ++i) fields.push_back(text_of(f->element[i]));
+          take(key, last_id_[key], fields);
+        }
+      } else if (r && r->type == REDIS_REPLY_ARRAY) {
+        last_id_[key] = "0-0";
+      }
+      if (--*pending == 0) {
+        busy_ = false;
+        positioned_ = r != nullptr && conn == connection_;
+      }
+    });
+  }
+}
+
+void RedisWorkerStreams::poll() {
+  if (busy_ || !redis_->connected()) return;
+  if (!positioned_) return sync_positions();
+  busy_ = true;
+  redis_->command({"XREAD", "COUNT", "1000", "STREAMS", resident_key(), routing_key(), last_id_[resident_key()],
+                   last_id_[routing_key()]},
+                  [this](const redisReply* r) {
+                    busy_ = false;
+                    if (!r || r->type != REDIS_REPLY_ARRAY) return;  // nil: nothing new
+                    for (size_t s = 0; s < r->elements; ++s) {
+                      const redisReply* st = r->element[s];
+                      if (st->type != REDIS_REPLY_ARRAY || st->elements != 2) continue;
+                      const std::string key = text_of(st->element[0]);
+                      const redisReply* entries = st->element[1];
+                      for (size_t i = 0; entries->type == REDIS_REPLY_ARRAY && i < entries->elements; ++i) {
+                        const redisReply* e = entries->element[i];
+                        if (e->type != REDIS_REPLY_ARRAY || e->elements != 2) continue;
+                        const std::string id = text_of(e->element[0]);
+                        std::vector<std::string> fields;
+                        const redisReply* f = e->element[1];
+                        for (size_t k = 0; f->type == REDIS_REPLY_ARRAY && k < f->elements; ++k)
+                          fields.push_back(text_of(f->element[k]));
+                        if (!id.empty()) last_id_[key] = id;
+                        take(key, id, fields);
+                      }
+                    }
+                  });
+}
+
+void RedisWorkerStreams::take(const std::string& stream, const std::string& id, const std::vector<std::string>& fields) {
+  bool has_worker = false, has_experts = false;
+  const std::string worker = field(fields, "worker", &has_worker);
+  if (stream == resident_key()) {
+    const std::string experts = field(fields, "experts", &has_experts);
+    if (!has_worker || worker.empty() || !has_experts || !is_expert_list(experts)) {
+      ++skipped_;
+      std::fprintf(stderr, "moe-gateway: skipping garbage entry %s in %s\n", id.c_str(), stream.c_str());
+      return;
+    }
+    resident_[worker] = experts;
+    return;
+  }
+  bool has_seq = false, has_layers = false;
+  const std::string seq = field(fields, "seq", &has_seq);
+  field(fields, "layers", &has_layers);
+  if (!has_worker || !has_seq || !all_digits(seq) || !has_layers) {
+    ++skipped_;
+    std::fprintf(stderr, "moe-gateway: skipping garbage entry %s in %s\n", id.c_str(), stream.c_str());
+    return;
+  }
+  ++routing_;
+}
+
+}  // namespace moe::gw

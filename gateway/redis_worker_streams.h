@@ -1,0 +1,71 @@
+#pragma once
+// The gateway's view of what workers publish in Redis (docs/state-and-failover.md):
+// it tails moe:<model>:resident (each worker's resident experts) and
+// moe:<model>:routing (per-request expert use, for the routing that will
+// learn from it), and appends warm hints to moe:<model>:events, which the
+// workers read in their consumer group. Entries that are not what they
+// should be are skipped with a log line. Polls without blocking the loop;
+// after a reconnection it continues from each stream's newest entry.
+//
+// Threading: loop thread only.
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <uv.h>
+
+#include "gateway/redis_client.h"
+
+namespace moe::gw {
+
+// The model's name in the stream keys: the model folder's or file's name
+// (what the worker uses too).
+std::string redis_model_name(const std::string& model_path);
+
+struct RedisWorkerStreamsOptions {
+  std::string model;              // redis_model_name()
+  uint64_t poll_ms = 250;
+  uint64_t stream_max_len = 10000;
+};
+
+class RedisWorkerStreams {
+ public:
+  RedisWorkerStreams(uv_loop_t* loop, RedisClient* redis, RedisWorkerStreamsOptions opts);
+  ~RedisWorkerStreams();
+  RedisWorkerStreams(const RedisWorkerStreams&) = delete;
+  RedisWorkerStreams& operator=(const RedisWorkerStreams&) = delete;
+
+  void start();
+  // "layer:expert ..." as the workers parse it; appended with MAXLEN ~.
+  void publish_warm_hints(const std::string& experts);
+
+  // worker name -> its newest resident set ("layer:expert ...").
+  const std::map<std::string, std::string>& resident() const { return resident_; }
+  uint64_t routing_summaries() const { return routing_; }
+  uint64_t skipped() const { return skipped_; }
+
+  std::string resident_key() const { return "moe:" + opts_.model + ":resident"; }
+  std::string routing_key() const { return "moe:" + opts_.model + ":routing"; }
+  std::string events_key() const { return "moe:" + opts_.model + ":events"; }
+
+ private:
+  void poll();
+  void sync_positions();
+  void take(const std::string& stream, const std::string& id, const std::vector<std::string>& fields);
+
+  uv_loop_t* loop_;
+  RedisClient* redis_;
+  RedisWorkerStreamsOptions opts_;
+  uv_timer_t* timer_ = nullptr;
+  bool positioned_ = false;  // last ids known for this connection
+  bool busy_ = false;        // a poll is in flight
+  uint64_t connection_ = 0;  // bumps on every (re)connection
+  std::map<std::string, std::string> last_id_;  // stream -> last id read
+  std::map<std::string, std::string> resident_;
+  uint64_t routing_ = 0;
+  uint64_t skipped_ = 0;
+};
+
+}  // namespace moe::gw

@@ -1,0 +1,220 @@
+#include "gateway/scheduler_policy.h"
+
+#include <algorithm>
+#include <unordered_map>
+
+namespace moe::gw {
+
+int BatchPolicy::blocks_for(int tokens) const {
+  const int bt = std::max(limits_.kv_block_tokens, 1);
+  return (tokens + bt - 1) / bt;
+}
+
+void BatchPolicy::add(uint64_t id, SequenceRequest req) {
+  Seq s;
+  s.context = req.prompt;
+  s.req = std::move(req);
+  seqs_[id] = std::move(s);
+  waiting_.push_back(id);
+}
+
+bool BatchPolicy::cancel(uint64_t id) {
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) return false;
+  const bool admitted = it->second.admitted;
+  seqs_.erase(it);
+  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), id), waiting_.end());
+  running_.erase(std::remove(running_.begin(), running_.end(), id), running_.end());
+  return admitted;
+}
+
+int BatchPolicy::kv_blocks_used() const {
+  int used = 0;
+  for (uint64_t id : running_) used += blocks_for(seqs_.at(id).on_worker);
+  return used;
+}
+
+int BatchPolicy::committed_blocks() const {
+  int c = 0;
+  for (uint64_t id : running_) {
+    const Seq& s = seqs_.at(id);
+    c += blocks_for(std::max<int>(s.on_worker + 1, int(s.context.size())));
+  }
+  return c;
+}
+
+std::vector<uint64_t> BatchPolicy::running_ids() const { return running_; }
+
+const std::vector<int32_t>* BatchPolicy::generated(uint64_t id) const {
+  auto it = seqs_.find(id);
+  return it == seqs_.end() ? nullptr : &it->second.generated;
+}
+
+bool BatchPolicy::can_ever_run(const Seq& s, std::string* why) const {
+  const int len = int(s.context.size());
+  if (s.req.prompt.empty()) {
+    *why = "the prompt is empty";
+    return false;
+  }
+  if (limits_.max_context > 0 && len + 1 > limits_.max_context) {
+    *why = "the prompt of " + std::to_string(len) + " tokens leaves no room in the context of " +
+           std::to_string(limits_.max_context);
+    return false;
+  }
+  if (blocks_for(len + 1) > limits_.kv_blocks_total) {
+    *why = "the prompt of " + std::to_string(len) + " tokens needs more KV blocks than the worker has (" +
+           std::to_string(limits_.kv_blocks_total) + ")";
+    return false;
+  }
+  return true;
+}
+
+void BatchPolicy::preempt(uint64_t id, StepPlan& plan) {
+  Seq& s = seqs_.at(id);
+  running_.erase(std::remove(running_.begin(), running_.end(), id), running_.end());
+  s.admitted = false;
+  s.on_worker = 0;
+  waiting_.push_front(id);
+  plan.release.push_back(id);
+  ++preemptions_;
+}
+
+StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected) {
+  StepPlan plan;
+  // Requests that can never run leave the queue with an error.
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    std::string why;
+    if (can_ever_run(seqs_.at(*it), &why)) {
+      ++it;
+      continue;
+    }
+    if (rejected) rejected->push_back({*it, {}, true, FinishReason::error, why});
+    seqs_.erase(*it);
+    it = waiting_.erase(it);
+  }
+
+  // 1. Decode tokens (one per sequence whose prompt is on the worker); when
+  //    the blocks they need are not free, preempt the youngest sequence.
+  const int total = limits_.kv_blocks_total;
+  auto decode_need = [&] {
+    int need = 0;
+    for (uint64_t id : running_) {
+      const Seq& s = seqs_.at(id);
+      if (int(s.context.size()) - s.on_worker == 1) need += blocks_for(s.on_worker + 1) - blocks_for(s.on_worker);
+    }
+    return need;
+  };
+  while (!running_.empty() && decode_need() > total - kv_blocks_used()) preempt(running_.back(), plan);
+
+  int budget = limits_.max_step_tokens;
+  int free_blocks = total - kv_blocks_used();
+  for (uint64_t id : running_) {
+    Seq& s = seqs_.at(id);
+    if (int(s.context.size()) - s.on_worker != 1) continue;
+    free_blocks -= blocks_for(s.on_worker + 1) - blocks_for(s.on_worker);
+    plan.chunks.push_back({id, {s.context.back()}, s.on_worker, true, s.req.sampling});
+    --budget;
+  }
+
+  // 2. Prefill chunks of admitted sequences, oldest first, within the budget
+  //    and the free blocks.
+  auto add_prefill = [&](uint64_t id) {
+    Seq& s = seqs_.at(id);
+    const int bt = std::max(limits_.kv_block_tokens, 1);
+    const int remaining = int(s.context.size()) - s.on_worker;
+    const int fit = (blocks_for(s.on_worker) + free_blocks) * bt - s.on_worker;
+    const int n = std::min({remaining, budget, fit});
+    if (n <= 0) return;
+    PlannedChunk c;
+    c.seq_id = id;
+    c.start_pos = s.on_worker;
+    c.tokens.assign(s.context.begin() + s.on_worker, s.context.begin() + s.on_worker + n);
+    c.sample = n == remaining;
+    c.sampling = s.req.sampling;
+    free_blocks -= blocks_for(s.on_worker + n) - blocks_for(s.on_worker);
+    budget -= n;
+    plan.chunks.push_back(std::move(c));
+  };
+  for (uint64_t id : running_) {
+    if (budget <= 0) break;
+    const Seq& s = seqs_.at(id);
+    if (int(s.context.size()) - s.on_worker > 1) add_prefill(id);
+  }
+
+  // 3. Admission, first come first served: the whole context must fit next to
+  //    what the admitted sequences will hold, plus headroom.
+  while (budget > 0 && !waiting_.empty() && int(running_.size()) < limits_.max_batch_sequences) {
+    const uint64_t id = waiting_.front();
+    Seq& s = seqs_.at(id);
+    const int len = int(s.context.size());
+    const int need = running_.empty() ? blocks_for(len + 1) : blocks_for(len) + limits_.headroom_blocks;
+    if (committed_blocks() + need > total) break;
+    waiting_.pop_front();
+    s.admitted = true;
+    s.admitted_at = ++admit_counter_;
+    s.on_worker = 0;
+    running_.push_back(id);
+    add_prefill(id);
+  }
+  return plan;
+}
+
+std::vector<SequenceUpdate> BatchPolicy::apply(const StepPlan& plan, const std::vector<ChunkResult>& results,
+                                               std::vector<uint64_t>* release_after) {
+  std::unordered_map<uint64_t, const ChunkResult*> by_id;
+  for (const ChunkResult& r : results) by_id[r.seq_id] = &r;
+  std::vector<SequenceUpdate> updates;
+  for (const PlannedChunk& c : plan.chunks) {
+    auto it = seqs_.find(c.seq_id);
+    if (it == seqs_.end() || !it->second.admitted) continue;  // cancelled meanwhile
+    Seq& s = it->second;
+    SequenceUpdate u;
+    u.seq_id = c.seq_id;
+    auto rit = by_id.find(c.seq_id);
+    if (rit == by_id.end() || !rit->second->ok) {
+      u.finished = true;
+      u.reason = FinishReason::error;
+      u.error = rit == by_id.end() ? "the worker returned no result for the sequence" : rit->second->error;
+    } else {
+      s.on_worker = c.start_pos + int(c.tokens.size());
+      if (c.sample && rit->second->sampled) {
+        const TokenEvent& ev = rit->second->token;
+        u.tokens.push_back(ev);
+        s.generated.push_back(ev.token);
+        s.context.push_back(ev.token);
+        const auto& stop = s.req.stop_ids;
+        if (std::find(stop.begin(), stop.end(), ev.token) != stop.end()) {
+          u.finished = true;
+          u.reason = FinishReason::stop;
+        } else if (int(s.generated.size()) >= s.req.max_new_tokens ||
+                   (limits_.max_context > 0 && int(s.context.size()) >= limits_.max_context)) {
+          u.finished = true;
+          u.reason = FinishReason::length;
+        }
+      } else if (c.sample) {
+        u.finished = true;
+        u.reason = FinishReason::error;
+        u.error = "the worker sampled no token";
+      }
+    }
+    if (u.finished) {
+      if (release_after) release_after->push_back(c.seq_id);
+      running_.erase(std::remove(running_.begin(), running_.end(), c.seq_id), running_.end());
+      seqs_.erase(it);
+    }
+    if (u.finished || !u.tokens.empty()) updates.push_back(std::move(u));
+  }
+  return updates;
+}
+
+void BatchPolicy::worker_lost() {
+  for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
+    Seq& s = seqs_.at(*it);
+    s.admitted = false;
+    s.on_worker = 0;
+    waiting_.push_front(*it);
+  }
+  running_.clear();
+}
+
+}  // namespace moe::gw

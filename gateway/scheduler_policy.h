@@ -1,0 +1,124 @@
+#pragma once
+// The continuous-batching policy, without sockets: it decides what the next
+// worker step holds and folds the step's results back into the sequences.
+//
+// Every step carries each decoding sequence's one new token, then prefill
+// chunks (oldest first) up to the per-step token budget. A waiting request is
+// admitted only when the worker's KV blocks hold its whole prompt plus
+// headroom next to what the admitted sequences will need. When a decode step
+// would run out of blocks, the youngest sequence is preempted: released on
+// the worker and put back at the front of the queue, to be recomputed later
+// by prefilling its prompt plus the tokens it already produced (those tokens
+// are never reported twice). A lost worker preempts everything the same way.
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "gateway/scheduler.h"
+
+namespace moe::gw {
+
+struct PolicyLimits {
+  int max_step_tokens = 256;  // tokens of one step, decode and prefill together
+  int kv_blocks_total = 0;    // as the worker reported
+  int kv_block_tokens = 16;
+  int max_context = 0;        // prompt + generated, per sequence
+  int headroom_blocks = 1;    // kept free per admission for the first decodes
+  int max_batch_sequences = 4096;
+};
+
+// One sequence's part of a step.
+struct PlannedChunk {
+  uint64_t seq_id = 0;
+  std::vector<int32_t> tokens;
+  int start_pos = 0;
+  bool sample = false;  // the last prefill chunk or a decode token
+  Sampling sampling;    // the request's, sent with every chunk
+};
+
+struct StepPlan {
+  std::vector<PlannedChunk> chunks;     // the step (empty: nothing to run)
+  std::vector<uint64_t> release;        // free these on the worker before the step
+  bool empty() const { return chunks.empty() && release.empty(); }
+};
+
+// What the worker answered for one chunk.
+struct ChunkResult {
+  uint64_t seq_id = 0;
+  bool ok = true;
+  std::string error;
+  bool sampled = false;
+  TokenEvent token;
+};
+
+// What observers must hear after a step, in order.
+struct SequenceUpdate {
+  uint64_t seq_id = 0;
+  std::vector<TokenEvent> tokens;  // new tokens (at most one per step)
+  bool finished = false;
+  FinishReason reason = FinishReason::length;
+  std::string error;
+};
+
+class BatchPolicy {
+ public:
+  explicit BatchPolicy(PolicyLimits limits = {}) : limits_(limits) {}
+
+  void set_limits(const PolicyLimits& limits) { limits_ = limits; }
+  const PolicyLimits& limits() const { return limits_; }
+
+  // Queues a request at the back. A request that can never run (empty, longer
+  // than the context or the whole KV cache) finishes at the next plan() with
+  // an error update instead.
+  void add(uint64_t id, SequenceRequest req);
+  // Forgets a sequence; true when the worker holds KV for it (send a release).
+  bool cancel(uint64_t id);
+
+  // The next step. Requests that can never run are reported in `rejected`.
+  StepPlan plan(std::vector<SequenceUpdate>* rejected = nullptr);
+  // Folds the worker's answers to `plan` back in (results of cancelled
+  // sequences are ignored). Finished sequences are forgotten; their ids are
+  // added to `release_after` so their KV is freed.
+  std::vector<SequenceUpdate> apply(const StepPlan& plan, const std::vector<ChunkResult>& results,
+                                    std::vector<uint64_t>* release_after);
+  // The worker lost its state (crash, reconnect): every admitted sequence
+  // goes back to the front of the queue, in admission order, to be
+  // recomputed from prompt + generated tokens.
+  void worker_lost();
+
+  // Observation (tests, stats).
+  int waiting() const { return int(waiting_.size()); }
+  int running() const { return int(running_.size()); }
+  int kv_blocks_used() const;  // blocks the admitted sequences hold on the worker
+  uint64_t preemptions() const { return preemptions_; }
+  std::vector<uint64_t> waiting_ids() const { return {waiting_.begin(), waiting_.end()}; }
+  std::vector<uint64_t> running_ids() const;  // in admission order
+  const std::vector<int32_t>* generated(uint64_t id) const;
+  bool knows(uint64_t id) const { return seqs_.count(id) != 0; }
+
+ private:
+  struct Seq {
+    SequenceRequest req;
+    std::vector<int32_t> generated;  // reported to the observer already
+    std::vector<int32_t> context;    // prompt + generated, what the worker must hold
+    int on_worker = 0;               // tokens of `context` the worker holds
+    uint64_t admitted_at = 0;        // admission order (youngest = largest)
+    bool admitted = false;
+  };
+  int blocks_for(int tokens) const;
+  int committed_blocks() const;  // blocks admitted sequences hold or will hold once prefilled
+  void preempt(uint64_t id, StepPlan& plan);
+  bool can_ever_run(const Seq& s, std::string* why) const;
+
+  PolicyLimits limits_;
+  std::map<uint64_t, Seq> seqs_;
+  std::deque<uint64_t> waiting_;
+  std::vector<uint64_t> running_;  // admission order
+  uint64_t admit_counter_ = 0;
+  uint64_t preemptions_ = 0;
+};
+
+}  // namespace moe::gw

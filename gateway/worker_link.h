@@ -1,0 +1,85 @@
+#pragma once
+// A libuv client for one worker's Unix socket: connects (retrying with
+// backoff), says hello and checks the worker's version, sends frames, cuts
+// the replies into frames, and pings. A worker that answers nothing for
+// `dead_after_ms` while a ping is outstanding is marked down: the
+// connection is closed and reconnecting starts over. Everything runs on the
+// loop thread; callbacks are called there.
+//
+// Lifetime: the uv handles live on the heap and are closed by the
+// destructor, so a link may be destroyed at any time on the loop thread.
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include <uv.h>
+
+#include "model/result.h"
+#include "protocol/frame.h"
+#include "protocol/messages.h"
+
+namespace moe::gw {
+
+struct WorkerLinkOptions {
+  std::string socket_path;
+  std::string instance = "moe-gateway";
+  uint64_t heartbeat_ms = 1000;
+  uint64_t dead_after_ms = 30000;  // a CPU step of a long prompt may take seconds
+  uint64_t retry_min_ms = 20;
+  uint64_t retry_max_ms = 1000;
+  size_t max_frame_bytes = protocol::kMaxFrameBytes;
+};
+
+class WorkerLink {
+ public:
+  struct Callbacks {
+    std::function<void(const protocol::Hello&)> on_ready;  // handshake done
+    std::function<void(const protocol::Frame&)> on_frame;  // every later frame but pongs
+    std::function<void(const std::string&)> on_down;      // a ready link lost its worker
+  };
+
+  WorkerLink(uv_loop_t* loop, WorkerLinkOptions opts, Callbacks cb);
+  ~WorkerLink();
+  WorkerLink(const WorkerLink&) = delete;
+  WorkerLink& operator=(const WorkerLink&) = delete;
+
+  void start();  // connect (and keep reconnecting) until destroyed
+  bool ready() const { return state_ == State::ready; }
+  const protocol::Hello& worker_hello() const { return hello_; }
+  const std::string& socket_path() const { return opts_.socket_path; }
+
+  // Sends a message; its request id is returned. Fails when not ready.
+  Result<uint64_t> send(const protocol::Message& m);
+  // Drops the connection as if the worker died (tests, protocol violations).
+  void drop(const std::string& reason);
+
+ private:
+  enum class State { idle, connecting, handshaking, ready };
+  static void on_connect(uv_connect_t* req, int status);
+  static void on_alloc(uv_handle_t* h, size_t suggested, uv_buf_t* buf);
+  static void on_read(uv_stream_t* s, ssize_t n, const uv_buf_t* buf);
+  static void on_timer(uv_timer_t* t);
+  void connect_now();
+  void schedule_retry();
+  Status write_frame(std::vector<uint8_t> bytes);
+  void handle(const protocol::Frame& f);
+  uint64_t now_ms() const { return uv_now(loop_); }
+
+  uv_loop_t* loop_;
+  WorkerLinkOptions opts_;
+  Callbacks cb_;
+  State state_ = State::idle;
+  uv_pipe_t* pipe_ = nullptr;
+  uv_timer_t* timer_ = nullptr;  // retry while down, heartbeat while up
+  protocol::FrameDecoder decoder_;
+  protocol::Hello hello_;
+  uint64_t next_request_id_ = 1;
+  uint64_t hello_request_id_ = 0;
+  uint64_t retry_ms_ = 0;
+  uint64_t last_rx_ms_ = 0;
+  uint64_t ping_outstanding_since_ms_ = 0;  // 0: none
+};
+
+}  // namespace moe::gw

@@ -1,0 +1,135 @@
+#include "gateway/worker_supervisor.h"
+
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <sstream>
+
+#include <unistd.h>
+
+namespace moe::gw {
+
+namespace fs = std::filesystem;
+
+namespace {
+bool is_executable(const fs::path& p) {
+  std::error_code ec;
+  return fs::is_regular_file(p, ec) && ::access(p.c_str(), X_OK) == 0;
+}
+
+template <typename H>
+void close_and_free(H* h) {
+  if (!h) return;
+  h->data = nullptr;
+  auto* base = reinterpret_cast<uv_handle_t*>(h);
+  if (!uv_is_closing(base)) uv_close(base, [](uv_handle_t* x) { delete reinterpret_cast<H*>(x); });
+}
+}  // namespace
+
+Result<std::string> find_worker_binary(const std::string& explicit_path) {
+  if (!explicit_path.empty()) {
+    if (!is_executable(explicit_path)) return make_error("worker binary " + explicit_path + " is not executable");
+    return explicit_path;
+  }
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    for (const fs::path& p : {self.parent_path() / ".." / "gpu_worker" / "moe-worker", self.parent_path() / "moe-worker"})
+      if (is_executable(p)) return fs::weakly_canonical(p, ec).string();
+  }
+  if (const char* path = std::getenv("PATH")) {
+    std::stringstream ss(path);
+    std::string dir;
+    while (std::getline(ss, dir, ':'))
+      if (!dir.empty() && is_executable(fs::path(dir) / "moe-worker")) return (fs::path(dir) / "moe-worker").string();
+  }
+  return make_error("cannot find moe-worker next to the gateway or on PATH");
+}
+
+Result<std::unique_ptr<WorkerSupervisor>> WorkerSupervisor::start(uv_loop_t* loop, SupervisorOptions opts) {
+  std::unique_ptr<WorkerSupervisor> s(new WorkerSupervisor(loop, std::move(opts)));
+  std::error_code ec;
+  std::string tmpl = (fs::temp_directory_path(ec) / "moe-gateway-XXXXXX").string();
+  if (!::mkdtemp(tmpl.data())) return make_error(std::string("mkdtemp: ") + std::strerror(errno));  // 0700
+  s->dir_ = tmpl;
+  s->socket_path_ = tmpl + "/worker.sock";
+  s->backoff_ms_ = s->opts_.restart_min_ms;
+  s->restart_timer_ = new uv_timer_t;
+  uv_timer_init(loop, s->restart_timer_);
+  s->restart_timer_->data = s.get();
+  if (auto st = s->spawn(); !st.ok()) return make_error(st.error());
+  return s;
+}
+
+WorkerSupervisor::~WorkerSupervisor() {
+  if (proc_) {
+    uv_process_kill(proc_, SIGTERM);
+    close_and_free(proc_);
+  }
+  close_and_free(restart_timer_);
+  std::error_code ec;
+  if (!dir_.empty()) fs::remove_all(dir_, ec);
+}
+
+int WorkerSupervisor::child_pid() const { return proc_ ? proc_->pid : 0; }
+
+Status WorkerSupervisor::spawn() {
+  std::vector<std::string> args = {opts_.worker_bin, "--model", opts_.model_path, "--socket", socket_path_};
+  args.insert(args.end(), opts_.extra_args.begin(), opts_.extra_args.end());
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  uv_stdio_container_t stdio[3];
+  stdio[0].flags = UV_IGNORE;
+  stdio[1].flags = UV_INHERIT_FD;
+  stdio[1].data.fd = 2;  // the worker's output goes to the gateway's log
+  stdio[2].flags = UV_INHERIT_FD;
+  stdio[2].data.fd = 2;
+  uv_process_options_t po{};
+  po.file = argv[0];
+  po.args = argv.data();
+  po.exit_cb = &WorkerSupervisor::on_exit;
+  po.stdio_count = 3;
+  po.stdio = stdio;
+  auto* p = new uv_process_t;
+  p->data = this;
+  const int rc = uv_spawn(loop_, p, &po);
+  if (rc < 0) {
+    // A failed uv_spawn still initialised the handle: it must be closed.
+    close_and_free(p);
+    return make_error("cannot start " + opts_.worker_bin + ": " + uv_strerror(rc));
+  }
+  proc_ = p;
+  started_ms_ = uv_now(loop_);
+  std::fprintf(stderr, "moe-gateway: started moe-worker (pid %d) on %s\n", p->pid, socket_path_.c_str());
+  return {};
+}
+
+void WorkerSupervisor::on_exit(uv_process_t* p, int64_t status, int signal) {
+  auto* self = static_cast<WorkerSupervisor*>(p->data);
+  close_and_free(p);
+  if (!self) return;
+  self->proc_ = nullptr;
+  std::fprintf(stderr, "moe-gateway: moe-worker exited (status %lld, signal %d); restarting in %llu ms\n",
+               static_cast<long long>(status), signal, static_cast<unsigned long long>(self->backoff_ms_));
+  // A worker that ran a while earns a fresh backoff; one that dies at once waits longer each time.
+  if (uv_now(self->loop_) - self->started_ms_ > 30000) self->backoff_ms_ = self->opts_.restart_min_ms;
+  uv_timer_start(self->restart_timer_, &WorkerSupervisor::on_restart_timer, self->backoff_ms_, 0);
+  self->backoff_ms_ = std::min(self->opts_.restart_max_ms, self->backoff_ms_ * 2);
+}
+
+void WorkerSupervisor::on_restart_timer(uv_timer_t* t) {
+  auto* self = static_cast<WorkerSupervisor*>(t->data);
+  if (!self || self->proc_) return;
+  ++self->restarts_;
+  if (auto st = self->spawn(); !st.ok()) {
+    std::fprintf(stderr, "moe-gateway: %s\n", st.error().c_str());
+    uv_timer_start(self->restart_timer_, &WorkerSupervisor::on_restart_timer, self->backoff_ms_, 0);
+    self->backoff_ms_ = std::min(self->opts_.restart_max_ms, self->backoff_ms_ * 2);
+  }
+}
+
+}  // namespace moe::gw
