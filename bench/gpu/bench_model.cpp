@@ -184,11 +184,20 @@ Status BenchModel::decode_step(int B, cudaStream_t st) {
   const ModelShape& s = s_;
   const int H = s.hidden, W = (s.n_heads + 2 * s.n_kv) * s.head_dim, QD = s.n_heads * s.head_dim;
   const int SI = s.shared_inter, SN = SI ? shared_rows(s) : 0;
+  // Small batches fold RMSNorm and the shared expert's SiLU into the GEMVs'
+  // staging (two or three launches a layer fewer); with more tokens every
+  // block re-reading the f32 inputs costs more than the launches.
+  const bool fuse = B <= fuse_max_batch_;
   BENCH_TRY(cuda::embedding_gather(embed_, s.vocab, H, tokens_, B, x_, st));
   for (const Layer& L : layers_) {
     cuda::PagedKvPool kv{L.k_pool, L.v_pool, block_tables_, max_blocks_, kBlockTokens, s.n_kv, s.head_dim};
-    BENCH_TRY(cuda::rmsnorm(x_, L.in_norm, xn_, B, H, kEps, st));
-    BENCH_TRY(cuda::dense_gemv_bf16(L.qkv_w, xn_, qkv_, B, W, H, false, nullptr, 0, st));
+    if (fuse) {
+      BENCH_TRY(cuda::dense_gemv_bf16_rmsnorm(L.qkv_w, x_, L.in_norm, kEps, nullptr, qkv_, B, W, H, false, nullptr,
+                                              0, st));
+    } else {
+      BENCH_TRY(cuda::rmsnorm(x_, L.in_norm, xn_, B, H, kEps, st));
+      BENCH_TRY(cuda::dense_gemv_bf16(L.qkv_w, xn_, qkv_, B, W, H, false, nullptr, 0, st));
+    }
     cuda::QkvRopeArgs ra;
     ra.qkv = qkv_;
     ra.bias = L.qkv_b;
@@ -212,13 +221,21 @@ Status BenchModel::decode_step(int B, cudaStream_t st) {
     aa.out = attn_;
     BENCH_TRY(cuda::paged_attention(aa, kv, st));
     BENCH_TRY(cuda::dense_gemv_bf16(L.o_w, attn_, x_, B, H, QD, true, nullptr, 0, st));
-    BENCH_TRY(cuda::rmsnorm(x_, L.post_norm, xn_, B, H, kEps, st));
+    if (!fuse) BENCH_TRY(cuda::rmsnorm(x_, L.post_norm, xn_, B, H, kEps, st));
     if (SI) {
-      BENCH_TRY(cuda::dense_gemv_bf16(L.shared_w, xn_, shared_gu_, B, SN, H, false, nullptr, 0, st));
+      if (fuse)
+        BENCH_TRY(cuda::dense_gemv_bf16_rmsnorm(L.shared_w, x_, L.post_norm, kEps, xn_, shared_gu_, B, SN, H, false,
+                                                nullptr, 0, st));
+      else
+        BENCH_TRY(cuda::dense_gemv_bf16(L.shared_w, xn_, shared_gu_, B, SN, H, false, nullptr, 0, st));
       BENCH_TRY(cuda::router_topk(shared_gu_ + 2 * SI + 1, B, s.n_experts, s.top_k, s.norm_topk, 1.f, route_ids_,
                                   route_w_, st, SN));
     } else {
-      BENCH_TRY(cuda::dense_gemv_bf16(L.router_w, xn_, router_logits_, B, s.n_experts, H, false, nullptr, 0, st));
+      if (fuse)
+        BENCH_TRY(cuda::dense_gemv_bf16_rmsnorm(L.router_w, x_, L.post_norm, kEps, xn_, router_logits_, B,
+                                                s.n_experts, H, false, nullptr, 0, st));
+      else
+        BENCH_TRY(cuda::dense_gemv_bf16(L.router_w, xn_, router_logits_, B, s.n_experts, H, false, nullptr, 0, st));
       BENCH_TRY(cuda::router_topk(router_logits_, B, s.n_experts, s.top_k, s.norm_topk, 1.f, route_ids_, route_w_,
                                   st));
     }
@@ -232,7 +249,10 @@ Status BenchModel::decode_step(int B, cudaStream_t st) {
     a.top_k = s.top_k;
     BENCH_TRY(cuda::q4_expert_gate_up(a, xn_, h_, st));
     BENCH_TRY(cuda::q4_expert_down(a, h_, x_, true, st));
-    if (SI) {
+    if (SI && fuse) {
+      BENCH_TRY(cuda::dense_gemv_bf16_silu(L.shared_down, shared_gu_, SN, x_, B, H, SI, true, shared_gu_ + 2 * SI,
+                                           SN, st));
+    } else if (SI) {
       BENCH_TRY(cuda::silu_mul_fused(shared_gu_, shared_h_, B, SI, st, SN));
       BENCH_TRY(cuda::dense_gemv_bf16(L.shared_down, shared_h_, x_, B, H, SI, true, shared_gu_ + 2 * SI, SN, st));
     }

@@ -54,6 +54,9 @@ class BenchModel {
   // greedy next token lands in tokens_[0].
   Status prefill(int n, cudaStream_t stream);
 
+  // Batches up to this size fold RMSNorm / SiLU into the GEMVs' staging.
+  void set_fuse_max_batch(int b) { fuse_max_batch_ = b; }
+
   // Sets every sequence's next position (host -> device, synchronous).
   Status set_positions(int first_position, int batch);
 
@@ -75,6 +78,7 @@ class BenchModel {
   ModelShape s_{};
   ExpertLayout layout_{};
   int max_tokens_ = 0, max_seqs_ = 0, max_blocks_ = 0;
+  int fuse_max_batch_ = 4;
   std::vector<void*> allocations_;
   std::unique_ptr<cuda::CublasLtMatmul> mm_;
 

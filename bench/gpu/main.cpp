@@ -26,6 +26,7 @@ using moe::bench::ModelShape;
 struct Options {
   std::string shape = "all";
   int steps = 128, context = 128, prompt = 512;
+  int fuse_max_batch = 4;
   std::string json;
   std::string commit = MOE_BENCH_COMMIT;  // the configure-time commit unless --commit
   bool kernels = true;
@@ -83,6 +84,7 @@ bool bench_shape(const ModelShape& s, const Options& o, std::vector<Row>& rows, 
     return false;
   }
   std::unique_ptr<BenchModel> m = std::move(made.value());
+  m->set_fuse_max_batch(o.fuse_max_batch);
   double peak = used_mib();
   std::printf("   resident: %.0f MiB of GPU memory in use\n", peak);
   cudaEvent_t a, b;
@@ -193,10 +195,11 @@ int main(int argc, char** argv) {
     else if (a == "--prompt") o.prompt = std::stoi(next());
     else if (a == "--json") o.json = next();
     else if (a == "--commit") o.commit = next();
+    else if (a == "--fuse-max-batch") o.fuse_max_batch = std::stoi(next());
     else if (a == "--no-kernels") o.kernels = false;
     else {
       std::fprintf(stderr, "usage: moe-bench-gpu [--shape qwen15|qwen3|all] [--steps N] [--context N] "
-                           "[--prompt N] [--json PATH] [--commit HASH] [--no-kernels]\n");
+                           "[--prompt N] [--json PATH] [--commit HASH] [--fuse-max-batch N] [--no-kernels]\n");
       return 2;
     }
   }

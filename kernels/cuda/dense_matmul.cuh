@@ -25,6 +25,18 @@ constexpr int kGemvMaxTokens = 8;
 Status dense_gemv_bf16(const __nv_bfloat16* w, const __nv_bfloat16* x, float* y, int tokens, int n_out, int k,
                        bool accumulate, const float* gate_logits, int gate_stride, cudaStream_t stream);
 
+// The same with the input made inside the kernel while it is staged, saving
+// a launch: RMSNorm of the f32 residual x_f32 [tokens, k] with norm_w [k]
+// (xn_out [tokens, k] bf16, if given, receives the normed input for other
+// consumers), or silu(gate) * up of gate_up [tokens, gate_up_stride] (gate
+// at columns [0, k), up at [k, 2k)).
+Status dense_gemv_bf16_rmsnorm(const __nv_bfloat16* w, const float* x_f32, const __nv_bfloat16* norm_w, float eps,
+                               __nv_bfloat16* xn_out, float* y, int tokens, int n_out, int k, bool accumulate,
+                               const float* gate_logits, int gate_stride, cudaStream_t stream);
+Status dense_gemv_bf16_silu(const __nv_bfloat16* w, const float* gate_up, int gate_up_stride, float* y, int tokens,
+                            int n_out, int k, bool accumulate, const float* gate_logits, int gate_stride,
+                            cudaStream_t stream);
+
 // Owns a cuBLASLt handle and a workspace; one per device and user. The
 // algorithm for each shape is chosen once and kept. Not thread-safe.
 class CublasLtMatmul {

@@ -569,6 +569,37 @@ TEST_CASE("cuda bf16 dense layers (decode GEMV and cuBLASLt) match the CPU", "[c
   }
   CHECK_FALSE(moe::cuda::dense_gemv_bf16(dw.p, dw.p, nullptr, 9, n_out, k, false, nullptr, 0, nullptr).ok());
 
+  // Input made while staging: RMSNorm of an f32 residual, or SiLU(gate) * up.
+  for (int tokens : {1, 5}) {
+    INFO("fused input, tokens " << tokens);
+    const auto res = randn(size_t(tokens) * k, rng, 2.f);
+    const auto nw = round_bf16(randn(k, rng));
+    std::vector<float> xn(res.size());
+    moe::cpu::rmsnorm(res.data(), nw.data(), xn.data(), tokens, k, 1e-6f);
+    const auto xnb = round_bf16(xn);
+    std::vector<float> ref(size_t(tokens) * n_out);
+    moe::cpu::matmul_bf16(xnb.data(), wbits.data(), nullptr, ref.data(), tokens, k, n_out, nullptr);
+    Dev<float> dres(res), dy(ref.size());
+    Dev<bf16> dnw(to_bf16(nw)), dxn(res.size());
+    REQUIRE_OK(moe::cuda::dense_gemv_bf16_rmsnorm(dw.p, dres.p, dnw.p, 1e-6f, dxn.p, dy.p, tokens, n_out, k, false,
+                                                  nullptr, 0, nullptr));
+    CHECK(rel_err(dy.get(), ref) < 2e-3);
+    CHECK(rel_err(as_float(dxn.get()), xnb) < 2e-3);
+
+    const int stride = 2 * k + 3;
+    const auto gu = randn(size_t(tokens) * stride, rng);
+    std::vector<float> h(size_t(tokens) * k);
+    for (int t = 0; t < tokens; ++t)
+      moe::cpu::silu_mul(gu.data() + size_t(t) * stride, gu.data() + size_t(t) * stride + k,
+                         h.data() + size_t(t) * k, k);
+    const auto hb = round_bf16(h);
+    moe::cpu::matmul_bf16(hb.data(), wbits.data(), nullptr, ref.data(), tokens, k, n_out, nullptr);
+    Dev<float> dgu(gu);
+    REQUIRE_OK(moe::cuda::dense_gemv_bf16_silu(dw.p, dgu.p, stride, dy.p, tokens, n_out, k, false, nullptr, 0,
+                                               nullptr));
+    CHECK(rel_err(dy.get(), ref) < 2e-3);
+  }
+
   auto mm = moe::cuda::CublasLtMatmul::create();
   REQUIRE(mm.ok());
   std::unique_ptr<moe::cuda::CublasLtMatmul> owner(mm.value());
