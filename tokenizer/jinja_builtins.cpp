@@ -378,7 +378,7 @@ Value dict_method(const Value& self, const std::string& name) {
       Args(name, a, {});
       List out;
       for (const auto& [k, v] : self.as_dict().entries()) {
-        if (name == "items") out.push_back(Value::list({Value(k), v}));
+        if (name == "items") out.push_back(Value::tuple({Value(k), v}));
         else out.push_back(name == "keys" ? Value(k) : v);
       }
       return Value::list(std::move(out));
@@ -666,7 +666,7 @@ const std::unordered_map<std::string, FilterFn>& filters() {
       List out;
       if (v.is_undefined()) return Value::list();
       if (!v.is_dict()) throw TemplateError("can only get item pairs from a mapping, not " + v.type_name());
-      for (const auto& [k, x] : v.as_dict().entries()) out.push_back(Value::list({Value(k), x}));
+      for (const auto& [k, x] : v.as_dict().entries()) out.push_back(Value::tuple({Value(k), x}));
       return Value::list(std::move(out));
     };
     f["attr"] = [](Interpreter&, const Value& v, CallArgs& a) {
@@ -818,7 +818,7 @@ const std::unordered_map<std::string, FilterFn>& filters() {
       std::string by = args.str(1, "key");
       if (by != "key" && by != "value") throw TemplateError("You can only sort by either \"key\" or \"value\"");
       List pairs;
-      for (const auto& [k, x] : v.as_dict().entries()) pairs.push_back(Value::list({Value(k), x}));
+      for (const auto& [k, x] : v.as_dict().entries()) pairs.push_back(Value::tuple({Value(k), x}));
       auto key = [&](const Value& pair) {
         Value k = pair.as_list()[by == "key" ? 0 : 1];
         return (!case_sensitive && k.is_string()) ? Value(lower(k.as_string())) : k;

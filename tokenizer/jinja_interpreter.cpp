@@ -73,7 +73,11 @@ Value get_item(const Value& object, const Value& key) {
 List iterate(const Value& v) {
   switch (v.type()) {
     case Value::Type::Undefined: return {};
-    case Value::Type::List: return v.as_list();
+    case Value::Type::List: {
+      List items = v.as_list();
+      items.is_tuple = false;  // what filters build from it are lists, as in Python
+      return items;
+    }
     case Value::Type::Dict: {
       List keys;
       for (const auto& e : v.as_dict().entries()) keys.emplace_back(e.first);
@@ -389,6 +393,7 @@ Value Interpreter::eval_inner(const Expr& e, Scope& scope) {
       List items;
       items.reserve(e.items.size());
       for (const ExprPtr& i : e.items) items.push_back(eval(*i, scope));
+      items.is_tuple = e.kind == ExprKind::Tuple;
       Value v = Value::list(std::move(items));
       check_nesting(v);
       return v;

@@ -167,13 +167,15 @@ static std::string repr_at(const Value& v, int depth) {
   switch (v.type()) {
     case Value::Type::String: return string_repr(v.as_string());
     case Value::Type::List: {
-      std::string out = "[";
+      const List& items = v.as_list();
+      std::string out = items.is_tuple ? "(" : "[";
       bool first = true;
-      for (const Value& e : v.as_list()) {
+      for (const Value& e : items) {
         if (!first) out += ", ";
         first = false;
         out += repr_at(e, depth + 1);
       }
+      if (items.is_tuple) return out + (items.size() == 1 ? ",)" : ")");
       return out + "]";
     }
     case Value::Type::Dict: {

@@ -31,7 +31,12 @@ struct TemplateError : std::runtime_error {
 
 class Value;
 class Interpreter;
-using List = std::vector<Value>;
+
+// A list, or a tuple: the two behave alike here except when printed.
+struct List : std::vector<Value> {
+  using std::vector<Value>::vector;
+  bool is_tuple = false;
+};
 
 // A dict with string keys in insertion order (Python 3.7+ semantics).
 class Dict {
@@ -83,6 +88,10 @@ class Value {
   Value(std::shared_ptr<const Callable> c) : v_(std::move(c)) {}
 
   static Value list(List items = {}) { return Value(std::make_shared<List>(std::move(items))); }
+  static Value tuple(List items) {
+    items.is_tuple = true;
+    return list(std::move(items));
+  }
   static Value dict() { return Value(std::make_shared<Dict>()); }
   static Value function(std::string name, std::function<Value(Interpreter&, CallArgs&)> fn);
 

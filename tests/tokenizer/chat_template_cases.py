@@ -141,7 +141,7 @@ SNIPPETS = {
     "conditional_expr": "{{ 'yes' if messages else 'no' }}|{{ 'a' if false }}|{{ 'x' if none else 'y' if true else 'z' }}",
     "subscripts": "{{ messages[0].role }} {{ messages[0]['role'] }} {{ messages[-1].content }} {{ messages[1:3] | map(attribute='role') | join(',') }} {{ [1, 2, 3, 4][::-1] }} {{ [1, 2, 3, 4][::2] }} {{ 'hello'[1:4] }} {{ 'hello'[::-1] }} {{ '显存不够'[1:3] }} {{ 'abc'[-1] }} {{ [1, 2][5] }}|{{ messages[9] is defined }} {{ {'a': {'b': 'c'}}.a.b }} {{ [1, [2, 3]][1][0] }} {{ [1,2,3][-2:] }} {{ [1,2,3][:-1] }}",
     "dict_methods": "{% set d = {'a': 1, 'b': 2} %}{{ d.keys() | list }} {{ d.values() | list }} {{ d.get('a') }} {{ d.get('z') }} {{ d.get('z', 'dflt') }} {{ d['a'] }} {{ d.a }} {{ d | list }} {{ dict(x=1, y='2') }}",
-    "print_values": "{{ [1, 'a', none, true, 1.5, {'k': 'v'}] }} {{ {'q': \"it's\"} }} {{ none }} {{ true }} {{ missing }}|",
+    "print_values": "{{ [1, 'a', none, true, 1.5, {'k': 'v'}] }} {{ {'q': \"it's\"} }} {{ none }} {{ true }} {{ (1, 2) }} {{ (1,) }} {{ {'a': 1}.items() | list }} {{ missing }}|",
     "range": "{{ range(3) | list }} {{ range(1, 10, 3) | list }} {{ range(5, 0, -2) | list }} {% for i in range(2) %}{{ i }}{% endfor %}",
     "undefined_ops": "{{ missing }}{{ missing ~ 'x' }}{% if not missing %}falsy{% endif %}{% for x in missing %}never{% endfor %}{{ missing | length }}",
     "set_tuple": "{% set a, b = 1, 2 %}{{ a }}{{ b }}{% set t = (3, 4) %}{{ t[1] }}",
