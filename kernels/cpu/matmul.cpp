@@ -46,18 +46,26 @@ template <int R, int C, typename W>
 inline void tile(const float* const* xs, const W* const* ws, int in, float out[R][C]) {
   int i = 0;
 #ifdef MOE_MATMUL_AVX2
+  // Fully unrolled so that the R*C accumulators stay in registers.
   __m256 acc[R][C];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   for (; i + 8 <= in; i += 8) {
     __m256 xv[C];
+#pragma GCC unroll 8
     for (int c = 0; c < C; ++c) xv[c] = _mm256_loadu_ps(xs[c] + i);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 wv = load8(ws[r] + i);
+#pragma GCC unroll 8
       for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(wv, xv[c], acc[r][c]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
     for (int c = 0; c < C; ++c) out[r][c] = hsum(acc[r][c]);
 #else
   float acc[R][C][8] = {};

@@ -1,6 +1,20 @@
 #include "kernels/cpu/thread_pool.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define MOE_CPU_RELAX() _mm_pause()
+#else
+#define MOE_CPU_RELAX() ((void)0)
+#endif
+
 namespace moe::cpu {
+
+namespace {
+// Decode steps issue many short jobs back to back: workers and the caller
+// poll for this many rounds (tens of microseconds) before sleeping, which
+// saves a futex wake-up per job.
+constexpr int kSpinRounds = 2000;
+}  // namespace
 
 ThreadPool::ThreadPool(int threads) {
   if (threads <= 0) threads = int(std::thread::hardware_concurrency());
@@ -12,7 +26,7 @@ ThreadPool::ThreadPool(int threads) {
 ThreadPool::~ThreadPool() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
+    stop_.store(true);
   }
   wake_.notify_all();
   for (auto& t : workers_) t.join();
@@ -20,7 +34,7 @@ ThreadPool::~ThreadPool() {
 
 void ThreadPool::run_tasks() {
   for (;;) {
-    int64_t i = next_.fetch_add(1, std::memory_order_relaxed);
+    const int64_t i = next_.fetch_add(1, std::memory_order_relaxed);
     if (i >= n_) break;
     (*fn_)(i);
   }
@@ -29,16 +43,21 @@ void ThreadPool::run_tasks() {
 void ThreadPool::worker_loop() {
   uint64_t seen = 0;
   for (;;) {
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
+    bool ready = false;
+    for (int r = 0; r < kSpinRounds && !ready; ++r) {
+      ready = stop_.load(std::memory_order_acquire) || generation_.load(std::memory_order_acquire) != seen;
+      if (!ready) MOE_CPU_RELAX();
     }
+    if (!ready) {
+      std::unique_lock<std::mutex> lock(mu_);
+      wake_.wait(lock, [&] { return stop_.load() || generation_.load() != seen; });
+    }
+    if (stop_.load()) return;
+    seen = generation_.load(std::memory_order_acquire);
     run_tasks();
-    {
+    if (busy_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
       std::lock_guard<std::mutex> lock(mu_);
-      if (--busy_ == 0) done_.notify_one();
+      done_.notify_one();
     }
   }
 }
@@ -55,13 +74,16 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t)>& fn)
     fn_ = &fn;
     n_ = n;
     next_.store(0, std::memory_order_relaxed);
-    busy_ = int(workers_.size());
-    ++generation_;
+    busy_.store(int(workers_.size()), std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_release);
   }
   wake_.notify_all();
   run_tasks();
-  std::unique_lock<std::mutex> lock(mu_);
-  done_.wait(lock, [&] { return busy_ == 0; });
+  for (int r = 0; r < kSpinRounds && busy_.load(std::memory_order_acquire) != 0; ++r) MOE_CPU_RELAX();
+  if (busy_.load(std::memory_order_acquire) != 0) {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [&] { return busy_.load() == 0; });
+  }
   fn_ = nullptr;
 }
 

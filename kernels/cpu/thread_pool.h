@@ -40,9 +40,9 @@ class ThreadPool {
   const std::function<void(int64_t)>* fn_ = nullptr;
   int64_t n_ = 0;
   std::atomic<int64_t> next_{0};
-  int busy_ = 0;          // workers still inside the current job
-  uint64_t generation_ = 0;
-  bool stop_ = false;
+  std::atomic<int> busy_{0};            // workers still inside the current job
+  std::atomic<uint64_t> generation_{0};  // bumped (under mu_) for every job
+  std::atomic<bool> stop_{false};
 };
 
 // Runs fn(i) for i in [0, n) on `pool`, or inline when pool is null or n <= 1.
