@@ -64,7 +64,8 @@ BenchModel::~BenchModel() {
 }
 
 Result<std::unique_ptr<BenchModel>> BenchModel::create(const ModelShape& s, int max_tokens, int max_seqs,
-                                                       int max_context, uint64_t seed, cudaStream_t st) {
+                                                       int max_context, uint64_t seed, cudaStream_t st,
+                                                       uint8_t* host_experts) {
   std::unique_ptr<BenchModel> m(new BenchModel());
   m->s_ = s;
   m->layout_ = expert_layout(s.hidden, s.inter, kGroup);
@@ -86,6 +87,13 @@ Result<std::unique_ptr<BenchModel>> BenchModel::create(const ModelShape& s, int 
   };
   // Uniform weights with standard deviation 1/sqrt(fan_in) keep activations O(1).
   auto lin = [](size_t fan_in) { return float(std::sqrt(3.0 / double(fan_in))); };
+  uint8_t* staging = nullptr;  // one layer's experts on their way to the host
+  struct StagingFree {
+    uint8_t** p;
+    ~StagingFree() {
+      if (*p) (void)cudaFree(*p);
+    }
+  } staging_free{&staging};
   for (int l = 0; l < s.layers; ++l) {
     Layer L{};
     BENCH_TRY(bf(&L.in_norm, H, 0.1f, 1.f));
@@ -103,12 +111,25 @@ Result<std::unique_ptr<BenchModel>> BenchModel::create(const ModelShape& s, int 
       BENCH_TRY(bf(&L.shared_down, H * s.shared_inter, lin(s.shared_inter), 0.f));
     }
     const ExpertLayout& E = m->layout_;
-    BENCH_TRY(m->alloc(reinterpret_cast<void**>(&L.experts), E.blob_bytes * s.n_experts));
+    const size_t layer_bytes = E.blob_bytes * s.n_experts;
+    if (host_experts) {
+      if (!staging) MOE_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&staging), layer_bytes));
+      L.experts = staging;
+    } else {
+      BENCH_TRY(m->alloc(reinterpret_cast<void**>(&L.experts), layer_bytes));
+    }
     // q - 7.5 has standard deviation ~4.6: scale 1/(4.6 sqrt(fan_in)).
     BENCH_TRY(fill_experts(L.experts, E, s.n_experts, ++sd, float(1.0 / (4.6 * std::sqrt(double(H)))),
                            float(1.0 / (4.6 * std::sqrt(double(s.inter)))), st));
     std::vector<const uint8_t*> ptrs(s.n_experts);
     for (int e = 0; e < s.n_experts; ++e) ptrs[e] = L.experts + size_t(e) * E.blob_bytes;
+    if (host_experts) {
+      MOE_CUDA_TRY(cudaMemcpyAsync(host_experts + size_t(l) * layer_bytes, staging, layer_bytes,
+                                   cudaMemcpyDeviceToHost, st));
+      MOE_CUDA_TRY(cudaStreamSynchronize(st));
+      L.experts = nullptr;
+      std::fill(ptrs.begin(), ptrs.end(), nullptr);
+    }
     BENCH_TRY(m->alloc(reinterpret_cast<void**>(&L.expert_ptrs), ptrs.size() * sizeof(void*)));
     MOE_CUDA_TRY(cudaMemcpy(L.expert_ptrs, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice));
     BENCH_TRY(bf(&L.k_pool, kv_elems, 1.f, 0.f));
@@ -189,7 +210,8 @@ Status BenchModel::decode_step(int B, cudaStream_t st) {
   // block re-reading the f32 inputs costs more than the launches.
   const bool fuse = B <= fuse_max_batch_;
   BENCH_TRY(cuda::embedding_gather(embed_, s.vocab, H, tokens_, B, x_, st));
-  for (const Layer& L : layers_) {
+  for (int l = 0; l < int(layers_.size()); ++l) {
+    const Layer& L = layers_[size_t(l)];
     cuda::PagedKvPool kv{L.k_pool, L.v_pool, block_tables_, max_blocks_, kBlockTokens, s.n_kv, s.head_dim};
     if (fuse) {
       BENCH_TRY(cuda::dense_gemv_bf16_rmsnorm(L.qkv_w, x_, L.in_norm, kEps, nullptr, qkv_, B, W, H, false, nullptr,
@@ -247,8 +269,16 @@ Status BenchModel::decode_step(int B, cudaStream_t st) {
     a.route_weights = route_w_;
     a.tokens = B;
     a.top_k = s.top_k;
+    if (provider_) {
+      BENCH_TRY(predict_next(l, B, st));
+      auto b = provider_->bind(l, B, st);
+      if (!b) return make_error(b.error());
+      a.blobs = b->blobs;
+      a.expert_ids = b->ids;
+    }
     BENCH_TRY(cuda::q4_expert_gate_up(a, xn_, h_, st));
     BENCH_TRY(cuda::q4_expert_down(a, h_, x_, true, st));
+    if (provider_) BENCH_TRY(provider_->unbind(l, st));
     if (SI && fuse) {
       BENCH_TRY(cuda::dense_gemv_bf16_silu(L.shared_down, shared_gu_, SN, x_, B, H, SI, true, shared_gu_ + 2 * SI,
                                            SN, st));
@@ -263,13 +293,26 @@ Status BenchModel::decode_step(int B, cudaStream_t st) {
   return advance_positions(positions_, B, st);
 }
 
+Status BenchModel::predict_next(int layer, int tokens, cudaStream_t st) {
+  if (layer + 1 >= int(layers_.size())) return {};
+  const ModelShape& s = s_;
+  const Layer& N = layers_[size_t(layer) + 1];
+  const int H = s.hidden;
+  // The next layer's router rows: its own matrix, or inside the shared projection.
+  const __nv_bfloat16* w = s.shared_inter ? N.shared_w + size_t(2 * s.shared_inter + 1) * H : N.router_w;
+  if (tokens <= cuda::kGemvMaxTokens)
+    return cuda::dense_gemv_bf16(w, xn_, tmp_, tokens, s.n_experts, H, false, nullptr, 0, st);
+  return mm_->matmul(xn_, w, tmp_, true, tokens, s.n_experts, H, 0.f, st);
+}
+
 Status BenchModel::prefill(int n, cudaStream_t st) {
   MOE_CUDA_REQUIRE(n >= 1 && n <= max_tokens_ && n <= max_blocks_ * kBlockTokens, "prompt too long");
   const ModelShape& s = s_;
   const int H = s.hidden, W = (s.n_heads + 2 * s.n_kv) * s.head_dim, QD = s.n_heads * s.head_dim;
   const int SI = s.shared_inter, SW = SI ? shared_rows_padded(s) : 0;
   BENCH_TRY(cuda::embedding_gather(embed_, s.vocab, H, prompt_, n, x_, st));
-  for (const Layer& L : layers_) {
+  for (int l = 0; l < int(layers_.size()); ++l) {
+    const Layer& L = layers_[size_t(l)];
     cuda::PagedKvPool kv{L.k_pool, L.v_pool, block_tables_, max_blocks_, kBlockTokens, s.n_kv, s.head_dim};
     BENCH_TRY(cuda::rmsnorm(x_, L.in_norm, xn_, n, H, kEps, st));
     BENCH_TRY(mm_->matmul(xn_, L.qkv_w, qkv_, true, n, W, H, 0.f, st));
@@ -314,7 +357,15 @@ Status BenchModel::prefill(int n, cudaStream_t st) {
     a.route_weights = route_w_;
     a.tokens = n;
     a.top_k = s.top_k;
+    if (provider_) {
+      BENCH_TRY(predict_next(l, n, st));
+      auto b = provider_->bind(l, n, st);
+      if (!b) return make_error(b.error());
+      a.blobs = b->blobs;
+      a.expert_ids = b->ids;
+    }
     BENCH_TRY(cuda::q4_grouped_moe(a, xn_, x_, grouped_ws_, grouped_ws_bytes_, st));
+    if (provider_) BENCH_TRY(provider_->unbind(l, st));
     if (SI) {
       BENCH_TRY(cuda::silu_mul_fused(shared_gu_, shared_h_, n, SI, st, SW));
       BENCH_TRY(mm_->matmul(shared_h_, L.shared_down, tmp_, true, n, H, SI, 0.f, st));

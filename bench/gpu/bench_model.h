@@ -20,6 +20,20 @@
 
 namespace moe::bench {
 
+// Where a layer's expert kernels find their blobs when the experts are not
+// all resident (budget modes): called at the layer's router point.
+struct ExpertBinding {
+  const uint8_t* const* blobs = nullptr;  // [n_experts] device table of device blobs
+  const int32_t* ids = nullptr;           // [tokens, top_k] device expert ids
+};
+class ExpertProvider {
+ public:
+  virtual ~ExpertProvider() = default;
+  virtual Result<ExpertBinding> bind(int layer, int tokens, cudaStream_t st) = 0;
+  // The layer's expert kernels are enqueued: its islands may be reused after them.
+  virtual Status unbind(int layer, cudaStream_t st) = 0;
+};
+
 struct ModelShape {
   std::string name;
   int hidden, layers, n_heads, n_kv, head_dim;
@@ -42,7 +56,13 @@ class BenchModel {
   // Allocates and fills everything for up to max_tokens tokens per call and
   // max_seqs sequences of up to max_context positions.
   static Result<std::unique_ptr<BenchModel>> create(const ModelShape& s, int max_tokens, int max_seqs,
-                                                    int max_context, uint64_t seed, cudaStream_t stream);
+                                                    int max_context, uint64_t seed, cudaStream_t stream,
+                                                    uint8_t* host_experts = nullptr);
+  // host_experts non-null: the experts are made into that host buffer
+  // ([layers * n_experts * blob_bytes]) instead of device memory, and every
+  // step needs an ExpertProvider (set_provider) to find them.
+  void set_provider(ExpertProvider* p) { provider_ = p; }
+  const ModelShape& shape() const { return s_; }
   ~BenchModel();
 
   // One decode step for `batch` sequences (<= 8): reads tokens_ / positions_
@@ -79,6 +99,10 @@ class BenchModel {
   ExpertLayout layout_{};
   int max_tokens_ = 0, max_seqs_ = 0, max_blocks_ = 0;
   int fuse_max_batch_ = 4;
+  ExpertProvider* provider_ = nullptr;
+  // With a provider: layer l+1's router applied to layer l's normed state,
+  // the prediction a real worker prefetches from (computed for its cost).
+  Status predict_next(int layer, int tokens, cudaStream_t st);
   std::vector<void*> allocations_;
   std::unique_ptr<cuda::CublasLtMatmul> mm_;
 

@@ -2,12 +2,20 @@
 // weights, all experts resident on the GPU (INT4, group 64; the rest bf16).
 //   moe-bench-gpu [--shape qwen15|qwen3|all] [--steps N] [--context N]
 //                 [--prompt N] [--json PATH] [--no-kernels]
+//                 [--vram-budget 12GiB[,8GiB...]] [--policy lru|lfu|ours]
+//                 [--predict-accuracy A[,B...]] [--warm-steps N]
+// With --vram-budget the experts live in pinned host memory and each budget
+// gets an arena of expert islands (bench/gpu/budget_experts.h): batch-1
+// decode and a prefill under that budget, seeded uniform routing.
 // Decode: one CUDA graph per step, replayed `steps` times from `context`
 // tokens of context; the step's greedy token feeds the next step on the GPU.
 #include <cuda_runtime.h>
+#include <sys/mman.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <fstream>
@@ -16,6 +24,7 @@
 #include <vector>
 
 #include "bench/gpu/bench_model.h"
+#include "bench/gpu/budget_experts.h"
 
 namespace {
 
@@ -30,6 +39,11 @@ struct Options {
   std::string json;
   std::string commit = MOE_BENCH_COMMIT;  // the configure-time commit unless --commit
   bool kernels = true;
+  std::vector<double> budgets_gib;          // empty: all experts resident
+  std::vector<double> accuracies = {0.8};   // the first is the headline row
+  std::string policy = "ours";
+  int warm_steps = 64;
+  bool huge_pages = true;
 };
 
 struct Row {
@@ -38,6 +52,10 @@ struct Row {
   double tok_s = 0, ms = 0, gbps = 0;
   double peak_mib = 0;
   double transformers = -1;  // -1: not measured
+  // Budget modes only.
+  std::string mode = "resident";
+  double hit_rate = 1.0, pcie_bytes_per_token = 0, misses_per_token = 0, accuracy = -1;
+  int64_t islands = 0;
 };
 
 double used_mib() {
@@ -182,6 +200,175 @@ bool bench_shape(const ModelShape& s, const Options& o, std::vector<Row>& rows, 
   return true;
 }
 
+
+std::vector<double> parse_list(const std::string& s, bool gib) {
+  std::vector<double> v;
+  size_t i = 0;
+  while (i < s.size()) {
+    size_t j = s.find(',', i);
+    if (j == std::string::npos) j = s.size();
+    std::string t = s.substr(i, j - i);
+    if (gib && t.size() > 3 && t.substr(t.size() - 3) == "GiB") t.resize(t.size() - 3);
+    v.push_back(std::stod(t));
+    i = j + 1;
+  }
+  return v;
+}
+
+std::string gib_name(double g) {
+  char b[32];
+  std::snprintf(b, sizeof b, "budget-%gGiB", g);
+  return b;
+}
+
+// Experts in pinned host memory, an island arena per budget: batch-1 decode
+// (eager, one host wait per layer at the router point) and a prefill.
+bool bench_budget(const ModelShape& s, const Options& o, std::vector<Row>& rows) {
+  cudaStream_t st;
+  CU_TRY(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  const moe::ExpertLayout lay = moe::expert_layout(s.hidden, s.inter, 64);
+  const size_t total = size_t(s.layers) * s.n_experts * lay.blob_bytes;
+  // 2 MiB pages: the copy engine reads pinned memory through fewer page mappings.
+  const size_t page = size_t(2) << 20, alloc_bytes = (total + page - 1) / page * page;
+  uint8_t* host = static_cast<uint8_t*>(std::aligned_alloc(page, alloc_bytes));
+  if (!host) {
+    std::fprintf(stderr, "error: no host memory for %zu bytes of experts\n", total);
+    return false;
+  }
+  if (o.huge_pages) (void)madvise(host, alloc_bytes, MADV_HUGEPAGE);
+  std::printf("== %s under budgets: experts in host memory (%.2f GiB, %zu-byte blobs)...\n", s.name.c_str(),
+              double(total) / (1ull << 30), lay.blob_bytes);
+  std::fflush(stdout);
+  const int max_context = o.context + o.warm_steps + o.steps + std::max(o.prompt, 64) + 32;
+  auto made = BenchModel::create(s, std::max(o.prompt, 8), 1, max_context, 1234, st, host);
+  if (!made.ok()) {
+    std::fprintf(stderr, "error: %s\n", made.error().c_str());
+    std::free(host);
+    return false;
+  }
+  std::unique_ptr<BenchModel> m = std::move(made.value());
+  m->set_fuse_max_batch(o.fuse_max_batch);
+  const double base_mib = used_mib();
+  std::printf("   without experts: %.0f MiB of GPU memory in use (context, bf16 non-expert weights, KV, "
+              "workspace)\n", base_mib);
+  bool ok = true;
+  for (double gib : o.budgets_gib) {
+    const double margin_mib = 160;  // routing packs, cuBLASLt and launch bookkeeping
+    const double islands_mib = gib * 1024.0 - base_mib - margin_mib;
+    const double need_mib = double(s.n_experts) * lay.blob_bytes / (1 << 20);
+    if (islands_mib < need_mib) {
+      std::printf("   %s: refused: %.0f MiB in use before experts leaves %.0f MiB, one layer's experts need "
+                  "%.0f MiB; a budget of %.2f GiB would fit\n", gib_name(gib).c_str(), base_mib, islands_mib,
+                  need_mib, (base_mib + margin_mib + need_mib) / 1024.0);
+      continue;
+    }
+    for (size_t ai = 0; ai < o.accuracies.size(); ++ai) {
+      moe::bench::BudgetOptions bo;
+      bo.islands_bytes = size_t(islands_mib * 1024 * 1024);
+      bo.n_layers = s.layers;
+      bo.n_experts = s.n_experts;
+      bo.top_k = s.top_k;
+      bo.max_tokens = std::max(o.prompt, 8);
+      bo.blob_bytes = lay.blob_bytes;
+      bo.host_experts = host;
+      bo.policy = o.policy;
+      bo.predict_accuracy = o.accuracies[ai];
+      auto be = moe::bench::BudgetExperts::create(bo);
+      if (!be.ok()) {
+        std::fprintf(stderr, "error: %s\n", be.error().c_str());
+        ok = false;
+        break;
+      }
+      std::unique_ptr<moe::bench::BudgetExperts> prov = std::move(be.value());
+      m->set_provider(prov.get());
+      double peak = used_mib();
+      const int64_t n_isl = prov->n_islands();
+      std::printf("   %s, policy %s, prediction accuracy %.2f: %lld islands (%.1f%% of %d experts), host "
+                  "experts %s\n", gib_name(gib).c_str(), o.policy.c_str(), bo.predict_accuracy, (long long)n_isl,
+                  100.0 * double(n_isl) / (double(s.layers) * s.n_experts), s.layers * s.n_experts,
+                  prov->host_registered() ? "pinned in place" : "copied to page-locked memory");
+      std::fflush(stdout);
+      // Decode, batch 1: warm the islands to their steady state, then time.
+      MAIN_TRY(m->set_positions(o.context, 1));
+      for (int i = 0; i < o.warm_steps; ++i) {
+        prov->begin_step();
+        MAIN_TRY(m->decode_step(1, st));
+      }
+      CU_TRY(cudaStreamSynchronize(st));
+      const moe::ResidencyStats s0 = prov->stats();
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < o.steps; ++i) {
+        prov->begin_step();
+        MAIN_TRY(m->decode_step(1, st));
+      }
+      CU_TRY(cudaStreamSynchronize(st));
+      const double dec_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const moe::ResidencyStats s1 = prov->stats();
+      peak = std::max(peak, used_mib());
+      Row r;
+      r.shape = s.name;
+      r.mode = gib_name(gib);
+      r.phase = "decode";
+      r.batch = 1;
+      r.ms = dec_s * 1000.0 / o.steps;
+      r.tok_s = o.steps / dec_s;
+      const double acq = double((s1.hits - s0.hits) + (s1.misses - s0.misses));
+      r.hit_rate = acq > 0 ? double(s1.hits - s0.hits) / acq : 0;
+      r.pcie_bytes_per_token = double(s1.bytes_copied - s0.bytes_copied) / o.steps;
+      r.misses_per_token = double(s1.misses - s0.misses) / o.steps;
+      r.accuracy = bo.predict_accuracy;
+      r.islands = n_isl;
+      std::printf("   decode batch 1: %.3f ms/token, %.1f tok/s, hit rate %.3f, %.1f demand misses/token, "
+                  "%.1f MB over PCIe/token (prefetches %llu)\n", r.ms, r.tok_s, r.hit_rate, r.misses_per_token,
+                  r.pcie_bytes_per_token / 1e6, (unsigned long long)(s1.prefetches - s0.prefetches));
+      std::fflush(stdout);
+      if (ai == 0) {
+        // Prefill under the same islands (the headline accuracy only).
+        prov->begin_step();
+        MAIN_TRY(m->prefill(o.prompt, st));
+        CU_TRY(cudaStreamSynchronize(st));
+        const moe::ResidencyStats p0 = prov->stats();
+        std::vector<double> runs;
+        for (int k = 0; k < 3; ++k) {
+          prov->begin_step();
+          const auto a = std::chrono::steady_clock::now();
+          MAIN_TRY(m->prefill(o.prompt, st));
+          CU_TRY(cudaStreamSynchronize(st));
+          runs.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count());
+        }
+        const moe::ResidencyStats p1 = prov->stats();
+        std::sort(runs.begin(), runs.end());
+        peak = std::max(peak, used_mib());
+        Row q = r;
+        q.phase = "prefill";
+        q.batch = o.prompt;
+        q.ms = runs[1];
+        q.tok_s = o.prompt * 1000.0 / q.ms;
+        const double pacq = double((p1.hits - p0.hits) + (p1.misses - p0.misses));
+        q.hit_rate = pacq > 0 ? double(p1.hits - p0.hits) / pacq : 0;
+        q.pcie_bytes_per_token = double(p1.bytes_copied - p0.bytes_copied) / (3.0 * o.prompt);
+        q.misses_per_token = double(p1.misses - p0.misses) / (3.0 * o.prompt);
+        q.peak_mib = peak;
+        r.peak_mib = peak;
+        std::printf("   prefill %d: %.2f ms, %.0f tok/s, hit rate %.3f, %.0f MB over PCIe per prompt\n", o.prompt,
+                    q.ms, q.tok_s, q.hit_rate, q.pcie_bytes_per_token * o.prompt / 1e6);
+        rows.push_back(r);
+        rows.push_back(q);
+      } else {
+        r.peak_mib = peak;
+        rows.push_back(r);
+      }
+      std::printf("   peak %.0f MiB of GPU memory in use (budget %.0f MiB)\n", peak, gib * 1024.0);
+      std::fflush(stdout);
+      m->set_provider(nullptr);
+      prov.reset();
+    }
+  }
+  m.reset();
+  std::free(host);
+  cudaStreamDestroy(st);
+  return ok;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -197,9 +384,16 @@ int main(int argc, char** argv) {
     else if (a == "--commit") o.commit = next();
     else if (a == "--fuse-max-batch") o.fuse_max_batch = std::stoi(next());
     else if (a == "--no-kernels") o.kernels = false;
+    else if (a == "--vram-budget") o.budgets_gib = parse_list(next(), true);
+    else if (a == "--predict-accuracy") o.accuracies = parse_list(next(), false);
+    else if (a == "--policy") o.policy = next();
+    else if (a == "--warm-steps") o.warm_steps = std::stoi(next());
+    else if (a == "--no-huge-pages") o.huge_pages = false;
     else {
       std::fprintf(stderr, "usage: moe-bench-gpu [--shape qwen15|qwen3|all] [--steps N] [--context N] "
-                           "[--prompt N] [--json PATH] [--commit HASH] [--fuse-max-batch N] [--no-kernels]\n");
+                           "[--prompt N] [--json PATH] [--commit HASH] [--fuse-max-batch N] [--no-kernels]\n"
+                           "       [--vram-budget 12GiB[,8GiB]] [--predict-accuracy A[,B]] [--policy lru|lfu|ours] "
+                           "[--warm-steps N]\n");
       return 2;
     }
   }
@@ -216,23 +410,56 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   nlohmann::json kernels = nlohmann::json::array();
   bool ok = true;
-  for (const auto& s : shapes) ok = bench_shape(s, o, rows, kernels) && ok;
+  for (const auto& s : shapes)
+    ok = (o.budgets_gib.empty() ? bench_shape(s, o, rows, kernels) : bench_budget(s, o, rows)) && ok;
 
-  std::printf("\n%s, decode from %d tokens of context (%d steps, CUDA graph), prefill %d tokens\n", prop.name,
-              o.context, o.steps, o.prompt);
-  std::printf("%-20s %-8s %6s %10s %12s %14s %10s\n", "shape", "phase", "batch", "ms", "ours tok/s",
-              "transformers", "peak MiB");
+  std::printf("\n%s, decode from %d tokens of context (%d steps%s), prefill %d tokens\n", prop.name, o.context,
+              o.steps, o.budgets_gib.empty() ? ", CUDA graph" : ", eager", o.prompt);
+  std::printf("%-20s %-14s %-8s %6s %10s %12s %14s %10s %8s %12s %6s\n", "shape", "mode", "phase", "batch", "ms",
+              "ours tok/s", "transformers", "peak MiB", "hit", "PCIe MB/tok", "pred");
   for (const Row& r : rows) {
     char tf[32] = "-";
     if (r.transformers > 0) std::snprintf(tf, sizeof tf, "%.1f", r.transformers);
-    std::printf("%-20s %-8s %6d %10.3f %12.1f %14s %10.0f\n", r.shape.c_str(), r.phase.c_str(), r.batch, r.ms,
-                r.tok_s, tf, r.peak_mib);
+    std::printf("%-20s %-14s %-8s %6d %10.3f %12.1f %14s %10.0f %8.3f %12.2f %6.2f\n", r.shape.c_str(),
+                r.mode.c_str(), r.phase.c_str(), r.batch, r.ms, r.tok_s, tf, r.peak_mib, r.hit_rate,
+                r.pcie_bytes_per_token / 1e6, r.accuracy);
   }
   if (!o.json.empty()) {
     char date[32];
     const std::time_t now = std::time(nullptr);
     std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
     nlohmann::json j;
+    if (!o.budgets_gib.empty()) {
+      // Budget rows join the file's resident rows (and replace earlier budget rows of the same key).
+      std::ifstream in(o.json);
+      if (in) j = nlohmann::json::parse(in, nullptr, false);
+      if (j.is_discarded() || !j.is_object()) j = nlohmann::json::object();
+      if (!j.contains("rows")) j["rows"] = nlohmann::json::array();
+      nlohmann::json kept = nlohmann::json::array();
+      for (const auto& x : j["rows"]) {
+        bool replaced = false;
+        for (const Row& r : rows)
+          replaced = replaced || (x.value("shape", "") == r.shape && x.value("mode", "") == r.mode &&
+                                  x.value("phase", "") == r.phase && x.value("predict_accuracy", -1.0) == r.accuracy &&
+                                  x.value("policy", "") == o.policy);
+        if (!replaced) kept.push_back(x);
+      }
+      j["rows"] = kept;
+      j["budget_settings"] = {{"date", date}, {"commit", o.commit}, {"gpu", prop.name}, {"context", o.context},
+                              {"steps", o.steps}, {"warm_steps", o.warm_steps}, {"prompt", o.prompt},
+                              {"policy", o.policy}, {"routing", "seeded uniform random, top-k distinct"},
+                              {"decode", "eager launches, one host wait per layer at the router point"},
+                              {"other_weights", "bf16"},
+                              {"prediction", "next layer's picks guessed right with probability predict_accuracy"}};
+      for (const Row& r : rows)
+        j["rows"].push_back({{"shape", r.shape}, {"mode", r.mode}, {"phase", r.phase}, {"batch", r.batch},
+                             {"ours_tok_s", r.tok_s}, {"ms", r.ms}, {"peak_gpu_mib", r.peak_mib},
+                             {"hit_rate", r.hit_rate}, {"pcie_bytes_per_token", r.pcie_bytes_per_token},
+                             {"misses_per_token", r.misses_per_token}, {"predict_accuracy", r.accuracy},
+                             {"islands", r.islands}, {"policy", o.policy}, {"transformers_tok_s", nullptr}});
+      std::ofstream(o.json) << j.dump(2) << "\n";
+      return ok ? 0 : 1;
+    }
     j["date"] = date;
     j["gpu"] = prop.name;
     j["commit"] = o.commit;
