@@ -790,6 +790,8 @@ const std::unordered_map<std::string, FilterFn>& filters() {
     f["indent"] = [](Interpreter& in, const Value& v, CallArgs& a) {
       Args args("indent", a, {"width", "first", "blank"});
       Value w = args.get(0, Value(int64_t{4}));
+      if (!w.is_string() && !w.is_int() && !w.is_bool()) throw TemplateError("indent width must be an integer or a string");
+      if (!w.is_string()) in.check_size(static_cast<size_t>(std::max<int64_t>(0, w.to_int())));
       std::string pad = w.is_string() ? w.as_string() : std::string(static_cast<size_t>(std::max<int64_t>(0, w.to_int())), ' ');
       bool first = args.flag(1, false), blank = args.flag(2, false);
       std::string s = to_str(v);
@@ -876,10 +878,13 @@ void add_globals(Interpreter& in) {
     if (n.empty() || n.size() > 3) throw TemplateError("range expected 1 to 3 arguments");
     int64_t start = n.size() == 1 ? 0 : n[0], stop = n.size() == 1 ? n[0] : n[1], step = n.size() == 3 ? n[2] : 1;
     if (step == 0) throw TemplateError("range() arg 3 must not be zero");
-    long double count = step > 0 ? (static_cast<long double>(stop) - start) / step : (static_cast<long double>(start) - stop) / -step;
+    // Items counted in 128 bits, so that no step can overflow.
+    const __int128 span = step > 0 ? static_cast<__int128>(stop) - start : static_cast<__int128>(start) - stop;
+    const __int128 stride = step > 0 ? static_cast<__int128>(step) : -static_cast<__int128>(step);
+    const __int128 count = span <= 0 ? 0 : (span + stride - 1) / stride;
     if (count > kMaxRange) throw TemplateError("range too big (more than " + std::to_string(kMaxRange) + " items)");
     List out;
-    for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) out.emplace_back(i);
+    for (__int128 k = 0; k < count; ++k) out.emplace_back(static_cast<int64_t>(start + k * step));
     return Value::list(std::move(out));
   }));
   auto make_dict = [](CallArgs& a, bool is_namespace, const char* fn) {

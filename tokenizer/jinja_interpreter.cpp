@@ -528,6 +528,9 @@ Value Interpreter::eval_binary(const Expr& e, Scope& scope) {
     const Value& count = a.is_int() || a.is_bool() ? a : b;
     if ((count.is_int() || count.is_bool()) && (seq.is_string() || seq.is_list())) {
       int64_t n = std::max<int64_t>(0, count.to_int());
+      const size_t unit = seq.is_string() ? seq.as_string().size() : seq.as_list().size();
+      if (unit == 0) n = 0;
+      if (n > 0 && static_cast<uint64_t>(n) > limits_.max_output_bytes / unit) check_size(limits_.max_output_bytes + 1);
       if (seq.is_string()) {
         check_size(static_cast<size_t>(n) * seq.as_string().size());
         std::string out;
@@ -565,11 +568,13 @@ Value Interpreter::eval_binary(const Expr& e, Scope& scope) {
   }
   if (op == "**") {
     if (ints && b.to_int() >= 0) {
-      int64_t base = a.to_int(), result = 1;
-      for (int64_t i = 0; i < b.to_int(); ++i) {
+      const int64_t base = a.to_int(), exp = b.to_int();
+      if (exp == 0 || base == 1) return Value(int64_t{1});
+      if (base == 0) return Value(int64_t{0});
+      if (base == -1) return Value(exp % 2 == 0 ? int64_t{1} : int64_t{-1});
+      int64_t result = 1;  // |base| >= 2: overflows within 63 steps
+      for (int64_t i = 0; i < exp; ++i)
         if (__builtin_mul_overflow(result, base, &result)) throw TemplateError("integer overflow");
-        if (result == 0 || result == 1) break;
-      }
       return Value(result);
     }
     return Value(std::pow(a.to_double(), b.to_double()));
