@@ -11,6 +11,8 @@
 namespace moe::gw {
 namespace {
 
+constexpr uint64_t kConnectTimeoutMs = 1000;
+
 bool parse_int(std::string_view s, int* out) {
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
   return ec == std::errc() && p == s.data() + s.size() && !s.empty();
@@ -74,6 +76,16 @@ void RedisClient::connect_now() {
   redisAsyncSetConnectCallback(ac, &RedisClient::on_connect);
   redisAsyncSetDisconnectCallback(ac, &RedisClient::on_disconnect);
   ac_ = ac;
+  // A refused connection can end as a poll error the adapter does not pass
+  // on to hiredis: give up on this attempt after a while ourselves.
+  uv_timer_start(timer_, [](uv_timer_t* t) {
+    auto* self = static_cast<RedisClient*>(t->data);
+    if (!self->ac_ || self->connected_) return;
+    self->ac_->data = nullptr;
+    redisAsyncFree(self->ac_);
+    self->ac_ = nullptr;
+    self->lost("connection attempt timed out");
+  }, kConnectTimeoutMs, 0);
 }
 
 void RedisClient::on_connect(const redisAsyncContext* ac, int status) {
@@ -85,6 +97,7 @@ void RedisClient::on_connect(const redisAsyncContext* ac, int status) {
     self->lost(ac->errstr);
     return;
   }
+  uv_timer_stop(self->timer_);
   self->connected_ = true;
   self->retry_ms_ = 0;
   if (self->ever_connected_) ++self->reconnects_;

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Runs moe-serve under supervisord in the foreground: Redis, the worker (the
+# CUDA backend when this build has it, else the CPU one), the CPU fallback
+# worker on the small demo model, and the gateway with --worker,
+# --fallback-worker and --redis. Every program is restarted when it exits.
+#
+# Usage: deploy/supervise.sh [MODEL]   (default: the demo model)
+# Env: BUILD_DIR (build), HOST (127.0.0.1), PORT (8080), REDIS_PORT (6390),
+#      MOE_STATE_DIR (BUILD_DIR/supervise: sockets, Redis data, logs/),
+#      FALLBACK_MODEL (models/demo-moe), BACKEND (cuda|cpu, detected).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${BUILD_DIR:-build}
+case $build in /*) ;; *) build=$root/$build ;; esac
+if [ ! -x "$build/gateway/moe-gateway" ] || [ ! -x "$build/gpu_worker/moe-worker" ]; then
+  "$root/deploy/setup.sh" "$build"
+fi
+command -v supervisord >/dev/null || { echo "supervise: supervisord is not installed (deploy/setup.sh installs it)" >&2; exit 1; }
+
+state=${MOE_STATE_DIR:-$build/supervise}
+mkdir -p "$state/run" "$state/logs"
+chmod 700 "$state/run"
+export MOE_ROOT=$root MOE_BUILD=$build MOE_RUN_DIR=$state/run MOE_LOG_DIR=$state/logs
+model=${1:-$root/models/demo-moe}
+export MOE_MODEL=$(cd "$(dirname "$model")" && pwd)/$(basename "$model")
+export MOE_FALLBACK_MODEL=${FALLBACK_MODEL:-$root/models/demo-moe}
+export MOE_HOST=${HOST:-127.0.0.1} MOE_PORT=${PORT:-8080} MOE_REDIS_PORT=${REDIS_PORT:-6390}
+if [ -z "${BACKEND:-}" ]; then
+  # A worker built with CUDA says so in its --help.
+  if "$build/gpu_worker/moe-worker" --help 2>/dev/null | grep -q "cuda" && command -v nvidia-smi >/dev/null &&
+     nvidia-smi -L >/dev/null 2>&1 && grep -q "MOE_HAVE_CUDA:BOOL=ON\|MOE_CUDA:BOOL=ON" "$build/CMakeCache.txt" 2>/dev/null; then
+    BACKEND=cuda
+  else
+    BACKEND=cpu
+  fi
+fi
+export MOE_BACKEND=$BACKEND
+echo "supervise: $MOE_MODEL on $MOE_BACKEND, fallback $MOE_FALLBACK_MODEL on cpu, http://$MOE_HOST:$MOE_PORT," \
+     "Redis on 127.0.0.1:$MOE_REDIS_PORT, logs in $MOE_LOG_DIR" >&2
+exec supervisord -n -c "$root/deploy/supervisord.conf"

@@ -1,0 +1,416 @@
+#include "gpu_worker/redis_state.h"
+
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+
+#include <hiredis/hiredis.h>
+
+namespace moe::worker {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr size_t kMaxRoutingQueued = 4096;  // summaries kept while Redis is away
+
+struct ReplyDeleter {
+  void operator()(redisReply* r) const {
+    if (r) freeReplyObject(r);
+  }
+};
+using Reply = std::unique_ptr<redisReply, ReplyDeleter>;
+
+bool parse_int(std::string_view s, int* out) {
+  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
+  return ec == std::errc() && p == s.data() + s.size() && !s.empty();
+}
+
+std::string reply_text(const redisReply* r) {
+  if (!r) return "";
+  if (r->type == REDIS_REPLY_STRING || r->type == REDIS_REPLY_STATUS || r->type == REDIS_REPLY_ERROR)
+    return std::string(r->str, r->len);
+  return "";
+}
+
+// A stream entry [id, [field, value, ...]] as id and flat fields; false when
+// the shape is not that.
+bool entry_of(const redisReply* e, std::string* id, std::vector<std::string>* fields) {
+  if (!e || e->type != REDIS_REPLY_ARRAY || e->elements != 2) return false;
+  if (e->element[0]->type != REDIS_REPLY_STRING) return false;
+  *id = reply_text(e->element[0]);
+  fields->clear();
+  const redisReply* f = e->element[1];
+  if (f->type != REDIS_REPLY_ARRAY) return f->type == REDIS_REPLY_NIL;  // deleted meanwhile: no fields
+  for (size_t i = 0; i < f->elements; ++i) fields->push_back(reply_text(f->element[i]));
+  return true;
+}
+
+std::string field(const std::vector<std::string>& fields, const std::string& name) {
+  for (size_t i = 0; i + 1 < fields.size(); i += 2)
+    if (fields[i] == name) return fields[i + 1];
+  return "";
+}
+
+}  // namespace
+
+Result<RedisEndpoint> parse_redis_url(const std::string& url) {
+  RedisEndpoint ep;
+  std::string rest = url;
+  if (rest.rfind("redis://", 0) == 0) rest = rest.substr(8);
+  if (rest.empty()) return make_error("Redis URL '" + url + "' names no host");
+  if (auto at = rest.find('@'); at != std::string::npos) rest = rest.substr(at + 1);  // no AUTH support: ignored
+  if (auto slash = rest.find('/'); slash != std::string::npos) {
+    std::string db = rest.substr(slash + 1);
+    rest = rest.substr(0, slash);
+    if (!db.empty() && !parse_int(db, &ep.db)) return make_error("Redis URL '" + url + "': bad database number");
+  }
+  if (auto colon = rest.rfind(':'); colon != std::string::npos) {
+    if (!parse_int(rest.substr(colon + 1), &ep.port) || ep.port <= 0 || ep.port > 65535)
+      return make_error("Redis URL '" + url + "': bad port");
+    rest = rest.substr(0, colon);
+  }
+  if (!rest.empty()) ep.host = rest;
+  return ep;
+}
+
+std::string format_expert_list(const std::vector<protocol::ExpertRef>& experts) {
+  std::string out;
+  for (const auto& e : experts) {
+    if (!out.empty()) out += ' ';
+    out += std::to_string(e.layer) + ':' + std::to_string(e.expert);
+  }
+  return out;
+}
+
+Result<std::vector<protocol::ExpertRef>> parse_expert_list(const std::string& text) {
+  std::vector<protocol::ExpertRef> out;
+  size_t i = 0;
+  while (i < text.size()) {
+    if (text[i] == ' ') {
+      ++i;
+      continue;
+    }
+    size_t end = text.find(' ', i);
+    if (end == std::string::npos) end = text.size();
+    const std::string_view item(text.data() + i, end - i);
+    const size_t colon = item.find(':');
+    int layer = 0, expert = 0;
+    if (colon == std::string_view::npos || !parse_int(item.substr(0, colon), &layer) ||
+        !parse_int(item.substr(colon + 1), &expert) || layer < 0 || layer > 65535 || expert < 0 || expert > 65535)
+      return make_error("not a layer:expert pair: '" + std::string(item.substr(0, 40)) + "'");
+    out.push_back({uint16_t(layer), uint16_t(expert)});
+    if (out.size() > protocol::kMaxExpertsPerMessage) return make_error("too many experts");
+    i = end;
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------ state
+
+struct WorkerRedisState::Conn {
+  redisContext* ctx = nullptr;
+  bool down_logged = false;
+  bool ever_up = false;
+  Clock::time_point next_try{};
+  int backoff_ms = 0;
+  ~Conn() { close(); }
+  void close() {
+    if (ctx) redisFree(ctx);
+    ctx = nullptr;
+  }
+  Reply cmd(const std::vector<std::string>& args) {
+    if (!ctx) return nullptr;
+    std::vector<const char*> argv;
+    std::vector<size_t> lens;
+    for (const auto& a : args) {
+      argv.push_back(a.data());
+      lens.push_back(a.size());
+    }
+    Reply r(static_cast<redisReply*>(redisCommandArgv(ctx, int(argv.size()), argv.data(), lens.data())));
+    if (!r || ctx->err) {
+      close();
+      return nullptr;
+    }
+    return r;
+  }
+};
+
+WorkerRedisState::WorkerRedisState(WorkerRedisOptions opts, Backend* backend)
+    : opts_(std::move(opts)), backend_(backend) {
+  auto ep = parse_redis_url(opts_.url);
+  if (ep.ok()) {
+    endpoint_ = ep.value();
+    endpoint_ok_ = true;
+  } else {
+    std::fprintf(stderr, "moe-worker: %s; state stays in this process\n", ep.error().c_str());
+  }
+  n_experts_ = backend_->describe().experts.n_experts;
+}
+
+WorkerRedisState::~WorkerRedisState() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+bool WorkerRedisState::ensure_connected(Conn& c) {
+  if (c.ctx) return true;
+  if (!endpoint_ok_) return false;
+  const auto now = Clock::now();
+  if (now < c.next_try) return false;
+  timeval tv{opts_.timeout_ms / 1000, (opts_.timeout_ms % 1000) * 1000};
+  c.ctx = redisConnectWithTimeout(endpoint_.host.c_str(), endpoint_.port, tv);
+  if (c.ctx && !c.ctx->err) {
+    redisSetTimeout(c.ctx, tv);
+    if (endpoint_.db != 0) c.cmd({"SELECT", std::to_string(endpoint_.db)});
+  }
+  if (!c.ctx || c.ctx->err) {
+    if (!c.down_logged) {
+      std::fprintf(stderr, "moe-worker: Redis at %s:%d unreachable (%s); state stays in this process, retrying\n",
+                   endpoint_.host.c_str(), endpoint_.port, c.ctx ? c.ctx->errstr : "no memory");
+      c.down_logged = true;
+    }
+    c.close();
+    c.backoff_ms = std::clamp(c.backoff_ms * 2, 100, 5000);
+    c.next_try = now + std::chrono::milliseconds(c.backoff_ms);
+    return false;
+  }
+  if (c.down_logged || !c.ever_up)
+    std::fprintf(stderr, "moe-worker: Redis at %s:%d connected\n", endpoint_.host.c_str(), endpoint_.port);
+  c.down_logged = false;
+  c.ever_up = true;
+  c.backoff_ms = 0;
+  group_ready_ = false;
+  return true;
+}
+
+WorkerRedisState::Rewarm WorkerRedisState::rewarm() {
+  Rewarm out;
+  const auto t0 = Clock::now();
+  Conn c;
+  if (ensure_connected(c)) {
+    out.redis_reachable = true;
+    Reply r = c.cmd({"XREVRANGE", resident_key(), "+", "-", "COUNT", "1"});
+    std::string id;
+    std::vector<std::string> fields;
+    if (r && r->type == REDIS_REPLY_ARRAY && r->elements == 1 && entry_of(r->element[0], &id, &fields)) {
+      auto experts = parse_expert_list(field(fields, "experts"));
+      if (experts.ok()) {
+        out.previous = experts->size();
+        out.resident = backend_->warm(experts.value());
+      } else {
+        std::fprintf(stderr, "moe-worker: skipping garbage resident-state entry %s: %s\n", id.c_str(),
+                     experts.error().c_str());
+      }
+    }
+  }
+  out.ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  return out;
+}
+
+void WorkerRedisState::start() {
+  queue_resident("snapshot");
+  published_version_ = backend_->residency_version();
+  if (!endpoint_ok_) return;
+  thread_ = std::thread([this] { run(); });
+}
+
+void WorkerRedisState::queue_resident(const char* why) {
+  Entry e;
+  e.key = resident_key();
+  e.fields = {"worker", opts_.consumer, "kind", why, "experts", format_expert_list(backend_->resident())};
+  std::lock_guard<std::mutex> lk(mu_);
+  last_resident_ = e;
+  resident_pending_ = std::move(e);
+  cv_.notify_all();
+}
+
+void WorkerRedisState::apply_hints() {
+  if (!hints_waiting_.exchange(false)) return;
+  std::vector<protocol::ExpertRef> hints;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    hints.swap(hints_);
+  }
+  backend_->warm(hints);
+}
+
+void WorkerRedisState::after_step(const protocol::StepRequest& req, const protocol::StepReply& reply) {
+  apply_hints();
+  if (backend_->residency_version() != published_version_) {
+    published_version_ = backend_->residency_version();
+    queue_resident("change");
+  }
+  (void)req;
+  for (const protocol::StepResult& r : reply.results) {
+    if (r.error != protocol::ErrorCode::none || r.expert_usage.empty()) continue;
+    auto& u = usage_[r.seq_id];
+    if (u.size() < r.expert_usage.size()) u.resize(r.expert_usage.size());
+    for (size_t i = 0; i < r.expert_usage.size(); ++i) u[i] += r.expert_usage[i];
+  }
+}
+
+void WorkerRedisState::released(uint64_t seq_id) {
+  auto it = usage_.find(seq_id);
+  if (it == usage_.end()) return;
+  // "0:3=5,7=2 1:…": per MoE layer, expert=tokens it served.
+  std::string layers;
+  const uint32_t E = std::max<uint32_t>(n_experts_, 1);
+  for (size_t l = 0; l * E < it->second.size(); ++l) {
+    std::string part;
+    for (size_t e = 0; e < E && l * E + e < it->second.size(); ++e) {
+      const uint32_t n = it->second[l * E + e];
+      if (!n) continue;
+      part += (part.empty() ? "" : ",") + std::to_string(e) + "=" + std::to_string(n);
+    }
+    if (part.empty()) continue;
+    layers += (layers.empty() ? "" : " ") + std::to_string(l) + ":" + part;
+  }
+  usage_.erase(it);
+  Entry e;
+  e.key = routing_key();
+  e.fields = {"worker", opts_.consumer, "seq", std::to_string(seq_id), "layers", std::move(layers)};
+  std::lock_guard<std::mutex> lk(mu_);
+  if (routing_pending_.size() >= kMaxRoutingQueued) routing_pending_.pop_front();
+  routing_pending_.push_back(std::move(e));
+  cv_.notify_all();
+}
+
+bool WorkerRedisState::publish(Conn& c, const Entry& e) {
+  std::vector<std::string> args = {"XADD", e.key, "MAXLEN", "~", std::to_string(opts_.stream_max_len), "*"};
+  args.insert(args.end(), e.fields.begin(), e.fields.end());
+  Reply r = c.cmd(args);
+  return r && r->type == REDIS_REPLY_STRING;
+}
+
+void WorkerRedisState::handle_event(const std::string& id, const std::vector<std::string>& fields) {
+  const std::string type = field(fields, "type");
+  if (type == "warm") {
+    auto experts = parse_expert_list(field(fields, "experts"));
+    if (!experts.ok()) {
+      std::fprintf(stderr, "moe-worker: skipping garbage event %s: %s\n", id.c_str(), experts.error().c_str());
+      return;
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    hints_.insert(hints_.end(), experts->begin(), experts->end());
+    hints_waiting_ = true;
+  } else if (type == "session") {
+    // Sessions are the gateways' business; workers only acknowledge them.
+  } else {
+    std::fprintf(stderr, "moe-worker: skipping garbage event %s (type '%s')\n", id.c_str(), type.substr(0, 40).c_str());
+  }
+}
+
+// Reads one batch of events; false when the connection failed.
+bool WorkerRedisState::read_events(Conn& c) {
+  const std::string key = events_key();
+  if (!group_ready_) {
+    Reply r = c.cmd({"XGROUP", "CREATE", key, "workers", "$", "MKSTREAM"});
+    if (!r) return false;
+    if (r->type == REDIS_REPLY_ERROR && reply_text(r.get()).find("BUSYGROUP") == std::string::npos) {
+      std::fprintf(stderr, "moe-worker: XGROUP CREATE: %s\n", reply_text(r.get()).c_str());
+      return false;
+    }
+    group_ready_ = true;
+  }
+  auto handle_entries = [&](const redisReply* list) -> bool {
+    if (!list || list->type != REDIS_REPLY_ARRAY) return true;
+    std::vector<std::string> acks = {"XACK", key, "workers"};
+    for (size_t i = 0; i < list->elements; ++i) {
+      std::string id;
+      std::vector<std::string> fields;
+      if (!entry_of(list->element[i], &id, &fields)) {
+        std::fprintf(stderr, "moe-worker: skipping a malformed stream entry\n");
+        continue;
+      }
+      handle_event(id, fields);
+      acks.push_back(id);  // garbage too: it must not come back forever
+    }
+    if (acks.size() > 3 && !c.cmd(acks)) return false;
+    return true;
+  };
+  if (!replayed_) {
+    // What this worker (same consumer name) read but never acknowledged
+    // before it died, then what other dead consumers left pending.
+    Reply own = c.cmd({"XREADGROUP", "GROUP", "workers", opts_.consumer, "COUNT", "1000", "STREAMS", key, "0"});
+    if (!own) return false;
+    if (own->type == REDIS_REPLY_ARRAY && own->elements == 1 && own->element[0]->elements == 2)
+      if (!handle_entries(own->element[0]->element[1])) return false;
+    Reply claimed = c.cmd({"XAUTOCLAIM", key, "workers", opts_.consumer, std::to_string(opts_.claim_idle_ms), "0-0",
+                           "COUNT", "1000"});
+    if (!claimed) return false;
+    if (claimed->type == REDIS_REPLY_ARRAY && claimed->elements >= 2) {
+      if (claimed->element[1]->elements)
+        std::fprintf(stderr, "moe-worker: claimed %zu pending events of dead workers\n", claimed->element[1]->elements);
+      if (!handle_entries(claimed->element[1])) return false;
+    }
+    replayed_ = true;
+  }
+  Reply r = c.cmd({"XREADGROUP", "GROUP", "workers", opts_.consumer, "COUNT", "100", "BLOCK", "200", "STREAMS", key, ">"});
+  if (!r) return false;
+  if (r->type == REDIS_REPLY_ARRAY && r->elements == 1 && r->element[0]->type == REDIS_REPLY_ARRAY &&
+      r->element[0]->elements == 2)
+    return handle_entries(r->element[0]->element[1]);
+  return true;
+}
+
+void WorkerRedisState::run() {
+  Conn c;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      if (stop_) return;
+    }
+    const bool was_down = c.ctx == nullptr;
+    if (!ensure_connected(c)) {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait_for(lk, std::chrono::milliseconds(100), [&] { return stop_; });
+      continue;
+    }
+    if (was_down) {
+      // A restarted Redis may have lost the state: publish it again.
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!resident_pending_ && last_resident_) resident_pending_ = last_resident_;
+    }
+    // Publish what is queued; on failure it is put back for the next connection.
+    std::optional<Entry> resident;
+    std::deque<Entry> routing;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      resident.swap(resident_pending_);
+      routing.swap(routing_pending_);
+    }
+    bool ok = true;
+    if (resident && !(ok = publish(c, *resident))) {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!resident_pending_) resident_pending_ = std::move(resident);
+    }
+    while (ok && !routing.empty()) {
+      if (!(ok = publish(c, routing.front()))) break;
+      routing.pop_front();
+    }
+    if (!routing.empty()) {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (auto it = routing.rbegin(); it != routing.rend(); ++it) routing_pending_.push_front(std::move(*it));
+      while (routing_pending_.size() > kMaxRoutingQueued) routing_pending_.pop_front();
+    }
+    if (ok) ok = read_events(c);
+    if (!ok) {
+      c.close();
+      replayed_ = false;
+      if (!c.down_logged) {
+        std::fprintf(stderr, "moe-worker: lost Redis at %s:%d; state stays in this process, reconnecting\n",
+                     endpoint_.host.c_str(), endpoint_.port);
+        c.down_logged = true;
+      }
+      c.backoff_ms = 100;
+      c.next_try = Clock::now() + std::chrono::milliseconds(c.backoff_ms);
+    }
+  }
+}
+
+}  // namespace moe::worker
