@@ -4,9 +4,11 @@
 #include <catch2/catch.hpp>
 
 #include <nlohmann/json.hpp>
+#include <filesystem>
 #include <fstream>
 
 #include "engine/perplexity.h"
+#include "model/packed_model.h"
 #include "tests/engine/reference_data.h"
 
 using namespace moe;
@@ -49,4 +51,32 @@ TEST_CASE("demo model: greedy samples match transformers", "[engine][demo]") {
     CHECK(got == want);
   }
   CHECK(n == 4);
+}
+
+TEST_CASE("demo model: INT4 experts raise perplexity by at most 3%", "[engine][demo][int4]") {
+  const std::string packed = std::filesystem::temp_directory_path() / "moe_engine_test_demo_q4.moe";
+  PackOptions po;
+  po.group_size = 64;
+  po.threads = 2;
+  REQUIRE(write_packed_model(demo_dir(), packed, po).ok());
+  auto files = ModelFiles::open(packed);
+  REQUIRE(files.ok());
+  REQUIRE(files.value()->experts_q4());
+  EngineOptions opts;
+  opts.threads = 2;
+  auto e = CpuEngine::create(files.value(), opts);
+  REQUIRE(e.ok());
+  REQUIRE(e.value()->experts_q4());
+  auto ref = Checkpoint::open_file(demo_dir() + "/reference.safetensors");
+  REQUIRE(ref.ok());
+  const auto ids = ints(*ref->find("eval.ids"));
+  double want;
+  std::memcpy(&want, ref->find("eval.nll_fp32")->data, 8);
+  auto r = mean_nll(*e.value(), ids, 512);
+  std::filesystem::remove(packed);
+  REQUIRE(r.ok());
+  const double ppl = std::exp(r->nll), ppl_ref = std::exp(want);
+  INFO("int4 g64 ppl " << ppl << " reference " << ppl_ref);
+  CHECK(std::abs(r->nll - want) > 1e-5);  // the INT4 experts really ran
+  CHECK(ppl <= ppl_ref * 1.03);
 }
