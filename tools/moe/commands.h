@@ -15,6 +15,7 @@ int cmd_detokenize(int argc, char** argv);
 int cmd_convert(int argc, char** argv);
 int cmd_generate(int argc, char** argv);
 int cmd_perplexity(int argc, char** argv);
+int cmd_template(int argc, char** argv);
 int cmd_replay_trace(int argc, char** argv);
 
 // The table, defined in main.cpp.

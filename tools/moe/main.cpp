@@ -12,9 +12,10 @@ const Command kCommands[] = {
     {"tokenize", "text on stdin -> token ids (JSON array)", cmd_tokenize},
     {"detokenize", "token ids (JSON array) on stdin -> text", cmd_detokenize},
     {"convert", "checkpoint folder -> one packed model file (INT4 experts)", cmd_convert},
-    {"replay-trace", "routing trace -> expert-island hit rate per eviction policy", cmd_replay_trace},
     {"generate", "generate text from a prompt on the CPU engine", cmd_generate},
     {"perplexity", "perplexity of a text file under the model (CPU engine)", cmd_perplexity},
+    {"template", "chat messages (JSON) -> the prompt the model's chat template renders", cmd_template},
+    {"replay-trace", "routing trace -> expert-island hit rate per eviction policy", cmd_replay_trace},
     {nullptr, nullptr, nullptr},
 };
 const int kNumCommands = sizeof(kCommands) / sizeof(kCommands[0]) - 1;
