@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Runs moe-serve under supervisord in the foreground: Redis, the worker (the
 # CUDA backend when this build has it, else the CPU one), the CPU fallback
-# worker on the small demo model, and the gateway with --worker,
+# worker (the demo model when serving the demo model), and the gateway with --worker,
 # --fallback-worker and --redis. Every program is restarted when it exits.
 #
 # Usage: deploy/supervise.sh [MODEL]   (default: the demo model)
 # Env: BUILD_DIR (build), HOST (127.0.0.1), PORT (8080), REDIS_PORT (6390),
 #      MOE_STATE_DIR (BUILD_DIR/supervise: sockets, Redis data, logs/),
-#      FALLBACK_MODEL (models/demo-moe), BACKEND (cuda|cpu, detected).
+#      FALLBACK_MODEL (the main model; it must share its tokenizer),
+#      BACKEND (cuda|cpu, detected).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD_DIR:-build}
@@ -23,7 +24,10 @@ chmod 700 "$state/run"
 export MOE_ROOT=$root MOE_BUILD=$build MOE_RUN_DIR=$state/run MOE_LOG_DIR=$state/logs
 model=${1:-$root/models/demo-moe}
 export MOE_MODEL=$(cd "$(dirname "$model")" && pwd)/$(basename "$model")
-export MOE_FALLBACK_MODEL=${FALLBACK_MODEL:-$root/models/demo-moe}
+# The fallback continues running requests from their token ids, so it must
+# share the main model's tokenizer: by default it is the main model itself
+# (on the CPU); give FALLBACK_MODEL for a smaller one of the same vocabulary.
+export MOE_FALLBACK_MODEL=${FALLBACK_MODEL:-$MOE_MODEL}
 export MOE_HOST=${HOST:-127.0.0.1} MOE_PORT=${PORT:-8080} MOE_REDIS_PORT=${REDIS_PORT:-6390}
 if [ -z "${BACKEND:-}" ]; then
   # A worker built with CUDA says so in its --help.
