@@ -46,12 +46,22 @@ Result<std::unique_ptr<BudgetExperts>> BudgetExperts::create(const BudgetOptions
   std::memset(b->pack_host_, 0, b->pack_bytes_ * o.n_layers);
   MOE_CUDA_TRY(cudaEventCreateWithFlags(&b->routed_, cudaEventDisableTiming));
   b->bound_.resize(size_t(o.n_layers));
+  b->layer_read_.assign(size_t(o.n_layers), nullptr);
+  b->batch_done_.assign(size_t(o.n_layers), nullptr);
+  for (int l = 0; l < o.n_layers; ++l) {
+    MOE_CUDA_TRY(cudaEventCreateWithFlags(&b->layer_read_[size_t(l)], cudaEventDisableTiming));
+    MOE_CUDA_TRY(cudaEventCreateWithFlags(&b->batch_done_[size_t(l)], cudaEventDisableTiming));
+  }
   return Result<std::unique_ptr<BudgetExperts>>(std::move(b));
 }
 
 BudgetExperts::~BudgetExperts() {
   arena_.reset();  // waits for its copies first
   if (routed_) (void)cudaEventDestroy(routed_);
+  for (cudaEvent_t e : layer_read_)
+    if (e) (void)cudaEventDestroy(e);
+  for (cudaEvent_t e : batch_done_)
+    if (e) (void)cudaEventDestroy(e);
   if (pack_dev_) (void)cudaFree(pack_dev_);
   if (pack_host_) (void)cudaFreeHost(pack_host_);
 }
@@ -90,6 +100,9 @@ Result<ExpertBinding> BudgetExperts::bind(int layer, int tokens, cudaStream_t st
     if (!p) return make_error(p.error());
     table[e] = *p;
   }
+  // Islands a batch filled for this layer: the map calls them hits, so the
+  // arena's per-island events do not cover them; the batch's event does.
+  if (o_.batched_prefetch) MOE_CUDA_TRY(cudaStreamWaitEvent(st, batch_done_[size_t(layer)], 0));
   map_->clear_predictions(layer);
   std::memcpy(ids, cur_.data(), cur_.size() * 4);
   const size_t bytes = size_t(o_.n_experts) * sizeof(void*) + cur_.size() * 4;
@@ -115,7 +128,9 @@ Result<ExpertBinding> BudgetExperts::bind(int layer, int tokens, cudaStream_t st
           if (std::find(guess.begin(), guess.end(), e) == guess.end()) guess.push_back(e);
         }
       }
-      if (Status s = arena_->prefetch(*map_, layer + 1, guess, HintPriority::prefetch); !s) return make_error(s.error());
+      const Status s = o_.batched_prefetch ? prefetch_batch(layer + 1, guess)
+                                           : arena_->prefetch(*map_, layer + 1, guess, HintPriority::prefetch);
+      if (!s) return make_error(s.error());
     }
   }
   ExpertBinding out;
@@ -127,6 +142,26 @@ Result<ExpertBinding> BudgetExperts::bind(int layer, int tokens, cudaStream_t st
 Status BudgetExperts::unbind(int layer, cudaStream_t st) {
   for (int e : bound_[size_t(layer)])
     if (Status s = arena_->release(*map_, layer, e, st); !s) return s;
+  MOE_CUDA_TRY(cudaEventRecord(layer_read_[size_t(layer)], st));
+  return {};
+}
+
+Status BudgetExperts::prefetch_batch(int layer, const std::vector<int>& experts) {
+  const std::vector<Placement> ps = map_->hint(layer, experts, HintPriority::prefetch);
+  if (ps.empty()) return {};
+  cudaStream_t cs = arena_->copy_stream();
+  // An evicted expert was last read by its layer's latest expert kernels.
+  std::vector<int> waited;
+  for (const Placement& p : ps)
+    if (p.evicted && std::find(waited.begin(), waited.end(), p.evicted->layer) == waited.end()) {
+      waited.push_back(p.evicted->layer);
+      MOE_CUDA_TRY(cudaStreamWaitEvent(cs, layer_read_[size_t(p.evicted->layer)], 0));
+    }
+  for (const Placement& p : ps) {
+    const uint8_t* src = o_.host_experts + (size_t(p.key.layer) * o_.n_experts + size_t(p.key.expert)) * o_.blob_bytes;
+    MOE_CUDA_TRY(cudaMemcpyAsync(arena_->island(p.island), src, o_.blob_bytes, cudaMemcpyHostToDevice, cs));
+  }
+  MOE_CUDA_TRY(cudaEventRecord(batch_done_[size_t(layer)], cs));
   return {};
 }
 

@@ -40,6 +40,9 @@ struct BudgetOptions {
   std::string policy = "ours";            // lru | lfu | ours
   double predict_accuracy = 0.8;          // 0: no prefetch
   uint64_t seed = 42;
+  // Prefetch copies as one batch (waits, then copies back to back, then one
+  // event) instead of IslandArena::prefetch's wait/copy/record per expert.
+  bool batched_prefetch = true;
 };
 
 class BudgetExperts final : public ExpertProvider {
@@ -61,6 +64,7 @@ class BudgetExperts final : public ExpertProvider {
  private:
   BudgetExperts() = default;
   void draw_routes(int tokens, std::vector<int32_t>& out);
+  Status prefetch_batch(int layer, const std::vector<int>& experts);
 
   BudgetOptions o_;
   std::unique_ptr<IslandArena> arena_;
@@ -70,6 +74,8 @@ class BudgetExperts final : public ExpertProvider {
   uint8_t* pack_host_ = nullptr;     // [n_layers * pack_bytes_] pinned
   uint8_t* pack_dev_ = nullptr;      // [n_layers * pack_bytes_]
   cudaEvent_t routed_ = nullptr;     // the router point of the current layer
+  std::vector<cudaEvent_t> layer_read_;   // [layer] its expert kernels, last enqueued
+  std::vector<cudaEvent_t> batch_done_;   // [layer] its last prefetch batch landed
   std::vector<int32_t> cur_, next_;  // [tokens * top_k] routes of this layer, the next
   bool have_next_ = false;
   std::vector<std::vector<int>> bound_;  // [layer] distinct experts pinned for it

@@ -44,6 +44,7 @@ struct Options {
   std::string policy = "ours";
   int warm_steps = 64;
   bool huge_pages = true;
+  bool batched_prefetch = true;
 };
 
 struct Row {
@@ -273,6 +274,7 @@ bool bench_budget(const ModelShape& s, const Options& o, std::vector<Row>& rows)
       bo.host_experts = host;
       bo.policy = o.policy;
       bo.predict_accuracy = o.accuracies[ai];
+      bo.batched_prefetch = o.batched_prefetch;
       auto be = moe::bench::BudgetExperts::create(bo);
       if (!be.ok()) {
         std::fprintf(stderr, "error: %s\n", be.error().c_str());
@@ -389,6 +391,7 @@ int main(int argc, char** argv) {
     else if (a == "--policy") o.policy = next();
     else if (a == "--warm-steps") o.warm_steps = std::stoi(next());
     else if (a == "--no-huge-pages") o.huge_pages = false;
+    else if (a == "--per-expert-prefetch") o.batched_prefetch = false;
     else {
       std::fprintf(stderr, "usage: moe-bench-gpu [--shape qwen15|qwen3|all] [--steps N] [--context N] "
                            "[--prompt N] [--json PATH] [--commit HASH] [--fuse-max-batch N] [--no-kernels]\n"
@@ -447,7 +450,8 @@ int main(int argc, char** argv) {
       j["rows"] = kept;
       j["budget_settings"] = {{"date", date}, {"commit", o.commit}, {"gpu", prop.name}, {"context", o.context},
                               {"steps", o.steps}, {"warm_steps", o.warm_steps}, {"prompt", o.prompt},
-                              {"policy", o.policy}, {"routing", "seeded uniform random, top-k distinct"},
+                              {"policy", o.policy},
+                              {"prefetch", o.batched_prefetch ? "batched" : "per expert"}, {"routing", "seeded uniform random, top-k distinct"},
                               {"decode", "eager launches, one host wait per layer at the router point"},
                               {"other_weights", "bf16"},
                               {"prediction", "next layer's picks guessed right with probability predict_accuracy"}};
