@@ -45,6 +45,7 @@ struct Options {
   int warm_steps = 64;
   bool huge_pages = true;
   bool batched_prefetch = true;
+  bool copy_test = false;
 };
 
 struct Row {
@@ -371,6 +372,51 @@ bool bench_budget(const ModelShape& s, const Options& o, std::vector<Row>& rows)
   cudaStreamDestroy(st);
   return ok;
 }
+
+// The link alone: n back-to-back copies of `blob` bytes from host memory
+// that is (a) malloc'd and registered in place, as the arena pins expert
+// files, (b) cudaMallocHost'd; one copy stream, nothing else running.
+bool bench_copies(size_t blob, int n) {
+  const size_t bytes = blob * size_t(n), page = 4096, ab = (bytes + page - 1) / page * page;
+  uint8_t* dev = nullptr;
+  CU_TRY(cudaMalloc(reinterpret_cast<void**>(&dev), bytes));
+  cudaStream_t cs;
+  CU_TRY(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
+  cudaEvent_t a, b;
+  CU_TRY(cudaEventCreate(&a));
+  CU_TRY(cudaEventCreate(&b));
+  auto time_from = [&](const uint8_t* host, const char* what) -> bool {
+    for (int r = 0; r < 3; ++r) {
+      CU_TRY(cudaEventRecord(a, cs));
+      for (int i = 0; i < n; ++i)
+        CU_TRY(cudaMemcpyAsync(dev + size_t(i) * blob, host + size_t(i) * blob, blob, cudaMemcpyHostToDevice, cs));
+      CU_TRY(cudaEventRecord(b, cs));
+      CU_TRY(cudaEventSynchronize(b));
+      float ms = 0;
+      CU_TRY(cudaEventElapsedTime(&ms, a, b));
+      std::printf("   copy test, %s: %d x %zu bytes in %.2f ms = %.1f GB/s (%.1f us a copy)\n", what, n, blob, ms,
+                  double(bytes) / (ms * 1e-3) / 1e9, ms * 1000.0 / n);
+    }
+    return true;
+  };
+  uint8_t* reg = static_cast<uint8_t*>(std::aligned_alloc(page, ab));
+  std::memset(reg, 1, ab);
+  CU_TRY(cudaHostRegister(reg, ab, cudaHostRegisterPortable | cudaHostRegisterReadOnly));
+  const bool ok1 = time_from(reg, "registered malloc");
+  CU_TRY(cudaHostUnregister(reg));
+  std::free(reg);
+  uint8_t* pinned = nullptr;
+  CU_TRY(cudaMallocHost(reinterpret_cast<void**>(&pinned), bytes));
+  std::memset(pinned, 1, bytes);
+  const bool ok2 = time_from(pinned, "cudaMallocHost");
+  CU_TRY(cudaFreeHost(pinned));
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  cudaStreamDestroy(cs);
+  cudaFree(dev);
+  std::fflush(stdout);
+  return ok1 && ok2;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -392,6 +438,7 @@ int main(int argc, char** argv) {
     else if (a == "--warm-steps") o.warm_steps = std::stoi(next());
     else if (a == "--no-huge-pages") o.huge_pages = false;
     else if (a == "--per-expert-prefetch") o.batched_prefetch = false;
+    else if (a == "--copy-test") o.copy_test = true;
     else {
       std::fprintf(stderr, "usage: moe-bench-gpu [--shape qwen15|qwen3|all] [--steps N] [--context N] "
                            "[--prompt N] [--json PATH] [--commit HASH] [--fuse-max-batch N] [--no-kernels]\n"
@@ -407,6 +454,11 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
+  if (o.copy_test) {
+    // Blob sizes of the two shapes' INT4 experts, ~1.6 GB each.
+    const bool ok = bench_copies(2654208, 600) && bench_copies(4866048, 330);
+    return ok ? 0 : 1;
+  }
   std::vector<ModelShape> shapes;
   if (o.shape == "qwen15" || o.shape == "all") shapes.push_back(moe::bench::qwen15_moe_a27b());
   if (o.shape == "qwen3" || o.shape == "all") shapes.push_back(moe::bench::qwen3_30b_a3b());
