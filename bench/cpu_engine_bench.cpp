@@ -25,7 +25,8 @@ double decode_rate(moe::CpuEngine& e, int n_seqs, int steps) {
   std::vector<moe::SeqInput> in(static_cast<size_t>(n_seqs));
   for (int i = 0; i < n_seqs; ++i) {
     in[size_t(i)].seq_id = uint64_t(1000 + i);
-    for (int t = 0; t < 16; ++t) in[size_t(i)].tokens.push_back((t * 37 + i * 11) % e.desc().vocab_size);
+    for (int t = 0; t < 16; ++t)
+      in[size_t(i)].tokens.push_back((t * 37 + i * 11) % e.desc().vocab_size);
     in[size_t(i)].sampling.temperature = 0.8f;
     in[size_t(i)].sampling.seed = uint64_t(i);
   }
@@ -80,11 +81,16 @@ int main(int argc, char** argv) {
   int threads = 0, prefill = 512, decode = 128, q4 = -1;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
-    if (a == "--model") model = argv[i + 1];
-    else if (a == "--threads") threads = std::atoi(argv[i + 1]);
-    else if (a == "--prefill") prefill = std::atoi(argv[i + 1]);
-    else if (a == "--decode") decode = std::atoi(argv[i + 1]);
-    else if (a == "--q4") q4 = std::atoi(argv[i + 1]);
+    if (a == "--model")
+      model = argv[i + 1];
+    else if (a == "--threads")
+      threads = std::atoi(argv[i + 1]);
+    else if (a == "--prefill")
+      prefill = std::atoi(argv[i + 1]);
+    else if (a == "--decode")
+      decode = std::atoi(argv[i + 1]);
+    else if (a == "--q4")
+      q4 = std::atoi(argv[i + 1]);
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;
@@ -104,7 +110,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   moe::CpuEngine& eng = *e.value();
-  std::printf("model %s, %d threads, experts %s\n", model.c_str(), eng.threads(), eng.experts_q4() ? "int4" : "f32");
+  std::printf("model %s, %d threads, experts %s\n", model.c_str(), eng.threads(),
+              eng.experts_q4() ? "int4" : "f32");
   decode_rate(eng, 1, 8);  // warm-up: pages touched, threads started
   std::printf("prefill %d tokens:      %8.0f tokens/s\n", prefill, prefill_rate(eng, prefill, 3));
   std::printf("decode, 1 sequence:    %8.1f tokens/s\n", decode_rate(eng, 1, decode));

@@ -8,12 +8,14 @@
 
 namespace moe {
 
-Result<std::unique_ptr<CpuEngine>> CpuEngine::create(std::shared_ptr<ModelFiles> files, const EngineOptions& opts) {
+Result<std::unique_ptr<CpuEngine>> CpuEngine::create(std::shared_ptr<ModelFiles> files,
+                                                     const EngineOptions& opts) {
   if (!files) return make_error("no model");
   if (opts.kv_block_tokens < 1) return make_error("kv_block_tokens must be at least 1");
   const ModelDesc& d = files->desc();
   const bool use_q4 = opts.experts_q4.value_or(files->experts_q4());
-  if (use_q4 && !files->experts_q4()) return make_error("INT4 experts requested but '" + files->path() + "' has none");
+  if (use_q4 && !files->experts_q4())
+    return make_error("INT4 experts requested but '" + files->path() + "' has none");
 
   std::unique_ptr<CpuEngine> e(new CpuEngine());
   e->files_ = files;
@@ -23,7 +25,8 @@ Result<std::unique_ptr<CpuEngine>> CpuEngine::create(std::shared_ptr<ModelFiles>
   e->weights_ = std::move(w.value());
   e->pool_ = std::make_unique<cpu::ThreadPool>(opts.threads);
 
-  const int nkv = ForwardPass::kv_heads(d), qk = ForwardPass::kv_qk_dim(d), vd = ForwardPass::kv_v_dim(d);
+  const int nkv = ForwardPass::kv_heads(d), qk = ForwardPass::kv_qk_dim(d),
+            vd = ForwardPass::kv_v_dim(d);
   int blocks = opts.kv_blocks;
   if (blocks <= 0) {
     const size_t per_block = KvCache::block_bytes(d.n_layers, opts.kv_block_tokens, nkv, qk, vd);
@@ -58,12 +61,13 @@ Result<std::vector<SeqOutput>> CpuEngine::step(std::span<const SeqInput> inputs)
     if (!ids.insert(in.seq_id).second) return make_error(who + " appears twice in one step");
     if (in.tokens.empty()) return make_error(who + ": no tokens");
     for (int32_t t : in.tokens)
-      if (t < 0 || t >= d.vocab_size) return make_error(who + ": token id " + std::to_string(t) + " out of range");
+      if (t < 0 || t >= d.vocab_size)
+        return make_error(who + ": token id " + std::to_string(t) + " out of range");
     auto it = seqs_.find(in.seq_id);
     const int have = it == seqs_.end() ? 0 : it->second.length;
     if (in.start_pos != 0 && in.start_pos != have)
-      return make_error(who + ": start_pos " + std::to_string(in.start_pos) + " but the sequence holds " +
-                        std::to_string(have) + " tokens");
+      return make_error(who + ": start_pos " + std::to_string(in.start_pos) +
+                        " but the sequence holds " + std::to_string(have) + " tokens");
     const int end = in.start_pos + int(in.tokens.size());
     if (end > max_context_)
       return make_error(who + ": " + std::to_string(end) + " tokens exceed the context of " +
@@ -118,23 +122,29 @@ Result<std::vector<SeqOutput>> CpuEngine::step(std::span<const SeqInput> inputs)
     o.expert_counts.assign(counts.begin() + i * per_seq, counts.begin() + (i + 1) * per_seq);
     if (logit_of[i] == SIZE_MAX) continue;
     const float* row = logits.data() + logit_of[i] * V;
-    const cpu::SampleParams sp{in.sampling.temperature, in.sampling.top_p, in.sampling.top_k, in.sampling.seed};
+    const cpu::SampleParams sp{in.sampling.temperature, in.sampling.top_p, in.sampling.top_k,
+                               in.sampling.seed};
     // The draw is keyed by the position the new token will take.
     const int64_t pos = int64_t(in.start_pos) + int64_t(in.tokens.size());
     o.token = cpu::sample_token(row, V, sp, pos);
-    if (in.sampling.logprobs || in.sampling.top_logprobs > 0) o.logprob = cpu::token_logprob(row, V, o.token);
+    if (in.sampling.logprobs || in.sampling.top_logprobs > 0)
+      o.logprob = cpu::token_logprob(row, V, o.token);
     if (in.sampling.top_logprobs > 0) o.top = cpu::top_logprobs(row, V, in.sampling.top_logprobs);
   }
   return out;
 }
 
-Result<std::vector<float>> CpuEngine::forward_logits(std::span<const int32_t> tokens, ForwardTrace* trace) {
+Result<std::vector<float>> CpuEngine::forward_logits(std::span<const int32_t> tokens,
+                                                     ForwardTrace* trace) {
   const ModelDesc& d = desc();
   const int T = int(tokens.size());
   if (T == 0) return make_error("no tokens");
-  if (T > max_context_) return make_error(std::to_string(T) + " tokens exceed the context of " + std::to_string(max_context_));
+  if (T > max_context_)
+    return make_error(std::to_string(T) + " tokens exceed the context of " +
+                      std::to_string(max_context_));
   for (int32_t t : tokens)
-    if (t < 0 || t >= d.vocab_size) return make_error("token id " + std::to_string(t) + " out of range");
+    if (t < 0 || t >= d.vocab_size)
+      return make_error("token id " + std::to_string(t) + " out of range");
   if (blocks_for(T) > kv_->blocks_free()) return make_error("KV cache full");
 
   std::vector<int32_t> blocks;

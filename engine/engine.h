@@ -25,7 +25,7 @@ namespace moe {
 struct SamplingParams {
   float temperature = 1;  // <= 0: greedy
   float top_p = 1;
-  int top_k = 0;          // 0: no limit
+  int top_k = 0;  // 0: no limit
   uint64_t seed = 0;
   int top_logprobs = 0;   // how many alternatives to report in SeqOutput::top
   bool logprobs = false;  // report the sampled token's log probability
@@ -34,8 +34,8 @@ struct SamplingParams {
 struct SeqInput {
   uint64_t seq_id = 0;
   std::vector<int32_t> tokens;  // the new tokens of this step (prompt chunk or last sampled token)
-  int32_t start_pos = 0;        // position of tokens[0] = the sequence's current length; 0 starts afresh
-  bool sample = true;           // sample a next token after the last one
+  int32_t start_pos = 0;  // position of tokens[0] = the sequence's current length; 0 starts afresh
+  bool sample = true;     // sample a next token after the last one
   SamplingParams sampling;
 };
 
@@ -44,12 +44,13 @@ struct SeqOutput {
   int32_t token = -1;  // the sampled token, -1 when not sampling
   float logprob = 0;   // raw-model log probability of `token` (before temperature)
   std::vector<std::pair<int32_t, float>> top;  // [top_logprobs] best tokens, raw log probabilities
-  std::vector<uint16_t> expert_counts;  // [n_moe_layers * n_experts]: tokens of this step each expert served
+  std::vector<uint16_t>
+      expert_counts;  // [n_moe_layers * n_experts]: tokens of this step each expert served
 };
 
 struct EngineOptions {
-  int threads = 0;           // 0: all cores
-  int kv_blocks = 0;         // 0: as many as kv_bytes_budget holds
+  int threads = 0;    // 0: all cores
+  int kv_blocks = 0;  // 0: as many as kv_bytes_budget holds
   int kv_block_tokens = 16;
   std::optional<bool> experts_q4;  // unset: INT4 experts when the file has them
   size_t kv_bytes_budget = size_t(256) << 20;
@@ -60,7 +61,8 @@ struct EngineOptions {
 
 class CpuEngine {
  public:
-  static Result<std::unique_ptr<CpuEngine>> create(std::shared_ptr<ModelFiles> files, const EngineOptions& opts);
+  static Result<std::unique_ptr<CpuEngine>> create(std::shared_ptr<ModelFiles> files,
+                                                   const EngineOptions& opts);
 
   // Runs one step for several sequences at once: each input's tokens are
   // appended at start_pos (0 discards any old state of that id), and a token
@@ -72,7 +74,8 @@ class CpuEngine {
 
   // Logits [T, vocab] at every position of a fresh sequence of `tokens`
   // (tests, perplexity). `trace` receives hidden states and router logits.
-  Result<std::vector<float>> forward_logits(std::span<const int32_t> tokens, ForwardTrace* trace = nullptr);
+  Result<std::vector<float>> forward_logits(std::span<const int32_t> tokens,
+                                            ForwardTrace* trace = nullptr);
 
   // Frees a sequence's KV blocks (unknown ids are ignored).
   void release(uint64_t seq_id);
@@ -92,7 +95,9 @@ class CpuEngine {
     int32_t length = 0;
   };
   CpuEngine() = default;
-  int blocks_for(int tokens) const { return (tokens + kv_->block_tokens() - 1) / kv_->block_tokens(); }
+  int blocks_for(int tokens) const {
+    return (tokens + kv_->block_tokens() - 1) / kv_->block_tokens();
+  }
 
   std::shared_ptr<ModelFiles> files_;
   std::unique_ptr<ModelWeights> weights_;

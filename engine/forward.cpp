@@ -20,27 +20,33 @@ T* sized(std::vector<T>& v, size_t n) {
   return v.data();
 }
 
-double yarn_mscale(double scale, double m) { return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; }
+double yarn_mscale(double scale, double m) {
+  return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0;
+}
 
 }  // namespace
 
-int ForwardPass::kv_heads(const ModelDesc& d) { return d.attention == AttentionKind::mla ? d.n_heads : d.n_kv_heads; }
+int ForwardPass::kv_heads(const ModelDesc& d) {
+  return d.attention == AttentionKind::mla ? d.n_heads : d.n_kv_heads;
+}
 int ForwardPass::kv_qk_dim(const ModelDesc& d) {
-  return d.attention == AttentionKind::mla ? d.mla.qk_nope_head_dim + d.mla.qk_rope_head_dim : d.head_dim;
+  return d.attention == AttentionKind::mla ? d.mla.qk_nope_head_dim + d.mla.qk_rope_head_dim
+                                           : d.head_dim;
 }
 int ForwardPass::kv_v_dim(const ModelDesc& d) {
   return d.attention == AttentionKind::mla ? d.mla.v_head_dim : d.head_dim;
 }
 
-ForwardPass::ForwardPass(const ModelDesc& desc, const ModelWeights& w, KvCache& kv, cpu::ThreadPool& pool)
+ForwardPass::ForwardPass(const ModelDesc& desc, const ModelWeights& w, KvCache& kv,
+                         cpu::ThreadPool& pool)
     : d_(desc), w_(w), kv_(kv), pool_(pool) {
   const bool mla = d_.attention == AttentionKind::mla;
   const int rot_dim = mla ? d_.mla.qk_rope_head_dim : d_.head_dim;
   const RopeConfig& r = d_.rope;
   if (r.type == "yarn") {
     const int orig = r.original_max_position > 0 ? r.original_max_position : d_.max_position;
-    inv_freq_ = cpu::rope_inv_freq_yarn(r.theta, rot_dim, r.factor, orig, r.beta_fast, r.beta_slow, r.mscale,
-                                        r.mscale_all_dim, &rope_scale_);
+    inv_freq_ = cpu::rope_inv_freq_yarn(r.theta, rot_dim, r.factor, orig, r.beta_fast, r.beta_slow,
+                                        r.mscale, r.mscale_all_dim, &rope_scale_);
   } else {
     // "dynamic" equals the default table up to the original context, which
     // the engine never exceeds (max_context is max_position).
@@ -55,7 +61,8 @@ ForwardPass::ForwardPass(const ModelDesc& desc, const ModelWeights& w, KvCache& 
   }
 }
 
-void ForwardPass::attend(int layer, const Batch& b, const float* q, int qk_dim, int v_dim, float scale) {
+void ForwardPass::attend(int layer, const Batch& b, const float* q, int qk_dim, int v_dim,
+                         float scale) {
   const int nh = d_.n_heads, nkv = kv_heads(d_), T = int(b.tokens.size());
   float* out = att_.data();
   const float* kpool = kv_.k(layer);
@@ -63,8 +70,8 @@ void ForwardPass::attend(int layer, const Batch& b, const float* q, int qk_dim, 
   pool_.parallel_for(T, [&](int64_t t) {
     const BatchSegment& s = b.segments[size_t(row_segment_[size_t(t)])];
     const cpu::PagedKv kv{kpool, vpool, s.block_table, kv_.block_tokens()};
-    cpu::attention(q + t * nh * qk_dim, nh * qk_dim, kv, &b.positions[size_t(t)], out + t * nh * v_dim, nh * v_dim, 1,
-                   nh, nkv, qk_dim, v_dim, scale, nullptr);
+    cpu::attention(q + t * nh * qk_dim, nh * qk_dim, kv, &b.positions[size_t(t)],
+                   out + t * nh * v_dim, nh * v_dim, 1, nh, nkv, qk_dim, v_dim, scale, nullptr);
   });
 }
 
@@ -87,8 +94,9 @@ void ForwardPass::attention_gqa(const LayerWeights& lw, int layer, const Batch& 
   cpu::rope_neox(k, nkv * hd, hd, b.positions.data(), T, nkv, hd, inv_freq_.data(), rope_scale_);
   for (int t = 0; t < T; ++t) {
     const BatchSegment& s = b.segments[size_t(row_segment_[size_t(t)])];
-    cpu::kv_store(kv_.k(layer), kv_.v(layer), s.block_table, kv_.block_tokens(), b.positions[size_t(t)],
-                  k + size_t(t) * nkv * hd, v + size_t(t) * nkv * hd, nkv, hd, hd);
+    cpu::kv_store(kv_.k(layer), kv_.v(layer), s.block_table, kv_.block_tokens(),
+                  b.positions[size_t(t)], k + size_t(t) * nkv * hd, v + size_t(t) * nkv * hd, nkv,
+                  hd, hd);
   }
   sized(att_, size_t(T) * nh * hd);
   attend(layer, b, q, hd, hd, softmax_scale_);
@@ -97,7 +105,8 @@ void ForwardPass::attention_gqa(const LayerWeights& lw, int layer, const Batch& 
 void ForwardPass::attention_mla(const LayerWeights& lw, int layer, const Batch& b) {
   const MlaConfig& m = d_.mla;
   const int T = int(b.tokens.size()), nh = d_.n_heads;
-  const int nope = m.qk_nope_head_dim, rope = m.qk_rope_head_dim, qk = nope + rope, vd = m.v_head_dim;
+  const int nope = m.qk_nope_head_dim, rope = m.qk_rope_head_dim, qk = nope + rope,
+            vd = m.v_head_dim;
   const int rank = m.kv_lora_rank, kva_w = rank + rope, kvb_w = nope + vd;
   float* q = sized(q_, size_t(T) * nh * qk);
   if (lw.q.present()) {
@@ -117,8 +126,10 @@ void ForwardPass::attention_mla(const LayerWeights& lw, int layer, const Batch& 
   float* kvb = sized(tmp_, size_t(T) * nh * kvb_w);
   lw.kv_b.apply(latent, kvb, T, &pool_);
 
-  cpu::rope_interleaved(q + nope, nh * qk, qk, b.positions.data(), T, nh, rope, inv_freq_.data(), rope_scale_);
-  cpu::rope_interleaved(kva + rank, kva_w, 0, b.positions.data(), T, 1, rope, inv_freq_.data(), rope_scale_);
+  cpu::rope_interleaved(q + nope, nh * qk, qk, b.positions.data(), T, nh, rope, inv_freq_.data(),
+                        rope_scale_);
+  cpu::rope_interleaved(kva + rank, kva_w, 0, b.positions.data(), T, 1, rope, inv_freq_.data(),
+                        rope_scale_);
 
   float* k = sized(k_, size_t(nh) * qk);
   float* v = sized(v_, size_t(nh) * vd);
@@ -130,8 +141,8 @@ void ForwardPass::attention_mla(const LayerWeights& lw, int layer, const Batch& 
       std::memcpy(v + size_t(h) * vd, src + nope, sizeof(float) * vd);
     }
     const BatchSegment& s = b.segments[size_t(row_segment_[size_t(t)])];
-    cpu::kv_store(kv_.k(layer), kv_.v(layer), s.block_table, kv_.block_tokens(), b.positions[size_t(t)], k, v, nh,
-                  qk, vd);
+    cpu::kv_store(kv_.k(layer), kv_.v(layer), s.block_table, kv_.block_tokens(),
+                  b.positions[size_t(t)], k, v, nh, qk, vd);
   }
   sized(att_, size_t(T) * nh * vd);
   attend(layer, b, q, qk, vd, softmax_scale_);
@@ -147,8 +158,8 @@ void ForwardPass::mlp_dense(const Mlp& m, int T, const float* x, float* out) {
   m.down.apply(g, out, T, &pool_);
 }
 
-void ForwardPass::moe(const LayerWeights& lw, int moe_layer, const Batch& b, uint16_t* expert_counts,
-                      ForwardTrace* trace) {
+void ForwardPass::moe(const LayerWeights& lw, int moe_layer, const Batch& b,
+                      uint16_t* expert_counts, ForwardTrace* trace) {
   const MoeConfig& mc = d_.moe;
   const int T = int(b.tokens.size()), H = d_.hidden_size, E = mc.n_experts, K = mc.top_k;
   float* logits = sized(router_logits_, size_t(T) * E);
@@ -174,7 +185,8 @@ void ForwardPass::moe(const LayerWeights& lw, int moe_layer, const Batch& b, uin
   if (expert_counts) {
     const size_t stride = size_t(d_.n_moe_layers()) * E;
     for (int i = 0; i < T * K; ++i)
-      ++expert_counts[size_t(row_segment_[size_t(i / K)]) * stride + size_t(moe_layer) * E + ids[i]];
+      ++expert_counts[size_t(row_segment_[size_t(i / K)]) * stride + size_t(moe_layer) * E +
+                      ids[i]];
   }
   std::vector<int> active;
   for (int e = 0; e < E; ++e)
@@ -204,12 +216,14 @@ void ForwardPass::moe(const LayerWeights& lw, int moe_layer, const Batch& b, uin
     }
     const int I = ex.gate.out;
     std::vector<float> xin(size_t(n) * H), g(size_t(n) * I), u(size_t(n) * I), y(size_t(n) * H);
-    for (int i = 0; i < n; ++i) std::memcpy(&xin[size_t(i) * H], h + size_t(rows[size_t(i)] / K) * H, sizeof(float) * H);
+    for (int i = 0; i < n; ++i)
+      std::memcpy(&xin[size_t(i) * H], h + size_t(rows[size_t(i)] / K) * H, sizeof(float) * H);
     ex.gate.apply(xin.data(), g.data(), n, nullptr);
     ex.up.apply(xin.data(), u.data(), n, nullptr);
     cpu::silu_mul(g.data(), u.data(), g.data(), int64_t(n) * I);
     ex.down.apply(g.data(), y.data(), n, nullptr);
-    for (int i = 0; i < n; ++i) std::memcpy(slot_out + size_t(rows[size_t(i)]) * H, &y[size_t(i) * H], sizeof(float) * H);
+    for (int i = 0; i < n; ++i)
+      std::memcpy(slot_out + size_t(rows[size_t(i)]) * H, &y[size_t(i) * H], sizeof(float) * H);
   });
 
   float* out = sized(mlp_out_, size_t(T) * H);
@@ -239,7 +253,8 @@ void ForwardPass::run(const Batch& b, float* logits, uint16_t* expert_counts, Fo
   const int T = int(b.tokens.size()), H = d_.hidden_size;
   row_segment_.assign(size_t(T), 0);
   for (size_t s = 0; s < b.segments.size(); ++s)
-    for (int i = 0; i < b.segments[s].count; ++i) row_segment_[size_t(b.segments[s].begin + i)] = int(s);
+    for (int i = 0; i < b.segments[s].count; ++i)
+      row_segment_[size_t(b.segments[s].begin + i)] = int(s);
 
   float* x = sized(x_, size_t(T) * H);
   for (int t = 0; t < T; ++t) w_.embed.row(b.tokens[size_t(t)], x + size_t(t) * H);
@@ -280,7 +295,8 @@ void ForwardPass::run(const Batch& b, float* logits, uint16_t* expert_counts, Fo
   const int R = int(b.logit_rows.size());
   if (R == 0 || !logits) return;
   for (int r = 0; r < R; ++r)
-    cpu::rmsnorm(x + size_t(b.logit_rows[size_t(r)]) * H, w_.final_norm.data(), h + size_t(r) * H, 1, H, d_.rms_eps);
+    cpu::rmsnorm(x + size_t(b.logit_rows[size_t(r)]) * H, w_.final_norm.data(), h + size_t(r) * H,
+                 1, H, d_.rms_eps);
   w_.lm_head.apply(h, logits, R, &pool_);
 }
 

@@ -18,20 +18,21 @@ namespace moe {
 
 // What a test may observe inside one pass (all rows of the batch).
 struct ForwardTrace {
-  std::vector<std::vector<float>> hidden;         // [n_layers + 1][tokens * hidden]: entering layer l; last: after the final norm
+  std::vector<std::vector<float>>
+      hidden;  // [n_layers + 1][tokens * hidden]: entering layer l; last: after the final norm
   std::vector<std::vector<float>> router_logits;  // [n_moe_layers][tokens * n_experts]
 };
 
 struct BatchSegment {
-  int begin = 0, count = 0;               // rows [begin, begin + count) of the batch
-  const int32_t* block_table = nullptr;   // the sequence's KV blocks
+  int begin = 0, count = 0;              // rows [begin, begin + count) of the batch
+  const int32_t* block_table = nullptr;  // the sequence's KV blocks
 };
 
 struct Batch {
   std::vector<int32_t> tokens;     // [T]
   std::vector<int32_t> positions;  // [T]
   std::vector<BatchSegment> segments;
-  std::vector<int> logit_rows;     // rows whose logits are wanted, in output order
+  std::vector<int> logit_rows;  // rows whose logits are wanted, in output order
 };
 
 class ForwardPass {
@@ -52,7 +53,8 @@ class ForwardPass {
   void attention_mla(const LayerWeights& lw, int layer, const Batch& b);
   void attend(int layer, const Batch& b, const float* q, int qk_dim, int v_dim, float scale);
   void mlp_dense(const Mlp& m, int tokens, const float* x, float* out);
-  void moe(const LayerWeights& lw, int moe_layer, const Batch& b, uint16_t* expert_counts, ForwardTrace* trace);
+  void moe(const LayerWeights& lw, int moe_layer, const Batch& b, uint16_t* expert_counts,
+           ForwardTrace* trace);
 
   const ModelDesc& d_;
   const ModelWeights& w_;

@@ -19,7 +19,8 @@ struct NllResult {
 };
 
 // progress(done_tokens, total_tokens) after each window (may be empty).
-[[nodiscard]] Result<NllResult> mean_nll(CpuEngine& engine, std::span<const int32_t> ids, int ctx,
-                                         const std::function<void(int64_t, int64_t)>& progress = {});
+[[nodiscard]] Result<NllResult> mean_nll(
+    CpuEngine& engine, std::span<const int32_t> ids, int ctx,
+    const std::function<void(int64_t, int64_t)>& progress = {});
 
 }  // namespace moe

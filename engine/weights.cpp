@@ -35,8 +35,8 @@ class Loader {
     const TensorView* t = f_.find(name);
     if (!t) return make_error("missing tensor '" + name + "'");
     if (t->numel() != n)
-      return make_error("tensor '" + name + "' has " + std::to_string(t->numel()) + " values, expected " +
-                        std::to_string(n));
+      return make_error("tensor '" + name + "' has " + std::to_string(t->numel()) +
+                        " values, expected " + std::to_string(n));
     *out = to_f32(*t);
     return {};
   }
@@ -59,7 +59,8 @@ class Loader {
       l->owned = to_f32(*t);
       l->f32 = l->owned.data();
     } else {
-      return make_error("tensor '" + name + "' has dtype " + dtype_name(t->dtype) + ", expected a float type");
+      return make_error("tensor '" + name + "' has dtype " + dtype_name(t->dtype) +
+                        ", expected a float type");
     }
     if (has(prefix + ".bias")) return vec(prefix + ".bias", out, &l->bias);
     return {};
@@ -75,14 +76,14 @@ class Loader {
   bool convert_;
 };
 
-#define MOE_CHECK(expr)                    \
-  do {                                     \
-    Status s_ = (expr);                    \
+#define MOE_CHECK(expr)                          \
+  do {                                           \
+    Status s_ = (expr);                          \
     if (!s_.ok()) return make_error(s_.error()); \
   } while (0)
 
-Status load_mlp(const Loader& L, const std::string& p, const char* gate, const char* up, const char* down, int hidden,
-                int inter, Mlp* m) {
+Status load_mlp(const Loader& L, const std::string& p, const char* gate, const char* up,
+                const char* down, int hidden, int inter, Mlp* m) {
   MOE_CHECK(L.linear(p + gate, inter, hidden, &m->gate));
   MOE_CHECK(L.linear(p + up, inter, hidden, &m->up));
   MOE_CHECK(L.linear(p + down, hidden, inter, &m->down));
@@ -105,7 +106,8 @@ size_t f32_weight_bytes(const ModelFiles& files) {
       n += h * d.head_dim * (2 * size_t(d.n_heads) + 2 * size_t(d.n_kv_heads));
     }
     if (d.layer_is_moe[size_t(l)])
-      n += 3 * h * (size_t(d.moe.n_experts) * d.moe.expert_intermediate + d.moe.shared_intermediate) +
+      n += 3 * h *
+               (size_t(d.moe.n_experts) * d.moe.expert_intermediate + d.moe.shared_intermediate) +
            h * d.moe.n_experts;
     else
       n += 3 * h * size_t(d.intermediate_size);
@@ -113,7 +115,8 @@ size_t f32_weight_bytes(const ModelFiles& files) {
   return n * sizeof(float);
 }
 
-Result<std::unique_ptr<ModelWeights>> load_weights(const ModelFiles& files, bool convert_f32, bool use_q4) {
+Result<std::unique_ptr<ModelWeights>> load_weights(const ModelFiles& files, bool convert_f32,
+                                                   bool use_q4) {
   const ModelDesc& d = files.desc();
   const Loader L(files, convert_f32);
   auto w = std::make_unique<ModelWeights>();
@@ -152,9 +155,11 @@ Result<std::unique_ptr<ModelWeights>> load_weights(const ModelFiles& files, bool
       } else {
         MOE_CHECK(L.linear(a + "q_proj", d.n_heads * qk, H, &lw.q));
       }
-      MOE_CHECK(L.linear(a + "kv_a_proj_with_mqa", m.kv_lora_rank + m.qk_rope_head_dim, H, &lw.kv_a));
+      MOE_CHECK(
+          L.linear(a + "kv_a_proj_with_mqa", m.kv_lora_rank + m.qk_rope_head_dim, H, &lw.kv_a));
       MOE_CHECK(L.vec(a + "kv_a_layernorm.weight", m.kv_lora_rank, &lw.kv_a_norm));
-      MOE_CHECK(L.linear(a + "kv_b_proj", d.n_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, &lw.kv_b));
+      MOE_CHECK(L.linear(a + "kv_b_proj", d.n_heads * (m.qk_nope_head_dim + m.v_head_dim),
+                         m.kv_lora_rank, &lw.kv_b));
       MOE_CHECK(L.linear(a + "o_proj", H, d.n_heads * m.v_head_dim, &lw.o));
     } else {
       const int hd = d.head_dim;
@@ -173,7 +178,8 @@ Result<std::unique_ptr<ModelWeights>> load_weights(const ModelFiles& files, bool
 
     lw.moe = d.layer_is_moe[size_t(l)];
     if (!lw.moe) {
-      MOE_CHECK(load_mlp(L, p + "mlp.", "gate_proj", "up_proj", "down_proj", H, d.intermediate_size, &lw.dense));
+      MOE_CHECK(load_mlp(L, p + "mlp.", "gate_proj", "up_proj", "down_proj", H, d.intermediate_size,
+                         &lw.dense));
       continue;
     }
     const MoeConfig& mc = d.moe;
@@ -185,19 +191,25 @@ Result<std::unique_ptr<ModelWeights>> load_weights(const ModelFiles& files, bool
       Mlp& ex = lw.experts[size_t(e)];
       if (use_q4) {
         ex.q4 = files.expert_q4(l, e);
-        if (!ex.q4) return make_error("missing INT4 expert " + std::to_string(e) + " of layer " + std::to_string(l));
+        if (!ex.q4)
+          return make_error("missing INT4 expert " + std::to_string(e) + " of layer " +
+                            std::to_string(l));
         continue;
       }
       const std::string ep = mp + "experts." + std::to_string(e) + ".";
       if (mixtral)
         MOE_CHECK(load_mlp(L, ep, "w1", "w3", "w2", H, mc.expert_intermediate, &ex));
       else
-        MOE_CHECK(load_mlp(L, ep, "gate_proj", "up_proj", "down_proj", H, mc.expert_intermediate, &ex));
+        MOE_CHECK(
+            load_mlp(L, ep, "gate_proj", "up_proj", "down_proj", H, mc.expert_intermediate, &ex));
     }
     if (mc.shared_intermediate > 0) {
-      const std::string sp = mp + (d.arch == Arch::deepseek_v2 ? "shared_experts." : "shared_expert.");
-      MOE_CHECK(load_mlp(L, sp, "gate_proj", "up_proj", "down_proj", H, mc.shared_intermediate, &lw.shared));
-      if (mc.shared_expert_gate) MOE_CHECK(L.linear(mp + "shared_expert_gate", 1, H, &lw.shared_gate));
+      const std::string sp =
+          mp + (d.arch == Arch::deepseek_v2 ? "shared_experts." : "shared_expert.");
+      MOE_CHECK(load_mlp(L, sp, "gate_proj", "up_proj", "down_proj", H, mc.shared_intermediate,
+                         &lw.shared));
+      if (mc.shared_expert_gate)
+        MOE_CHECK(L.linear(mp + "shared_expert_gate", 1, H, &lw.shared_gate));
     }
   }
   return w;

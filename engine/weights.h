@@ -19,14 +19,15 @@ namespace moe {
 // A linear layer W [out, in] (+ bias [out]).
 struct Linear {
   int in = 0, out = 0;
-  const float* f32 = nullptr;     // W as f32 (owned storage or the mapping)
+  const float* f32 = nullptr;      // W as f32 (owned storage or the mapping)
   const uint16_t* bf16 = nullptr;  // W as bf16 bits in the mapping, when not converted
   std::vector<float> owned;        // storage behind f32 when converted
   std::vector<float> bias;         // [out] or empty
 
   bool present() const { return f32 || bf16; }
   // y[tokens, out] = x[tokens, in] W^T (+ bias). Row strides in floats.
-  void apply(const float* x, int64_t x_stride, float* y, int64_t y_stride, int tokens, cpu::ThreadPool* pool) const;
+  void apply(const float* x, int64_t x_stride, float* y, int64_t y_stride, int tokens,
+             cpu::ThreadPool* pool) const;
   void apply(const float* x, float* y, int tokens, cpu::ThreadPool* pool) const {
     apply(x, in, y, out, tokens, pool);
   }
@@ -51,10 +52,10 @@ struct LayerWeights {
   // Feed-forward: a dense MLP, or a router over experts (+ shared experts).
   bool moe = false;
   Mlp dense;
-  Linear router;              // [n_experts, hidden]
-  std::vector<Mlp> experts;   // [n_experts]
-  Mlp shared;                 // present when the model has shared experts
-  Linear shared_gate;         // [1, hidden], Qwen2-MoE sigmoid gate of the shared expert
+  Linear router;             // [n_experts, hidden]
+  std::vector<Mlp> experts;  // [n_experts]
+  Mlp shared;                // present when the model has shared experts
+  Linear shared_gate;        // [1, hidden], Qwen2-MoE sigmoid gate of the shared expert
 };
 
 struct ModelWeights {
@@ -69,8 +70,8 @@ struct ModelWeights {
 // Gathers every weight of `files`. convert_f32: copy float matrices to f32
 // (otherwise bf16 matrices are read in place). use_q4: take routed experts
 // from the INT4 blobs (the file must have them).
-[[nodiscard]] Result<std::unique_ptr<ModelWeights>> load_weights(const ModelFiles& files, bool convert_f32,
-                                                                  bool use_q4);
+[[nodiscard]] Result<std::unique_ptr<ModelWeights>> load_weights(const ModelFiles& files,
+                                                                 bool convert_f32, bool use_q4);
 
 // Bytes the float weights take once converted to f32 (the load-time choice).
 size_t f32_weight_bytes(const ModelFiles& files);

@@ -1,11 +1,11 @@
 #include "kernels/cpu/attention.h"
 
-#include "kernels/cpu/matmul.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+#include "kernels/cpu/matmul.h"
 
 namespace moe::cpu {
 
@@ -13,16 +13,16 @@ static inline int64_t slot_index(const int32_t* block_table, int block_tokens, i
   return int64_t(block_table[pos / block_tokens]) * block_tokens + pos % block_tokens;
 }
 
-void kv_store(float* k_pool, float* v_pool, const int32_t* block_table, int block_tokens, int pos, const float* k,
-              const float* v, int n_kv, int qk_dim, int v_dim) {
+void kv_store(float* k_pool, float* v_pool, const int32_t* block_table, int block_tokens, int pos,
+              const float* k, const float* v, int n_kv, int qk_dim, int v_dim) {
   const int64_t slot = slot_index(block_table, block_tokens, pos);
   std::memcpy(k_pool + slot * n_kv * qk_dim, k, sizeof(float) * n_kv * qk_dim);
   std::memcpy(v_pool + slot * n_kv * v_dim, v, sizeof(float) * n_kv * v_dim);
 }
 
-void attention(const float* q, int64_t q_stride, const PagedKv& kv, const int32_t* positions, float* out,
-               int64_t out_stride, int tokens, int n_heads, int n_kv, int qk_dim, int v_dim, float scale,
-               ThreadPool* pool) {
+void attention(const float* q, int64_t q_stride, const PagedKv& kv, const int32_t* positions,
+               float* out, int64_t out_stride, int tokens, int n_heads, int n_kv, int qk_dim,
+               int v_dim, float scale, ThreadPool* pool) {
   const int group = n_heads / n_kv;
   parallel_for(pool, int64_t(tokens) * n_heads, [&](int64_t task) {
     const int t = int(task / n_heads), h = int(task % n_heads), kvh = h / group;
@@ -31,7 +31,8 @@ void attention(const float* q, int64_t q_stride, const PagedKv& kv, const int32_
     std::vector<float> score(n_keys);
     float mx = -INFINITY;
     for (int j = 0; j < n_keys; ++j) {
-      const float* kj = kv.k + (slot_index(kv.block_table, kv.block_tokens, j) * n_kv + kvh) * qk_dim;
+      const float* kj =
+          kv.k + (slot_index(kv.block_table, kv.block_tokens, j) * n_kv + kvh) * qk_dim;
       score[j] = dot_f32(qv, kj, qk_dim) * scale;
       mx = std::max(mx, score[j]);
     }
@@ -44,7 +45,8 @@ void attention(const float* q, int64_t q_stride, const PagedKv& kv, const int32_
     float* o = out + t * out_stride + int64_t(h) * v_dim;
     std::fill(o, o + v_dim, 0.0f);
     for (int j = 0; j < n_keys; ++j) {
-      const float* vj = kv.v + (slot_index(kv.block_table, kv.block_tokens, j) * n_kv + kvh) * v_dim;
+      const float* vj =
+          kv.v + (slot_index(kv.block_table, kv.block_tokens, j) * n_kv + kvh) * v_dim;
       axpy_f32(score[j] * inv, vj, o, v_dim);
     }
   });

@@ -34,8 +34,8 @@ inline __m256 load8(const uint16_t* w) {
 }
 inline float hsum(__m256 v) {
   const __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  __m128 s = _mm_add_ps(lo, hi);                 // 4 lanes
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));        // 2 lanes
+  __m128 s = _mm_add_ps(lo, hi);                  // 4 lanes
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));         // 2 lanes
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));  // 1 lane
   return _mm_cvtss_f32(s);
 }
@@ -84,12 +84,12 @@ inline void tile(const float* const* xs, const W* const* ws, int in, float out[R
       for (int c = 0; c < C; ++c) out[r][c] += load_w(ws[r], i) * xs[c][i];
 }
 
-constexpr int kRowsPerTask = 32;   // output rows per parallel task
+constexpr int kRowsPerTask = 32;    // output rows per parallel task
 constexpr int kTokensPerSlab = 64;  // tokens whose x rows stay in cache together
 
 template <typename W>
-void matmul_impl(const float* x, int64_t x_stride, const W* w, const float* bias, float* y, int64_t y_stride,
-                 int tokens, int in, int out, ThreadPool* pool) {
+void matmul_impl(const float* x, int64_t x_stride, const W* w, const float* bias, float* y,
+                 int64_t y_stride, int tokens, int in, int out, ThreadPool* pool) {
   const int64_t tasks = (out + kRowsPerTask - 1) / kRowsPerTask;
   parallel_for(pool, tasks, [&](int64_t task) {
     const int o_begin = int(task) * kRowsPerTask, o_end = std::min(out, o_begin + kRowsPerTask);
@@ -105,13 +105,15 @@ void matmul_impl(const float* x, int64_t x_stride, const W* w, const float* bias
           float r[4][2];
           tile<4, 2>(xs, ws, in, r);
           for (int a = 0; a < 4; ++a)
-            for (int b = 0; b < 2; ++b) y[(t + b) * y_stride + o + a] = r[a][b] + (bias ? bias[o + a] : 0.0f);
+            for (int b = 0; b < 2; ++b)
+              y[(t + b) * y_stride + o + a] = r[a][b] + (bias ? bias[o + a] : 0.0f);
         }
         for (; t < t1; ++t) {
           const float* xs[1] = {x + t * x_stride};
           float r[4][1];
           tile<4, 1>(xs, ws, in, r);
-          for (int a = 0; a < 4; ++a) y[t * y_stride + o + a] = r[a][0] + (bias ? bias[o + a] : 0.0f);
+          for (int a = 0; a < 4; ++a)
+            y[t * y_stride + o + a] = r[a][0] + (bias ? bias[o + a] : 0.0f);
         }
       }
       for (; o < o_end; ++o) {
@@ -129,13 +131,13 @@ void matmul_impl(const float* x, int64_t x_stride, const W* w, const float* bias
 
 }  // namespace
 
-void matmul_f32(const float* x, int64_t x_stride, const float* w, const float* bias, float* y, int64_t y_stride,
-                int tokens, int in, int out, ThreadPool* pool) {
+void matmul_f32(const float* x, int64_t x_stride, const float* w, const float* bias, float* y,
+                int64_t y_stride, int tokens, int in, int out, ThreadPool* pool) {
   matmul_impl(x, x_stride, w, bias, y, y_stride, tokens, in, out, pool);
 }
 
-void matmul_bf16(const float* x, int64_t x_stride, const uint16_t* w, const float* bias, float* y, int64_t y_stride,
-                 int tokens, int in, int out, ThreadPool* pool) {
+void matmul_bf16(const float* x, int64_t x_stride, const uint16_t* w, const float* bias, float* y,
+                 int64_t y_stride, int tokens, int in, int out, ThreadPool* pool) {
   matmul_impl(x, x_stride, w, bias, y, y_stride, tokens, in, out, pool);
 }
 

@@ -13,20 +13,20 @@ namespace moe::cpu {
 
 // x: [tokens, in] (row stride x_stride), w: [out, in] f32, bias: [out] or null,
 // y: [tokens, out] (row stride y_stride). y must not alias x.
-void matmul_f32(const float* x, int64_t x_stride, const float* w, const float* bias, float* y, int64_t y_stride,
-                int tokens, int in, int out, ThreadPool* pool);
+void matmul_f32(const float* x, int64_t x_stride, const float* w, const float* bias, float* y,
+                int64_t y_stride, int tokens, int in, int out, ThreadPool* pool);
 
 // The same with W stored as bf16 (raw uint16 bits), converted on the fly.
-void matmul_bf16(const float* x, int64_t x_stride, const uint16_t* w, const float* bias, float* y, int64_t y_stride,
-                 int tokens, int in, int out, ThreadPool* pool);
+void matmul_bf16(const float* x, int64_t x_stride, const uint16_t* w, const float* bias, float* y,
+                 int64_t y_stride, int tokens, int in, int out, ThreadPool* pool);
 
 // Contiguous forms: x [tokens, in], y [tokens, out].
-inline void matmul_f32(const float* x, const float* w, const float* bias, float* y, int tokens, int in, int out,
-                       ThreadPool* pool) {
+inline void matmul_f32(const float* x, const float* w, const float* bias, float* y, int tokens,
+                       int in, int out, ThreadPool* pool) {
   matmul_f32(x, in, w, bias, y, out, tokens, in, out, pool);
 }
-inline void matmul_bf16(const float* x, const uint16_t* w, const float* bias, float* y, int tokens, int in, int out,
-                        ThreadPool* pool) {
+inline void matmul_bf16(const float* x, const uint16_t* w, const float* bias, float* y, int tokens,
+                        int in, int out, ThreadPool* pool) {
   matmul_bf16(x, in, w, bias, y, out, tokens, in, out, pool);
 }
 

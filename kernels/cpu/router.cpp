@@ -21,7 +21,8 @@ void softmax_rows(float* x, int rows, int n) {
   }
 }
 
-void router_topk(const float* logits, int tokens, const RouterParams& p, int32_t* ids, float* weights) {
+void router_topk(const float* logits, int tokens, const RouterParams& p, int32_t* ids,
+                 float* weights) {
   const int n = p.n_experts, k = p.top_k;
   std::vector<float> prob(n);
   std::vector<int> order(n);
@@ -37,7 +38,8 @@ void router_topk(const float* logits, int tokens, const RouterParams& p, int32_t
         best[g] = *std::max_element(prob.begin() + g * per, prob.begin() + (g + 1) * per);
       std::vector<int> gorder(p.n_group);
       std::iota(gorder.begin(), gorder.end(), 0);
-      std::stable_sort(gorder.begin(), gorder.end(), [&](int a, int b) { return best[a] > best[b]; });
+      std::stable_sort(gorder.begin(), gorder.end(),
+                       [&](int a, int b) { return best[a] > best[b]; });
       std::fill(eligible.begin(), eligible.end(), false);
       for (int g = 0; g < p.topk_group; ++g)
         for (int e = gorder[g] * per; e < (gorder[g] + 1) * per; ++e) eligible[e] = true;

@@ -19,7 +19,8 @@ struct RouterParams {
 
 // logits: [tokens, n_experts]; ids: [tokens, top_k] (best first; equal scores
 // keep the lower expert index first); weights: [tokens, top_k].
-void router_topk(const float* logits, int tokens, const RouterParams& p, int32_t* ids, float* weights);
+void router_topk(const float* logits, int tokens, const RouterParams& p, int32_t* ids,
+                 float* weights);
 
 // In-place softmax of each row. x: [rows, n].
 void softmax_rows(float* x, int rows, int n);

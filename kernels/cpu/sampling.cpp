@@ -46,7 +46,9 @@ int32_t sample_token(const float* logits, int vocab, const SampleParams& p, int6
   }
   std::vector<int32_t> order(vocab);
   std::iota(order.begin(), order.end(), 0);
-  auto better = [&](int32_t a, int32_t b) { return prob[a] != prob[b] ? prob[a] > prob[b] : a < b; };
+  auto better = [&](int32_t a, int32_t b) {
+    return prob[a] != prob[b] ? prob[a] > prob[b] : a < b;
+  };
   int keep = vocab;
   if (limit_k) {
     keep = p.top_k;

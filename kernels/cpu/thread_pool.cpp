@@ -45,7 +45,8 @@ void ThreadPool::worker_loop() {
   for (;;) {
     bool ready = false;
     for (int r = 0; r < kSpinRounds && !ready; ++r) {
-      ready = stop_.load(std::memory_order_acquire) || generation_.load(std::memory_order_acquire) != seen;
+      ready = stop_.load(std::memory_order_acquire) ||
+              generation_.load(std::memory_order_acquire) != seen;
       if (!ready) MOE_CPU_RELAX();
     }
     if (!ready) {
@@ -79,7 +80,8 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t)>& fn)
   }
   wake_.notify_all();
   run_tasks();
-  for (int r = 0; r < kSpinRounds && busy_.load(std::memory_order_acquire) != 0; ++r) MOE_CPU_RELAX();
+  for (int r = 0; r < kSpinRounds && busy_.load(std::memory_order_acquire) != 0; ++r)
+    MOE_CPU_RELAX();
   if (busy_.load(std::memory_order_acquire) != 0) {
     std::unique_lock<std::mutex> lock(mu_);
     done_.wait(lock, [&] { return busy_.load() == 0; });

@@ -40,7 +40,7 @@ class ThreadPool {
   const std::function<void(int64_t)>* fn_ = nullptr;
   int64_t n_ = 0;
   std::atomic<int64_t> next_{0};
-  std::atomic<int> busy_{0};            // workers still inside the current job
+  std::atomic<int> busy_{0};             // workers still inside the current job
   std::atomic<uint64_t> generation_{0};  // bumped (under mu_) for every job
   std::atomic<bool> stop_{false};
 };

@@ -3,7 +3,6 @@
 // the block pool is accounted for and its exhaustion is an error.
 
 #include <catch2/catch.hpp>
-
 #include <map>
 
 #include "tests/engine/reference_data.h"
@@ -28,7 +27,8 @@ SeqInput input(uint64_t id, std::vector<int32_t> tokens, int32_t start, Sampling
 }
 
 // Prompt then `steps` decode steps of one sequence, alone.
-Trace run_alone(CpuEngine& e, uint64_t id, const std::vector<int32_t>& prompt, SamplingParams sp, int steps) {
+Trace run_alone(CpuEngine& e, uint64_t id, const std::vector<int32_t>& prompt, SamplingParams sp,
+                int steps) {
   Trace tr;
   SeqInput in = input(id, prompt, 0, sp);
   for (int s = 0; s < steps; ++s) {
@@ -52,7 +52,8 @@ TEST_CASE("sequences batched together give the same results as alone", "[engine]
       auto ref = Checkpoint::open_file(fixture_dir(arch) + "/reference.safetensors");
       REQUIRE(ref.ok());
       std::vector<std::vector<int32_t>> prompts;
-      for (int p : {0, 1, 3, 5}) prompts.push_back(ints(*ref->find("p" + std::to_string(p) + ".input_ids")));
+      for (int p : {0, 1, 3, 5})
+        prompts.push_back(ints(*ref->find("p" + std::to_string(p) + ".input_ids")));
       std::vector<SamplingParams> sps(4);
       sps[0].temperature = 0;
       sps[1] = {0.8f, 0.9f, 0, 11, 3, true};
@@ -61,7 +62,8 @@ TEST_CASE("sequences batched together give the same results as alone", "[engine]
       for (auto& sp : sps) sp.top_logprobs = 3;
       const int steps = 6;
       std::vector<Trace> alone;
-      for (size_t i = 0; i < prompts.size(); ++i) alone.push_back(run_alone(*e, 7 + i, prompts[i], sps[i], steps));
+      for (size_t i = 0; i < prompts.size(); ++i)
+        alone.push_back(run_alone(*e, 7 + i, prompts[i], sps[i], steps));
 
       // Batched, and staggered: sequence i joins at step i, so the batch
       // mixes prefill chunks and decode tokens at different positions.
@@ -94,9 +96,10 @@ TEST_CASE("sequences batched together give the same results as alone", "[engine]
         for (int s = 0; s < steps; ++s) {
           REQUIRE(batched[i].tops[size_t(s)].size() == 3);
           for (int k = 0; k < 3; ++k) {
-            CHECK(batched[i].tops[size_t(s)][size_t(k)].first == alone[i].tops[size_t(s)][size_t(k)].first);
-            CHECK(std::abs(batched[i].tops[size_t(s)][size_t(k)].second - alone[i].tops[size_t(s)][size_t(k)].second) <=
-                  1e-6f);
+            CHECK(batched[i].tops[size_t(s)][size_t(k)].first ==
+                  alone[i].tops[size_t(s)][size_t(k)].first);
+            CHECK(std::abs(batched[i].tops[size_t(s)][size_t(k)].second -
+                           alone[i].tops[size_t(s)][size_t(k)].second) <= 1e-6f);
           }
         }
       }
@@ -174,7 +177,8 @@ TEST_CASE("the KV block pool: accounting, errors, release", "[engine][kv]") {
   REQUIRE((*out)[0].expert_counts.size() == size_t(d.n_moe_layers() * d.moe.n_experts));
   for (int m = 0; m < d.n_moe_layers(); ++m) {
     int sum = 0;
-    for (int x = 0; x < d.moe.n_experts; ++x) sum += (*out)[0].expert_counts[size_t(m * d.moe.n_experts + x)];
+    for (int x = 0; x < d.moe.n_experts; ++x)
+      sum += (*out)[0].expert_counts[size_t(m * d.moe.n_experts + x)];
     CHECK(sum == 9 * d.moe.top_k);
   }
 }

@@ -2,10 +2,9 @@
 // equals what transformers computes, and greedy samples match.
 
 #include <catch2/catch.hpp>
-
-#include <nlohmann/json.hpp>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "engine/perplexity.h"
 #include "model/packed_model.h"

@@ -2,9 +2,8 @@
 // every prompt, hidden states layer by layer, router top-k sets, and greedy
 // generation through the KV cache.
 
-#include <catch2/catch.hpp>
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <numeric>
 #include <set>
 
@@ -15,18 +14,21 @@ using namespace moe::test;
 
 namespace {
 
-const char* const kArchs[] = {"qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "qwen2_dense", "deepseek_v2"};
+const char* const kArchs[] = {"qwen2_moe", "qwen3_moe",   "mixtral",
+                              "olmoe",     "qwen2_dense", "deepseek_v2"};
 
 std::set<int> top_set(const float* row, int n, int k) {
   std::vector<int> idx(static_cast<size_t>(n));
   std::iota(idx.begin(), idx.end(), 0);
-  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int a, int b) { return row[a] > row[b]; });
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                    [&](int a, int b) { return row[a] > row[b]; });
   return {idx.begin(), idx.begin() + k};
 }
 
 }  // namespace
 
-TEST_CASE("engine logits, hidden states and routing match transformers on every fixture", "[engine][fixtures]") {
+TEST_CASE("engine logits, hidden states and routing match transformers on every fixture",
+          "[engine][fixtures]") {
   for (const char* arch : kArchs) {
     DYNAMIC_SECTION(arch) {
       auto engine = make_engine(fixture_dir(arch));
@@ -55,12 +57,14 @@ TEST_CASE("engine logits, hidden states and routing match transformers on every 
           REQUIRE(trace.router_logits.size() == size_t(d.n_moe_layers()));
           const std::vector<float>& got_r = trace.router_logits[size_t(m)];
           REQUIRE(got_r.size() == want_r.size());
-          CHECK(max_abs_diff(got_r.data(), want_r.data(), want_r.size()) <= 1e-3f * std::max(1.0f, max_abs(want_r)));
+          CHECK(max_abs_diff(got_r.data(), want_r.data(), want_r.size()) <=
+                1e-3f * std::max(1.0f, max_abs(want_r)));
           for (size_t t = 0; t < ids.size(); ++t) {
             const float* w = &want_r[t * size_t(E)];
             std::vector<float> sorted(w, w + E);
             std::sort(sorted.rbegin(), sorted.rend());
-            if (sorted[size_t(K) - 1] - sorted[size_t(K)] <= 1e-4f) continue;  // a near tie: either set is right
+            if (sorted[size_t(K) - 1] - sorted[size_t(K)] <= 1e-4f)
+              continue;  // a near tie: either set is right
             INFO("moe layer " << m << " token " << t);
             CHECK(top_set(&got_r[t * size_t(E)], E, K) == top_set(w, E, K));
             ++router_checked;
@@ -85,7 +89,8 @@ TEST_CASE("engine logits, hidden states and routing match transformers on every 
   }
 }
 
-TEST_CASE("greedy generation through the KV cache matches transformers", "[engine][fixtures][greedy]") {
+TEST_CASE("greedy generation through the KV cache matches transformers",
+          "[engine][fixtures][greedy]") {
   for (const char* arch : kArchs) {
     DYNAMIC_SECTION(arch) {
       auto engine = make_engine(fixture_dir(arch));

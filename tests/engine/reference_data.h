@@ -15,7 +15,9 @@
 
 namespace moe::test {
 
-inline std::string fixture_dir(const std::string& arch) { return std::string(MOE_TEST_DATA) + "/fixtures/" + arch; }
+inline std::string fixture_dir(const std::string& arch) {
+  return std::string(MOE_TEST_DATA) + "/fixtures/" + arch;
+}
 inline std::string demo_dir() { return std::string(MOE_TEST_DATA) + "/../../models/demo-moe"; }
 
 // Integer tensor (I64/I32/I16) as int32 values.

@@ -2,14 +2,13 @@
 // sizes, and the properties the engine relies on (batch independence,
 // seeded sampling).
 
+#include <algorithm>
+#include <atomic>
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <set>
-#include <algorithm>
-#include <atomic>
 #include <tuple>
 #include <vector>
 
@@ -92,17 +91,20 @@ TEST_CASE("rmsnorm and per-head rmsnorm", "[kernels][rmsnorm]") {
     double ss = 0;
     for (int i = 0; i < dim; ++i) ss += double(x[r * dim + i]) * x[r * dim + i];
     const double inv = 1.0 / std::sqrt(ss / dim + 1e-6);
-    for (int i = 0; i < dim; ++i) REQUIRE(y[r * dim + i] == Approx(w[i] * x[r * dim + i] * inv).epsilon(1e-5));
+    for (int i = 0; i < dim; ++i)
+      REQUIRE(y[r * dim + i] == Approx(w[i] * x[r * dim + i] * inv).epsilon(1e-5));
   }
   auto h = x;
   rmsnorm_heads(h.data(), dim, w.data(), rows, heads, hd, 1e-6f);
   for (int r = 0; r < rows; ++r)
     for (int hh = 0; hh < heads; ++hh) {
       double ss = 0;
-      for (int i = 0; i < hd; ++i) ss += double(x[r * dim + hh * hd + i]) * x[r * dim + hh * hd + i];
+      for (int i = 0; i < hd; ++i)
+        ss += double(x[r * dim + hh * hd + i]) * x[r * dim + hh * hd + i];
       const double inv = 1.0 / std::sqrt(ss / hd + 1e-6);
       for (int i = 0; i < hd; ++i)
-        REQUIRE(h[r * dim + hh * hd + i] == Approx(w[i] * x[r * dim + hh * hd + i] * inv).epsilon(1e-5));
+        REQUIRE(h[r * dim + hh * hd + i] ==
+                Approx(w[i] * x[r * dim + hh * hd + i] * inv).epsilon(1e-5));
     }
 }
 
@@ -142,7 +144,7 @@ TEST_CASE("yarn frequencies: factor 1 leaves the default table", "[kernels][rope
   REQUIRE(af == 1.0f);
   for (size_t i = 0; i < d.size(); ++i) REQUIRE(y[i] == Approx(d[i]).epsilon(1e-6));
   auto y4 = rope_inv_freq_yarn(10000.0f, 16, 4.0f, 4096, 32.0f, 1.0f, 1.0f, 0.0f, &af);
-  REQUIRE(y4[0] == Approx(d[0]).epsilon(1e-6));           // fast dims extrapolate
+  REQUIRE(y4[0] == Approx(d[0]).epsilon(1e-6));              // fast dims extrapolate
   REQUIRE(y4.back() == Approx(d.back() / 4).epsilon(1e-6));  // slow dims interpolate
   REQUIRE(af == Approx(0.1 * std::log(4.0) + 1.0));
 }
@@ -150,18 +152,21 @@ TEST_CASE("yarn frequencies: factor 1 leaves the default table", "[kernels][rope
 TEST_CASE("paged attention equals contiguous causal GQA", "[kernels][attention]") {
   ThreadPool pool(2);
   const int ctx = 11, n_heads = 4, n_kv = 2, dk = 6, dv = 5, bt = 4;
-  auto q = random_vec(ctx * n_heads * dk, 11), k = random_vec(ctx * n_kv * dk, 12), v = random_vec(ctx * n_kv * dv, 13);
+  auto q = random_vec(ctx * n_heads * dk, 11), k = random_vec(ctx * n_kv * dk, 12),
+       v = random_vec(ctx * n_kv * dv, 13);
   // Blocks deliberately out of order in a larger pool.
   std::vector<int32_t> table = {5, 1, 3};
   std::vector<float> kp(6 * bt * n_kv * dk, NAN), vp(6 * bt * n_kv * dv, NAN);
   for (int p = 0; p < ctx; ++p)
-    kv_store(kp.data(), vp.data(), table.data(), bt, p, &k[p * n_kv * dk], &v[p * n_kv * dv], n_kv, dk, dv);
+    kv_store(kp.data(), vp.data(), table.data(), bt, p, &k[p * n_kv * dk], &v[p * n_kv * dv], n_kv,
+             dk, dv);
   std::vector<int32_t> pos(ctx);
   for (int i = 0; i < ctx; ++i) pos[i] = i;
   std::vector<float> out(ctx * n_heads * dv);
   PagedKv kv{kp.data(), vp.data(), table.data(), bt};
   const float scale = 0.37f;
-  attention(q.data(), n_heads * dk, kv, pos.data(), out.data(), n_heads * dv, ctx, n_heads, n_kv, dk, dv, scale, &pool);
+  attention(q.data(), n_heads * dk, kv, pos.data(), out.data(), n_heads * dv, ctx, n_heads, n_kv,
+            dk, dv, scale, &pool);
   for (int t = 0; t < ctx; ++t)
     for (int h = 0; h < n_heads; ++h) {
       const int g = h / (n_heads / n_kv);
@@ -169,7 +174,8 @@ TEST_CASE("paged attention equals contiguous causal GQA", "[kernels][attention]"
       double mx = -1e30, sum = 0;
       for (int j = 0; j <= t; ++j) {
         double d = 0;
-        for (int i = 0; i < dk; ++i) d += double(q[(t * n_heads + h) * dk + i]) * k[(j * n_kv + g) * dk + i];
+        for (int i = 0; i < dk; ++i)
+          d += double(q[(t * n_heads + h) * dk + i]) * k[(j * n_kv + g) * dk + i];
         s[j] = d * scale;
         mx = std::max(mx, s[j]);
       }
@@ -182,7 +188,8 @@ TEST_CASE("paged attention equals contiguous causal GQA", "[kernels][attention]"
     }
 }
 
-TEST_CASE("router: softmax then top-k, renormalised or not, scaled, group-limited", "[kernels][router]") {
+TEST_CASE("router: softmax then top-k, renormalised or not, scaled, group-limited",
+          "[kernels][router]") {
   const std::vector<float> logits = {0.1f, 2.0f, -1.0f, 1.5f, 1.5f, 0.0f};
   std::vector<double> p(6);
   double z = 0;
@@ -243,7 +250,8 @@ TEST_CASE("sampling: greedy, seeded determinism, top-k and top-p limits", "[kern
     REQUIRE((t == order[0] || t == order[1] || t == order[2]));
   }
   // A tiny top_p keeps only the best token.
-  for (int pos = 0; pos < 50; ++pos) REQUIRE(sample_token(logits.data(), vocab, {1.0f, 1e-6f, 0, 7}, pos) == best);
+  for (int pos = 0; pos < 50; ++pos)
+    REQUIRE(sample_token(logits.data(), vocab, {1.0f, 1e-6f, 0, 7}, pos) == best);
 
   // Sampling frequencies follow the softmax.
   const float two[2] = {0.0f, std::log(3.0f)};  // p = 1/4, 3/4

@@ -6,10 +6,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "engine/engine.h"
 #include "model/model_files.h"
@@ -53,7 +52,8 @@ Result<ChatTemplate> chat_template_of(const std::string& path, const ModelFiles&
     if (!config.contains(key)) return "";
     const auto& v = config[key];
     if (v.is_string()) return v.get<std::string>();
-    if (v.is_object() && v.contains("content") && v["content"].is_string()) return v["content"].get<std::string>();
+    if (v.is_object() && v.contains("content") && v["content"].is_string())
+      return v["content"].get<std::string>();
     return "";
   };
   t->set_special_tokens(token("bos_token"), token("eos_token"));
@@ -121,7 +121,8 @@ int cmd_generate(int argc, char** argv) {
       std::fprintf(stderr, "moe generate: %s\n", tmpl.error().c_str());
       return 1;
     }
-    const nlohmann::json messages = nlohmann::json::array({{{"role", "user"}, {"content", prompt}}});
+    const nlohmann::json messages =
+        nlohmann::json::array({{{"role", "user"}, {"content", prompt}}});
     auto text = tmpl->render(messages, /*add_generation_prompt=*/true);
     if (!text) {
       std::fprintf(stderr, "moe generate: chat template: %s\n", text.error().c_str());

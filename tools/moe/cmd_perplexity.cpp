@@ -22,15 +22,16 @@ namespace moe::cli {
 namespace {
 
 void usage(FILE* out) {
-  std::fprintf(out,
-               "usage: moe perplexity --model DIR|FILE --file TEXT [options]\n\n"
-               "  --model DIR|FILE   a checkpoint folder or a packed model file\n"
-               "  --file TEXT        the text (special tokens written in it are recognised;\n"
-               "                     no BOS unless the tokenizer's post-processor adds one)\n"
-               "  --ctx N            predicted tokens per window (default 512)\n"
-               "  --max-ids N        use only the first N token ids of the text\n"
-               "  --threads N        CPU threads (default: all cores)\n"
-               "  --experts bf16|q4  expert weights to use (default: INT4 when the file has them)\n");
+  std::fprintf(
+      out,
+      "usage: moe perplexity --model DIR|FILE --file TEXT [options]\n\n"
+      "  --model DIR|FILE   a checkpoint folder or a packed model file\n"
+      "  --file TEXT        the text (special tokens written in it are recognised;\n"
+      "                     no BOS unless the tokenizer's post-processor adds one)\n"
+      "  --ctx N            predicted tokens per window (default 512)\n"
+      "  --max-ids N        use only the first N token ids of the text\n"
+      "  --threads N        CPU threads (default: all cores)\n"
+      "  --experts bf16|q4  expert weights to use (default: INT4 when the file has them)\n");
 }
 
 }  // namespace
@@ -63,7 +64,8 @@ int cmd_perplexity(int argc, char** argv) {
       return 2;
     }
   }
-  if (model.empty() || file.empty() || ctx < 1 || (!experts.empty() && experts != "bf16" && experts != "q4")) {
+  if (model.empty() || file.empty() || ctx < 1 ||
+      (!experts.empty() && experts != "bf16" && experts != "q4")) {
     usage(stderr);
     return 2;
   }
