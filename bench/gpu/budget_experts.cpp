@@ -84,8 +84,13 @@ Result<ExpertBinding> BudgetExperts::bind(int layer, int tokens, cudaStream_t st
   // The host learns layer's routes only once the GPU has run its router.
   MOE_CUDA_TRY(cudaEventRecord(routed_, st));
   MOE_CUDA_TRY(cudaEventSynchronize(routed_));
-  if (layer == 0 || !have_next_) draw_routes(tokens, cur_);
-  else cur_.swap(next_);
+  if (layer == 0 || !have_next_) ahead_.clear();
+  if (ahead_.empty()) {
+    draw_routes(tokens, cur_);
+  } else {
+    cur_.swap(ahead_.front());
+    ahead_.erase(ahead_.begin());
+  }
 
   uint8_t* host = pack_host_ + size_t(layer) * pack_bytes_;
   uint8_t* dev = pack_dev_ + size_t(layer) * pack_bytes_;
@@ -108,30 +113,34 @@ Result<ExpertBinding> BudgetExperts::bind(int layer, int tokens, cudaStream_t st
   const size_t bytes = size_t(o_.n_experts) * sizeof(void*) + cur_.size() * 4;
   MOE_CUDA_TRY(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, st));
 
-  // Layer l+1's experts, guessed now and copied while l computes.
+  // The next layers' experts, guessed now and copied while l computes.
   have_next_ = false;
-  if (layer + 1 < o_.n_layers) {
-    draw_routes(tokens, next_);
-    have_next_ = true;
-    if (o_.predict_accuracy > 0) {
-      std::uniform_real_distribution<double> u(0.0, 1.0);
-      std::uniform_int_distribution<int> pick(0, o_.n_experts - 1);
-      std::vector<int> guess;
-      for (size_t t = 0; t < next_.size(); t += size_t(o_.top_k)) {
-        const int32_t* r = next_.data() + t;
-        for (int k = 0; k < o_.top_k; ++k) {
-          int e = r[k];
-          if (u(rng_) >= o_.predict_accuracy) {
-            do e = pick(rng_);
-            while (std::find(r, r + o_.top_k, e) != r + o_.top_k);
-          }
-          if (std::find(guess.begin(), guess.end(), e) == guess.end()) guess.push_back(e);
-        }
-      }
-      const Status s = o_.batched_prefetch ? prefetch_batch(layer + 1, guess)
-                                           : arena_->prefetch(*map_, layer + 1, guess, HintPriority::prefetch);
-      if (!s) return make_error(s.error());
+  const int look = tokens > 8 ? std::max(1, o_.prefill_lookahead) : 1;
+  for (int d = 1; d <= look && layer + d < o_.n_layers; ++d) {
+    if (int(ahead_.size()) < d) {
+      ahead_.emplace_back();
+      draw_routes(tokens, ahead_.back());
     }
+    have_next_ = true;
+    if (o_.predict_accuracy <= 0) continue;
+    const std::vector<int32_t>& nx = ahead_[size_t(d - 1)];
+    std::uniform_real_distribution<double> u(0.0, 1.0);
+    std::uniform_int_distribution<int> pick(0, o_.n_experts - 1);
+    std::vector<int> guess;
+    for (size_t t = 0; t < nx.size(); t += size_t(o_.top_k)) {
+      const int32_t* r = nx.data() + t;
+      for (int k = 0; k < o_.top_k; ++k) {
+        int e = r[k];
+        if (u(rng_) >= o_.predict_accuracy) {
+          do e = pick(rng_);
+          while (std::find(r, r + o_.top_k, e) != r + o_.top_k);
+        }
+        if (std::find(guess.begin(), guess.end(), e) == guess.end()) guess.push_back(e);
+      }
+    }
+    const Status s = o_.batched_prefetch ? prefetch_batch(layer + d, guess)
+                                         : arena_->prefetch(*map_, layer + d, guess, HintPriority::prefetch);
+    if (!s) return make_error(s.error());
   }
   ExpertBinding out;
   out.blobs = reinterpret_cast<const uint8_t* const*>(dev);

@@ -43,6 +43,10 @@ struct BudgetOptions {
   // Prefetch copies as one batch (waits, then copies back to back, then one
   // event) instead of IslandArena::prefetch's wait/copy/record per expert.
   bool batched_prefetch = true;
+  // Layers hinted ahead for a prompt (more than 8 tokens): a prompt needs
+  // nearly every expert of every layer, so the copy queue can run further
+  // ahead than one layer without a real prediction. Decode hints one layer.
+  int prefill_lookahead = 2;
 };
 
 class BudgetExperts final : public ExpertProvider {
@@ -76,7 +80,8 @@ class BudgetExperts final : public ExpertProvider {
   cudaEvent_t routed_ = nullptr;     // the router point of the current layer
   std::vector<cudaEvent_t> layer_read_;   // [layer] its expert kernels, last enqueued
   std::vector<cudaEvent_t> batch_done_;   // [layer] its last prefetch batch landed
-  std::vector<int32_t> cur_, next_;  // [tokens * top_k] routes of this layer, the next
+  std::vector<int32_t> cur_;                 // [tokens * top_k] routes of this layer
+  std::vector<std::vector<int32_t>> ahead_;  // routes of the next layers, drawn in layer order
   bool have_next_ = false;
   std::vector<std::vector<int>> bound_;  // [layer] distinct experts pinned for it
 };

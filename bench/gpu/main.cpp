@@ -46,6 +46,7 @@ struct Options {
   bool huge_pages = true;
   bool batched_prefetch = true;
   bool copy_test = false;
+  int prefill_lookahead = 2;
 };
 
 struct Row {
@@ -276,6 +277,7 @@ bool bench_budget(const ModelShape& s, const Options& o, std::vector<Row>& rows)
       bo.policy = o.policy;
       bo.predict_accuracy = o.accuracies[ai];
       bo.batched_prefetch = o.batched_prefetch;
+      bo.prefill_lookahead = o.prefill_lookahead;
       auto be = moe::bench::BudgetExperts::create(bo);
       if (!be.ok()) {
         std::fprintf(stderr, "error: %s\n", be.error().c_str());
@@ -439,6 +441,7 @@ int main(int argc, char** argv) {
     else if (a == "--no-huge-pages") o.huge_pages = false;
     else if (a == "--per-expert-prefetch") o.batched_prefetch = false;
     else if (a == "--copy-test") o.copy_test = true;
+    else if (a == "--prefill-lookahead") o.prefill_lookahead = std::stoi(next());
     else {
       std::fprintf(stderr, "usage: moe-bench-gpu [--shape qwen15|qwen3|all] [--steps N] [--context N] "
                            "[--prompt N] [--json PATH] [--commit HASH] [--fuse-max-batch N] [--no-kernels]\n"
@@ -503,7 +506,8 @@ int main(int argc, char** argv) {
       j["budget_settings"] = {{"date", date}, {"commit", o.commit}, {"gpu", prop.name}, {"context", o.context},
                               {"steps", o.steps}, {"warm_steps", o.warm_steps}, {"prompt", o.prompt},
                               {"policy", o.policy},
-                              {"prefetch", o.batched_prefetch ? "batched" : "per expert"}, {"routing", "seeded uniform random, top-k distinct"},
+                              {"prefetch", o.batched_prefetch ? "batched" : "per expert"},
+                              {"prefill_lookahead_layers", o.prefill_lookahead}, {"routing", "seeded uniform random, top-k distinct"},
                               {"decode", "eager launches, one host wait per layer at the router point"},
                               {"other_weights", "bf16"},
                               {"prediction", "next layer's picks guessed right with probability predict_accuracy"}};
