@@ -1,20 +1,92 @@
-// moe-worker: the inference worker (CPU or CUDA backend).
+// moe-worker: the inference worker (CPU backend; the CUDA backend joins later
+// behind the same Backend interface).
+#include <csignal>
 #include <cstdio>
-#include <cstring>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include "gpu_worker/backend.h"
+#include "gpu_worker/worker_options.h"
+#include "gpu_worker/worker_server.h"
 #include "moe_version.h"
 
+namespace {
+
+// The write end of the self-pipe SIGTERM/SIGINT wake the server through; a
+// signal handler can reach nothing else.
+int g_stop_pipe_write = -1;
+
+void on_stop_signal(int) {
+  const char c = 1;
+  [[maybe_unused]] ssize_t n = ::write(g_stop_pipe_write, &c, 1);
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--version")) {
-      std::printf("moe-worker %s\n", MOE_VERSION);
-      return 0;
-    }
-    if (!std::strcmp(argv[i], "--help")) {
-      std::printf("moe-worker %s\nusage: moe-worker [options]\n", MOE_VERSION);
-      return 0;
-    }
+  auto cl = moe::worker::parse_worker_args(std::vector<std::string>(argv + 1, argv + argc));
+  if (!cl.ok()) {
+    std::fprintf(stderr, "moe-worker: %s\n", cl.error().c_str());
+    return 2;
   }
-  std::fprintf(stderr, "moe-worker: not implemented yet\n");
-  return 1;
+  if (cl->help) {
+    std::printf("moe-worker %s\n%s", MOE_VERSION, moe::worker::worker_usage().c_str());
+    return 0;
+  }
+  if (cl->version) {
+    std::printf("moe-worker %s\n", MOE_VERSION);
+    return 0;
+  }
+  const moe::worker::WorkerOptions& o = cl->options;
+  if (o.backend == "cuda") {
+    std::fprintf(stderr, "moe-worker: the cuda backend is not built into this binary yet (use --backend cpu)\n");
+    return 2;
+  }
+  if (!o.redis_url.empty()) std::fprintf(stderr, "moe-worker: --redis %s accepted; not used yet\n", o.redis_url.c_str());
+
+  int pipe_fds[2];
+  if (::pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) != 0) {
+    std::perror("moe-worker: pipe");
+    return 1;
+  }
+  g_stop_pipe_write = pipe_fds[1];
+  struct sigaction sa{};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);
+
+  moe::worker::CpuBackendOptions bo;
+  bo.threads = o.threads;
+  bo.kv_blocks = o.kv_blocks;
+  auto backend = moe::worker::make_cpu_backend(o.model_path, bo);
+  if (!backend.ok()) {
+    std::fprintf(stderr, "moe-worker: %s\n", backend.error().c_str());
+    return 1;
+  }
+  moe::worker::ServerOptions so;
+  so.socket_path = o.socket_path;
+  so.max_frame_bytes = o.max_frame_bytes;
+  so.vram_budget_bytes = o.vram_budget_bytes;
+  moe::worker::WorkerServer server(backend->get(), so);
+  if (auto st = server.listen(); !st.ok()) {
+    std::fprintf(stderr, "moe-worker: %s\n", st.error().c_str());
+    return 1;
+  }
+  const auto hello = (*backend)->describe();
+  std::fprintf(stderr, "moe-worker %s: %s on %s, %u KV blocks of %u tokens, listening on %s\n", MOE_VERSION,
+               hello.model_id.c_str(), hello.backend.c_str(), hello.kv_blocks_total, hello.kv_block_tokens,
+               o.socket_path.c_str());
+  if (auto st = server.run(pipe_fds[0]); !st.ok()) {
+    std::fprintf(stderr, "moe-worker: %s\n", st.error().c_str());
+    return 1;
+  }
+  return 0;
 }

@@ -1,0 +1,51 @@
+#pragma once
+// What runs a worker's steps: the model, its KV cache and sampling behind one
+// interface, so that the socket server does not care whether the CPU engine
+// or the CUDA engine computes. One thread drives a backend at a time.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/result.h"
+#include "protocol/messages.h"
+
+namespace moe::worker {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  // The capacity fields of the worker's hello (model id, backend name, KV
+  // blocks, max context, vocab, EOS ids, expert layout).
+  virtual protocol::Hello describe() const = 0;
+  // Runs one step; one result per request sequence, in order. A sequence the
+  // backend cannot run (bad start_pos, token out of range, no KV) gets its
+  // own error; the others run.
+  virtual protocol::StepReply step(const protocol::StepRequest& req) = 0;
+  // Frees the sequences' KV (unknown ids are ignored).
+  virtual void release(uint64_t seq_id) = 0;
+  virtual int kv_blocks_total() const = 0;
+  virtual int kv_blocks_free() const = 0;
+  virtual int sequences_active() const = 0;
+
+  // ---- Expert residency (re-warm after a restart, warm hints, state for Redis)
+  // Makes `experts` resident, in order, while free islands last (never
+  // evicting); returns how many became or already were resident.
+  virtual size_t warm(const std::vector<protocol::ExpertRef>& /*experts*/) { return 0; }
+  // The resident experts now, ordered by (layer, expert).
+  virtual std::vector<protocol::ExpertRef> resident() const { return {}; }
+  // Changes whenever the resident set changes (publish after a change).
+  virtual uint64_t residency_version() const { return 0; }
+};
+
+struct CpuBackendOptions {
+  int threads = 0;    // 0: all cores
+  int kv_blocks = 0;  // 0: the engine's default budget
+};
+
+// The CPU backend over moe::CpuEngine. `model_path`: folder or packed file.
+Result<std::unique_ptr<Backend>> make_cpu_backend(const std::string& model_path, const CpuBackendOptions& opts);
+
+}  // namespace moe::worker

@@ -1,0 +1,100 @@
+#include "gpu_worker/worker_options.h"
+
+#include <cctype>
+#include <charconv>
+
+#include "protocol/frame.h"
+
+namespace moe::worker {
+
+Result<uint64_t> parse_byte_size(const std::string& text) {
+  uint64_t v = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || end == text.data()) return make_error("not a size: '" + text + "'");
+  std::string unit(end, text.data() + text.size());
+  for (char& c : unit) c = char(std::toupper(static_cast<unsigned char>(c)));
+  if (!unit.empty() && unit.back() == 'B') unit.pop_back();
+  if (!unit.empty() && unit.back() == 'I') unit.pop_back();
+  int shift = 0;
+  if (unit == "K") shift = 10;
+  else if (unit == "M") shift = 20;
+  else if (unit == "G") shift = 30;
+  else if (unit == "T") shift = 40;
+  else if (!unit.empty()) return make_error("unknown size unit in '" + text + "'");
+  if (shift && v > (UINT64_MAX >> shift)) return make_error("size too large: '" + text + "'");
+  return v << shift;
+}
+
+static Result<int> parse_count(const std::string& name, const std::string& value) {
+  int v = 0;
+  auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), v);
+  if (ec != std::errc() || end != value.data() + value.size() || v < 0)
+    return make_error("option " + name + " needs a non-negative integer, got '" + value + "'");
+  return v;
+}
+
+Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args) {
+  WorkerCommandLine cl;
+  WorkerOptions& o = cl.options;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--help" || a == "-h") { cl.help = true; continue; }
+    if (a == "--version") { cl.version = true; continue; }
+    std::string name = a, value;
+    bool inline_value = false;
+    if (auto eq = a.find('='); a.rfind("--", 0) == 0 && eq != std::string::npos) {
+      name = a.substr(0, eq);
+      value = a.substr(eq + 1);
+      inline_value = true;
+    }
+    static const char* const kValued[] = {"--model", "--socket", "--backend", "--threads", "--kv-blocks",
+                                          "--max-frame-bytes", "--vram-budget", "--redis"};
+    bool known = false;
+    for (const char* k : kValued) known = known || name == k;
+    if (!known) return make_error("unknown option '" + a + "' (see --help)");
+    if (!inline_value) {
+      if (i + 1 >= args.size()) return make_error("option " + name + " needs a value");
+      value = args[++i];
+    }
+    if (name == "--model") o.model_path = value;
+    else if (name == "--socket") o.socket_path = value;
+    else if (name == "--backend") {
+      if (value != "cpu" && value != "cuda") return make_error("option --backend takes cpu or cuda, got '" + value + "'");
+      o.backend = value;
+    } else if (name == "--threads" || name == "--kv-blocks") {
+      auto v = parse_count(name, value);
+      if (!v.ok()) return make_error(v.error());
+      (name == "--threads" ? o.threads : o.kv_blocks) = *v;
+    } else if (name == "--max-frame-bytes" || name == "--vram-budget") {
+      auto v = parse_byte_size(value);
+      if (!v.ok()) return make_error("option " + name + ": " + v.error());
+      if (name == "--vram-budget") o.vram_budget_bytes = *v;
+      else {
+        if (*v < protocol::kFrameHeaderBytes || *v > protocol::kMaxFrameBytesCeiling)
+          return make_error("option --max-frame-bytes out of range: '" + value + "'");
+        o.max_frame_bytes = size_t(*v);
+      }
+    } else if (name == "--redis") o.redis_url = value;
+  }
+  if (!cl.help && !cl.version) {
+    if (o.model_path.empty()) return make_error("option --model is required");
+    if (o.socket_path.empty()) return make_error("option --socket is required");
+  }
+  return cl;
+}
+
+std::string worker_usage() {
+  return "usage: moe-worker --model DIR|FILE --socket PATH [options]\n"
+         "Loads a model and serves steps to one gateway over a Unix socket.\n"
+         "  --model DIR|FILE        checkpoint folder or packed model file\n"
+         "  --socket PATH           Unix socket to listen on (parent made 0700, socket 0600)\n"
+         "  --backend cpu|cuda      compute backend (default cpu)\n"
+         "  --threads N             CPU threads (default: all cores)\n"
+         "  --kv-blocks N           KV cache blocks (default: the backend's budget)\n"
+         "  --max-frame-bytes N     largest frame accepted (default 64M)\n"
+         "  --vram-budget SIZE      device memory to use (cuda backend)\n"
+         "  --redis URL             shared state (accepted; not used yet)\n"
+         "  --help, --version\n";
+}
+
+}  // namespace moe::worker

@@ -1,0 +1,36 @@
+#pragma once
+// moe-worker's command line.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/result.h"
+
+namespace moe::worker {
+
+struct WorkerOptions {
+  std::string model_path;   // --model: checkpoint folder or packed file
+  std::string socket_path;  // --socket: Unix socket to listen on
+  std::string backend = "cpu";  // --backend cpu|cuda
+  int threads = 0;              // --threads (0: all cores)
+  int kv_blocks = 0;            // --kv-blocks (0: the backend's default)
+  size_t max_frame_bytes = 64u << 20;  // --max-frame-bytes
+  uint64_t vram_budget_bytes = 0;      // --vram-budget (cuda only)
+  std::string redis_url;               // --redis (accepted, not used yet)
+};
+
+struct WorkerCommandLine {
+  WorkerOptions options;
+  bool help = false;
+  bool version = false;
+};
+
+// Parses argv[1..]. --model and --socket are required unless --help/--version.
+Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args);
+// "24G", "512M", "1048576" -> bytes.
+Result<uint64_t> parse_byte_size(const std::string& text);
+std::string worker_usage();
+
+}  // namespace moe::worker

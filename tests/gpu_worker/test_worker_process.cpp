@@ -1,0 +1,355 @@
+// The real moe-worker binary as a child process on a fixture model: hello,
+// greedy decoding against the reference ids, bad frames, replacement of a
+// connection, SIGTERM.
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <csignal>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "model/safetensors.h"
+#include "protocol/frame.h"
+#include "protocol/messages.h"
+
+namespace pr = moe::protocol;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kFixture = std::string(MOE_TEST_DATA) + "/fixtures/qwen3_moe";
+
+// One moe-worker child on a socket in a fresh private directory.
+struct WorkerProcess {
+  pid_t pid = -1;
+  std::string dir, socket;
+  explicit WorkerProcess(std::vector<std::string> extra = {}) {
+    char tmpl[] = "/tmp/moe-worker-test-XXXXXX";
+    REQUIRE(::mkdtemp(tmpl));
+    dir = tmpl;
+    socket = dir + "/sub/w.sock";  // the worker creates sub/ itself
+    std::vector<std::string> args = {MOE_WORKER_BIN, "--model", kFixture, "--socket", socket, "--threads", "1"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    pid = ::fork();
+    if (pid == 0) {
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execv(argv[0], argv.data());
+      _exit(127);
+    }
+    for (int i = 0; i < 300 && !fs::exists(socket); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    REQUIRE(fs::exists(socket));
+  }
+  int wait_exit(int timeout_ms = 10000) {
+    for (int i = 0; i < timeout_ms / 10; ++i) {
+      int st = 0;
+      if (::waitpid(pid, &st, WNOHANG) == pid) {
+        pid = -1;
+        return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return -1;
+  }
+  ~WorkerProcess() {
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
+};
+
+// A blocking client speaking the protocol.
+struct Client {
+  int fd = -1;
+  pr::FrameDecoder dec;
+  explicit Client(const std::string& path) {
+    fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    std::strcpy(a.sun_path, path.c_str());
+    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  }
+  ~Client() {
+    if (fd >= 0) ::close(fd);
+  }
+  void send_bytes(const std::vector<uint8_t>& b) {
+    REQUIRE(::send(fd, b.data(), b.size(), MSG_NOSIGNAL) == ssize_t(b.size()));
+  }
+  template <typename M>
+  void send(uint64_t id, const M& m) {
+    send_bytes(pr::make_frame(id, m).value());
+  }
+  // The next frame; status error when the worker closed the connection.
+  pr::DecodeEvent next(int timeout_ms = 20000) {
+    for (;;) {
+      pr::DecodeEvent ev = dec.next();
+      if (ev.status != pr::DecodeStatus::need_more) return ev;
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, timeout_ms) <= 0) return ev;
+      uint8_t buf[65536];
+      const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+      if (n <= 0) {
+        ev.status = pr::DecodeStatus::error;
+        ev.error.message = "closed";
+        return ev;
+      }
+      dec.feed(std::span<const uint8_t>(buf, size_t(n)));
+    }
+  }
+  bool closed_by_peer(int timeout_ms = 5000) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, timeout_ms) <= 0) return false;
+    uint8_t b;
+    return ::recv(fd, &b, 1, 0) == 0;
+  }
+  pr::Hello hello() {
+    send(1, pr::Hello{});
+    auto ev = next();
+    REQUIRE(ev.status == pr::DecodeStatus::frame);
+    REQUIRE(ev.frame.command == uint8_t(pr::Command::hello));
+    REQUIRE(ev.frame.request_id == 1);
+    return pr::decode_hello(ev.frame.payload).value();
+  }
+  pr::ErrorReport expect_error(uint64_t id) {
+    auto ev = next();
+    REQUIRE(ev.status == pr::DecodeStatus::frame);
+    REQUIRE(ev.frame.command == uint8_t(pr::Command::error));
+    CHECK(ev.frame.request_id == id);
+    return pr::decode_error(ev.frame.payload).value();
+  }
+  pr::StepReply step(uint64_t id, const pr::StepRequest& r) {
+    send(id, r);
+    auto ev = next();
+    REQUIRE(ev.status == pr::DecodeStatus::frame);
+    REQUIRE(ev.frame.command == uint8_t(pr::Command::step_reply));
+    REQUIRE(ev.frame.request_id == id);
+    return pr::decode_step_reply(ev.frame.payload).value();
+  }
+  void ping_ok(uint64_t id) {
+    send(id, pr::Ping{42});
+    auto ev = next();
+    REQUIRE(ev.status == pr::DecodeStatus::frame);
+    CHECK(ev.frame.command == uint8_t(pr::Command::pong));
+    CHECK(pr::decode_pong(ev.frame.payload).value().ping_sent_us == 42);
+  }
+};
+
+std::vector<int32_t> ints(const moe::TensorView& t) {
+  std::vector<int32_t> out(size_t(t.numel()));
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (t.dtype == moe::DType::i64) {
+      int64_t v;
+      std::memcpy(&v, t.data + 8 * i, 8);
+      out[i] = int32_t(v);
+    } else {
+      std::memcpy(&out[i], t.data + 4 * i, 4);
+    }
+  }
+  return out;
+}
+std::vector<float> floats(const moe::TensorView& t) {
+  std::vector<float> out(size_t(t.numel()));
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (t.dtype == moe::DType::f32) {
+      std::memcpy(&out[i], t.data + 4 * i, 4);
+    } else {
+      double v;
+      std::memcpy(&v, t.data + 8 * i, 8);
+      out[i] = float(v);
+    }
+  }
+  return out;
+}
+
+pr::StepSequence greedy(uint64_t id, std::vector<int32_t> tokens, uint32_t start) {
+  pr::StepSequence s;
+  s.seq_id = id;
+  s.tokens = std::move(tokens);
+  s.start_pos = start;
+  s.sampling.temperature = 0;
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("moe-worker answers hello with its capabilities and decodes the reference greedy ids", "[worker]") {
+  WorkerProcess w;
+  struct stat st{};
+  REQUIRE(::stat(w.socket.c_str(), &st) == 0);
+  CHECK((st.st_mode & 0777) == 0600);
+  REQUIRE(::stat(fs::path(w.socket).parent_path().c_str(), &st) == 0);
+  CHECK((st.st_mode & 0777) == 0700);
+
+  Client c(w.socket);
+  const pr::Hello h = c.hello();
+  CHECK(h.role == pr::Role::worker);
+  CHECK(h.backend == "cpu");
+  CHECK(h.model_id == "qwen3_moe");
+  CHECK(h.kv_blocks_total > 0);
+  CHECK(h.kv_block_tokens == 16);
+  CHECK(h.max_context > 0);
+  CHECK(h.vocab_size == 1027);
+  CHECK(h.experts.n_moe_layers == h.experts.moe_layers.size());
+  CHECK(h.experts.n_experts > 0);
+
+  auto ref = moe::Checkpoint::open_file(kFixture + "/reference.safetensors");
+  REQUIRE(ref.ok());
+  // Two prompts in the same steps: batching must not change either's tokens.
+  std::vector<std::vector<int32_t>> prompts, want;
+  std::vector<std::vector<float>> margins;
+  for (int p = 0; p < 2; ++p) {
+    const std::string pre = "p" + std::to_string(p) + ".";
+    prompts.push_back(ints(*ref->find(pre + "input_ids")));
+    want.push_back(ints(*ref->find(pre + "greedy_ids")));
+    margins.push_back(floats(*ref->find(pre + "greedy_margin")));
+  }
+  pr::StepRequest req;
+  for (int p = 0; p < 2; ++p) req.sequences.push_back(greedy(uint64_t(p + 1), prompts[size_t(p)], 0));
+  std::vector<uint32_t> pos = {uint32_t(prompts[0].size()), uint32_t(prompts[1].size())};
+  std::vector<bool> live = {true, true};
+  int compared = 0;
+  const size_t per_seq = size_t(h.experts.n_moe_layers) * h.experts.n_experts;
+  for (size_t s = 0; s < std::min(want[0].size(), want[1].size()); ++s) {
+    pr::StepReply r = c.step(100 + s, req);
+    REQUIRE(r.results.size() == req.sequences.size());
+    pr::StepRequest nextreq;
+    for (size_t k = 0; k < r.results.size(); ++k) {
+      const auto& res = r.results[k];
+      const size_t p = size_t(res.seq_id - 1);
+      REQUIRE(res.error == pr::ErrorCode::none);
+      REQUIRE(res.sampled);
+      CHECK(res.kv_tokens == pos[p]);
+      // expert usage: top_k experts per token of each MoE layer.
+      REQUIRE(res.expert_usage.size() == per_seq);
+      uint32_t served = 0;
+      for (uint16_t u : res.expert_usage) served += u;
+      CHECK(served == h.experts.top_k * h.experts.n_moe_layers * req.sequences[k].tokens.size());
+      if (margins[p][s] < 1e-3f) live[p] = false;  // a near tie in the reference itself
+      if (live[p]) {
+        CHECK(res.token == want[p][s]);
+        ++compared;
+      }
+      nextreq.sequences.push_back(greedy(res.seq_id, {res.token}, pos[p]));
+      pos[p] += 1;
+    }
+    req = nextreq;
+  }
+  CHECK(compared >= 8);
+
+  // Stats, release, and the KV coming back.
+  c.send(900, pr::StatsRequest{});
+  auto ev = c.next();
+  REQUIRE(ev.frame.command == uint8_t(pr::Command::stats_reply));
+  auto stats = pr::decode_stats_reply(ev.frame.payload).value();
+  CHECK(stats.sequences_active == 2);
+  CHECK(stats.kv_blocks_used > 0);
+  c.send(901, pr::ReleaseSequences{{1, 2}});
+  c.send(902, pr::StatsRequest{});
+  ev = c.next();
+  stats = pr::decode_stats_reply(ev.frame.payload).value();
+  CHECK(stats.sequences_active == 0);
+  CHECK(stats.kv_blocks_used == 0);
+  CHECK(stats.kv_blocks_free == h.kv_blocks_total);
+}
+
+TEST_CASE("moe-worker answers bad frames with error frames and keeps serving", "[worker]") {
+  WorkerProcess w({"--max-frame-bytes", "4096"});
+  Client c(w.socket);
+  // Before hello: not_ready.
+  c.send(5, pr::StatsRequest{});
+  CHECK(c.expect_error(5).code == pr::ErrorCode::not_ready);
+  c.hello();
+  // Unknown command byte: recoverable.
+  std::vector<uint8_t> unknown;
+  REQUIRE(pr::append_frame(unknown, uint8_t(0x55), 7, std::vector<uint8_t>{1, 2, 3}).ok());
+  c.send_bytes(unknown);
+  CHECK(c.expect_error(7).code == pr::ErrorCode::unknown_command);
+  c.ping_ok(8);
+  // Garbage payload for a step: malformed_payload.
+  std::vector<uint8_t> garbage;
+  REQUIRE(pr::append_frame(garbage, pr::Command::step, 9, std::vector<uint8_t>(40, 0xAB)).ok());
+  c.send_bytes(garbage);
+  CHECK(c.expect_error(9).code == pr::ErrorCode::malformed_payload);
+  // Inconsistent sequences fail alone; the good one runs.
+  pr::StepRequest req;
+  req.sequences.push_back(greedy(1, {1, 2, 3}, 0));
+  req.sequences.push_back(greedy(2, {5000000}, 0));  // token out of range
+  req.sequences.push_back(greedy(3, {4}, 7));        // unknown sequence at start_pos 7
+  pr::StepReply r = c.step(10, req);
+  REQUIRE(r.results.size() == 3);
+  CHECK(r.results[0].error == pr::ErrorCode::none);
+  CHECK(r.results[1].error == pr::ErrorCode::invalid_argument);
+  CHECK(r.results[2].error == pr::ErrorCode::unknown_sequence);
+  // A reply command sent to the worker.
+  c.send(11, pr::StepReply{});
+  CHECK(c.expect_error(11).code == pr::ErrorCode::invalid_argument);
+  c.ping_ok(12);
+  // Oversized frame: fatal, an error frame with request id 0, then the connection closes.
+  std::vector<uint8_t> big;
+  REQUIRE(pr::append_frame(big, pr::Command::step, 13, std::vector<uint8_t>(8000, 0)).ok());
+  c.send_bytes(big);
+  auto err = c.expect_error(0);
+  CHECK(err.code == pr::ErrorCode::frame_too_large);
+  CHECK(c.closed_by_peer());
+  // The worker still serves a new connection, and sequence 1 of the dropped one was released.
+  Client c2(w.socket);
+  const pr::Hello h = c2.hello();
+  c2.send(2, pr::StatsRequest{});
+  auto ev = c2.next();
+  auto stats = pr::decode_stats_reply(ev.frame.payload).value();
+  CHECK(stats.kv_blocks_free == h.kv_blocks_total);
+  // A wrong protocol version is refused and the connection closed.
+  Client c3(w.socket);  // replaces c2
+  CHECK(c2.closed_by_peer());
+  pr::Hello old;
+  old.protocol_version = pr::kProtocolVersion + 7;
+  c3.send(1, old);
+  CHECK(c3.expect_error(1).code == pr::ErrorCode::version_mismatch);
+  CHECK(c3.closed_by_peer());
+}
+
+TEST_CASE("moe-worker exits 0 on SIGTERM after answering the step in flight", "[worker]") {
+  WorkerProcess w;
+  Client c(w.socket);
+  c.hello();
+  pr::StepRequest req;
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 200; ++i) prompt.push_back(1 + i % 1000);
+  req.sequences.push_back(greedy(1, prompt, 0));
+  c.send(3, req);
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ::kill(w.pid, SIGTERM);
+  auto ev = c.next();
+  REQUIRE(ev.status == pr::DecodeStatus::frame);
+  CHECK(ev.frame.command == uint8_t(pr::Command::step_reply));
+  CHECK(w.wait_exit() == 0);
+  CHECK_FALSE(fs::exists(w.socket));
+}
+
+TEST_CASE("moe-worker refuses bad command lines and the cuda backend clearly", "[worker]") {
+  auto run = [](const std::string& args) {
+    const int st = std::system((std::string(MOE_WORKER_BIN) + " " + args + " >/dev/null 2>&1").c_str());
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  };
+  CHECK(run("--version") == 0);
+  CHECK(run("--help") == 0);
+  CHECK(run("--socket /tmp/x.sock") == 2);
+  CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --bogus 1") == 2);
+  CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --backend cuda --vram-budget 8G") == 2);
+  CHECK(run("--model /nonexistent --socket /tmp/moe-worker-test-nonexistent.sock") == 1);
+}
