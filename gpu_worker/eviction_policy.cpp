@@ -9,7 +9,9 @@ namespace moe {
 namespace {
 constexpr uint64_t kNever = std::numeric_limits<uint64_t>::max();
 
-size_t index_of(ExpertKey k, int n_experts) { return size_t(k.layer) * size_t(n_experts) + size_t(k.expert); }
+size_t index_of(ExpertKey k, int n_experts) {
+  return size_t(k.layer) * size_t(n_experts) + size_t(k.expert);
+}
 }  // namespace
 
 // ---------------------------------------------------------------- LRU
@@ -19,15 +21,20 @@ void LruPolicy::attach(int n_layers, int n_experts) {
   last_.assign(size_t(n_layers) * size_t(n_experts), 0);
 }
 
-void LruPolicy::on_access(ExpertKey key, uint64_t now) { last_[index_of(key, n_experts_)] = now + 1; }
+void LruPolicy::on_access(ExpertKey key, uint64_t now) {
+  last_[index_of(key, n_experts_)] = now + 1;
+}
 
 void LruPolicy::on_load(ExpertKey key, uint64_t now) { last_[index_of(key, n_experts_)] = now + 1; }
 
-double LruPolicy::keep_score(ExpertKey key, uint64_t) const { return double(last_[index_of(key, n_experts_)]); }
+double LruPolicy::keep_score(ExpertKey key, uint64_t) const {
+  return double(last_[index_of(key, n_experts_)]);
+}
 
 // ---------------------------------------------------------------- LFU with decay
 
-LfuDecayPolicy::LfuDecayPolicy(double half_life_acquires) : half_life_(std::max(1.0, half_life_acquires)) {}
+LfuDecayPolicy::LfuDecayPolicy(double half_life_acquires)
+    : half_life_(std::max(1.0, half_life_acquires)) {}
 
 void LfuDecayPolicy::attach(int n_layers, int n_experts) {
   n_experts_ = n_experts;
@@ -44,7 +51,9 @@ void LfuDecayPolicy::on_access(ExpertKey key, uint64_t now) {
   score_[i] = std::log2(count_[i]) + double(now) / half_life_;
 }
 
-double LfuDecayPolicy::keep_score(ExpertKey key, uint64_t) const { return score_[index_of(key, n_experts_)]; }
+double LfuDecayPolicy::keep_score(ExpertKey key, uint64_t) const {
+  return score_[index_of(key, n_experts_)];
+}
 
 // ---------------------------------------------------------------- ours
 

@@ -70,9 +70,9 @@ class LfuDecayPolicy final : public EvictionPolicy {
  private:
   double half_life_;
   int n_experts_ = 0;
-  std::vector<double> count_;     // decayed uses as of stamp_
-  std::vector<uint64_t> stamp_;   // acquire counter of the last update
-  std::vector<double> score_;     // log2(count_) + stamp_ / half_life_; lowest when never used
+  std::vector<double> count_;    // decayed uses as of stamp_
+  std::vector<uint64_t> stamp_;  // acquire counter of the last update
+  std::vector<double> score_;    // log2(count_) + stamp_ / half_life_; lowest when never used
 };
 
 // ---- The project's policy: evict the expert expected to be needed last.
@@ -103,8 +103,8 @@ class OursPolicy final : public EvictionPolicy {
 
  private:
   struct Rate {
-    double uses = 0;       // decayed uses as of `stamp`
-    int64_t stamp = 0;     // visits of the layer at the last update
+    double uses = 0;    // decayed uses as of `stamp`
+    int64_t stamp = 0;  // visits of the layer at the last update
   };
   // factor^k from a table: keep_score runs for every candidate of every
   // eviction, so it must not call pow.
@@ -113,15 +113,15 @@ class OursPolicy final : public EvictionPolicy {
   }
 
   OursPolicyParams prm_;
-  std::vector<double> long_pow_, short_pow_;  // [k] per-visit decay factor^k
+  std::vector<double> long_pow_, short_pow_;        // [k] per-visit decay factor^k
   std::vector<double> long_visits_, short_visits_;  // [layer] decayed visit counts
   int n_layers_ = 0, n_experts_ = 0;
-  int cur_layer_ = -1;                   // layer of the current visit
-  std::vector<int64_t> visits_;          // [layer] visits so far
-  std::vector<uint64_t> visit_start_;    // [layer] acquire counter at the last visit's start
-  std::vector<double> period_;           // [layer] smoothed acquires between visits
-  std::vector<Rate> long_, short_;       // [layer * n_experts + expert]
-  std::vector<uint64_t> last_visit_use_; // [key] visit (1-based) of the last use, 0: never
+  int cur_layer_ = -1;                    // layer of the current visit
+  std::vector<int64_t> visits_;           // [layer] visits so far
+  std::vector<uint64_t> visit_start_;     // [layer] acquire counter at the last visit's start
+  std::vector<double> period_;            // [layer] smoothed acquires between visits
+  std::vector<Rate> long_, short_;        // [layer * n_experts + expert]
+  std::vector<uint64_t> last_visit_use_;  // [key] visit (1-based) of the last use, 0: never
 };
 
 // ---- Belady's MIN: evict the expert whose next use is farthest in the
@@ -137,9 +137,9 @@ class BeladyPolicy final : public EvictionPolicy {
 
  private:
   std::vector<ExpertKey> seq_;
-  std::vector<uint64_t> next_of_;    // [position] next position of the same key, or kNever
-  std::vector<uint64_t> next_use_;   // [key] next position where the key is used
-  uint64_t pos_ = 0;                 // acquires seen
+  std::vector<uint64_t> next_of_;   // [position] next position of the same key, or kNever
+  std::vector<uint64_t> next_use_;  // [key] next position where the key is used
+  uint64_t pos_ = 0;                // acquires seen
   int n_experts_ = 0;
 };
 

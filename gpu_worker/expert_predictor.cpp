@@ -45,7 +45,8 @@ std::vector<int> ExpertPredictor::predict_next(int layer, std::span<const int> e
   for (int b = 0; b < n_experts_; ++b) p[size_t(b)] = probability(layer, experts, b);
   std::vector<int> order(static_cast<size_t>(n_experts_));
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return p[size_t(x)] > p[size_t(y)]; });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int x, int y) { return p[size_t(x)] > p[size_t(y)]; });
   std::vector<int> out;
   for (int b : order) {
     if (int(out.size()) >= prm_.max_experts || p[size_t(b)] < prm_.min_probability) break;

@@ -15,9 +15,9 @@
 namespace moe {
 
 struct PredictorParams {
-  int max_experts = 4;        // at most this many guesses per layer
+  int max_experts = 4;            // at most this many guesses per layer
   double min_probability = 0.15;  // skip guesses below this estimated chance
-  double prior = 1.0;         // pseudo-count spread over a row (avoids 0/0 early)
+  double prior = 1.0;             // pseudo-count spread over a row (avoids 0/0 early)
 };
 
 class ExpertPredictor {

@@ -1,12 +1,11 @@
 #include "gpu_worker/island_arena.h"
 
+#include <cuda_runtime.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
 #include <string>
-
-#include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_check.cuh"
 
@@ -29,13 +28,15 @@ bool blobs_form_one_range(const ExpertHostSource& src, uintptr_t* lo, uintptr_t*
 
 }  // namespace
 
-Result<std::unique_ptr<IslandArena>> IslandArena::create(const IslandPlan& plan, const ExpertHostSource& src) {
+Result<std::unique_ptr<IslandArena>> IslandArena::create(const IslandPlan& plan,
+                                                         const ExpertHostSource& src) {
   if (src.blobs.size() != size_t(src.n_layers) * size_t(src.n_experts) || src.blobs.empty())
-    return make_error("island arena: expected " + std::to_string(src.n_layers) + " x " + std::to_string(src.n_experts) +
-                      " expert blobs, got " + std::to_string(src.blobs.size()));
+    return make_error("island arena: expected " + std::to_string(src.n_layers) + " x " +
+                      std::to_string(src.n_experts) + " expert blobs, got " +
+                      std::to_string(src.blobs.size()));
   if (src.blob_bytes != plan.expert_blob_bytes || plan.island_stride < src.blob_bytes)
-    return make_error("island arena: expert blobs of " + std::to_string(src.blob_bytes) + " bytes, plan made for " +
-                      std::to_string(plan.expert_blob_bytes));
+    return make_error("island arena: expert blobs of " + std::to_string(src.blob_bytes) +
+                      " bytes, plan made for " + std::to_string(plan.expert_blob_bytes));
   std::unique_ptr<IslandArena> a(new IslandArena());
   a->plan_ = plan;
   a->n_experts_ = src.n_experts;
@@ -97,14 +98,15 @@ Status IslandArena::copy_into(const Placement& p) {
   const size_t i = size_t(p.island);
   // The island's previous expert may still be read by compute enqueued earlier.
   MOE_CUDA_TRY(cudaStreamWaitEvent(copy_stream_, read_done_[i], 0));
-  MOE_CUDA_TRY(cudaMemcpyAsync(island(p.island), host_blob(p.key), plan_.expert_blob_bytes, cudaMemcpyHostToDevice,
-                               copy_stream_));
+  MOE_CUDA_TRY(cudaMemcpyAsync(island(p.island), host_blob(p.key), plan_.expert_blob_bytes,
+                               cudaMemcpyHostToDevice, copy_stream_));
   MOE_CUDA_TRY(cudaEventRecord(copied_[i], copy_stream_));
   ++copies_;
   return {};
 }
 
-Result<const uint8_t*> IslandArena::request(ResidencyMap& map, int layer, int expert, GpuStream compute) {
+Result<const uint8_t*> IslandArena::request(ResidencyMap& map, int layer, int expert,
+                                            GpuStream compute) {
   auto p = map.acquire({layer, expert});
   if (!p) return make_error(p.error());
   if (!p->hit)
@@ -113,7 +115,8 @@ Result<const uint8_t*> IslandArena::request(ResidencyMap& map, int layer, int ex
   return static_cast<const uint8_t*>(island(p->island));
 }
 
-Status IslandArena::prefetch(ResidencyMap& map, int layer, std::span<const int> experts, HintPriority priority) {
+Status IslandArena::prefetch(ResidencyMap& map, int layer, std::span<const int> experts,
+                             HintPriority priority) {
   for (const Placement& p : map.hint(layer, experts, priority))
     if (Status s = copy_into(p); !s) return s;
   return {};

@@ -66,10 +66,12 @@ class IslandArena {
   // Makes (layer, expert) resident through `map` (pinning it) and returns its
   // device blob. A miss enqueues the copy; either way `compute` waits for the
   // island's last copy (a hit may be a prefetch still in flight).
-  [[nodiscard]] Result<const uint8_t*> request(ResidencyMap& map, int layer, int expert, GpuStream compute);
+  [[nodiscard]] Result<const uint8_t*> request(ResidencyMap& map, int layer, int expert,
+                                               GpuStream compute);
   // Hints `layer`'s likely experts to the map and enqueues the copies it
   // decides; nothing waits for them until they are requested.
-  [[nodiscard]] Status prefetch(ResidencyMap& map, int layer, std::span<const int> experts, HintPriority priority);
+  [[nodiscard]] Status prefetch(ResidencyMap& map, int layer, std::span<const int> experts,
+                                HintPriority priority);
   // The work enqueued on `compute` so far is the last reader of the expert's
   // island for now: records that, and unpins it in the map.
   [[nodiscard]] Status release(ResidencyMap& map, int layer, int expert, GpuStream compute);
@@ -83,13 +85,13 @@ class IslandArena {
 
   IslandPlan plan_;
   int n_experts_ = 0;
-  uint8_t* base_ = nullptr;               // device arena
+  uint8_t* base_ = nullptr;  // device arena
   GpuStream copy_stream_ = nullptr;
-  std::vector<CUevent_st*> copied_;       // [island] the last copy into it
-  std::vector<CUevent_st*> read_done_;    // [island] the last compute that read it
-  std::vector<const uint8_t*> host_;      // [layer * n_experts + expert] pinned blob
-  void* registered_base_ = nullptr;       // cudaHostRegister'ed range, or null
-  uint8_t* staging_ = nullptr;            // cudaMallocHost copy when registering failed
+  std::vector<CUevent_st*> copied_;     // [island] the last copy into it
+  std::vector<CUevent_st*> read_done_;  // [island] the last compute that read it
+  std::vector<const uint8_t*> host_;    // [layer * n_experts + expert] pinned blob
+  void* registered_base_ = nullptr;     // cudaHostRegister'ed range, or null
+  uint8_t* staging_ = nullptr;          // cudaMallocHost copy when registering failed
   uint64_t copies_ = 0;
 };
 

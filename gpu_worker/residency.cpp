@@ -32,7 +32,9 @@ bool ResidencyMap::valid(ExpertKey k) const {
   return k.layer >= 0 && k.layer < n_layers_ && k.expert >= 0 && k.expert < n_experts_;
 }
 
-int64_t ResidencyMap::lookup(ExpertKey key) const { return valid(key) ? island_of_[index_of(key)] : -1; }
+int64_t ResidencyMap::lookup(ExpertKey key) const {
+  return valid(key) ? island_of_[index_of(key)] : -1;
+}
 
 std::optional<ExpertKey> ResidencyMap::resident(int64_t island) const {
   if (island < 0 || island >= n_islands() || key_of_[size_t(island)] < 0) return std::nullopt;
@@ -114,8 +116,8 @@ Result<Placement> ResidencyMap::acquire(ExpertKey key) {
   } else {
     i = take_island(/*allow_predicted_victims=*/true, &p.evicted);
     if (i < 0)
-      return make_error("residency: all " + std::to_string(n_islands()) + " islands are pinned; cannot load " +
-                        key_text(key));
+      return make_error("residency: all " + std::to_string(n_islands()) +
+                        " islands are pinned; cannot load " + key_text(key));
     place(key, i);
     ++stats_.misses;
   }
@@ -143,7 +145,8 @@ Status ResidencyMap::unpin(ExpertKey key) {
   return {};
 }
 
-std::vector<Placement> ResidencyMap::hint(int layer, std::span<const int> experts, HintPriority priority) {
+std::vector<Placement> ResidencyMap::hint(int layer, std::span<const int> experts,
+                                          HintPriority priority) {
   std::vector<Placement> loads;
   for (int e : experts) {
     const ExpertKey key{layer, e};
@@ -181,7 +184,8 @@ std::vector<Placement> ResidencyMap::hint(int layer, std::span<const int> expert
 
 void ResidencyMap::clear_predictions(int layer) {
   for (int64_t i = 0; i < n_islands(); ++i)
-    if (predicted_[size_t(i)] && key_of_[size_t(i)] / n_experts_ == layer) predicted_[size_t(i)] = 0;
+    if (predicted_[size_t(i)] && key_of_[size_t(i)] / n_experts_ == layer)
+      predicted_[size_t(i)] = 0;
 }
 
 Status ResidencyMap::check_invariants() const {
@@ -194,16 +198,18 @@ Status ResidencyMap::check_invariants() const {
       continue;
     }
     ++used;
-    if (int64_t(index_of(key_at_[size_t(i)])) != k) return make_error("island " + std::to_string(i) + " key copy is stale");
+    if (int64_t(index_of(key_at_[size_t(i)])) != k)
+      return make_error("island " + std::to_string(i) + " key copy is stale");
     if (island_of_[size_t(k)] != i)
-      return make_error("island " + std::to_string(i) + " holds key " + std::to_string(k) + " which maps to island " +
-                        std::to_string(island_of_[size_t(k)]));
+      return make_error("island " + std::to_string(i) + " holds key " + std::to_string(k) +
+                        " which maps to island " + std::to_string(island_of_[size_t(k)]));
     if (pins_[size_t(i)] < 0) return make_error("negative pin count");
   }
   for (size_t k = 0; k < island_of_.size(); ++k) {
     const int64_t i = island_of_[k];
     if (i >= 0 && (i >= n_islands() || key_of_[size_t(i)] != int64_t(k)))
-      return make_error("key " + std::to_string(k) + " maps to island " + std::to_string(i) + " which holds another");
+      return make_error("key " + std::to_string(k) + " maps to island " + std::to_string(i) +
+                        " which holds another");
   }
   std::vector<uint8_t> seen(size_t(n_islands()), 0);
   for (int64_t i : free_) {
@@ -211,8 +217,10 @@ Status ResidencyMap::check_invariants() const {
       return make_error("free list holds island " + std::to_string(i) + " twice or while occupied");
     seen[size_t(i)] = 1;
   }
-  if (used + int64_t(free_.size()) != n_islands()) return make_error("islands lost: used + free != total");
-  if (used != stats_.islands_in_use) return make_error("islands_in_use counter disagrees with the table");
+  if (used + int64_t(free_.size()) != n_islands())
+    return make_error("islands lost: used + free != total");
+  if (used != stats_.islands_in_use)
+    return make_error("islands_in_use counter disagrees with the table");
   if (stats_.bytes_copied != (stats_.misses + stats_.prefetches) * blob_bytes_)
     return make_error("bytes_copied disagrees with misses + prefetches");
   return {};

@@ -22,14 +22,14 @@
 namespace moe {
 
 struct ResidencyStats {
-  uint64_t hits = 0;             // acquires that found the expert resident
-  uint64_t misses = 0;           // acquires that needed a copy
-  uint64_t prefetches = 0;       // copies started by hints
-  uint64_t prefetch_used = 0;    // acquires that hit an expert a prefetch hint loaded
-  uint64_t hints_dropped = 0;    // hinted experts not loaded (no island to spare)
+  uint64_t hits = 0;           // acquires that found the expert resident
+  uint64_t misses = 0;         // acquires that needed a copy
+  uint64_t prefetches = 0;     // copies started by hints
+  uint64_t prefetch_used = 0;  // acquires that hit an expert a prefetch hint loaded
+  uint64_t hints_dropped = 0;  // hinted experts not loaded (no island to spare)
   uint64_t evictions = 0;
-  uint64_t bytes_copied = 0;     // (misses + prefetches) * blob bytes
-  int64_t islands_in_use = 0;    // now
+  uint64_t bytes_copied = 0;   // (misses + prefetches) * blob bytes
+  int64_t islands_in_use = 0;  // now
   double hit_rate() const { return hits + misses ? double(hits) / double(hits + misses) : 0.0; }
 };
 
@@ -68,7 +68,7 @@ class ResidencyMap {
   int64_t lookup(ExpertKey key) const;
   // The expert in `island`, or nullopt when the island is free.
   std::optional<ExpertKey> resident(int64_t island) const;
-  int pin_count(ExpertKey key) const;    // 0 when not resident
+  int pin_count(ExpertKey key) const;  // 0 when not resident
   bool is_predicted(ExpertKey key) const;
 
   // ---- The step's use of experts
@@ -97,7 +97,9 @@ class ResidencyMap {
   [[nodiscard]] Status check_invariants() const;
 
  private:
-  size_t index_of(ExpertKey k) const { return size_t(k.layer) * size_t(n_experts_) + size_t(k.expert); }
+  size_t index_of(ExpertKey k) const {
+    return size_t(k.layer) * size_t(n_experts_) + size_t(k.expert);
+  }
   bool valid(ExpertKey k) const;
   // The island for a new resident: a free one, else the cheapest victim.
   // Returns -1 when none may be taken.
@@ -107,16 +109,17 @@ class ResidencyMap {
   int n_layers_ = 0, n_experts_ = 0;
   size_t blob_bytes_ = 0;
   int64_t max_scan_ = 0;
-  int64_t scan_cursor_ = 0;             // where the next windowed scan starts
+  int64_t scan_cursor_ = 0;  // where the next windowed scan starts
   std::unique_ptr<EvictionPolicy> policy_;
-  uint64_t now_ = 0;                    // acquires so far: the policies' clock
-  std::vector<int64_t> island_of_;      // [layer * n_experts + expert] -> island or -1
-  std::vector<int64_t> key_of_;         // [island] -> key index or -1 (free)
-  std::vector<ExpertKey> key_at_;       // [island] -> its key while occupied (the eviction scan reads it)
-  std::vector<int> pins_;               // [island]
-  std::vector<uint8_t> predicted_;      // [island]: loaded or marked by a prefetch hint, not used yet
-  std::vector<uint8_t> prefetched_;     // [island]: loaded by a hint, not used yet
-  std::vector<int64_t> free_;           // free islands (a stack)
+  uint64_t now_ = 0;                // acquires so far: the policies' clock
+  std::vector<int64_t> island_of_;  // [layer * n_experts + expert] -> island or -1
+  std::vector<int64_t> key_of_;     // [island] -> key index or -1 (free)
+  std::vector<ExpertKey>
+      key_at_;             // [island] -> its key while occupied (the eviction scan reads it)
+  std::vector<int> pins_;  // [island]
+  std::vector<uint8_t> predicted_;   // [island]: loaded or marked by a prefetch hint, not used yet
+  std::vector<uint8_t> prefetched_;  // [island]: loaded by a hint, not used yet
+  std::vector<int64_t> free_;        // free islands (a stack)
   ResidencyStats stats_;
 };
 

@@ -3,9 +3,8 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "model/safetensors.h"
 
@@ -45,8 +44,10 @@ Result<RoutingTrace> parse_routing_jsonl(const std::string& text) {
     nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded() || !j.is_object()) return make_error(where + "not a JSON object");
     RoutingStep s;
-    if (!j.contains("layer") || !j["layer"].is_number_integer()) return make_error(where + "missing integer \"layer\"");
-    if (!j.contains("experts") || !j["experts"].is_array()) return make_error(where + "missing array \"experts\"");
+    if (!j.contains("layer") || !j["layer"].is_number_integer())
+      return make_error(where + "missing integer \"layer\"");
+    if (!j.contains("experts") || !j["experts"].is_array())
+      return make_error(where + "missing array \"experts\"");
     s.layer = j["layer"].get<int>();
     if (j.contains("token") && j["token"].is_number_integer()) s.token = j["token"].get<int64_t>();
     for (const auto& e : j["experts"]) {
@@ -63,7 +64,8 @@ Result<RoutingTrace> parse_routing_jsonl(const std::string& text) {
   return t;
 }
 
-RoutingTrace trace_from_topk(const std::vector<int>& topk, int n_layers, int64_t n_tokens, int top_k) {
+RoutingTrace trace_from_topk(const std::vector<int>& topk, int n_layers, int64_t n_tokens,
+                             int top_k) {
   RoutingTrace t;
   t.steps.reserve(size_t(n_layers) * size_t(n_tokens));
   for (int64_t tok = 0; tok < n_tokens; ++tok)
@@ -85,7 +87,8 @@ Result<RoutingTrace> read_routing_trace(const std::string& path, const std::stri
     if (!ck) return make_error(ck.error());
     const TensorView* tv = ck->find(tensor);
     if (!tv) return make_error(path + ": no tensor '" + tensor + "'");
-    if (tv->shape.size() != 3) return make_error(path + ": '" + tensor + "' must be [layers, tokens, top_k]");
+    if (tv->shape.size() != 3)
+      return make_error(path + ": '" + tensor + "' must be [layers, tokens, top_k]");
     const int n_layers = int(tv->shape[0]);
     const int64_t n_tokens = tv->shape[1];
     const int top_k = int(tv->shape[2]);
@@ -93,10 +96,27 @@ Result<RoutingTrace> read_routing_trace(const std::string& path, const std::stri
     std::vector<int> ids(n);
     for (size_t i = 0; i < n; ++i) {
       switch (tv->dtype) {
-        case DType::i16: { int16_t v; std::memcpy(&v, tv->data + 2 * i, 2); ids[i] = v; break; }
-        case DType::i32: { int32_t v; std::memcpy(&v, tv->data + 4 * i, 4); ids[i] = v; break; }
-        case DType::i64: { int64_t v; std::memcpy(&v, tv->data + 8 * i, 8); ids[i] = int(v); break; }
-        default: return make_error(path + ": '" + tensor + "' has dtype " + dtype_name(tv->dtype) + ", want an integer");
+        case DType::i16: {
+          int16_t v;
+          std::memcpy(&v, tv->data + 2 * i, 2);
+          ids[i] = v;
+          break;
+        }
+        case DType::i32: {
+          int32_t v;
+          std::memcpy(&v, tv->data + 4 * i, 4);
+          ids[i] = v;
+          break;
+        }
+        case DType::i64: {
+          int64_t v;
+          std::memcpy(&v, tv->data + 8 * i, 8);
+          ids[i] = int(v);
+          break;
+        }
+        default:
+          return make_error(path + ": '" + tensor + "' has dtype " + dtype_name(tv->dtype) +
+                            ", want an integer");
       }
       if (ids[i] < 0) return make_error(path + ": '" + tensor + "' holds a negative expert id");
     }

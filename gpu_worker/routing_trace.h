@@ -23,9 +23,9 @@ struct RoutingStep {
 };
 
 struct RoutingTrace {
-  int n_layers = 0;   // 1 + the largest layer seen
-  int n_experts = 0;  // 1 + the largest expert seen
-  int top_k = 0;      // the largest expert count of a step
+  int n_layers = 0;                // 1 + the largest layer seen
+  int n_experts = 0;               // 1 + the largest expert seen
+  int top_k = 0;                   // the largest expert count of a step
   std::vector<RoutingStep> steps;  // in visiting order
 
   // The acquires a replay makes, in order (Belady's future knowledge).
@@ -36,9 +36,10 @@ struct RoutingTrace {
 [[nodiscard]] Result<RoutingTrace> parse_routing_jsonl(const std::string& text);
 // Reads a JSON-lines file, or a .safetensors file's `tensor` [layers, tokens, k]
 // (I16/I32/I64), ordered token-major.
-[[nodiscard]] Result<RoutingTrace> read_routing_trace(const std::string& path,
-                                                      const std::string& tensor = "eval.routing_topk");
+[[nodiscard]] Result<RoutingTrace> read_routing_trace(
+    const std::string& path, const std::string& tensor = "eval.routing_topk");
 // Steps from a [layers, tokens, k] array of expert ids, token-major.
-RoutingTrace trace_from_topk(const std::vector<int>& topk, int n_layers, int64_t n_tokens, int top_k);
+RoutingTrace trace_from_topk(const std::vector<int>& topk, int n_layers, int64_t n_tokens,
+                             int top_k);
 
 }  // namespace moe

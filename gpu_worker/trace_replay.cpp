@@ -4,7 +4,8 @@
 
 namespace moe {
 
-Result<std::unique_ptr<EvictionPolicy>> make_policy(const std::string& name, const RoutingTrace& trace) {
+Result<std::unique_ptr<EvictionPolicy>> make_policy(const std::string& name,
+                                                    const RoutingTrace& trace) {
   std::unique_ptr<EvictionPolicy> p;
   if (name == "lru")
     p = std::make_unique<LruPolicy>();
@@ -29,7 +30,8 @@ Result<ReplayResult> replay_trace(const RoutingTrace& trace, std::unique_ptr<Evi
   out.policy = policy->name() + (opt.predict ? "+prediction" : "");
   // Belady is the bound only when it sees every candidate.
   const int64_t max_scan = policy->name() == "belady" ? 0 : opt.max_scan;
-  ResidencyMap map(trace.n_layers, n_experts, opt.slots, opt.expert_bytes, std::move(policy), max_scan);
+  ResidencyMap map(trace.n_layers, n_experts, opt.slots, opt.expert_bytes, std::move(policy),
+                   max_scan);
   ExpertPredictor predictor(trace.n_layers, n_experts, opt.predictor);
 
   for (const RoutingStep& s : trace.steps) {

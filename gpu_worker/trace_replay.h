@@ -18,11 +18,12 @@
 namespace moe {
 
 struct ReplayOptions {
-  int64_t slots = 0;          // islands, across all layers
-  size_t expert_bytes = 0;    // one expert blob, for the byte counter
-  int n_experts = 0;          // experts per layer; 0: the trace's
-  bool predict = false;       // hint the predictor's guesses one layer ahead
-  int64_t max_scan = ResidencyMap::kDefaultMaxScan;  // as the worker runs it; belady always scans all
+  int64_t slots = 0;        // islands, across all layers
+  size_t expert_bytes = 0;  // one expert blob, for the byte counter
+  int n_experts = 0;        // experts per layer; 0: the trace's
+  bool predict = false;     // hint the predictor's guesses one layer ahead
+  int64_t max_scan =
+      ResidencyMap::kDefaultMaxScan;  // as the worker runs it; belady always scans all
   PredictorParams predictor;
 };
 
@@ -33,11 +34,13 @@ struct ReplayResult {
 
 // The policy names replay knows: lru, lfu, ours, belady. Belady reads the
 // trace's future; the others only see it as it happens.
-[[nodiscard]] Result<std::unique_ptr<EvictionPolicy>> make_policy(const std::string& name, const RoutingTrace& trace);
+[[nodiscard]] Result<std::unique_ptr<EvictionPolicy>> make_policy(const std::string& name,
+                                                                  const RoutingTrace& trace);
 
 // Each step: acquire the step's experts (pinned), drop the layer's unused
 // predictions, hint the next layer's guesses (with `predict`), unpin.
-[[nodiscard]] Result<ReplayResult> replay_trace(const RoutingTrace& trace, std::unique_ptr<EvictionPolicy> policy,
+[[nodiscard]] Result<ReplayResult> replay_trace(const RoutingTrace& trace,
+                                                std::unique_ptr<EvictionPolicy> policy,
                                                 const ReplayOptions& opt);
 
 }  // namespace moe

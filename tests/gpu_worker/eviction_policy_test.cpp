@@ -109,7 +109,7 @@ TEST_CASE("ours: use probability follows the routing rate") {
   p.attach(2, 4);
   uint64_t now = 0;
   for (int tok = 0; tok < 2000; ++tok) {
-    p.on_access({0, 1}, now++);  // every visit
+    p.on_access({0, 1}, now++);                    // every visit
     if (tok % 4 == 0) p.on_access({0, 2}, now++);  // a quarter of visits
     p.on_access({1, 3}, now++);
   }
@@ -127,7 +127,8 @@ TEST_CASE("ours: of two equally used experts, keeps the one whose layer comes ne
   // Now at layer 0 of the next token: layer 1 is next, layer 2 after it,
   // layer 0 itself only after a full round.
   p.on_access({0, 2}, now);
-  const double k0 = p.keep_score({0, 1}, now), k1 = p.keep_score({1, 1}, now), k2 = p.keep_score({2, 1}, now);
+  const double k0 = p.keep_score({0, 1}, now), k1 = p.keep_score({1, 1}, now),
+               k2 = p.keep_score({2, 1}, now);
   CHECK(k1 > k2);
   CHECK(k2 > k0);
 }

@@ -2,14 +2,14 @@
 // event ordering holds when many requests, evictions and reads are enqueued
 // without any host synchronisation in between. Skipped (with a warning)
 // where no CUDA device is present.
-#include <catch2/catch.hpp>
+#include "gpu_worker/island_arena.h"
 
 #include <cuda_runtime.h>
 
+#include <catch2/catch.hpp>
 #include <cstring>
 #include <random>
 
-#include "gpu_worker/island_arena.h"
 #include "kernels/cuda/cuda_check.cuh"
 
 using namespace moe;
@@ -64,8 +64,8 @@ void run_workload(IslandArena& arena, const ExpertHostSource& src) {
       REQUIRE(dev.ok());
       which[size_t(r + k)] = {layer, e};
       // The "compute": read the island on the compute stream.
-      REQUIRE(cudaMemcpyAsync(readback + size_t(r + k) * kBlob, *dev, kBlob, cudaMemcpyDeviceToHost, compute) ==
-              cudaSuccess);
+      REQUIRE(cudaMemcpyAsync(readback + size_t(r + k) * kBlob, *dev, kBlob, cudaMemcpyDeviceToHost,
+                              compute) == cudaSuccess);
     }
     map.clear_predictions(layer);
     for (int e : {e1, e2}) REQUIRE(arena.release(map, layer, e, compute).ok());
@@ -74,8 +74,10 @@ void run_workload(IslandArena& arena, const ExpertHostSource& src) {
   REQUIRE(arena.synchronize().ok());
   std::memcpy(seen.data(), readback, seen.size());
   for (int r = 0; r < kReads; ++r) {
-    const uint8_t* want = src.blobs[size_t(which[size_t(r)].layer * kExperts + which[size_t(r)].expert)];
-    INFO("read " << r << " layer " << which[size_t(r)].layer << " expert " << which[size_t(r)].expert);
+    const uint8_t* want =
+        src.blobs[size_t(which[size_t(r)].layer * kExperts + which[size_t(r)].expert)];
+    INFO("read " << r << " layer " << which[size_t(r)].layer << " expert "
+                 << which[size_t(r)].expert);
     REQUIRE(std::memcmp(seen.data() + size_t(r) * kBlob, want, kBlob) == 0);
   }
   CHECK(map.stats().evictions > 100);

@@ -1,7 +1,7 @@
 // plan_islands: the arena carve-up arithmetic and its refusals.
-#include <catch2/catch.hpp>
-
 #include "gpu_worker/island_plan.h"
+
+#include <catch2/catch.hpp>
 
 using namespace moe;
 
@@ -30,7 +30,8 @@ TEST_CASE("plan_islands: regions are aligned, disjoint, in order and within the 
   auto p = plan_islands(req);
   REQUIRE(p.ok());
   CHECK(p->arena_bytes <= req.budget_bytes);
-  for (const ArenaRegion* r : {&p->nonexpert, &p->workspace, &p->kv, &p->islands}) CHECK(r->offset % 256 == 0);
+  for (const ArenaRegion* r : {&p->nonexpert, &p->workspace, &p->kv, &p->islands})
+    CHECK(r->offset % 256 == 0);
   CHECK(p->nonexpert.offset == 0);
   CHECK(p->nonexpert.bytes >= req.nonexpert_bytes);
   CHECK(p->workspace.offset == p->nonexpert.end());
@@ -46,7 +47,9 @@ TEST_CASE("plan_islands: regions are aligned, disjoint, in order and within the 
   CHECK(p->kv_block_offset(p->kv_blocks - 1) + p->kv_block_stride == p->islands.offset);
 }
 
-TEST_CASE("plan_islands: KV gets what was wanted, islands take the rest, no more than the model's experts") {
+TEST_CASE(
+    "plan_islands: KV gets what was wanted, islands take the rest, no more than the model's "
+    "experts") {
   auto req = big_model(12 * GiB);
   auto p = plan_islands(req);
   REQUIRE(p.ok());

@@ -1,11 +1,10 @@
 // ResidencyMap: invariants under a long random workload, pins, hints, errors.
-#include <catch2/catch.hpp>
+#include "gpu_worker/residency.h"
 
+#include <catch2/catch.hpp>
 #include <map>
 #include <random>
 #include <set>
-
-#include "gpu_worker/residency.h"
 
 using namespace moe;
 
@@ -14,9 +13,12 @@ constexpr size_t kBlob = 1000;
 
 std::unique_ptr<EvictionPolicy> policy_named(int which) {
   switch (which) {
-    case 0: return std::make_unique<LruPolicy>();
-    case 1: return std::make_unique<LfuDecayPolicy>(64.0);
-    default: return std::make_unique<OursPolicy>();
+    case 0:
+      return std::make_unique<LruPolicy>();
+    case 1:
+      return std::make_unique<LfuDecayPolicy>(64.0);
+    default:
+      return std::make_unique<OursPolicy>();
   }
 }
 }  // namespace
@@ -30,8 +32,8 @@ TEST_CASE("residency: invariants hold under a long random workload of acquires, 
     ResidencyMap map(L, E, N, kBlob, policy_named(which), max_scan);
     INFO("policy " << map.policy().name() << " max_scan " << max_scan);
     std::mt19937 rng(1234 + round);
-    std::map<std::pair<int, int>, int> my_pins;     // what the test pinned
-    std::set<std::pair<int, int>> mirror;           // what the test believes is resident
+    std::map<std::pair<int, int>, int> my_pins;  // what the test pinned
+    std::set<std::pair<int, int>> mirror;        // what the test believes is resident
     uint64_t hits = 0, misses = 0, prefetches = 0;
 
     auto note_eviction = [&](const Placement& p) {
@@ -48,7 +50,8 @@ TEST_CASE("residency: invariants hold under a long random workload of acquires, 
       int total_pins = 0;
       for (auto& [key, n] : my_pins) total_pins += n > 0;
       if (op < 5) {  // acquire, keep pinned for a while
-        if (total_pins >= N - 1 && !my_pins[kk]) continue;  // leave room: all pinned is tested apart
+        if (total_pins >= N - 1 && !my_pins[kk])
+          continue;  // leave room: all pinned is tested apart
         const bool was = mirror.count(kk) > 0;
         auto p = map.acquire(k);
         REQUIRE(p.ok());

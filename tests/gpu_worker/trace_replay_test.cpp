@@ -1,22 +1,23 @@
 // Routing traces: reading both formats, the predictor, and the policies'
 // ranking on the demo model's real routing (eval.routing_topk).
-#include <catch2/catch.hpp>
-
-#include <cstdio>
-#include <fstream>
-#include <map>
+#include "gpu_worker/trace_replay.h"
 
 #include <unistd.h>
 
-#include "gpu_worker/trace_replay.h"
+#include <catch2/catch.hpp>
+#include <cstdio>
+#include <fstream>
+#include <map>
 
 using namespace moe;
 
 namespace {
 
-const std::string kDemoReference = std::string(MOE_TEST_DATA) + "/../../models/demo-moe/reference.safetensors";
+const std::string kDemoReference =
+    std::string(MOE_TEST_DATA) + "/../../models/demo-moe/reference.safetensors";
 
-ResidencyStats replay(const RoutingTrace& t, const std::string& policy, int64_t slots, bool predict = false) {
+ResidencyStats replay(const RoutingTrace& t, const std::string& policy, int64_t slots,
+                      bool predict = false) {
   auto p = make_policy(policy, t);
   REQUIRE(p.ok());
   ReplayOptions o;
@@ -101,7 +102,8 @@ TEST_CASE("routing trace: a JSON-lines file of the demo routing reads back as th
   // Known values of the demo routing: token 0, layers 0 and 1.
   CHECK(full->steps[0].experts == std::vector<int>{1, 21, 2, 28});
   CHECK(full->steps[1].experts == std::vector<int>{17, 10, 8, 18});
-  CHECK_FALSE(read_routing_trace(kDemoReference, "eval.ids").ok());  // [8193] is not [layers, tokens, k]
+  CHECK_FALSE(
+      read_routing_trace(kDemoReference, "eval.ids").ok());  // [8193] is not [layers, tokens, k]
 }
 
 TEST_CASE("predictor: learns a fixed layer-to-layer mapping online") {
@@ -158,8 +160,8 @@ TEST_CASE("demo trace: ours beats lru at 25, 50 and 75 % resident; belady bounds
     std::map<std::string, double> hr;
     for (const char* p : {"lru", "lfu", "ours", "belady"}) hr[p] = replay(t, p, slots).hit_rate();
     const double pred = replay(t, "ours", slots, true).hit_rate();
-    INFO("slots " << slots << " lru " << hr["lru"] << " lfu " << hr["lfu"] << " ours " << hr["ours"] << " pred "
-                  << pred << " belady " << hr["belady"]);
+    INFO("slots " << slots << " lru " << hr["lru"] << " lfu " << hr["lfu"] << " ours " << hr["ours"]
+                  << " pred " << pred << " belady " << hr["belady"]);
     CHECK(hr["ours"] > hr["lru"]);
     CHECK(hr["ours"] >= hr["lfu"]);
     CHECK(pred > hr["ours"]);

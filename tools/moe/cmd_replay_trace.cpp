@@ -20,18 +20,19 @@ namespace moe::cli {
 namespace {
 
 void usage(FILE* out) {
-  std::fprintf(out,
-               "usage: moe replay-trace --trace FILE (--slots N | --resident-fraction F) [options]\n\n"
-               "  --trace FILE              JSON lines {\"token\",\"layer\",\"experts\"} or a .safetensors\n"
-               "                            file with an integer [layers, tokens, top_k] tensor\n"
-               "  --tensor NAME             tensor in a .safetensors trace (default eval.routing_topk)\n"
-               "  --slots N                 expert islands, across all layers\n"
-               "  --resident-fraction F     islands as a fraction of layers x experts (0..1]\n"
-               "  --policy P                lru, lfu, ours, ours+prediction, belady, or all (default)\n"
-               "  --model DIR               expert blob bytes from the model's config.json (INT4)\n"
-               "  --group G                 INT4 group size for --model (default 64)\n"
-               "  --expert-bytes B          expert blob bytes, given directly\n\n"
-               "prints: policy=<name> hit_rate=<0..1> bytes=<moved> and the map's other counters\n");
+  std::fprintf(
+      out,
+      "usage: moe replay-trace --trace FILE (--slots N | --resident-fraction F) [options]\n\n"
+      "  --trace FILE              JSON lines {\"token\",\"layer\",\"experts\"} or a .safetensors\n"
+      "                            file with an integer [layers, tokens, top_k] tensor\n"
+      "  --tensor NAME             tensor in a .safetensors trace (default eval.routing_topk)\n"
+      "  --slots N                 expert islands, across all layers\n"
+      "  --resident-fraction F     islands as a fraction of layers x experts (0..1]\n"
+      "  --policy P                lru, lfu, ours, ours+prediction, belady, or all (default)\n"
+      "  --model DIR               expert blob bytes from the model's config.json (INT4)\n"
+      "  --group G                 INT4 group size for --model (default 64)\n"
+      "  --expert-bytes B          expert blob bytes, given directly\n\n"
+      "prints: policy=<name> hit_rate=<0..1> bytes=<moved> and the map's other counters\n");
 }
 
 bool parse_i64(const char* s, int64_t* out) {
@@ -61,13 +62,20 @@ int cmd_replay_trace(int argc, char** argv) {
     }
     const char* v = argv[++i];
     bool ok = true;
-    if (a == "--trace") trace_path = v;
-    else if (a == "--tensor") tensor = v;
-    else if (a == "--policy") policy = v;
-    else if (a == "--model") model_dir = v;
-    else if (a == "--slots") ok = parse_i64(v, &slots) && slots > 0;
-    else if (a == "--group") ok = parse_i64(v, &group) && group >= 2;
-    else if (a == "--expert-bytes") ok = parse_i64(v, &expert_bytes) && expert_bytes > 0;
+    if (a == "--trace")
+      trace_path = v;
+    else if (a == "--tensor")
+      tensor = v;
+    else if (a == "--policy")
+      policy = v;
+    else if (a == "--model")
+      model_dir = v;
+    else if (a == "--slots")
+      ok = parse_i64(v, &slots) && slots > 0;
+    else if (a == "--group")
+      ok = parse_i64(v, &group) && group >= 2;
+    else if (a == "--expert-bytes")
+      ok = parse_i64(v, &expert_bytes) && expert_bytes > 0;
     else if (a == "--resident-fraction") {
       char* end = nullptr;
       fraction = std::strtod(v, &end);
@@ -96,7 +104,8 @@ int cmd_replay_trace(int argc, char** argv) {
     }
     model_experts = desc->moe.n_experts;
     if (expert_bytes == 0)
-      expert_bytes = int64_t(expert_layout(desc->hidden_size, desc->moe.expert_intermediate, int(group)).blob_bytes);
+      expert_bytes = int64_t(
+          expert_layout(desc->hidden_size, desc->moe.expert_intermediate, int(group)).blob_bytes);
   }
 
   auto trace = read_routing_trace(trace_path, tensor);
@@ -114,9 +123,12 @@ int cmd_replay_trace(int argc, char** argv) {
   else
     policies = {policy};
 
-  std::printf("# trace=%s steps=%zu layers=%d experts=%d top_k=%d slots=%lld (%.1f%% of %lld) expert_bytes=%lld\n",
-              trace_path.c_str(), trace->steps.size(), trace->n_layers, n_experts, trace->top_k, (long long)slots,
-              100.0 * double(slots) / double(total), (long long)total, (long long)expert_bytes);
+  std::printf(
+      "# trace=%s steps=%zu layers=%d experts=%d top_k=%d slots=%lld (%.1f%% of %lld) "
+      "expert_bytes=%lld\n",
+      trace_path.c_str(), trace->steps.size(), trace->n_layers, n_experts, trace->top_k,
+      (long long)slots, 100.0 * double(slots) / double(total), (long long)total,
+      (long long)expert_bytes);
   for (const std::string& name : policies) {
     const std::string suffix = "+prediction";
     const bool predict = name.size() > suffix.size() && name.ends_with(suffix);
@@ -137,11 +149,13 @@ int cmd_replay_trace(int argc, char** argv) {
       return 1;
     }
     const ResidencyStats& s = r->stats;
-    std::printf("policy=%s hit_rate=%.4f bytes=%llu hits=%llu misses=%llu prefetches=%llu prefetch_used=%llu "
-                "evictions=%llu\n",
-                r->policy.c_str(), s.hit_rate(), (unsigned long long)s.bytes_copied, (unsigned long long)s.hits,
-                (unsigned long long)s.misses, (unsigned long long)s.prefetches, (unsigned long long)s.prefetch_used,
-                (unsigned long long)s.evictions);
+    std::printf(
+        "policy=%s hit_rate=%.4f bytes=%llu hits=%llu misses=%llu prefetches=%llu "
+        "prefetch_used=%llu "
+        "evictions=%llu\n",
+        r->policy.c_str(), s.hit_rate(), (unsigned long long)s.bytes_copied,
+        (unsigned long long)s.hits, (unsigned long long)s.misses, (unsigned long long)s.prefetches,
+        (unsigned long long)s.prefetch_used, (unsigned long long)s.evictions);
   }
   return 0;
 }
