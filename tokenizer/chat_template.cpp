@@ -43,7 +43,9 @@ Result<std::string> render_json(const jinja::Program& program, const std::string
     jinja::Interpreter in(program);
     if (!bos.empty()) in.set_global("bos_token", jinja::Value(bos));
     if (!eos.empty()) in.set_global("eos_token", jinja::Value(eos));
+    // transformers always passes these two, as none when the request has none.
     in.set_global("tools", jinja::Value(jinja::None{}));
+    in.set_global("documents", jinja::Value(jinja::None{}));
     if (extra_context.is_object())
       for (auto it = extra_context.begin(); it != extra_context.end(); ++it)
         in.set_global(it.key(), jinja::from_json(it.value()));

@@ -23,9 +23,9 @@ class ChatTemplate {
   static Result<ChatTemplate> parse(std::string source);
 
   // Renders `messages` (a JSON list of {role, content, …}). The template sees
-  // `messages`, `add_generation_prompt`, `tools` (none unless given), the
-  // special tokens this template was loaded with (bos_token, eos_token), and
-  // every key of `extra_context`, which overrides them.
+  // `messages`, `add_generation_prompt`, `tools` and `documents` (none unless
+  // given), the special tokens this template was loaded with (bos_token,
+  // eos_token), and every key of `extra_context`, which overrides them.
   // A template's raise_exception("…") comes back as an error with exactly
   // that message; other failures name the line. Each call renders with
   // state of its own: one ChatTemplate may render on several threads at once.

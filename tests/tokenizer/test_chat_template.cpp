@@ -244,7 +244,8 @@ TEST_CASE("undefined names are falsy, print empty and fail only when used as val
   CHECK(render_ok("[{{ nothing }}]{% if not nothing %}f{% endif %}{{ nothing is defined }}{{ nothing | length }}") ==
         "[]fFalse0");
   CHECK(render_error("{{ nothing.attr }}") == "chat template line 1: 'nothing' is undefined");
-  CHECK(render_ok("{{ tools is none }}") == "True");  // tools defaults to none, as transformers passes it
+  // tools and documents default to none, as transformers passes them
+  CHECK(render_ok("{{ tools is none }}{{ documents is none }}") == "TrueTrue");
 }
 
 TEST_CASE("raise_exception() ends the render with the template's own message", "[chat_template]") {
