@@ -1,12 +1,12 @@
 #include "gateway/redis_client.h"
 
-#include <algorithm>
-#include <charconv>
-#include <cstdio>
-
 #include <hiredis/adapters/libuv.h>
 #include <hiredis/async.h>
 #include <hiredis/hiredis.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cstdio>
 
 namespace moe::gw {
 namespace {
@@ -25,11 +25,13 @@ Result<RedisEndpoint> parse_redis_url(const std::string& url) {
   std::string rest = url;
   if (rest.rfind("redis://", 0) == 0) rest = rest.substr(8);
   if (rest.empty()) return make_error("Redis URL '" + url + "' names no host");
-  if (auto at = rest.find('@'); at != std::string::npos) rest = rest.substr(at + 1);  // AUTH is not supported
+  if (auto at = rest.find('@'); at != std::string::npos)
+    rest = rest.substr(at + 1);  // AUTH is not supported
   if (auto slash = rest.find('/'); slash != std::string::npos) {
     std::string db = rest.substr(slash + 1);
     rest = rest.substr(0, slash);
-    if (!db.empty() && !parse_int(db, &ep.db)) return make_error("Redis URL '" + url + "': bad database number");
+    if (!db.empty() && !parse_int(db, &ep.db))
+      return make_error("Redis URL '" + url + "': bad database number");
   }
   if (auto colon = rest.rfind(':'); colon != std::string::npos) {
     if (!parse_int(rest.substr(colon + 1), &ep.port) || ep.port <= 0 || ep.port > 65535)
@@ -54,7 +56,8 @@ RedisClient::~RedisClient() {
     redisAsyncFree(ac_);  // pending callbacks get nullptr now
     ac_ = nullptr;
   }
-  uv_close(reinterpret_cast<uv_handle_t*>(timer_), [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
+  uv_close(reinterpret_cast<uv_handle_t*>(timer_),
+           [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
 }
 
 void RedisClient::start() { connect_now(); }
@@ -78,14 +81,17 @@ void RedisClient::connect_now() {
   ac_ = ac;
   // A refused connection can end as a poll error the adapter does not pass
   // on to hiredis: give up on this attempt after a while ourselves.
-  uv_timer_start(timer_, [](uv_timer_t* t) {
-    auto* self = static_cast<RedisClient*>(t->data);
-    if (!self->ac_ || self->connected_) return;
-    self->ac_->data = nullptr;
-    redisAsyncFree(self->ac_);
-    self->ac_ = nullptr;
-    self->lost("connection attempt timed out");
-  }, kConnectTimeoutMs, 0);
+  uv_timer_start(
+      timer_,
+      [](uv_timer_t* t) {
+        auto* self = static_cast<RedisClient*>(t->data);
+        if (!self->ac_ || self->connected_) return;
+        self->ac_->data = nullptr;
+        redisAsyncFree(self->ac_);
+        self->ac_ = nullptr;
+        self->lost("connection attempt timed out");
+      },
+      kConnectTimeoutMs, 0);
 }
 
 void RedisClient::on_connect(const redisAsyncContext* ac, int status) {
@@ -101,11 +107,12 @@ void RedisClient::on_connect(const redisAsyncContext* ac, int status) {
   self->connected_ = true;
   self->retry_ms_ = 0;
   if (self->ever_connected_) ++self->reconnects_;
-  std::fprintf(stderr, "moe-gateway: Redis at %s:%d connected%s\n", self->ep_.host.c_str(), self->ep_.port,
-               self->ever_connected_ ? " again" : "");
+  std::fprintf(stderr, "moe-gateway: Redis at %s:%d connected%s\n", self->ep_.host.c_str(),
+               self->ep_.port, self->ever_connected_ ? " again" : "");
   self->ever_connected_ = true;
   self->down_logged_ = false;
-  if (self->ep_.db != 0) self->command({"SELECT", std::to_string(self->ep_.db)}, [](const redisReply*) {});
+  if (self->ep_.db != 0)
+    self->command({"SELECT", std::to_string(self->ep_.db)}, [](const redisReply*) {});
   if (self->on_connected_) self->on_connected_();
 }
 
@@ -122,8 +129,11 @@ void RedisClient::lost(const char* why) {
   connected_ = false;
   if (closing_) return;
   if (!down_logged_) {
-    std::fprintf(stderr, "moe-gateway: Redis at %s:%d unreachable (%s); sessions and state stay in this process, "
-                 "reconnecting\n", ep_.host.c_str(), ep_.port, why ? why : "?");
+    std::fprintf(
+        stderr,
+        "moe-gateway: Redis at %s:%d unreachable (%s); sessions and state stay in this process, "
+        "reconnecting\n",
+        ep_.host.c_str(), ep_.port, why ? why : "?");
     down_logged_ = true;
   }
   schedule_retry();
@@ -131,10 +141,13 @@ void RedisClient::lost(const char* why) {
 
 void RedisClient::schedule_retry() {
   retry_ms_ = std::clamp<uint64_t>(retry_ms_ * 2, 50, retry_max_ms_);
-  uv_timer_start(timer_, [](uv_timer_t* t) {
-    auto* self = static_cast<RedisClient*>(t->data);
-    self->connect_now();
-  }, retry_ms_, 0);
+  uv_timer_start(
+      timer_,
+      [](uv_timer_t* t) {
+        auto* self = static_cast<RedisClient*>(t->data);
+        self->connect_now();
+      },
+      retry_ms_, 0);
 }
 
 void RedisClient::command(const std::vector<std::string>& args, ReplyFn done) {
@@ -149,7 +162,8 @@ void RedisClient::command(const std::vector<std::string>& args, ReplyFn done) {
     lens.push_back(a.size());
   }
   auto* fn = new ReplyFn(std::move(done));
-  if (redisAsyncCommandArgv(ac_, &RedisClient::on_reply, fn, int(argv.size()), argv.data(), lens.data()) != REDIS_OK) {
+  if (redisAsyncCommandArgv(ac_, &RedisClient::on_reply, fn, int(argv.size()), argv.data(),
+                            lens.data()) != REDIS_OK) {
     ReplyFn f = std::move(*fn);
     delete fn;
     if (f) f(nullptr);

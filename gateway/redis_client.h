@@ -8,12 +8,12 @@
 // Threading: loop thread only. Lifetime: destroy on the loop thread; the
 // callbacks of commands still pending are called with nullptr first.
 
+#include <uv.h>
+
 #include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
-
-#include <uv.h>
 
 #include "model/result.h"
 

@@ -1,15 +1,16 @@
 #include "gateway/redis_worker_streams.h"
 
+#include <hiredis/hiredis.h>
+
 #include <cstdio>
 #include <memory>
-
-#include <hiredis/hiredis.h>
 
 namespace moe::gw {
 namespace {
 
 std::string text_of(const redisReply* r) {
-  if (r && (r->type == REDIS_REPLY_STRING || r->type == REDIS_REPLY_STATUS)) return std::string(r->str, r->len);
+  if (r && (r->type == REDIS_REPLY_STRING || r->type == REDIS_REPLY_STATUS))
+    return std::string(r->str, r->len);
   return "";
 }
 
@@ -55,7 +56,8 @@ std::string redis_model_name(const std::string& model_path) {
   return slash == std::string::npos ? p : p.substr(slash + 1);
 }
 
-RedisWorkerStreams::RedisWorkerStreams(uv_loop_t* loop, RedisClient* redis, RedisWorkerStreamsOptions opts)
+RedisWorkerStreams::RedisWorkerStreams(uv_loop_t* loop, RedisClient* redis,
+                                       RedisWorkerStreamsOptions opts)
     : loop_(loop), redis_(redis), opts_(std::move(opts)) {
   timer_ = new uv_timer_t;
   uv_timer_init(loop_, timer_);
@@ -64,7 +66,8 @@ RedisWorkerStreams::RedisWorkerStreams(uv_loop_t* loop, RedisClient* redis, Redi
 
 RedisWorkerStreams::~RedisWorkerStreams() {
   timer_->data = nullptr;
-  uv_close(reinterpret_cast<uv_handle_t*>(timer_), [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
+  uv_close(reinterpret_cast<uv_handle_t*>(timer_),
+           [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
 }
 
 void RedisWorkerStreams::start() {
@@ -72,14 +75,17 @@ void RedisWorkerStreams::start() {
     ++connection_;
     positioned_ = false;
   });
-  uv_timer_start(timer_, [](uv_timer_t* t) {
-    if (auto* self = static_cast<RedisWorkerStreams*>(t->data)) self->poll();
-  }, opts_.poll_ms, opts_.poll_ms);
+  uv_timer_start(
+      timer_,
+      [](uv_timer_t* t) {
+        if (auto* self = static_cast<RedisWorkerStreams*>(t->data)) self->poll();
+      },
+      opts_.poll_ms, opts_.poll_ms);
 }
 
 void RedisWorkerStreams::publish_warm_hints(const std::string& experts) {
-  redis_->command({"XADD", events_key(), "MAXLEN", "~", std::to_string(opts_.stream_max_len), "*", "type", "warm",
-                   "experts", experts},
+  redis_->command({"XADD", events_key(), "MAXLEN", "~", std::to_string(opts_.stream_max_len), "*",
+                   "type", "warm", "experts", experts},
                   [](const redisReply*) {});
 }
 
@@ -90,14 +96,16 @@ void RedisWorkerStreams::sync_positions() {
   const uint64_t conn = connection_;
   auto pending = std::make_shared<int>(2);
   for (const std::string& key : {resident_key(), routing_key()}) {
-    redis_->command({"XREVRANGE", key, "+", "-", "COUNT", "1"}, [this, key, conn, pending](const redisReply* r) {
-      if (r && r->type == REDIS_REPLY_ARRAY && r->elements == 1 && r->element[0]->type == REDIS_REPLY_ARRAY &&
-          r->element[0]->elements == 2) {
+    redis_->command({"XREVRANGE", key, "+", "-", "COUNT", "1"}, [this, key, conn,
+                                                                 pending](const redisReply* r) {
+      if (r && r->type == REDIS_REPLY_ARRAY && r->elements == 1 &&
+          r->element[0]->type == REDIS_REPLY_ARRAY && r->element[0]->elements == 2) {
         last_id_[key] = text_of(r->element[0]->element[0]);
         if (key == resident_key()) {
           std::vector<std::string> fields;
           const redisReply* f = r->element[0]->element[1];
-          for (size_t i = 0; f->type == REDIS_REPLY_ARRAY && i < f->elements; ++i) fields.push_back(text_of(f->element[i]));
+          for (size_t i = 0; f->type == REDIS_REPLY_ARRAY && i < f->elements; ++i)
+            fields.push_back(text_of(f->element[i]));
           take(key, last_id_[key], fields);
         }
       } else if (r && r->type == REDIS_REPLY_ARRAY) {
@@ -115,8 +123,8 @@ void RedisWorkerStreams::poll() {
   if (busy_ || !redis_->connected()) return;
   if (!positioned_) return sync_positions();
   busy_ = true;
-  redis_->command({"XREAD", "COUNT", "1000", "STREAMS", resident_key(), routing_key(), last_id_[resident_key()],
-                   last_id_[routing_key()]},
+  redis_->command({"XREAD", "COUNT", "1000", "STREAMS", resident_key(), routing_key(),
+                   last_id_[resident_key()], last_id_[routing_key()]},
                   [this](const redisReply* r) {
                     busy_ = false;
                     if (!r || r->type != REDIS_REPLY_ARRAY) return;  // nil: nothing new
@@ -125,7 +133,8 @@ void RedisWorkerStreams::poll() {
                       if (st->type != REDIS_REPLY_ARRAY || st->elements != 2) continue;
                       const std::string key = text_of(st->element[0]);
                       const redisReply* entries = st->element[1];
-                      for (size_t i = 0; entries->type == REDIS_REPLY_ARRAY && i < entries->elements; ++i) {
+                      for (size_t i = 0;
+                           entries->type == REDIS_REPLY_ARRAY && i < entries->elements; ++i) {
                         const redisReply* e = entries->element[i];
                         if (e->type != REDIS_REPLY_ARRAY || e->elements != 2) continue;
                         const std::string id = text_of(e->element[0]);
@@ -140,14 +149,16 @@ void RedisWorkerStreams::poll() {
                   });
 }
 
-void RedisWorkerStreams::take(const std::string& stream, const std::string& id, const std::vector<std::string>& fields) {
+void RedisWorkerStreams::take(const std::string& stream, const std::string& id,
+                              const std::vector<std::string>& fields) {
   bool has_worker = false, has_experts = false;
   const std::string worker = field(fields, "worker", &has_worker);
   if (stream == resident_key()) {
     const std::string experts = field(fields, "experts", &has_experts);
     if (!has_worker || worker.empty() || !has_experts || !is_expert_list(experts)) {
       ++skipped_;
-      std::fprintf(stderr, "moe-gateway: skipping garbage entry %s in %s\n", id.c_str(), stream.c_str());
+      std::fprintf(stderr, "moe-gateway: skipping garbage entry %s in %s\n", id.c_str(),
+                   stream.c_str());
       return;
     }
     resident_[worker] = experts;
@@ -158,7 +169,8 @@ void RedisWorkerStreams::take(const std::string& stream, const std::string& id, 
   field(fields, "layers", &has_layers);
   if (!has_worker || !has_seq || !all_digits(seq) || !has_layers) {
     ++skipped_;
-    std::fprintf(stderr, "moe-gateway: skipping garbage entry %s in %s\n", id.c_str(), stream.c_str());
+    std::fprintf(stderr, "moe-gateway: skipping garbage entry %s in %s\n", id.c_str(),
+                 stream.c_str());
     return;
   }
   ++routing_;

@@ -9,12 +9,12 @@
 //
 // Threading: loop thread only.
 
+#include <uv.h>
+
 #include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
-
-#include <uv.h>
 
 #include "gateway/redis_client.h"
 
@@ -25,7 +25,7 @@ namespace moe::gw {
 std::string redis_model_name(const std::string& model_path);
 
 struct RedisWorkerStreamsOptions {
-  std::string model;              // redis_model_name()
+  std::string model;  // redis_model_name()
   uint64_t poll_ms = 250;
   uint64_t stream_max_len = 10000;
 };
@@ -53,15 +53,16 @@ class RedisWorkerStreams {
  private:
   void poll();
   void sync_positions();
-  void take(const std::string& stream, const std::string& id, const std::vector<std::string>& fields);
+  void take(const std::string& stream, const std::string& id,
+            const std::vector<std::string>& fields);
 
   uv_loop_t* loop_;
   RedisClient* redis_;
   RedisWorkerStreamsOptions opts_;
   uv_timer_t* timer_ = nullptr;
-  bool positioned_ = false;  // last ids known for this connection
-  bool busy_ = false;        // a poll is in flight
-  uint64_t connection_ = 0;  // bumps on every (re)connection
+  bool positioned_ = false;                     // last ids known for this connection
+  bool busy_ = false;                           // a poll is in flight
+  uint64_t connection_ = 0;                     // bumps on every (re)connection
   std::map<std::string, std::string> last_id_;  // stream -> last id read
   std::map<std::string, std::string> resident_;
   uint64_t routing_ = 0;

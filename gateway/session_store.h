@@ -11,10 +11,9 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <unordered_map>
-
-#include <nlohmann/json.hpp>
 
 #include "gateway/redis_client.h"
 
@@ -22,7 +21,7 @@ namespace moe::gw {
 
 struct SessionStoreOptions {
   uint64_t ttl_s = 24 * 3600;
-  std::string events_key;             // "" → no events
+  std::string events_key;  // "" → no events
   uint64_t stream_max_len = 10000;
   size_t max_sessions_in_memory = 100000;
 };

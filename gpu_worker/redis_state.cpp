@@ -1,12 +1,12 @@
 #include "gpu_worker/redis_state.h"
 
+#include <hiredis/hiredis.h>
+
 #include <algorithm>
 #include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <memory>
-
-#include <hiredis/hiredis.h>
 
 namespace moe::worker {
 namespace {
@@ -28,7 +28,8 @@ bool parse_int(std::string_view s, int* out) {
 
 std::string reply_text(const redisReply* r) {
   if (!r) return "";
-  if (r->type == REDIS_REPLY_STRING || r->type == REDIS_REPLY_STATUS || r->type == REDIS_REPLY_ERROR)
+  if (r->type == REDIS_REPLY_STRING || r->type == REDIS_REPLY_STATUS ||
+      r->type == REDIS_REPLY_ERROR)
     return std::string(r->str, r->len);
   return "";
 }
@@ -41,7 +42,8 @@ bool entry_of(const redisReply* e, std::string* id, std::vector<std::string>* fi
   *id = reply_text(e->element[0]);
   fields->clear();
   const redisReply* f = e->element[1];
-  if (f->type != REDIS_REPLY_ARRAY) return f->type == REDIS_REPLY_NIL;  // deleted meanwhile: no fields
+  if (f->type != REDIS_REPLY_ARRAY)
+    return f->type == REDIS_REPLY_NIL;  // deleted meanwhile: no fields
   for (size_t i = 0; i < f->elements; ++i) fields->push_back(reply_text(f->element[i]));
   return true;
 }
@@ -59,11 +61,13 @@ Result<RedisEndpoint> parse_redis_url(const std::string& url) {
   std::string rest = url;
   if (rest.rfind("redis://", 0) == 0) rest = rest.substr(8);
   if (rest.empty()) return make_error("Redis URL '" + url + "' names no host");
-  if (auto at = rest.find('@'); at != std::string::npos) rest = rest.substr(at + 1);  // no AUTH support: ignored
+  if (auto at = rest.find('@'); at != std::string::npos)
+    rest = rest.substr(at + 1);  // no AUTH support: ignored
   if (auto slash = rest.find('/'); slash != std::string::npos) {
     std::string db = rest.substr(slash + 1);
     rest = rest.substr(0, slash);
-    if (!db.empty() && !parse_int(db, &ep.db)) return make_error("Redis URL '" + url + "': bad database number");
+    if (!db.empty() && !parse_int(db, &ep.db))
+      return make_error("Redis URL '" + url + "': bad database number");
   }
   if (auto colon = rest.rfind(':'); colon != std::string::npos) {
     if (!parse_int(rest.substr(colon + 1), &ep.port) || ep.port <= 0 || ep.port > 65535)
@@ -97,7 +101,8 @@ Result<std::vector<protocol::ExpertRef>> parse_expert_list(const std::string& te
     const size_t colon = item.find(':');
     int layer = 0, expert = 0;
     if (colon == std::string_view::npos || !parse_int(item.substr(0, colon), &layer) ||
-        !parse_int(item.substr(colon + 1), &expert) || layer < 0 || layer > 65535 || expert < 0 || expert > 65535)
+        !parse_int(item.substr(colon + 1), &expert) || layer < 0 || layer > 65535 || expert < 0 ||
+        expert > 65535)
       return make_error("not a layer:expert pair: '" + std::string(item.substr(0, 40)) + "'");
     out.push_back({uint16_t(layer), uint16_t(expert)});
     if (out.size() > protocol::kMaxExpertsPerMessage) return make_error("too many experts");
@@ -127,7 +132,8 @@ struct WorkerRedisState::Conn {
       argv.push_back(a.data());
       lens.push_back(a.size());
     }
-    Reply r(static_cast<redisReply*>(redisCommandArgv(ctx, int(argv.size()), argv.data(), lens.data())));
+    Reply r(static_cast<redisReply*>(
+        redisCommandArgv(ctx, int(argv.size()), argv.data(), lens.data())));
     if (!r || ctx->err) {
       close();
       return nullptr;
@@ -170,8 +176,10 @@ bool WorkerRedisState::ensure_connected(Conn& c) {
   }
   if (!c.ctx || c.ctx->err) {
     if (!c.down_logged) {
-      std::fprintf(stderr, "moe-worker: Redis at %s:%d unreachable (%s); state stays in this process, retrying\n",
-                   endpoint_.host.c_str(), endpoint_.port, c.ctx ? c.ctx->errstr : "no memory");
+      std::fprintf(
+          stderr,
+          "moe-worker: Redis at %s:%d unreachable (%s); state stays in this process, retrying\n",
+          endpoint_.host.c_str(), endpoint_.port, c.ctx ? c.ctx->errstr : "no memory");
       c.down_logged = true;
     }
     c.close();
@@ -180,7 +188,8 @@ bool WorkerRedisState::ensure_connected(Conn& c) {
     return false;
   }
   if (c.down_logged || !c.ever_up)
-    std::fprintf(stderr, "moe-worker: Redis at %s:%d connected\n", endpoint_.host.c_str(), endpoint_.port);
+    std::fprintf(stderr, "moe-worker: Redis at %s:%d connected\n", endpoint_.host.c_str(),
+                 endpoint_.port);
   c.down_logged = false;
   c.ever_up = true;
   c.backoff_ms = 0;
@@ -197,14 +206,15 @@ WorkerRedisState::Rewarm WorkerRedisState::rewarm() {
     Reply r = c.cmd({"XREVRANGE", resident_key(), "+", "-", "COUNT", "1"});
     std::string id;
     std::vector<std::string> fields;
-    if (r && r->type == REDIS_REPLY_ARRAY && r->elements == 1 && entry_of(r->element[0], &id, &fields)) {
+    if (r && r->type == REDIS_REPLY_ARRAY && r->elements == 1 &&
+        entry_of(r->element[0], &id, &fields)) {
       auto experts = parse_expert_list(field(fields, "experts"));
       if (experts.ok()) {
         out.previous = experts->size();
         out.resident = backend_->warm(experts.value());
       } else {
-        std::fprintf(stderr, "moe-worker: skipping garbage resident-state entry %s: %s\n", id.c_str(),
-                     experts.error().c_str());
+        std::fprintf(stderr, "moe-worker: skipping garbage resident-state entry %s: %s\n",
+                     id.c_str(), experts.error().c_str());
       }
     }
   }
@@ -222,7 +232,8 @@ void WorkerRedisState::start() {
 void WorkerRedisState::queue_resident(const char* why) {
   Entry e;
   e.key = resident_key();
-  e.fields = {"worker", opts_.consumer, "kind", why, "experts", format_expert_list(backend_->resident())};
+  e.fields = {"worker", opts_.consumer, "kind",
+              why,      "experts",      format_expert_list(backend_->resident())};
   std::lock_guard<std::mutex> lk(mu_);
   last_resident_ = e;
   resident_pending_ = std::move(e);
@@ -239,7 +250,8 @@ void WorkerRedisState::apply_hints() {
   backend_->warm(hints);
 }
 
-void WorkerRedisState::after_step(const protocol::StepRequest& req, const protocol::StepReply& reply) {
+void WorkerRedisState::after_step(const protocol::StepRequest& req,
+                                  const protocol::StepReply& reply) {
   apply_hints();
   if (backend_->residency_version() != published_version_) {
     published_version_ = backend_->residency_version();
@@ -265,10 +277,12 @@ void WorkerRedisState::released(uint64_t seq_id) {
     for (size_t e = 0; e < E && l * E + e < it->second.size(); ++e) {
       const uint32_t n = it->second[l * E + e];
       if (!n) continue;
-      part += (part.empty() ? "" : ",") + std::to_string(e) + "=" + std::to_string(n);
+      if (!part.empty()) part += ',';
+      part.append(std::to_string(e)).append(1, '=').append(std::to_string(n));
     }
     if (part.empty()) continue;
-    layers += (layers.empty() ? "" : " ") + std::to_string(l) + ":" + part;
+    if (!layers.empty()) layers += ' ';
+    layers.append(std::to_string(l)).append(1, ':').append(part);
   }
   usage_.erase(it);
   Entry e;
@@ -281,7 +295,8 @@ void WorkerRedisState::released(uint64_t seq_id) {
 }
 
 bool WorkerRedisState::publish(Conn& c, const Entry& e) {
-  std::vector<std::string> args = {"XADD", e.key, "MAXLEN", "~", std::to_string(opts_.stream_max_len), "*"};
+  std::vector<std::string> args = {
+      "XADD", e.key, "MAXLEN", "~", std::to_string(opts_.stream_max_len), "*"};
   args.insert(args.end(), e.fields.begin(), e.fields.end());
   Reply r = c.cmd(args);
   return r && r->type == REDIS_REPLY_STRING;
@@ -292,7 +307,8 @@ void WorkerRedisState::handle_event(const std::string& id, const std::vector<std
   if (type == "warm") {
     auto experts = parse_expert_list(field(fields, "experts"));
     if (!experts.ok()) {
-      std::fprintf(stderr, "moe-worker: skipping garbage event %s: %s\n", id.c_str(), experts.error().c_str());
+      std::fprintf(stderr, "moe-worker: skipping garbage event %s: %s\n", id.c_str(),
+                   experts.error().c_str());
       return;
     }
     std::lock_guard<std::mutex> lk(mu_);
@@ -301,7 +317,8 @@ void WorkerRedisState::handle_event(const std::string& id, const std::vector<std
   } else if (type == "session") {
     // Sessions are the gateways' business; workers only acknowledge them.
   } else {
-    std::fprintf(stderr, "moe-worker: skipping garbage event %s (type '%s')\n", id.c_str(), type.substr(0, 40).c_str());
+    std::fprintf(stderr, "moe-worker: skipping garbage event %s (type '%s')\n", id.c_str(),
+                 type.substr(0, 40).c_str());
   }
 }
 
@@ -311,7 +328,8 @@ bool WorkerRedisState::read_events(Conn& c) {
   if (!group_ready_) {
     Reply r = c.cmd({"XGROUP", "CREATE", key, "workers", "$", "MKSTREAM"});
     if (!r) return false;
-    if (r->type == REDIS_REPLY_ERROR && reply_text(r.get()).find("BUSYGROUP") == std::string::npos) {
+    if (r->type == REDIS_REPLY_ERROR &&
+        reply_text(r.get()).find("BUSYGROUP") == std::string::npos) {
       std::fprintf(stderr, "moe-worker: XGROUP CREATE: %s\n", reply_text(r.get()).c_str());
       return false;
     }
@@ -336,24 +354,27 @@ bool WorkerRedisState::read_events(Conn& c) {
   if (!replayed_) {
     // What this worker (same consumer name) read but never acknowledged
     // before it died, then what other dead consumers left pending.
-    Reply own = c.cmd({"XREADGROUP", "GROUP", "workers", opts_.consumer, "COUNT", "1000", "STREAMS", key, "0"});
+    Reply own = c.cmd(
+        {"XREADGROUP", "GROUP", "workers", opts_.consumer, "COUNT", "1000", "STREAMS", key, "0"});
     if (!own) return false;
     if (own->type == REDIS_REPLY_ARRAY && own->elements == 1 && own->element[0]->elements == 2)
       if (!handle_entries(own->element[0]->element[1])) return false;
-    Reply claimed = c.cmd({"XAUTOCLAIM", key, "workers", opts_.consumer, std::to_string(opts_.claim_idle_ms), "0-0",
-                           "COUNT", "1000"});
+    Reply claimed = c.cmd({"XAUTOCLAIM", key, "workers", opts_.consumer,
+                           std::to_string(opts_.claim_idle_ms), "0-0", "COUNT", "1000"});
     if (!claimed) return false;
     if (claimed->type == REDIS_REPLY_ARRAY && claimed->elements >= 2) {
       if (claimed->element[1]->elements)
-        std::fprintf(stderr, "moe-worker: claimed %zu pending events of dead workers\n", claimed->element[1]->elements);
+        std::fprintf(stderr, "moe-worker: claimed %zu pending events of dead workers\n",
+                     claimed->element[1]->elements);
       if (!handle_entries(claimed->element[1])) return false;
     }
     replayed_ = true;
   }
-  Reply r = c.cmd({"XREADGROUP", "GROUP", "workers", opts_.consumer, "COUNT", "100", "BLOCK", "200", "STREAMS", key, ">"});
+  Reply r = c.cmd({"XREADGROUP", "GROUP", "workers", opts_.consumer, "COUNT", "100", "BLOCK", "200",
+                   "STREAMS", key, ">"});
   if (!r) return false;
-  if (r->type == REDIS_REPLY_ARRAY && r->elements == 1 && r->element[0]->type == REDIS_REPLY_ARRAY &&
-      r->element[0]->elements == 2)
+  if (r->type == REDIS_REPLY_ARRAY && r->elements == 1 &&
+      r->element[0]->type == REDIS_REPLY_ARRAY && r->element[0]->elements == 2)
     return handle_entries(r->element[0]->element[1]);
   return true;
 }
@@ -395,7 +416,8 @@ void WorkerRedisState::run() {
     }
     if (!routing.empty()) {
       std::lock_guard<std::mutex> lk(mu_);
-      for (auto it = routing.rbegin(); it != routing.rend(); ++it) routing_pending_.push_front(std::move(*it));
+      for (auto it = routing.rbegin(); it != routing.rend(); ++it)
+        routing_pending_.push_front(std::move(*it));
       while (routing_pending_.size() > kMaxRoutingQueued) routing_pending_.pop_front();
     }
     if (ok) ok = read_events(c);
@@ -403,7 +425,8 @@ void WorkerRedisState::run() {
       c.close();
       replayed_ = false;
       if (!c.down_logged) {
-        std::fprintf(stderr, "moe-worker: lost Redis at %s:%d; state stays in this process, reconnecting\n",
+        std::fprintf(stderr,
+                     "moe-worker: lost Redis at %s:%d; state stays in this process, reconnecting\n",
                      endpoint_.host.c_str(), endpoint_.port);
         c.down_logged = true;
       }

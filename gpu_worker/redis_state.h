@@ -50,7 +50,7 @@ Result<std::vector<protocol::ExpertRef>> parse_expert_list(const std::string& te
 struct WorkerRedisOptions {
   std::string url;
   std::string model_id;
-  std::string consumer;          // this worker's name in the consumer group (stable across restarts)
+  std::string consumer;  // this worker's name in the consumer group (stable across restarts)
   uint64_t stream_max_len = 10000;
   uint64_t claim_idle_ms = 5000;  // pending this long: its consumer is presumed dead
   int timeout_ms = 500;           // connect and command timeout
@@ -109,10 +109,10 @@ class WorkerRedisState final : public StepHooks {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::optional<Entry> resident_pending_;  // only the newest state matters
-  std::optional<Entry> last_resident_;     // published again after a reconnect
-  std::deque<Entry> routing_pending_;      // bounded
-  std::vector<protocol::ExpertRef> hints_; // from events, applied on the step thread
+  std::optional<Entry> resident_pending_;   // only the newest state matters
+  std::optional<Entry> last_resident_;      // published again after a reconnect
+  std::deque<Entry> routing_pending_;       // bounded
+  std::vector<protocol::ExpertRef> hints_;  // from events, applied on the step thread
   std::atomic<bool> hints_waiting_{false};
   bool stop_ = false;
   std::thread thread_;
