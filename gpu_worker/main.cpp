@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "gpu_worker/backend.h"
+#include "gpu_worker/redis_state.h"
 #include "gpu_worker/worker_options.h"
 #include "gpu_worker/worker_server.h"
 #include "moe_version.h"
@@ -48,7 +49,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "moe-worker: the cuda backend is not built into this binary yet (use --backend cpu)\n");
     return 2;
   }
-  if (!o.redis_url.empty()) std::fprintf(stderr, "moe-worker: --redis %s accepted; not used yet\n", o.redis_url.c_str());
+  if (o.redis_url.empty()) std::fprintf(stderr, "moe-worker: no --redis; expert state stays in this process\n");
 
   int pipe_fds[2];
   if (::pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) != 0) {
@@ -75,6 +76,23 @@ int main(int argc, char** argv) {
   so.socket_path = o.socket_path;
   so.max_frame_bytes = o.max_frame_bytes;
   so.vram_budget_bytes = o.vram_budget_bytes;
+  // Redis state: re-warm the last resident set before saying hello, then
+  // publish state and routing summaries, read the gateways' events.
+  std::unique_ptr<moe::worker::WorkerRedisState> redis;
+  if (!o.redis_url.empty()) {
+    moe::worker::WorkerRedisOptions ro;
+    ro.url = o.redis_url;
+    ro.model_id = (*backend)->describe().model_id;
+    ro.consumer = std::filesystem::path(o.socket_path).stem().string();
+    // Tests make the streams' bound small enough to see the trimming.
+    if (const char* m = std::getenv("MOE_REDIS_STREAM_MAX_LEN")) ro.stream_max_len = std::strtoull(m, nullptr, 10);
+    redis = std::make_unique<moe::worker::WorkerRedisState>(ro, backend->get());
+    const auto rw = redis->rewarm();
+    std::fprintf(stderr, "moe-worker: re-warmed %zu of %zu experts from Redis in %.1f ms%s\n", rw.resident, rw.previous,
+                 rw.ms, rw.redis_reachable ? "" : " (Redis unreachable)");
+    redis->start();
+    so.hooks = redis.get();
+  }
   moe::worker::WorkerServer server(backend->get(), so);
   if (auto st = server.listen(); !st.ok()) {
     std::fprintf(stderr, "moe-worker: %s\n", st.error().c_str());
