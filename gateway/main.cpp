@@ -54,36 +54,20 @@ int main(int argc, char** argv) {
   }
   const moe::gw::GatewayOptions& opts = cl->options;
 
-  // The two construction points below are filled as their parts land.
-  std::unique_ptr<moe::gw::TextCodec> text;
-#if MOE_GATEWAY_HAVE_TEXT_CODEC
   auto codec = moe::gw::load_model_text_codec(opts.model_path);
   if (!codec.ok()) {
     std::fprintf(stderr, "moe-gateway: %s\n", codec.error().c_str());
     return 1;
   }
-  text = std::move(codec.value());
-#else
-  std::fprintf(stderr, "moe-gateway: built without the chat template library; cannot load %s\n",
-               opts.model_path.c_str());
-  return 1;
-#endif
+  std::unique_ptr<moe::gw::TextCodec> text = std::move(codec.value());
 
   uv_loop_t* loop = uv_default_loop();
-  std::unique_ptr<moe::gw::Scheduler> engine;
-#if MOE_GATEWAY_HAVE_SCHEDULER
   auto scheduler = moe::gw::make_scheduler(loop, opts);
   if (!scheduler.ok()) {
     std::fprintf(stderr, "moe-gateway: %s\n", scheduler.error().c_str());
     return 1;
   }
-  engine = std::move(scheduler.value());
-#else
-  std::fprintf(stderr,
-               "moe-gateway: no engine side built yet (gateway/scheduler_factory.cpp is missing), "
-               "so there is nothing to serve requests with\n");
-  return 1;
-#endif
+  std::unique_ptr<moe::gw::Scheduler> engine = std::move(scheduler.value());
 
   // Redis: sessions and the workers' streams; without it, in this process.
   std::unique_ptr<moe::gw::RedisClient> redis;

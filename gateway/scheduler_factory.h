@@ -2,7 +2,6 @@
 // The construction point of the engine side. The gateway's main() builds the
 // Scheduler here from the command line (workers, Redis, model); its
 // definition lives in gateway/scheduler_factory.cpp with the scheduler.
-// Until that file exists the gateway builds without it and refuses to start.
 
 #include <memory>
 

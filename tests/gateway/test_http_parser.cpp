@@ -139,3 +139,38 @@ TEST_CASE("parser: Expect 100-continue pauses after the headers", "[gateway][par
   CHECK(p.feed("ok") == 2);
   CHECK(p.state() == State::complete);
 }
+
+TEST_CASE("parser: three pipelined requests under 500 random splits", "[gateway][parser]") {
+  const std::string reqs[3] = {kPost, "GET /health HTTP/1.1\r\nHost: a\r\n\r\n",
+                               "POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc"};
+  const std::string all = reqs[0] + reqs[1] + reqs[2];
+  uint32_t rng = 12345;
+  for (int trial = 0; trial < 500; ++trial) {
+    HttpRequestParser p(HttpLimits{});
+    std::vector<std::string> bodies, paths;
+    std::string pending;
+    size_t pos = 0;
+    while (pos < all.size()) {
+      rng = rng * 1664525u + 1013904223u;
+      size_t n = 1 + (rng >> 16) % 40;
+      pending += all.substr(pos, n);
+      pos += n;
+      // Like a connection: feed what we have, take completed requests, keep the rest.
+      for (;;) {
+        size_t used = p.feed(pending);
+        pending.erase(0, used);
+        if (p.state() == State::complete) {
+          paths.push_back(p.request().path);
+          bodies.push_back(p.request().body);
+          p.reset();
+          continue;
+        }
+        REQUIRE(p.state() != State::error);
+        if (p.state() == State::headers_done) continue;
+        break;
+      }
+    }
+    REQUIRE(paths == std::vector<std::string>{"/v1/completions", "/health", "/v1/chat/completions"});
+    CHECK(bodies == std::vector<std::string>{"{\"a\": true}", "", "abc"});
+  }
+}
