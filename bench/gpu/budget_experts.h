@@ -46,7 +46,7 @@ struct BudgetOptions {
   // Layers hinted ahead for a prompt (more than 8 tokens): a prompt needs
   // nearly every expert of every layer, so the copy queue can run further
   // ahead than one layer without a real prediction. Decode hints one layer.
-  int prefill_lookahead = 2;
+  int prefill_lookahead = 4;
 };
 
 class BudgetExperts final : public ExpertProvider {

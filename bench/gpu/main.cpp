@@ -46,7 +46,7 @@ struct Options {
   bool huge_pages = true;
   bool batched_prefetch = true;
   bool copy_test = false;
-  int prefill_lookahead = 2;
+  int prefill_lookahead = 4;
 };
 
 struct Row {
