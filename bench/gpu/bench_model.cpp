@@ -15,9 +15,9 @@
 #include "kernels/cuda/router.cuh"
 #include "kernels/cuda/sampling.cuh"
 
-#define BENCH_TRY(expr)                 \
-  do {                                  \
-    ::moe::Status st_ = (expr);         \
+#define BENCH_TRY(expr)                                   \
+  do {                                                    \
+    ::moe::Status st_ = (expr);                           \
     if (!st_.ok()) return ::moe::make_error(st_.error()); \
   } while (0)
 
@@ -35,7 +35,21 @@ int shared_rows_padded(const ModelShape& s) { return (shared_rows(s) + 7) / 8 * 
 }  // namespace
 
 ModelShape qwen15_moe_a27b() {
-  return {"Qwen1.5-MoE-A2.7B", 2048, 24, 16, 16, 128, 60, 4, 1408, 5632, false, true, false, 151936, 1e6f};
+  return {"Qwen1.5-MoE-A2.7B",
+          2048,
+          24,
+          16,
+          16,
+          128,
+          60,
+          4,
+          1408,
+          5632,
+          false,
+          true,
+          false,
+          151936,
+          1e6f};
 }
 ModelShape qwen3_30b_a3b() {
   return {"Qwen3-30B-A3B", 2048, 48, 32, 4, 128, 128, 8, 768, 0, true, false, true, 151936, 1e6f};
@@ -44,7 +58,8 @@ ModelShape qwen3_30b_a3b() {
 double decode_bytes_per_step(const ModelShape& s, const ExpertLayout& L, int tokens) {
   const double H = s.hidden, W = double(s.n_heads + 2 * s.n_kv) * s.head_dim;
   double per_layer = (W * H + H * s.n_heads * s.head_dim + s.n_experts * H) * 2;
-  if (s.shared_inter) per_layer += (2.0 * s.shared_inter + 1 + s.shared_inter) * H * 2;  // + router rows above
+  if (s.shared_inter)
+    per_layer += (2.0 * s.shared_inter + 1 + s.shared_inter) * H * 2;  // + router rows above
   // Distinct experts a layer reads, expected under uniform routing.
   const double picks = double(tokens) * s.top_k;
   const double distinct = s.n_experts * (1.0 - std::pow(1.0 - 1.0 / s.n_experts, picks));
@@ -63,9 +78,9 @@ BenchModel::~BenchModel() {
   for (void* p : allocations_) cudaFree(p);
 }
 
-Result<std::unique_ptr<BenchModel>> BenchModel::create(const ModelShape& s, int max_tokens, int max_seqs,
-                                                       int max_context, uint64_t seed, cudaStream_t st,
-                                                       uint8_t* host_experts) {
+Result<std::unique_ptr<BenchModel>> BenchModel::create(const ModelShape& s, int max_tokens,
+                                                       int max_seqs, int max_context, uint64_t seed,
+                                                       cudaStream_t st, uint8_t* host_experts) {
   std::unique_ptr<BenchModel> m(new BenchModel());
   m->s_ = s;
   m->layout_ = expert_layout(s.hidden, s.inter, kGroup);
@@ -76,7 +91,8 @@ Result<std::unique_ptr<BenchModel>> BenchModel::create(const ModelShape& s, int 
   if (!cm.ok()) return make_error(cm.error());
   m->mm_.reset(cm.value());
 
-  const size_t H = s.hidden, W = size_t(s.n_heads + 2 * s.n_kv) * s.head_dim, QD = size_t(s.n_heads) * s.head_dim;
+  const size_t H = s.hidden, W = size_t(s.n_heads + 2 * s.n_kv) * s.head_dim,
+               QD = size_t(s.n_heads) * s.head_dim;
   const size_t SW = s.shared_inter ? size_t(shared_rows_padded(s)) : 0;
   const size_t pool_slots = size_t(max_seqs) * m->max_blocks_ * kBlockTokens;
   const size_t kv_elems = pool_slots * s.n_kv * s.head_dim;
@@ -119,7 +135,8 @@ Result<std::unique_ptr<BenchModel>> BenchModel::create(const ModelShape& s, int 
       BENCH_TRY(m->alloc(reinterpret_cast<void**>(&L.experts), layer_bytes));
     }
     // q - 7.5 has standard deviation ~4.6: scale 1/(4.6 sqrt(fan_in)).
-    BENCH_TRY(fill_experts(L.experts, E, s.n_experts, ++sd, float(1.0 / (4.6 * std::sqrt(double(H)))),
+    BENCH_TRY(fill_experts(L.experts, E, s.n_experts, ++sd,
+                           float(1.0 / (4.6 * std::sqrt(double(H)))),
                            float(1.0 / (4.6 * std::sqrt(double(s.inter)))), st));
     std::vector<const uint8_t*> ptrs(s.n_experts);
     for (int e = 0; e < s.n_experts; ++e) ptrs[e] = L.experts + size_t(e) * E.blob_bytes;
@@ -131,7 +148,8 @@ Result<std::unique_ptr<BenchModel>> BenchModel::create(const ModelShape& s, int 
       std::fill(ptrs.begin(), ptrs.end(), nullptr);
     }
     BENCH_TRY(m->alloc(reinterpret_cast<void**>(&L.expert_ptrs), ptrs.size() * sizeof(void*)));
-    MOE_CUDA_TRY(cudaMemcpy(L.expert_ptrs, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice));
+    MOE_CUDA_TRY(cudaMemcpy(L.expert_ptrs, ptrs.data(), ptrs.size() * sizeof(void*),
+                            cudaMemcpyHostToDevice));
     BENCH_TRY(bf(&L.k_pool, kv_elems, 1.f, 0.f));
     BENCH_TRY(bf(&L.v_pool, kv_elems, 1.f, 0.f));
     m->layers_.push_back(L);
@@ -146,8 +164,8 @@ Result<std::unique_ptr<BenchModel>> BenchModel::create(const ModelShape& s, int 
   BENCH_TRY(m->alloc(reinterpret_cast<void**>(&m->inv_freq_), inv.size() * 4));
   MOE_CUDA_TRY(cudaMemcpy(m->inv_freq_, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice));
 
-  std::vector<int32_t> tables(size_t(max_seqs) * m->max_blocks_), seqs(max_seqs), zeros(max_tokens, 0),
-      ppos(max_tokens), prompt(max_tokens), toks(max_seqs);
+  std::vector<int32_t> tables(size_t(max_seqs) * m->max_blocks_), seqs(max_seqs),
+      zeros(max_tokens, 0), ppos(max_tokens), prompt(max_tokens), toks(max_seqs);
   for (size_t i = 0; i < tables.size(); ++i) tables[i] = int32_t(i);
   for (int i = 0; i < max_seqs; ++i) seqs[i] = i;
   uint64_t r = seed;
@@ -172,7 +190,9 @@ Result<std::unique_ptr<BenchModel>> BenchModel::create(const ModelShape& s, int 
 
   const size_t T = max_tokens, dec = size_t(cuda::kGemvMaxTokens);
   auto f32 = [&](float** p, size_t n) { return m->alloc(reinterpret_cast<void**>(p), n * 4); };
-  auto b16 = [&](__nv_bfloat16** p, size_t n) { return m->alloc(reinterpret_cast<void**>(p), n * 2); };
+  auto b16 = [&](__nv_bfloat16** p, size_t n) {
+    return m->alloc(reinterpret_cast<void**>(p), n * 2);
+  };
   BENCH_TRY(f32(&m->x_, T * H));
   BENCH_TRY(f32(&m->qkv_, T * W));
   BENCH_TRY(f32(&m->logits_, dec * s.vocab));
@@ -188,7 +208,8 @@ Result<std::unique_ptr<BenchModel>> BenchModel::create(const ModelShape& s, int 
   BENCH_TRY(b16(&m->xn_, T * H));
   BENCH_TRY(b16(&m->q_, T * QD));
   BENCH_TRY(b16(&m->attn_, T * QD));
-  m->grouped_ws_bytes_ = cuda::q4_grouped_workspace_bytes(m->layout_, max_tokens, s.top_k, s.n_experts);
+  m->grouped_ws_bytes_ =
+      cuda::q4_grouped_workspace_bytes(m->layout_, max_tokens, s.top_k, s.n_experts);
   BENCH_TRY(m->alloc(&m->grouped_ws_, m->grouped_ws_bytes_));
   MOE_CUDA_TRY(cudaStreamSynchronize(st));
   return Result<std::unique_ptr<BenchModel>>(std::move(m));
@@ -212,10 +233,11 @@ Status BenchModel::decode_step(int B, cudaStream_t st) {
   BENCH_TRY(cuda::embedding_gather(embed_, s.vocab, H, tokens_, B, x_, st));
   for (int l = 0; l < int(layers_.size()); ++l) {
     const Layer& L = layers_[size_t(l)];
-    cuda::PagedKvPool kv{L.k_pool, L.v_pool, block_tables_, max_blocks_, kBlockTokens, s.n_kv, s.head_dim};
+    cuda::PagedKvPool kv{L.k_pool,     L.v_pool, block_tables_, max_blocks_,
+                         kBlockTokens, s.n_kv,   s.head_dim};
     if (fuse) {
-      BENCH_TRY(cuda::dense_gemv_bf16_rmsnorm(L.qkv_w, x_, L.in_norm, kEps, nullptr, qkv_, B, W, H, false, nullptr,
-                                              0, st));
+      BENCH_TRY(cuda::dense_gemv_bf16_rmsnorm(L.qkv_w, x_, L.in_norm, kEps, nullptr, qkv_, B, W, H,
+                                              false, nullptr, 0, st));
     } else {
       BENCH_TRY(cuda::rmsnorm(x_, L.in_norm, xn_, B, H, kEps, st));
       BENCH_TRY(cuda::dense_gemv_bf16(L.qkv_w, xn_, qkv_, B, W, H, false, nullptr, 0, st));
@@ -246,20 +268,23 @@ Status BenchModel::decode_step(int B, cudaStream_t st) {
     if (!fuse) BENCH_TRY(cuda::rmsnorm(x_, L.post_norm, xn_, B, H, kEps, st));
     if (SI) {
       if (fuse)
-        BENCH_TRY(cuda::dense_gemv_bf16_rmsnorm(L.shared_w, x_, L.post_norm, kEps, xn_, shared_gu_, B, SN, H, false,
-                                                nullptr, 0, st));
+        BENCH_TRY(cuda::dense_gemv_bf16_rmsnorm(L.shared_w, x_, L.post_norm, kEps, xn_, shared_gu_,
+                                                B, SN, H, false, nullptr, 0, st));
       else
-        BENCH_TRY(cuda::dense_gemv_bf16(L.shared_w, xn_, shared_gu_, B, SN, H, false, nullptr, 0, st));
-      BENCH_TRY(cuda::router_topk(shared_gu_ + 2 * SI + 1, B, s.n_experts, s.top_k, s.norm_topk, 1.f, route_ids_,
-                                  route_w_, st, SN));
+        BENCH_TRY(
+            cuda::dense_gemv_bf16(L.shared_w, xn_, shared_gu_, B, SN, H, false, nullptr, 0, st));
+      BENCH_TRY(cuda::router_topk(shared_gu_ + 2 * SI + 1, B, s.n_experts, s.top_k, s.norm_topk,
+                                  1.f, route_ids_, route_w_, st, SN));
     } else {
       if (fuse)
-        BENCH_TRY(cuda::dense_gemv_bf16_rmsnorm(L.router_w, x_, L.post_norm, kEps, xn_, router_logits_, B,
-                                                s.n_experts, H, false, nullptr, 0, st));
+        BENCH_TRY(cuda::dense_gemv_bf16_rmsnorm(L.router_w, x_, L.post_norm, kEps, xn_,
+                                                router_logits_, B, s.n_experts, H, false, nullptr,
+                                                0, st));
       else
-        BENCH_TRY(cuda::dense_gemv_bf16(L.router_w, xn_, router_logits_, B, s.n_experts, H, false, nullptr, 0, st));
-      BENCH_TRY(cuda::router_topk(router_logits_, B, s.n_experts, s.top_k, s.norm_topk, 1.f, route_ids_, route_w_,
-                                  st));
+        BENCH_TRY(cuda::dense_gemv_bf16(L.router_w, xn_, router_logits_, B, s.n_experts, H, false,
+                                        nullptr, 0, st));
+      BENCH_TRY(cuda::router_topk(router_logits_, B, s.n_experts, s.top_k, s.norm_topk, 1.f,
+                                  route_ids_, route_w_, st));
     }
     cuda::Q4ExpertArgs a;
     a.layout = layout_;
@@ -280,11 +305,12 @@ Status BenchModel::decode_step(int B, cudaStream_t st) {
     BENCH_TRY(cuda::q4_expert_down(a, h_, x_, true, st));
     if (provider_) BENCH_TRY(provider_->unbind(l, st));
     if (SI && fuse) {
-      BENCH_TRY(cuda::dense_gemv_bf16_silu(L.shared_down, shared_gu_, SN, x_, B, H, SI, true, shared_gu_ + 2 * SI,
-                                           SN, st));
+      BENCH_TRY(cuda::dense_gemv_bf16_silu(L.shared_down, shared_gu_, SN, x_, B, H, SI, true,
+                                           shared_gu_ + 2 * SI, SN, st));
     } else if (SI) {
       BENCH_TRY(cuda::silu_mul_fused(shared_gu_, shared_h_, B, SI, st, SN));
-      BENCH_TRY(cuda::dense_gemv_bf16(L.shared_down, shared_h_, x_, B, H, SI, true, shared_gu_ + 2 * SI, SN, st));
+      BENCH_TRY(cuda::dense_gemv_bf16(L.shared_down, shared_h_, x_, B, H, SI, true,
+                                      shared_gu_ + 2 * SI, SN, st));
     }
   }
   BENCH_TRY(cuda::rmsnorm(x_, final_norm_, xn_, B, H, kEps, st));
@@ -299,21 +325,24 @@ Status BenchModel::predict_next(int layer, int tokens, cudaStream_t st) {
   const Layer& N = layers_[size_t(layer) + 1];
   const int H = s.hidden;
   // The next layer's router rows: its own matrix, or inside the shared projection.
-  const __nv_bfloat16* w = s.shared_inter ? N.shared_w + size_t(2 * s.shared_inter + 1) * H : N.router_w;
+  const __nv_bfloat16* w =
+      s.shared_inter ? N.shared_w + size_t(2 * s.shared_inter + 1) * H : N.router_w;
   if (tokens <= cuda::kGemvMaxTokens)
     return cuda::dense_gemv_bf16(w, xn_, tmp_, tokens, s.n_experts, H, false, nullptr, 0, st);
   return mm_->matmul(xn_, w, tmp_, true, tokens, s.n_experts, H, 0.f, st);
 }
 
 Status BenchModel::prefill(int n, cudaStream_t st) {
-  MOE_CUDA_REQUIRE(n >= 1 && n <= max_tokens_ && n <= max_blocks_ * kBlockTokens, "prompt too long");
+  MOE_CUDA_REQUIRE(n >= 1 && n <= max_tokens_ && n <= max_blocks_ * kBlockTokens,
+                   "prompt too long");
   const ModelShape& s = s_;
   const int H = s.hidden, W = (s.n_heads + 2 * s.n_kv) * s.head_dim, QD = s.n_heads * s.head_dim;
   const int SI = s.shared_inter, SW = SI ? shared_rows_padded(s) : 0;
   BENCH_TRY(cuda::embedding_gather(embed_, s.vocab, H, prompt_, n, x_, st));
   for (int l = 0; l < int(layers_.size()); ++l) {
     const Layer& L = layers_[size_t(l)];
-    cuda::PagedKvPool kv{L.k_pool, L.v_pool, block_tables_, max_blocks_, kBlockTokens, s.n_kv, s.head_dim};
+    cuda::PagedKvPool kv{L.k_pool,     L.v_pool, block_tables_, max_blocks_,
+                         kBlockTokens, s.n_kv,   s.head_dim};
     BENCH_TRY(cuda::rmsnorm(x_, L.in_norm, xn_, n, H, kEps, st));
     BENCH_TRY(mm_->matmul(xn_, L.qkv_w, qkv_, true, n, W, H, 0.f, st));
     cuda::QkvRopeArgs ra;
@@ -342,12 +371,12 @@ Status BenchModel::prefill(int n, cudaStream_t st) {
     BENCH_TRY(cuda::rmsnorm(x_, L.post_norm, xn_, n, H, kEps, st));
     if (SI) {
       BENCH_TRY(mm_->matmul(xn_, L.shared_w, shared_gu_, true, n, SW, H, 0.f, st));
-      BENCH_TRY(cuda::router_topk(shared_gu_ + 2 * SI + 1, n, s.n_experts, s.top_k, s.norm_topk, 1.f, route_ids_,
-                                  route_w_, st, SW));
+      BENCH_TRY(cuda::router_topk(shared_gu_ + 2 * SI + 1, n, s.n_experts, s.top_k, s.norm_topk,
+                                  1.f, route_ids_, route_w_, st, SW));
     } else {
       BENCH_TRY(mm_->matmul(xn_, L.router_w, router_logits_, true, n, s.n_experts, H, 0.f, st));
-      BENCH_TRY(cuda::router_topk(router_logits_, n, s.n_experts, s.top_k, s.norm_topk, 1.f, route_ids_, route_w_,
-                                  st));
+      BENCH_TRY(cuda::router_topk(router_logits_, n, s.n_experts, s.top_k, s.norm_topk, 1.f,
+                                  route_ids_, route_w_, st));
     }
     cuda::Q4ExpertArgs a;
     a.layout = layout_;
@@ -439,8 +468,8 @@ Result<std::vector<BenchModel::KernelTiming>> BenchModel::time_kernels(cudaStrea
     a.top_k = s.top_k;
     return a;
   };
-  auto add = [&](const std::string& name, const std::function<Status()>& body, int calls, double bytes,
-                 double flops) -> Status {
+  auto add = [&](const std::string& name, const std::function<Status()>& body, int calls,
+                 double bytes, double flops) -> Status {
     auto t = time_graph(body, 10, st);
     if (!t.ok()) return make_error(name + ": " + t.error());
     out.push_back({name, t.value() / calls, bytes, flops});
@@ -448,34 +477,42 @@ Result<std::vector<BenchModel::KernelTiming>> BenchModel::time_kernels(cudaStrea
   };
   for (int tokens : {1, 8}) {
     const double distinct = std::min(double(tokens) * s.top_k, double(s.n_experts));
-    BENCH_TRY(add("q4 gate+up+SiLU, " + std::to_string(tokens) + " tok x top" + std::to_string(s.top_k),
-                  [&]() -> Status {
-                    for (int l = 0; l < nl; ++l) BENCH_TRY(cuda::q4_expert_gate_up(args(l, tokens), xn_, h_, st));
-                    return {};
-                  },
-                  nl, 2 * distinct * expert_matrix, 0));
-    BENCH_TRY(add("q4 down (weighted sum), " + std::to_string(tokens) + " tok x top" + std::to_string(s.top_k),
-                  [&]() -> Status {
-                    for (int l = 0; l < nl; ++l) BENCH_TRY(cuda::q4_expert_down(args(l, tokens), h_, x_, true, st));
-                    return {};
-                  },
-                  nl, distinct * expert_matrix, 0));
+    BENCH_TRY(add(
+        "q4 gate+up+SiLU, " + std::to_string(tokens) + " tok x top" + std::to_string(s.top_k),
+        [&]() -> Status {
+          for (int l = 0; l < nl; ++l)
+            BENCH_TRY(cuda::q4_expert_gate_up(args(l, tokens), xn_, h_, st));
+          return {};
+        },
+        nl, 2 * distinct * expert_matrix, 0));
+    BENCH_TRY(add(
+        "q4 down (weighted sum), " + std::to_string(tokens) + " tok x top" +
+            std::to_string(s.top_k),
+        [&]() -> Status {
+          for (int l = 0; l < nl; ++l)
+            BENCH_TRY(cuda::q4_expert_down(args(l, tokens), h_, x_, true, st));
+          return {};
+        },
+        nl, distinct* expert_matrix, 0));
   }
   for (int tokens : {1, 8}) {
-    BENCH_TRY(add("bf16 GEMV lm_head, " + std::to_string(tokens) + " tok",
-                  [&]() -> Status {
-                    return cuda::dense_gemv_bf16(lm_head_, xn_, logits_, tokens, s.vocab, H, false, nullptr, 0, st);
-                  },
-                  1, double(s.vocab) * H * 2, 2.0 * tokens * s.vocab * H));
+    BENCH_TRY(add(
+        "bf16 GEMV lm_head, " + std::to_string(tokens) + " tok",
+        [&]() -> Status {
+          return cuda::dense_gemv_bf16(lm_head_, xn_, logits_, tokens, s.vocab, H, false, nullptr,
+                                       0, st);
+        },
+        1, double(s.vocab) * H * 2, 2.0 * tokens * s.vocab * H));
     const int W = (s.n_heads + 2 * s.n_kv) * s.head_dim;
-    BENCH_TRY(add("bf16 GEMV qkv, " + std::to_string(tokens) + " tok",
-                  [&]() -> Status {
-                    for (int l = 0; l < nl; ++l)
-                      BENCH_TRY(cuda::dense_gemv_bf16(layers_[l].qkv_w, xn_, qkv_, tokens, W, H, false, nullptr, 0,
-                                                      st));
-                    return {};
-                  },
-                  nl, double(W) * H * 2, 2.0 * tokens * W * H));
+    BENCH_TRY(add(
+        "bf16 GEMV qkv, " + std::to_string(tokens) + " tok",
+        [&]() -> Status {
+          for (int l = 0; l < nl; ++l)
+            BENCH_TRY(cuda::dense_gemv_bf16(layers_[l].qkv_w, xn_, qkv_, tokens, W, H, false,
+                                            nullptr, 0, st));
+          return {};
+        },
+        nl, double(W) * H * 2, 2.0 * tokens * W * H));
   }
   {
     const int n = max_tokens_;
@@ -489,21 +526,24 @@ Result<std::vector<BenchModel::KernelTiming>> BenchModel::time_kernels(cudaStrea
     MOE_CUDA_TRY(cudaMemcpy(route_ids_, rids.data(), rids.size() * 4, cudaMemcpyHostToDevice));
     std::vector<float> rw(rids.size(), 1.f / s.top_k);
     MOE_CUDA_TRY(cudaMemcpy(route_w_, rw.data(), rw.size() * 4, cudaMemcpyHostToDevice));
-    BENCH_TRY(add("grouped q4 MoE GEMM, " + std::to_string(n) + " tok",
-                  [&]() -> Status {
-                    for (int l = 0; l < nl; ++l)
-                      BENCH_TRY(cuda::q4_grouped_moe(args(l, n), xn_, x_, grouped_ws_, grouped_ws_bytes_, st));
-                    return {};
-                  },
-                  nl, double(s.n_experts) * 3 * expert_matrix, 2.0 * n * s.top_k * 3.0 * H * s.inter));
+    BENCH_TRY(add(
+        "grouped q4 MoE GEMM, " + std::to_string(n) + " tok",
+        [&]() -> Status {
+          for (int l = 0; l < nl; ++l)
+            BENCH_TRY(
+                cuda::q4_grouped_moe(args(l, n), xn_, x_, grouped_ws_, grouped_ws_bytes_, st));
+          return {};
+        },
+        nl, double(s.n_experts) * 3 * expert_matrix, 2.0 * n * s.top_k * 3.0 * H * s.inter));
     const int W = (s.n_heads + 2 * s.n_kv) * s.head_dim;
-    BENCH_TRY(add("cuBLASLt bf16 qkv, " + std::to_string(n) + " tok",
-                  [&]() -> Status {
-                    for (int l = 0; l < nl; ++l)
-                      BENCH_TRY(mm_->matmul(xn_, layers_[l].qkv_w, qkv_, true, n, W, H, 0.f, st));
-                    return {};
-                  },
-                  nl, double(W) * H * 2, 2.0 * n * W * H));
+    BENCH_TRY(add(
+        "cuBLASLt bf16 qkv, " + std::to_string(n) + " tok",
+        [&]() -> Status {
+          for (int l = 0; l < nl; ++l)
+            BENCH_TRY(mm_->matmul(xn_, layers_[l].qkv_w, qkv_, true, n, W, H, 0.f, st));
+          return {};
+        },
+        nl, double(W) * H * 2, 2.0 * n * W * H));
   }
   return out;
 }

@@ -55,8 +55,9 @@ class BenchModel {
  public:
   // Allocates and fills everything for up to max_tokens tokens per call and
   // max_seqs sequences of up to max_context positions.
-  static Result<std::unique_ptr<BenchModel>> create(const ModelShape& s, int max_tokens, int max_seqs,
-                                                    int max_context, uint64_t seed, cudaStream_t stream,
+  static Result<std::unique_ptr<BenchModel>> create(const ModelShape& s, int max_tokens,
+                                                    int max_seqs, int max_context, uint64_t seed,
+                                                    cudaStream_t stream,
                                                     uint8_t* host_experts = nullptr);
   // host_experts non-null: the experts are made into that host buffer
   // ([layers * n_experts * blob_bytes]) instead of device memory, and every
@@ -111,8 +112,8 @@ class BenchModel {
     // shared_w: [2 SI + 1 + n_experts (padded to 8), hidden]: shared gate, shared up,
     // the shared gate logit and the router, one projection of the normed state.
     __nv_bfloat16 *shared_w, *shared_down;
-    uint8_t* experts;                       // [n_experts * blob_bytes]
-    const uint8_t** expert_ptrs;            // [n_experts] device
+    uint8_t* experts;             // [n_experts * blob_bytes]
+    const uint8_t** expert_ptrs;  // [n_experts] device
     __nv_bfloat16 *k_pool, *v_pool;
   };
   std::vector<Layer> layers_;
@@ -121,7 +122,8 @@ class BenchModel {
   int32_t *block_tables_ = nullptr, *seq_of_token_ = nullptr, *prefill_seq_ = nullptr;
   int32_t *positions_ = nullptr, *prefill_pos_ = nullptr, *tokens_ = nullptr, *prompt_ = nullptr;
   // activations, sized for max_tokens
-  float *x_ = nullptr, *qkv_ = nullptr, *logits_ = nullptr, *router_logits_ = nullptr, *h_ = nullptr;
+  float *x_ = nullptr, *qkv_ = nullptr, *logits_ = nullptr, *router_logits_ = nullptr,
+        *h_ = nullptr;
   float *shared_gu_ = nullptr, *tmp_ = nullptr, *route_w_ = nullptr;
   int32_t* route_ids_ = nullptr;
   __nv_bfloat16 *xn_ = nullptr, *q_ = nullptr, *attn_ = nullptr, *shared_h_ = nullptr;

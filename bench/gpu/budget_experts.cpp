@@ -34,14 +34,21 @@ Result<std::unique_ptr<BudgetExperts>> BudgetExperts::create(const BudgetOptions
   b->arena_ = std::move(*arena);
 
   std::unique_ptr<EvictionPolicy> pol;
-  if (o.policy == "lru") pol = std::make_unique<LruPolicy>();
-  else if (o.policy == "lfu") pol = std::make_unique<LfuDecayPolicy>();
-  else if (o.policy == "ours") pol = std::make_unique<OursPolicy>();
-  else return make_error("unknown policy " + o.policy + " (lru, lfu, ours)");
-  b->map_ = std::make_unique<ResidencyMap>(o.n_layers, o.n_experts, plan->n_islands, o.blob_bytes, std::move(pol));
+  if (o.policy == "lru")
+    pol = std::make_unique<LruPolicy>();
+  else if (o.policy == "lfu")
+    pol = std::make_unique<LfuDecayPolicy>();
+  else if (o.policy == "ours")
+    pol = std::make_unique<OursPolicy>();
+  else
+    return make_error("unknown policy " + o.policy + " (lru, lfu, ours)");
+  b->map_ = std::make_unique<ResidencyMap>(o.n_layers, o.n_experts, plan->n_islands, o.blob_bytes,
+                                           std::move(pol));
 
-  b->pack_bytes_ = (size_t(o.n_experts) * sizeof(void*) + size_t(o.max_tokens) * o.top_k * 4 + 255) / 256 * 256;
-  MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&b->pack_host_), b->pack_bytes_ * o.n_layers));
+  b->pack_bytes_ =
+      (size_t(o.n_experts) * sizeof(void*) + size_t(o.max_tokens) * o.top_k * 4 + 255) / 256 * 256;
+  MOE_CUDA_TRY(
+      cudaMallocHost(reinterpret_cast<void**>(&b->pack_host_), b->pack_bytes_ * o.n_layers));
   MOE_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&b->pack_dev_), b->pack_bytes_ * o.n_layers));
   std::memset(b->pack_host_, 0, b->pack_bytes_ * o.n_layers);
   MOE_CUDA_TRY(cudaEventCreateWithFlags(&b->routed_, cudaEventDisableTiming));
@@ -138,8 +145,9 @@ Result<ExpertBinding> BudgetExperts::bind(int layer, int tokens, cudaStream_t st
         if (std::find(guess.begin(), guess.end(), e) == guess.end()) guess.push_back(e);
       }
     }
-    const Status s = o_.batched_prefetch ? prefetch_batch(layer + d, guess)
-                                         : arena_->prefetch(*map_, layer + d, guess, HintPriority::prefetch);
+    const Status s = o_.batched_prefetch
+                         ? prefetch_batch(layer + d, guess)
+                         : arena_->prefetch(*map_, layer + d, guess, HintPriority::prefetch);
     if (!s) return make_error(s.error());
   }
   ExpertBinding out;
@@ -167,8 +175,11 @@ Status BudgetExperts::prefetch_batch(int layer, const std::vector<int>& experts)
       MOE_CUDA_TRY(cudaStreamWaitEvent(cs, layer_read_[size_t(p.evicted->layer)], 0));
     }
   for (const Placement& p : ps) {
-    const uint8_t* src = o_.host_experts + (size_t(p.key.layer) * o_.n_experts + size_t(p.key.expert)) * o_.blob_bytes;
-    MOE_CUDA_TRY(cudaMemcpyAsync(arena_->island(p.island), src, o_.blob_bytes, cudaMemcpyHostToDevice, cs));
+    const uint8_t* src =
+        o_.host_experts +
+        (size_t(p.key.layer) * o_.n_experts + size_t(p.key.expert)) * o_.blob_bytes;
+    MOE_CUDA_TRY(
+        cudaMemcpyAsync(arena_->island(p.island), src, o_.blob_bytes, cudaMemcpyHostToDevice, cs));
   }
   MOE_CUDA_TRY(cudaEventRecord(batch_done_[size_t(layer)], cs));
   return {};

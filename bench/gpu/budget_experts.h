@@ -74,12 +74,12 @@ class BudgetExperts final : public ExpertProvider {
   std::unique_ptr<IslandArena> arena_;
   std::unique_ptr<ResidencyMap> map_;
   std::mt19937_64 rng_;
-  size_t pack_bytes_ = 0;            // [n_experts pointers | max_tokens * top_k ids]
-  uint8_t* pack_host_ = nullptr;     // [n_layers * pack_bytes_] pinned
-  uint8_t* pack_dev_ = nullptr;      // [n_layers * pack_bytes_]
-  cudaEvent_t routed_ = nullptr;     // the router point of the current layer
-  std::vector<cudaEvent_t> layer_read_;   // [layer] its expert kernels, last enqueued
-  std::vector<cudaEvent_t> batch_done_;   // [layer] its last prefetch batch landed
+  size_t pack_bytes_ = 0;                    // [n_experts pointers | max_tokens * top_k ids]
+  uint8_t* pack_host_ = nullptr;             // [n_layers * pack_bytes_] pinned
+  uint8_t* pack_dev_ = nullptr;              // [n_layers * pack_bytes_]
+  cudaEvent_t routed_ = nullptr;             // the router point of the current layer
+  std::vector<cudaEvent_t> layer_read_;      // [layer] its expert kernels, last enqueued
+  std::vector<cudaEvent_t> batch_done_;      // [layer] its last prefetch batch landed
   std::vector<int32_t> cur_;                 // [tokens * top_k] routes of this layer
   std::vector<std::vector<int32_t>> ahead_;  // routes of the next layers, drawn in layer order
   bool have_next_ = false;

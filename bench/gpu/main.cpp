@@ -39,8 +39,8 @@ struct Options {
   std::string json;
   std::string commit = MOE_BENCH_COMMIT;  // the configure-time commit unless --commit
   bool kernels = true;
-  std::vector<double> budgets_gib;          // empty: all experts resident
-  std::vector<double> accuracies = {0.8};   // the first is the headline row
+  std::vector<double> budgets_gib;         // empty: all experts resident
+  std::vector<double> accuracies = {0.8};  // the first is the headline row
   std::string policy = "ours";
   int warm_steps = 64;
   bool huge_pages = true;
@@ -75,25 +75,26 @@ double transformers_figure(const std::string& shape, int batch) {
   return -1;
 }
 
-#define MAIN_TRY(expr)                                        \
-  do {                                                        \
-    Status st_ = (expr);                                      \
-    if (!st_.ok()) {                                          \
+#define MAIN_TRY(expr)                                          \
+  do {                                                          \
+    Status st_ = (expr);                                        \
+    if (!st_.ok()) {                                            \
       std::fprintf(stderr, "error: %s\n", st_.error().c_str()); \
-      return false;                                           \
-    }                                                         \
+      return false;                                             \
+    }                                                           \
   } while (0)
 
-#define CU_TRY(expr)                                                                  \
-  do {                                                                                \
-    cudaError_t e_ = (expr);                                                          \
-    if (e_ != cudaSuccess) {                                                          \
+#define CU_TRY(expr)                                                                            \
+  do {                                                                                          \
+    cudaError_t e_ = (expr);                                                                    \
+    if (e_ != cudaSuccess) {                                                                    \
       std::fprintf(stderr, "error: %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      return false;                                                                   \
-    }                                                                                 \
+      return false;                                                                             \
+    }                                                                                           \
   } while (0)
 
-bool bench_shape(const ModelShape& s, const Options& o, std::vector<Row>& rows, nlohmann::json& kernels) {
+bool bench_shape(const ModelShape& s, const Options& o, std::vector<Row>& rows,
+                 nlohmann::json& kernels) {
   cudaStream_t st;
   CU_TRY(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   const int max_context = std::max(o.context + o.steps * 4 + 16, o.prompt + 16);
@@ -148,8 +149,8 @@ bool bench_shape(const ModelShape& s, const Options& o, std::vector<Row>& rows, 
     row.gbps = moe::bench::decode_bytes_per_step(s, m->layout(), batch) / (step_ms * 1e-3) / 1e9;
     row.transformers = transformers_figure(s.name, batch);
     rows.push_back(row);
-    std::printf("   decode batch %d: %.3f ms/step, %.1f tok/s (%.0f GB/s of weights)\n", batch, step_ms, row.tok_s,
-                row.gbps);
+    std::printf("   decode batch %d: %.3f ms/step, %.1f tok/s (%.0f GB/s of weights)\n", batch,
+                step_ms, row.tok_s, row.gbps);
     std::fflush(stdout);
     cudaGraphExecDestroy(ge);
     cudaGraphDestroy(g);
@@ -193,7 +194,8 @@ bool bench_shape(const ModelShape& s, const Options& o, std::vector<Row>& rows, 
     for (const auto& k : t.value()) {
       const double gbps = k.bytes / (k.us * 1e-6) / 1e9, tf = k.flops / (k.us * 1e-6) / 1e12;
       std::printf("   %-44s %10.2f %10.0f %10.1f\n", k.name.c_str(), k.us, gbps, tf);
-      kernels.push_back({{"shape", s.name}, {"kernel", k.name}, {"us", k.us}, {"gb_s", gbps}, {"tflop_s", tf}});
+      kernels.push_back(
+          {{"shape", s.name}, {"kernel", k.name}, {"us", k.us}, {"gb_s", gbps}, {"tflop_s", tf}});
     }
   }
   cudaEventDestroy(a);
@@ -202,7 +204,6 @@ bool bench_shape(const ModelShape& s, const Options& o, std::vector<Row>& rows, 
   cudaStreamDestroy(st);
   return true;
 }
-
 
 std::vector<double> parse_list(const std::string& s, bool gib) {
   std::vector<double> v;
@@ -239,8 +240,8 @@ bool bench_budget(const ModelShape& s, const Options& o, std::vector<Row>& rows)
     return false;
   }
   if (o.huge_pages) (void)madvise(host, alloc_bytes, MADV_HUGEPAGE);
-  std::printf("== %s under budgets: experts in host memory (%.2f GiB, %zu-byte blobs)...\n", s.name.c_str(),
-              double(total) / (1ull << 30), lay.blob_bytes);
+  std::printf("== %s under budgets: experts in host memory (%.2f GiB, %zu-byte blobs)...\n",
+              s.name.c_str(), double(total) / (1ull << 30), lay.blob_bytes);
   std::fflush(stdout);
   const int max_context = o.context + o.warm_steps + o.steps + std::max(o.prompt, 64) + 32;
   auto made = BenchModel::create(s, std::max(o.prompt, 8), 1, max_context, 1234, st, host);
@@ -252,17 +253,22 @@ bool bench_budget(const ModelShape& s, const Options& o, std::vector<Row>& rows)
   std::unique_ptr<BenchModel> m = std::move(made.value());
   m->set_fuse_max_batch(o.fuse_max_batch);
   const double base_mib = used_mib();
-  std::printf("   without experts: %.0f MiB of GPU memory in use (context, bf16 non-expert weights, KV, "
-              "workspace)\n", base_mib);
+  std::printf(
+      "   without experts: %.0f MiB of GPU memory in use (context, bf16 non-expert weights, KV, "
+      "workspace)\n",
+      base_mib);
   bool ok = true;
   for (double gib : o.budgets_gib) {
     const double margin_mib = 160;  // routing packs, cuBLASLt and launch bookkeeping
     const double islands_mib = gib * 1024.0 - base_mib - margin_mib;
     const double need_mib = double(s.n_experts) * lay.blob_bytes / (1 << 20);
     if (islands_mib < need_mib) {
-      std::printf("   %s: refused: %.0f MiB in use before experts leaves %.0f MiB, one layer's experts need "
-                  "%.0f MiB; a budget of %.2f GiB would fit\n", gib_name(gib).c_str(), base_mib, islands_mib,
-                  need_mib, (base_mib + margin_mib + need_mib) / 1024.0);
+      std::printf(
+          "   %s: refused: %.0f MiB in use before experts leaves %.0f MiB, one layer's experts "
+          "need "
+          "%.0f MiB; a budget of %.2f GiB would fit\n",
+          gib_name(gib).c_str(), base_mib, islands_mib, need_mib,
+          (base_mib + margin_mib + need_mib) / 1024.0);
       continue;
     }
     for (size_t ai = 0; ai < o.accuracies.size(); ++ai) {
@@ -288,10 +294,12 @@ bool bench_budget(const ModelShape& s, const Options& o, std::vector<Row>& rows)
       m->set_provider(prov.get());
       double peak = used_mib();
       const int64_t n_isl = prov->n_islands();
-      std::printf("   %s, policy %s, prediction accuracy %.2f: %lld islands (%.1f%% of %d experts), host "
-                  "experts %s\n", gib_name(gib).c_str(), o.policy.c_str(), bo.predict_accuracy, (long long)n_isl,
-                  100.0 * double(n_isl) / (double(s.layers) * s.n_experts), s.layers * s.n_experts,
-                  prov->host_registered() ? "pinned in place" : "copied to page-locked memory");
+      std::printf(
+          "   %s, policy %s, prediction accuracy %.2f: %lld islands (%.1f%% of %d experts), host "
+          "experts %s\n",
+          gib_name(gib).c_str(), o.policy.c_str(), bo.predict_accuracy, (long long)n_isl,
+          100.0 * double(n_isl) / (double(s.layers) * s.n_experts), s.layers * s.n_experts,
+          prov->host_registered() ? "pinned in place" : "copied to page-locked memory");
       std::fflush(stdout);
       // Decode, batch 1: warm the islands to their steady state, then time.
       MAIN_TRY(m->set_positions(o.context, 1));
@@ -307,7 +315,8 @@ bool bench_budget(const ModelShape& s, const Options& o, std::vector<Row>& rows)
         MAIN_TRY(m->decode_step(1, st));
       }
       CU_TRY(cudaStreamSynchronize(st));
-      const double dec_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double dec_s =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const moe::ResidencyStats s1 = prov->stats();
       peak = std::max(peak, used_mib());
       Row r;
@@ -323,9 +332,11 @@ bool bench_budget(const ModelShape& s, const Options& o, std::vector<Row>& rows)
       r.misses_per_token = double(s1.misses - s0.misses) / o.steps;
       r.accuracy = bo.predict_accuracy;
       r.islands = n_isl;
-      std::printf("   decode batch 1: %.3f ms/token, %.1f tok/s, hit rate %.3f, %.1f demand misses/token, "
-                  "%.1f MB over PCIe/token (prefetches %llu)\n", r.ms, r.tok_s, r.hit_rate, r.misses_per_token,
-                  r.pcie_bytes_per_token / 1e6, (unsigned long long)(s1.prefetches - s0.prefetches));
+      std::printf(
+          "   decode batch 1: %.3f ms/token, %.1f tok/s, hit rate %.3f, %.1f demand misses/token, "
+          "%.1f MB over PCIe/token (prefetches %llu)\n",
+          r.ms, r.tok_s, r.hit_rate, r.misses_per_token, r.pcie_bytes_per_token / 1e6,
+          (unsigned long long)(s1.prefetches - s0.prefetches));
       std::fflush(stdout);
       if (ai == 0) {
         // Prefill under the same islands (the headline accuracy only).
@@ -339,7 +350,9 @@ bool bench_budget(const ModelShape& s, const Options& o, std::vector<Row>& rows)
           const auto a = std::chrono::steady_clock::now();
           MAIN_TRY(m->prefill(o.prompt, st));
           CU_TRY(cudaStreamSynchronize(st));
-          runs.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count());
+          runs.push_back(
+              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a)
+                  .count());
         }
         const moe::ResidencyStats p1 = prov->stats();
         std::sort(runs.begin(), runs.end());
@@ -355,8 +368,9 @@ bool bench_budget(const ModelShape& s, const Options& o, std::vector<Row>& rows)
         q.misses_per_token = double(p1.misses - p0.misses) / (3.0 * o.prompt);
         q.peak_mib = peak;
         r.peak_mib = peak;
-        std::printf("   prefill %d: %.2f ms, %.0f tok/s, hit rate %.3f, %.0f MB over PCIe per prompt\n", o.prompt,
-                    q.ms, q.tok_s, q.hit_rate, q.pcie_bytes_per_token * o.prompt / 1e6);
+        std::printf(
+            "   prefill %d: %.2f ms, %.0f tok/s, hit rate %.3f, %.0f MB over PCIe per prompt\n",
+            o.prompt, q.ms, q.tok_s, q.hit_rate, q.pcie_bytes_per_token * o.prompt / 1e6);
         rows.push_back(r);
         rows.push_back(q);
       } else {
@@ -391,13 +405,14 @@ bool bench_copies(size_t blob, int n) {
     for (int r = 0; r < 3; ++r) {
       CU_TRY(cudaEventRecord(a, cs));
       for (int i = 0; i < n; ++i)
-        CU_TRY(cudaMemcpyAsync(dev + size_t(i) * blob, host + size_t(i) * blob, blob, cudaMemcpyHostToDevice, cs));
+        CU_TRY(cudaMemcpyAsync(dev + size_t(i) * blob, host + size_t(i) * blob, blob,
+                               cudaMemcpyHostToDevice, cs));
       CU_TRY(cudaEventRecord(b, cs));
       CU_TRY(cudaEventSynchronize(b));
       float ms = 0;
       CU_TRY(cudaEventElapsedTime(&ms, a, b));
-      std::printf("   copy test, %s: %d x %zu bytes in %.2f ms = %.1f GB/s (%.1f us a copy)\n", what, n, blob, ms,
-                  double(bytes) / (ms * 1e-3) / 1e9, ms * 1000.0 / n);
+      std::printf("   copy test, %s: %d x %zu bytes in %.2f ms = %.1f GB/s (%.1f us a copy)\n",
+                  what, n, blob, ms, double(bytes) / (ms * 1e-3) / 1e9, ms * 1000.0 / n);
     }
     return true;
   };
@@ -426,27 +441,45 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
-    if (a == "--shape") o.shape = next();
-    else if (a == "--steps") o.steps = std::stoi(next());
-    else if (a == "--context") o.context = std::stoi(next());
-    else if (a == "--prompt") o.prompt = std::stoi(next());
-    else if (a == "--json") o.json = next();
-    else if (a == "--commit") o.commit = next();
-    else if (a == "--fuse-max-batch") o.fuse_max_batch = std::stoi(next());
-    else if (a == "--no-kernels") o.kernels = false;
-    else if (a == "--vram-budget") o.budgets_gib = parse_list(next(), true);
-    else if (a == "--predict-accuracy") o.accuracies = parse_list(next(), false);
-    else if (a == "--policy") o.policy = next();
-    else if (a == "--warm-steps") o.warm_steps = std::stoi(next());
-    else if (a == "--no-huge-pages") o.huge_pages = false;
-    else if (a == "--per-expert-prefetch") o.batched_prefetch = false;
-    else if (a == "--copy-test") o.copy_test = true;
-    else if (a == "--prefill-lookahead") o.prefill_lookahead = std::stoi(next());
+    if (a == "--shape")
+      o.shape = next();
+    else if (a == "--steps")
+      o.steps = std::stoi(next());
+    else if (a == "--context")
+      o.context = std::stoi(next());
+    else if (a == "--prompt")
+      o.prompt = std::stoi(next());
+    else if (a == "--json")
+      o.json = next();
+    else if (a == "--commit")
+      o.commit = next();
+    else if (a == "--fuse-max-batch")
+      o.fuse_max_batch = std::stoi(next());
+    else if (a == "--no-kernels")
+      o.kernels = false;
+    else if (a == "--vram-budget")
+      o.budgets_gib = parse_list(next(), true);
+    else if (a == "--predict-accuracy")
+      o.accuracies = parse_list(next(), false);
+    else if (a == "--policy")
+      o.policy = next();
+    else if (a == "--warm-steps")
+      o.warm_steps = std::stoi(next());
+    else if (a == "--no-huge-pages")
+      o.huge_pages = false;
+    else if (a == "--per-expert-prefetch")
+      o.batched_prefetch = false;
+    else if (a == "--copy-test")
+      o.copy_test = true;
+    else if (a == "--prefill-lookahead")
+      o.prefill_lookahead = std::stoi(next());
     else {
-      std::fprintf(stderr, "usage: moe-bench-gpu [--shape qwen15|qwen3|all] [--steps N] [--context N] "
-                           "[--prompt N] [--json PATH] [--commit HASH] [--fuse-max-batch N] [--no-kernels]\n"
-                           "       [--vram-budget 12GiB[,8GiB]] [--predict-accuracy A[,B]] [--policy lru|lfu|ours] "
-                           "[--warm-steps N]\n");
+      std::fprintf(
+          stderr,
+          "usage: moe-bench-gpu [--shape qwen15|qwen3|all] [--steps N] [--context N] "
+          "[--prompt N] [--json PATH] [--commit HASH] [--fuse-max-batch N] [--no-kernels]\n"
+          "       [--vram-budget 12GiB[,8GiB]] [--predict-accuracy A[,B]] [--policy lru|lfu|ours] "
+          "[--warm-steps N]\n");
       return 2;
     }
   }
@@ -469,18 +502,20 @@ int main(int argc, char** argv) {
   nlohmann::json kernels = nlohmann::json::array();
   bool ok = true;
   for (const auto& s : shapes)
-    ok = (o.budgets_gib.empty() ? bench_shape(s, o, rows, kernels) : bench_budget(s, o, rows)) && ok;
+    ok =
+        (o.budgets_gib.empty() ? bench_shape(s, o, rows, kernels) : bench_budget(s, o, rows)) && ok;
 
-  std::printf("\n%s, decode from %d tokens of context (%d steps%s), prefill %d tokens\n", prop.name, o.context,
-              o.steps, o.budgets_gib.empty() ? ", CUDA graph" : ", eager", o.prompt);
-  std::printf("%-20s %-14s %-8s %6s %10s %12s %14s %10s %8s %12s %6s\n", "shape", "mode", "phase", "batch", "ms",
-              "ours tok/s", "transformers", "peak MiB", "hit", "PCIe MB/tok", "pred");
+  std::printf("\n%s, decode from %d tokens of context (%d steps%s), prefill %d tokens\n", prop.name,
+              o.context, o.steps, o.budgets_gib.empty() ? ", CUDA graph" : ", eager", o.prompt);
+  std::printf("%-20s %-14s %-8s %6s %10s %12s %14s %10s %8s %12s %6s\n", "shape", "mode", "phase",
+              "batch", "ms", "ours tok/s", "transformers", "peak MiB", "hit", "PCIe MB/tok",
+              "pred");
   for (const Row& r : rows) {
     char tf[32] = "-";
     if (r.transformers > 0) std::snprintf(tf, sizeof tf, "%.1f", r.transformers);
-    std::printf("%-20s %-14s %-8s %6d %10.3f %12.1f %14s %10.0f %8.3f %12.2f %6.2f\n", r.shape.c_str(),
-                r.mode.c_str(), r.phase.c_str(), r.batch, r.ms, r.tok_s, tf, r.peak_mib, r.hit_rate,
-                r.pcie_bytes_per_token / 1e6, r.accuracy);
+    std::printf("%-20s %-14s %-8s %6d %10.3f %12.1f %14s %10.0f %8.3f %12.2f %6.2f\n",
+                r.shape.c_str(), r.mode.c_str(), r.phase.c_str(), r.batch, r.ms, r.tok_s, tf,
+                r.peak_mib, r.hit_rate, r.pcie_bytes_per_token / 1e6, r.accuracy);
   }
   if (!o.json.empty()) {
     char date[32];
@@ -488,7 +523,8 @@ int main(int argc, char** argv) {
     std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
     nlohmann::json j;
     if (!o.budgets_gib.empty()) {
-      // Budget rows join the file's resident rows (and replace earlier budget rows of the same key).
+      // Budget rows join the file's resident rows (and replace earlier budget rows of the same
+      // key).
       std::ifstream in(o.json);
       if (in) j = nlohmann::json::parse(in, nullptr, false);
       if (j.is_discarded() || !j.is_object()) j = nlohmann::json::object();
@@ -497,41 +533,60 @@ int main(int argc, char** argv) {
       for (const auto& x : j["rows"]) {
         bool replaced = false;
         for (const Row& r : rows)
-          replaced = replaced || (x.value("shape", "") == r.shape && x.value("mode", "") == r.mode &&
-                                  x.value("phase", "") == r.phase && x.value("predict_accuracy", -1.0) == r.accuracy &&
-                                  x.value("policy", "") == o.policy);
+          replaced =
+              replaced ||
+              (x.value("shape", "") == r.shape && x.value("mode", "") == r.mode &&
+               x.value("phase", "") == r.phase && x.value("predict_accuracy", -1.0) == r.accuracy &&
+               x.value("policy", "") == o.policy);
         if (!replaced) kept.push_back(x);
       }
       j["rows"] = kept;
-      j["budget_settings"] = {{"date", date}, {"commit", o.commit}, {"gpu", prop.name}, {"context", o.context},
-                              {"steps", o.steps}, {"warm_steps", o.warm_steps}, {"prompt", o.prompt},
-                              {"policy", o.policy},
-                              {"prefetch", o.batched_prefetch ? "batched" : "per expert"},
-                              {"prefill_lookahead_layers", o.prefill_lookahead}, {"routing", "seeded uniform random, top-k distinct"},
-                              {"decode", "eager launches, one host wait per layer at the router point"},
-                              {"other_weights", "bf16"},
-                              {"prediction", "next layer's picks guessed right with probability predict_accuracy"}};
+      j["budget_settings"] = {
+          {"date", date},
+          {"commit", o.commit},
+          {"gpu", prop.name},
+          {"context", o.context},
+          {"steps", o.steps},
+          {"warm_steps", o.warm_steps},
+          {"prompt", o.prompt},
+          {"policy", o.policy},
+          {"prefetch", o.batched_prefetch ? "batched" : "per expert"},
+          {"prefill_lookahead_layers", o.prefill_lookahead},
+          {"routing", "seeded uniform random, top-k distinct"},
+          {"decode", "eager launches, one host wait per layer at the router point"},
+          {"other_weights", "bf16"},
+          {"prediction", "next layer's picks guessed right with probability predict_accuracy"}};
       for (const Row& r : rows)
-        j["rows"].push_back({{"shape", r.shape}, {"mode", r.mode}, {"phase", r.phase}, {"batch", r.batch},
-                             {"ours_tok_s", r.tok_s}, {"ms", r.ms}, {"peak_gpu_mib", r.peak_mib},
-                             {"hit_rate", r.hit_rate}, {"pcie_bytes_per_token", r.pcie_bytes_per_token},
-                             {"misses_per_token", r.misses_per_token}, {"predict_accuracy", r.accuracy},
-                             {"islands", r.islands}, {"policy", o.policy}, {"transformers_tok_s", nullptr}});
+        j["rows"].push_back({{"shape", r.shape},
+                             {"mode", r.mode},
+                             {"phase", r.phase},
+                             {"batch", r.batch},
+                             {"ours_tok_s", r.tok_s},
+                             {"ms", r.ms},
+                             {"peak_gpu_mib", r.peak_mib},
+                             {"hit_rate", r.hit_rate},
+                             {"pcie_bytes_per_token", r.pcie_bytes_per_token},
+                             {"misses_per_token", r.misses_per_token},
+                             {"predict_accuracy", r.accuracy},
+                             {"islands", r.islands},
+                             {"policy", o.policy},
+                             {"transformers_tok_s", nullptr}});
       std::ofstream(o.json) << j.dump(2) << "\n";
       return ok ? 0 : 1;
     }
     j["date"] = date;
     j["gpu"] = prop.name;
     j["commit"] = o.commit;
-    j["settings"] = {{"context", o.context}, {"steps", o.steps}, {"prompt", o.prompt}, {"expert_group", 64},
-                     {"experts", "int4"}, {"other_weights", "bf16"}, {"sampling", "greedy (on GPU)"}};
+    j["settings"] = {{"context", o.context},         {"steps", o.steps},  {"prompt", o.prompt},
+                     {"expert_group", 64},           {"experts", "int4"}, {"other_weights", "bf16"},
+                     {"sampling", "greedy (on GPU)"}};
     j["rows"] = nlohmann::json::array();
     for (const Row& r : rows) {
-      nlohmann::json x = {{"shape", r.shape},          {"mode", "resident"},
-                          {"phase", r.phase},          {"batch", r.batch},
-                          {"ours_tok_s", r.tok_s},     {"ms", r.ms},
+      nlohmann::json x = {{"shape", r.shape},           {"mode", "resident"},    {"phase", r.phase},
+                          {"batch", r.batch},           {"ours_tok_s", r.tok_s}, {"ms", r.ms},
                           {"peak_gpu_mib", r.peak_mib}, {"hit_rate", 1.0}};
-      x["transformers_tok_s"] = r.transformers > 0 ? nlohmann::json(r.transformers) : nlohmann::json(nullptr);
+      x["transformers_tok_s"] =
+          r.transformers > 0 ? nlohmann::json(r.transformers) : nlohmann::json(nullptr);
       if (r.phase == "decode") x["weight_gb_s"] = r.gbps;
       j["rows"].push_back(x);
     }
