@@ -2,6 +2,8 @@
 // text to stdout (nothing else goes there), stopping at an EOS token or after
 // --max-tokens.
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -172,7 +174,9 @@ int cmd_generate(int argc, char** argv) {
   }
   const std::string rest = stream.flush();
   std::fwrite(rest.data(), 1, rest.size(), stdout);
-  std::fputc('\n', stdout);
+  // Only the generated text goes to a pipe or file, byte for byte; a
+  // terminal gets a final newline so the prompt starts on its own line.
+  if (isatty(fileno(stdout))) std::fputc('\n', stdout);
   return 0;
 }
 
