@@ -93,7 +93,7 @@ std::string worker_usage() {
          "  --kv-blocks N           KV cache blocks (default: the backend's budget)\n"
          "  --max-frame-bytes N     largest frame accepted (default 64M)\n"
          "  --vram-budget SIZE      device memory to use (cuda backend)\n"
-         "  --redis URL             shared state (accepted; not used yet)\n"
+         "  --redis URL             Redis for warm-expert state and events (redis://HOST:PORT)\n"
          "  --help, --version\n";
 }
 
