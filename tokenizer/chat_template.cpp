@@ -14,7 +14,8 @@ namespace {
 
 Error template_error(const jinja::TemplateError& e) {
   if (e.raised) return make_error(e.what());
-  if (e.line > 0) return make_error("chat template line " + std::to_string(e.line) + ": " + e.what());
+  if (e.line > 0)
+    return make_error("chat template line " + std::to_string(e.line) + ": " + e.what());
   return make_error(std::string("chat template: ") + e.what());
 }
 
@@ -34,8 +35,9 @@ auto guarded(F&& f) -> Result<decltype(f())> {
 }
 
 template <typename Json>
-Result<std::string> render_json(const jinja::Program& program, const std::string& bos, const std::string& eos,
-                                const Json& messages, bool add_generation_prompt, const Json& extra_context) {
+Result<std::string> render_json(const jinja::Program& program, const std::string& bos,
+                                const std::string& eos, const Json& messages,
+                                bool add_generation_prompt, const Json& extra_context) {
   if (!messages.is_array()) return make_error("chat template: messages must be a JSON list");
   if (!extra_context.is_null() && !extra_context.is_object())
     return make_error("chat template: extra context must be a JSON object");
@@ -70,7 +72,8 @@ std::string token_text(const nlohmann::json& config, const char* key) {
   auto it = config.find(key);
   if (it == config.end()) return "";
   if (it->is_string()) return it->get<std::string>();
-  if (it->is_object() && it->contains("content") && (*it)["content"].is_string()) return (*it)["content"].get<std::string>();
+  if (it->is_object() && it->contains("content") && (*it)["content"].is_string())
+    return (*it)["content"].get<std::string>();
   return "";
 }
 
@@ -109,12 +112,15 @@ void ChatTemplate::set_special_tokens(std::string bos, std::string eos) {
 
 Result<std::string> ChatTemplate::render(const nlohmann::json& messages, bool add_generation_prompt,
                                          const nlohmann::json& extra_context) const {
-  return render_json(*program_, bos_token_, eos_token_, messages, add_generation_prompt, extra_context);
+  return render_json(*program_, bos_token_, eos_token_, messages, add_generation_prompt,
+                     extra_context);
 }
 
-Result<std::string> ChatTemplate::render_ordered(const nlohmann::ordered_json& messages, bool add_generation_prompt,
-                                                 const nlohmann::ordered_json& extra_context) const {
-  return render_json(*program_, bos_token_, eos_token_, messages, add_generation_prompt, extra_context);
+Result<std::string> ChatTemplate::render_ordered(
+    const nlohmann::ordered_json& messages, bool add_generation_prompt,
+    const nlohmann::ordered_json& extra_context) const {
+  return render_json(*program_, bos_token_, eos_token_, messages, add_generation_prompt,
+                     extra_context);
 }
 
 Result<ChatTemplate> load_chat_template(const std::string& dir) {
@@ -124,7 +130,8 @@ Result<ChatTemplate> load_chat_template(const std::string& dir) {
     auto text = read_file(config_path);
     if (!text) return make_error(text.error());
     config = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
-    if (config.is_discarded() || !config.is_object()) return make_error(config_path + ": not a JSON object");
+    if (config.is_discarded() || !config.is_object())
+      return make_error(config_path + ": not a JSON object");
   }
 
   std::string source;
@@ -148,7 +155,8 @@ Result<ChatTemplate> load_chat_template(const std::string& dir) {
     if (!t) return make_error(t.error());
     source = std::move(*t);
   } else {
-    return make_error("no chat template in " + dir + " (neither chat_template.jinja nor chat_template in tokenizer_config.json)");
+    return make_error("no chat template in " + dir +
+                      " (neither chat_template.jinja nor chat_template in tokenizer_config.json)");
   }
 
   auto parsed = ChatTemplate::parse(std::move(source));

@@ -5,9 +5,8 @@
 // interpreter in tokenizer/jinja_*.
 
 #include <memory>
-#include <string>
-
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "model/result.h"
 
@@ -33,8 +32,9 @@ class ChatTemplate {
                              const nlohmann::json& extra_context = nlohmann::json::object()) const;
   // The same, keeping the key order of the JSON as written: `tojson` prints
   // dicts in insertion order, so tool schemas print as the client sent them.
-  Result<std::string> render_ordered(const nlohmann::ordered_json& messages, bool add_generation_prompt,
-                                     const nlohmann::ordered_json& extra_context = nlohmann::ordered_json::object()) const;
+  Result<std::string> render_ordered(
+      const nlohmann::ordered_json& messages, bool add_generation_prompt,
+      const nlohmann::ordered_json& extra_context = nlohmann::ordered_json::object()) const;
 
   const std::string& source() const { return source_; }
 

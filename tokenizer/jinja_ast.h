@@ -15,38 +15,39 @@ struct Expr;
 using ExprPtr = std::unique_ptr<Expr>;
 
 enum class ExprKind {
-  Literal,   // value
-  Name,      // name
-  List,      // items
-  Tuple,     // items (behaves as a list)
-  Dict,      // keys[i] → items[i]
-  Attr,      // object.name
-  Item,      // object[index]
-  Slice,     // object[start:stop:step]; absent parts are null
-  Call,      // callee(args…, kwargs…)
-  Filter,    // object|name(args…, kwargs…)
-  Test,      // object is [not] name(args…)
-  Unary,     // op ("-", "+", "not") operand
-  Binary,    // lhs op rhs: arithmetic, "~", "and", "or"
-  Compare,   // object ops[0] items[0] ops[1] items[1] …: "==", "!=", "<", "<=", ">", ">=", "in", "not in"
-  Cond,      // then if cond else otherwise (otherwise may be null: undefined)
+  Literal,  // value
+  Name,     // name
+  List,     // items
+  Tuple,    // items (behaves as a list)
+  Dict,     // keys[i] → items[i]
+  Attr,     // object.name
+  Item,     // object[index]
+  Slice,    // object[start:stop:step]; absent parts are null
+  Call,     // callee(args…, kwargs…)
+  Filter,   // object|name(args…, kwargs…)
+  Test,     // object is [not] name(args…)
+  Unary,    // op ("-", "+", "not") operand
+  Binary,   // lhs op rhs: arithmetic, "~", "and", "or"
+  Compare,  // object ops[0] items[0] ops[1] items[1] …: "==", "!=", "<", "<=", ">", ">=", "in",
+            // "not in"
+  Cond,     // then if cond else otherwise (otherwise may be null: undefined)
 };
 
 struct Expr {
   ExprKind kind;
   int line = 0;
-  int depth = 1;          // height of this subtree: bounded so that evaluating it cannot exhaust the stack
-  Value value;            // Literal
-  std::string name;       // Name, Attr, Filter, Test; the operator for Unary, Binary, Compare
-  bool negated = false;   // Test: `is not`
-  ExprPtr object;         // Attr, Item, Slice, Call (the callee), Filter, Test, Unary (operand)
-  ExprPtr lhs, rhs;       // Binary; Item's index is lhs; Cond: lhs=then, rhs=otherwise
-  ExprPtr cond;           // Cond
+  int depth = 1;  // height of this subtree: bounded so that evaluating it cannot exhaust the stack
+  Value value;    // Literal
+  std::string name;           // Name, Attr, Filter, Test; the operator for Unary, Binary, Compare
+  bool negated = false;       // Test: `is not`
+  ExprPtr object;             // Attr, Item, Slice, Call (the callee), Filter, Test, Unary (operand)
+  ExprPtr lhs, rhs;           // Binary; Item's index is lhs; Cond: lhs=then, rhs=otherwise
+  ExprPtr cond;               // Cond
   ExprPtr start, stop, step;  // Slice
   std::vector<ExprPtr> items;  // List, Tuple, Dict values, call/filter/test arguments
   std::vector<ExprPtr> keys;   // Dict keys
   std::vector<std::pair<std::string, ExprPtr>> kwargs;  // Call, Filter, Test
-  std::vector<std::string> ops;  // Compare: a chain `a < b < c` holds two
+  std::vector<std::string> ops;                         // Compare: a chain `a < b < c` holds two
 };
 
 struct Stmt;
@@ -86,7 +87,7 @@ struct Stmt {
   std::string attr;                  // Set: `set ns.attr = …` (targets[0] is ns)
   std::string name;                  // Macro
   std::vector<MacroParam> params;    // Macro
-  std::vector<ExprPtr> filters;      // SetBlock, FilterBlock: Filter expressions whose object is null
+  std::vector<ExprPtr> filters;  // SetBlock, FilterBlock: Filter expressions whose object is null
 };
 
 struct Program {

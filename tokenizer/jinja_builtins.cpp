@@ -1,5 +1,7 @@
 #include "tokenizer/jinja_builtins.h"
 
+#include <utf8proc.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -11,8 +13,6 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include <utf8proc.h>
-
 namespace moe::jinja {
 
 namespace {
@@ -23,10 +23,11 @@ namespace {
 // keyword, else the default; anything left over is an error.
 class Args {
  public:
-  Args(std::string fn, CallArgs& a, std::initializer_list<const char*> names) : fn_(fn), a_(a), names_(names) {
+  Args(std::string fn, CallArgs& a, std::initializer_list<const char*> names)
+      : fn_(fn), a_(a), names_(names) {
     if (a.positional.size() > names_.size())
-      throw TemplateError(fn_ + "() takes at most " + std::to_string(names_.size()) + " argument(s), " +
-                          std::to_string(a.positional.size()) + " given");
+      throw TemplateError(fn_ + "() takes at most " + std::to_string(names_.size()) +
+                          " argument(s), " + std::to_string(a.positional.size()) + " given");
     for (const auto& kv : a.keyword)
       if (std::find(names_.begin(), names_.end(), kv.first) == names_.end())
         throw TemplateError(fn_ + "() got an unexpected keyword argument '" + kv.first + "'");
@@ -43,13 +44,15 @@ class Args {
   std::string str(size_t i, const std::string& dflt) const {
     Value v = get(i);
     if (v.is_undefined()) return dflt;
-    if (!v.is_string()) throw TemplateError(fn_ + "() argument '" + names_[i] + "' must be a string");
+    if (!v.is_string())
+      throw TemplateError(fn_ + "() argument '" + names_[i] + "' must be a string");
     return v.as_string();
   }
   int64_t integer(size_t i, int64_t dflt) const {
     Value v = get(i);
     if (v.is_undefined() || v.is_none()) return dflt;
-    if (!v.is_int() && !v.is_bool()) throw TemplateError(fn_ + "() argument '" + names_[i] + "' must be an integer");
+    if (!v.is_int() && !v.is_bool())
+      throw TemplateError(fn_ + "() argument '" + names_[i] + "' must be an integer");
     return v.to_int();
   }
   bool flag(size_t i, bool dflt) const {
@@ -65,7 +68,9 @@ class Args {
 
 // ---- strings -------------------------------------------------------------------
 
-bool is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+bool is_ws(char c) {
+  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+}
 bool is_alpha(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
 
 // Case mapping over code points (utf8proc's simple mappings: one code point
@@ -100,7 +105,8 @@ std::string upper(const std::string& s) { return map_codepoints(s, utf8proc_toup
 std::string lower(const std::string& s) { return map_codepoints(s, utf8proc_tolower); }
 std::string swapcase(const std::string& s) {
   return map_codepoints(s, [](utf8proc_int32_t cp) {
-    return utf8proc_category(cp) == UTF8PROC_CATEGORY_LU ? utf8proc_tolower(cp) : utf8proc_toupper(cp);
+    return utf8proc_category(cp) == UTF8PROC_CATEGORY_LU ? utf8proc_tolower(cp)
+                                                         : utf8proc_toupper(cp);
   });
 }
 
@@ -135,7 +141,8 @@ std::string jinja_title(const std::string& s) {
   bool word_start = true;
   return map_codepoints(s, [&](utf8proc_int32_t cp) {
     utf8proc_int32_t out = word_start ? utf8proc_toupper(cp) : utf8proc_tolower(cp);
-    word_start = cp < 0x80 && (is_ws(static_cast<char>(cp)) || cp == '-' || cp == '(' || cp == '{' || cp == '[' || cp == '<');
+    word_start = cp < 0x80 && (is_ws(static_cast<char>(cp)) || cp == '-' || cp == '(' ||
+                               cp == '{' || cp == '[' || cp == '<');
     return out;
   });
 }
@@ -150,7 +157,8 @@ std::string capitalize(const std::string& s) {
   });
 }
 
-std::string replace_all(const std::string& s, const std::string& from, const std::string& to, int64_t count) {
+std::string replace_all(const std::string& s, const std::string& from, const std::string& to,
+                        int64_t count) {
   std::string out;
   if (from.empty()) {  // Python inserts `to` around every character
     std::vector<size_t> cps = codepoint_offsets(s);
@@ -215,10 +223,13 @@ Value split(const std::string& s, const Value& sep_v, int64_t maxsplit) {
 
 bool affix_match(const std::string& s, const Value& affix, bool prefix) {
   auto one = [&](const Value& a) {
-    if (!a.is_string()) throw TemplateError(std::string(prefix ? "startswith" : "endswith") + "() argument must be str or a tuple of str");
+    if (!a.is_string())
+      throw TemplateError(std::string(prefix ? "startswith" : "endswith") +
+                          "() argument must be str or a tuple of str");
     const std::string& x = a.as_string();
     if (x.size() > s.size()) return false;
-    return prefix ? s.compare(0, x.size(), x) == 0 : s.compare(s.size() - x.size(), x.size(), x) == 0;
+    return prefix ? s.compare(0, x.size(), x) == 0
+                  : s.compare(s.size() - x.size(), x.size(), x) == 0;
   };
   if (affix.is_list()) return std::any_of(affix.as_list().begin(), affix.as_list().end(), one);
   return one(affix);
@@ -228,12 +239,23 @@ std::string html_escape(const std::string& s) {
   std::string out;
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&#34;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out += c;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&#34;";
+        break;
+      case '\'':
+        out += "&#39;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -241,11 +263,16 @@ std::string html_escape(const std::string& s) {
 
 size_t length_of(const Value& v) {
   switch (v.type()) {
-    case Value::Type::Undefined: return 0;
-    case Value::Type::String: return codepoint_count(v.as_string());
-    case Value::Type::List: return v.as_list().size();
-    case Value::Type::Dict: return v.as_dict().size();
-    default: throw TemplateError("object of type '" + v.type_name() + "' has no len()");
+    case Value::Type::Undefined:
+      return 0;
+    case Value::Type::String:
+      return codepoint_count(v.as_string());
+    case Value::Type::List:
+      return v.as_list().size();
+    case Value::Type::Dict:
+      return v.as_dict().size();
+    default:
+      throw TemplateError("object of type '" + v.type_name() + "' has no len()");
   }
 }
 
@@ -256,9 +283,11 @@ Value lookup_path(const Value& item, const std::string& path) {
   while (true) {
     size_t dot = path.find('.', pos);
     std::string part = path.substr(pos, dot == std::string::npos ? std::string::npos : dot - pos);
-    bool numeric = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; });
+    bool numeric = !part.empty() && std::all_of(part.begin(), part.end(),
+                                                [](char c) { return c >= '0' && c <= '9'; });
     if (v.is_undefined()) return v;
-    v = numeric ? get_item(v, Value(static_cast<int64_t>(std::stoll(part)))) : get_item(v, Value(part));
+    v = numeric ? get_item(v, Value(static_cast<int64_t>(std::stoll(part))))
+                : get_item(v, Value(part));
     if (dot == std::string::npos) return v;
     pos = dot + 1;
   }
@@ -291,13 +320,31 @@ Value string_method(const std::string& s, const std::string& name) {
       Args args(name, a, {"prefix"});
       return Value(affix_match(s, args.get(0), name == "startswith"));
     });
-  if (name == "upper") return make_method(name, [s](Interpreter&, CallArgs& a) { Args("upper", a, {}); return Value(upper(s)); });
-  if (name == "lower") return make_method(name, [s](Interpreter&, CallArgs& a) { Args("lower", a, {}); return Value(lower(s)); });
+  if (name == "upper")
+    return make_method(name, [s](Interpreter&, CallArgs& a) {
+      Args("upper", a, {});
+      return Value(upper(s));
+    });
+  if (name == "lower")
+    return make_method(name, [s](Interpreter&, CallArgs& a) {
+      Args("lower", a, {});
+      return Value(lower(s));
+    });
   if (name == "swapcase")
-    return make_method(name, [s](Interpreter&, CallArgs& a) { Args("swapcase", a, {}); return Value(swapcase(s)); });
-  if (name == "title") return make_method(name, [s](Interpreter&, CallArgs& a) { Args("title", a, {}); return Value(py_title(s)); });
+    return make_method(name, [s](Interpreter&, CallArgs& a) {
+      Args("swapcase", a, {});
+      return Value(swapcase(s));
+    });
+  if (name == "title")
+    return make_method(name, [s](Interpreter&, CallArgs& a) {
+      Args("title", a, {});
+      return Value(py_title(s));
+    });
   if (name == "capitalize")
-    return make_method(name, [s](Interpreter&, CallArgs& a) { Args("capitalize", a, {}); return Value(capitalize(s)); });
+    return make_method(name, [s](Interpreter&, CallArgs& a) {
+      Args("capitalize", a, {});
+      return Value(capitalize(s));
+    });
   if (name == "replace")
     return make_method(name, [s](Interpreter& in, CallArgs& a) {
       Args args("replace", a, {"old", "new", "count"});
@@ -316,7 +363,8 @@ Value string_method(const std::string& s, const std::string& name) {
         return Value(n);
       }
       size_t p = name == "find" ? s.find(sub) : s.rfind(sub);
-      return Value(p == std::string::npos ? int64_t{-1} : static_cast<int64_t>(codepoint_count(s.substr(0, p))));
+      return Value(p == std::string::npos ? int64_t{-1}
+                                          : static_cast<int64_t>(codepoint_count(s.substr(0, p))));
     });
   if (name == "join")
     return make_method(name, [s](Interpreter& in, CallArgs& a) {
@@ -324,7 +372,8 @@ Value string_method(const std::string& s, const std::string& name) {
       std::string out;
       bool first = true;
       for (const Value& v : iterate(args.get(0))) {
-        if (!v.is_string()) throw TemplateError("sequence item: expected str instance, " + v.type_name() + " found");
+        if (!v.is_string())
+          throw TemplateError("sequence item: expected str instance, " + v.type_name() + " found");
         if (!first) out += s;
         first = false;
         out += v.as_string();
@@ -352,18 +401,20 @@ Value string_method(const std::string& s, const std::string& name) {
     return make_method(name, [s, name](Interpreter&, CallArgs& a) {
       Args args(name, a, {"affix"});
       std::string x = args.str(0, "");
-      if (name == "removeprefix") return Value(affix_match(s, Value(x), true) ? s.substr(x.size()) : s);
+      if (name == "removeprefix")
+        return Value(affix_match(s, Value(x), true) ? s.substr(x.size()) : s);
       return Value(affix_match(s, Value(x), false) ? s.substr(0, s.size() - x.size()) : s);
     });
-  if (name == "isdigit" || name == "isalpha" || name == "isalnum" || name == "isspace" || name == "isupper" ||
-      name == "islower")
+  if (name == "isdigit" || name == "isalpha" || name == "isalnum" || name == "isspace" ||
+      name == "isupper" || name == "islower")
     return make_method(name, [s, name](Interpreter&, CallArgs& a) {
       Args(name, a, {});
       if (s.empty()) return Value(false);
       auto all = [&](auto pred) { return std::all_of(s.begin(), s.end(), pred); };
       if (name == "isdigit") return Value(all([](char c) { return c >= '0' && c <= '9'; }));
       if (name == "isalpha") return Value(all(is_alpha));
-      if (name == "isalnum") return Value(all([](char c) { return is_alpha(c) || (c >= '0' && c <= '9'); }));
+      if (name == "isalnum")
+        return Value(all([](char c) { return is_alpha(c) || (c >= '0' && c <= '9'); }));
       if (name == "isspace") return Value(all(is_ws));
       bool cased = std::any_of(s.begin(), s.end(), is_alpha);
       if (name == "isupper") return Value(cased && s == upper(s));
@@ -378,8 +429,10 @@ Value dict_method(const Value& self, const std::string& name) {
       Args(name, a, {});
       List out;
       for (const auto& [k, v] : self.as_dict().entries()) {
-        if (name == "items") out.push_back(Value::tuple({Value(k), v}));
-        else out.push_back(name == "keys" ? Value(k) : v);
+        if (name == "items")
+          out.push_back(Value::tuple({Value(k), v}));
+        else
+          out.push_back(name == "keys" ? Value(k) : v);
       }
       return Value::list(std::move(out));
     });
@@ -397,7 +450,8 @@ Value dict_method(const Value& self, const std::string& name) {
       for (const auto& [k, v] : self.as_dict().entries()) d.as_dict().set(k, v);
       return d;
     });
-  static const std::unordered_set<std::string> kMutating = {"update", "pop", "popitem", "setdefault", "clear"};
+  static const std::unordered_set<std::string> kMutating = {"update", "pop", "popitem",
+                                                            "setdefault", "clear"};
   if (kMutating.count(name)) return sandbox_refusal("dict", name);
   return Value();
 }
@@ -422,7 +476,7 @@ Value list_method(const Value& self, const std::string& name) {
       Args("copy", a, {});
       return Value::list(self.as_list());
     });
-  static const std::unordered_set<std::string> kMutating = {"append", "extend", "insert", "pop",
+  static const std::unordered_set<std::string> kMutating = {"append", "extend",  "insert", "pop",
                                                             "remove", "reverse", "sort",   "clear"};
   if (kMutating.count(name)) return sandbox_refusal("list", name);
   return Value();
@@ -458,14 +512,21 @@ const std::unordered_map<std::string, TestFn>& tests() {
     t["number"] = plain([](const Value& v) { return v.is_number(); });
     t["string"] = plain([](const Value& v) { return v.is_string(); });
     t["mapping"] = plain([](const Value& v) { return v.is_dict(); });
-    t["iterable"] = plain([](const Value& v) { return v.is_list() || v.is_dict() || v.is_string() || v.is_undefined(); });
-    t["sequence"] = plain([](const Value& v) { return v.is_list() || v.is_dict() || v.is_string() || v.is_undefined(); });
+    t["iterable"] = plain([](const Value& v) {
+      return v.is_list() || v.is_dict() || v.is_string() || v.is_undefined();
+    });
+    t["sequence"] = plain([](const Value& v) {
+      return v.is_list() || v.is_dict() || v.is_string() || v.is_undefined();
+    });
     t["callable"] = plain([](const Value& v) { return v.is_callable(); });
-    t["lower"] = plain([](const Value& v) { return v.is_string() && v.as_string() == lower(v.as_string()); });
-    t["upper"] = plain([](const Value& v) { return v.is_string() && v.as_string() == upper(v.as_string()); });
+    t["lower"] = plain(
+        [](const Value& v) { return v.is_string() && v.as_string() == lower(v.as_string()); });
+    t["upper"] = plain(
+        [](const Value& v) { return v.is_string() && v.as_string() == upper(v.as_string()); });
     auto int_of = [](const Value& v) {
       require_defined(v);
-      if (!v.is_int() && !v.is_bool()) throw TemplateError("expected an integer, got " + v.type_name());
+      if (!v.is_int() && !v.is_bool())
+        throw TemplateError("expected an integer, got " + v.type_name());
       return v.to_int();
     };
     t["even"] = plain([int_of](const Value& v) { return int_of(v) % 2 == 0; });
@@ -482,7 +543,8 @@ const std::unordered_map<std::string, TestFn>& tests() {
       return equals(a, b);
     });
     t["in"] = with_arg([](const Value& a, const Value& seq) {
-      if (seq.is_string()) return a.is_string() && seq.as_string().find(a.as_string()) != std::string::npos;
+      if (seq.is_string())
+        return a.is_string() && seq.as_string().find(a.as_string()) != std::string::npos;
       if (seq.is_dict()) return a.is_string() && seq.as_dict().find(a.as_string()) != nullptr;
       for (const Value& v : iterate(seq))
         if (equals(v, a)) return true;
@@ -511,11 +573,13 @@ using FilterFn = std::function<Value(Interpreter&, const Value&, CallArgs&)>;
 
 // select/reject/selectattr/rejectattr: which items pass; `first_test_arg` is
 // where the test's name sits among the positional arguments.
-Value filter_items(Interpreter& in, const Value& seq, CallArgs& a, bool by_attribute, bool keep_passing) {
+Value filter_items(Interpreter& in, const Value& seq, CallArgs& a, bool by_attribute,
+                   bool keep_passing) {
   std::string attribute;
   size_t test_at = 0;
   if (by_attribute) {
-    if (a.positional.empty() || !a.positional[0].is_string()) throw TemplateError("selectattr/rejectattr need an attribute name");
+    if (a.positional.empty() || !a.positional[0].is_string())
+      throw TemplateError("selectattr/rejectattr need an attribute name");
     attribute = a.positional[0].as_string();
     test_at = 1;
   }
@@ -525,7 +589,8 @@ Value filter_items(Interpreter& in, const Value& seq, CallArgs& a, bool by_attri
     test = a.positional[test_at].as_string();
   }
   CallArgs test_args;
-  for (size_t i = test_at + 1; i < a.positional.size(); ++i) test_args.positional.push_back(a.positional[i]);
+  for (size_t i = test_at + 1; i < a.positional.size(); ++i)
+    test_args.positional.push_back(a.positional[i]);
   test_args.keyword = a.keyword;
   List out;
   for (const Value& item : iterate(seq)) {
@@ -566,9 +631,18 @@ const std::unordered_map<std::string, FilterFn>& filters() {
       Args("length", a, {});
       return Value(static_cast<int64_t>(length_of(v)));
     };
-    f["upper"] = [](Interpreter&, const Value& v, CallArgs& a) { Args("upper", a, {}); return Value(upper(to_str(v))); };
-    f["lower"] = [](Interpreter&, const Value& v, CallArgs& a) { Args("lower", a, {}); return Value(lower(to_str(v))); };
-    f["title"] = [](Interpreter&, const Value& v, CallArgs& a) { Args("title", a, {}); return Value(jinja_title(to_str(v))); };
+    f["upper"] = [](Interpreter&, const Value& v, CallArgs& a) {
+      Args("upper", a, {});
+      return Value(upper(to_str(v)));
+    };
+    f["lower"] = [](Interpreter&, const Value& v, CallArgs& a) {
+      Args("lower", a, {});
+      return Value(lower(to_str(v)));
+    };
+    f["title"] = [](Interpreter&, const Value& v, CallArgs& a) {
+      Args("title", a, {});
+      return Value(jinja_title(to_str(v)));
+    };
     f["capitalize"] = [](Interpreter&, const Value& v, CallArgs& a) {
       Args("capitalize", a, {});
       return Value(capitalize(to_str(v)));
@@ -580,7 +654,8 @@ const std::unordered_map<std::string, FilterFn>& filters() {
       st.indent = static_cast<int>(args.integer(1, -1));
       Value seps = args.get(2);
       if (seps.is_list()) {
-        if (seps.as_list().size() != 2 || !seps.as_list()[0].is_string() || !seps.as_list()[1].is_string())
+        if (seps.as_list().size() != 2 || !seps.as_list()[0].is_string() ||
+            !seps.as_list()[1].is_string())
           throw TemplateError("tojson separators must be two strings");
         st.item_separator = seps.as_list()[0].as_string();
         st.key_separator = seps.as_list()[1].as_string();
@@ -590,8 +665,14 @@ const std::unordered_map<std::string, FilterFn>& filters() {
       in.check_size(out.size());
       return Value(std::move(out));
     };
-    f["string"] = [](Interpreter&, const Value& v, CallArgs& a) { Args("string", a, {}); return Value(to_str(v)); };
-    f["safe"] = [](Interpreter&, const Value& v, CallArgs& a) { Args("safe", a, {}); return v; };
+    f["string"] = [](Interpreter&, const Value& v, CallArgs& a) {
+      Args("string", a, {});
+      return Value(to_str(v));
+    };
+    f["safe"] = [](Interpreter&, const Value& v, CallArgs& a) {
+      Args("safe", a, {});
+      return v;
+    };
     f["e"] = f["escape"] = [](Interpreter&, const Value& v, CallArgs& a) {
       Args("escape", a, {});
       return Value(html_escape(to_str(v)));
@@ -600,7 +681,8 @@ const std::unordered_map<std::string, FilterFn>& filters() {
       Args args("int", a, {"default", "base"});
       Value dflt = args.get(0, Value(int64_t{0}));
       if (v.is_int() || v.is_bool()) return Value(v.to_int());
-      if (v.is_float()) return std::isfinite(v.as_float()) ? Value(static_cast<int64_t>(v.as_float())) : dflt;
+      if (v.is_float())
+        return std::isfinite(v.as_float()) ? Value(static_cast<int64_t>(v.as_float())) : dflt;
       if (!v.is_string()) return dflt;
       std::string s = strip(v.as_string(), Value(), true, true);
       int64_t base = args.integer(1, 10);
@@ -609,7 +691,8 @@ const std::unordered_map<std::string, FilterFn>& filters() {
       long long r = std::strtoll(s.c_str(), &end, static_cast<int>(base));
       if (!s.empty() && end && *end == '\0' && errno == 0) return Value(static_cast<int64_t>(r));
       double d = std::strtod(s.c_str(), &end);
-      if (!s.empty() && end && *end == '\0' && std::isfinite(d)) return Value(static_cast<int64_t>(d));
+      if (!s.empty() && end && *end == '\0' && std::isfinite(d))
+        return Value(static_cast<int64_t>(d));
       return dflt;
     };
     f["float"] = [](Interpreter&, const Value& v, CallArgs& a) {
@@ -653,7 +736,8 @@ const std::unordered_map<std::string, FilterFn>& filters() {
     };
     f["replace"] = [](Interpreter& in, const Value& v, CallArgs& a) {
       Args args("replace", a, {"old", "new", "count"});
-      std::string out = replace_all(to_str(v), to_str(args.get(0)), to_str(args.get(1)), args.integer(2, -1));
+      std::string out =
+          replace_all(to_str(v), to_str(args.get(0)), to_str(args.get(1)), args.integer(2, -1));
       in.check_size(out.size());
       return Value(std::move(out));
     };
@@ -665,7 +749,8 @@ const std::unordered_map<std::string, FilterFn>& filters() {
       Args("items", a, {});
       List out;
       if (v.is_undefined()) return Value::list();
-      if (!v.is_dict()) throw TemplateError("can only get item pairs from a mapping, not " + v.type_name());
+      if (!v.is_dict())
+        throw TemplateError("can only get item pairs from a mapping, not " + v.type_name());
       for (const auto& [k, x] : v.as_dict().entries()) out.push_back(Value::tuple({Value(k), x}));
       return Value::list(std::move(out));
     };
@@ -677,17 +762,27 @@ const std::unordered_map<std::string, FilterFn>& filters() {
       Value m = method_of(v, name);
       return m.is_undefined() ? Value(Undefined{name}) : m;
     };
-    f["select"] = [](Interpreter& in, const Value& v, CallArgs& a) { return filter_items(in, v, a, false, true); };
-    f["reject"] = [](Interpreter& in, const Value& v, CallArgs& a) { return filter_items(in, v, a, false, false); };
-    f["selectattr"] = [](Interpreter& in, const Value& v, CallArgs& a) { return filter_items(in, v, a, true, true); };
-    f["rejectattr"] = [](Interpreter& in, const Value& v, CallArgs& a) { return filter_items(in, v, a, true, false); };
+    f["select"] = [](Interpreter& in, const Value& v, CallArgs& a) {
+      return filter_items(in, v, a, false, true);
+    };
+    f["reject"] = [](Interpreter& in, const Value& v, CallArgs& a) {
+      return filter_items(in, v, a, false, false);
+    };
+    f["selectattr"] = [](Interpreter& in, const Value& v, CallArgs& a) {
+      return filter_items(in, v, a, true, true);
+    };
+    f["rejectattr"] = [](Interpreter& in, const Value& v, CallArgs& a) {
+      return filter_items(in, v, a, true, false);
+    };
     f["map"] = [](Interpreter& in, const Value& v, CallArgs& a) {
       List out;
       const Value* attribute = nullptr;
       const Value* dflt = nullptr;
       for (const auto& kv : a.keyword) {
-        if (kv.first == "attribute") attribute = &kv.second;
-        else if (kv.first == "default") dflt = &kv.second;
+        if (kv.first == "attribute")
+          attribute = &kv.second;
+        else if (kv.first == "default")
+          dflt = &kv.second;
       }
       if (attribute) {
         if (!attribute->is_string()) throw TemplateError("map(attribute=) needs a string");
@@ -697,7 +792,8 @@ const std::unordered_map<std::string, FilterFn>& filters() {
         }
         return Value::list(std::move(out));
       }
-      if (a.positional.empty() || !a.positional[0].is_string()) throw TemplateError("map() needs a filter name or attribute=");
+      if (a.positional.empty() || !a.positional[0].is_string())
+        throw TemplateError("map() needs a filter name or attribute=");
       std::string name = a.positional[0].as_string();
       CallArgs rest;
       rest.positional.assign(a.positional.begin() + 1, a.positional.end());
@@ -724,10 +820,14 @@ const std::unordered_map<std::string, FilterFn>& filters() {
       std::string method = args.str(1, "common");
       double scale = std::pow(10.0, static_cast<double>(precision));
       double x = v.to_double() * scale;
-      if (method == "common") x = std::nearbyint(x);  // Python's round(): halves to even
-      else if (method == "ceil") x = std::ceil(x);
-      else if (method == "floor") x = std::floor(x);
-      else throw TemplateError("method must be common, ceil or floor");
+      if (method == "common")
+        x = std::nearbyint(x);  // Python's round(): halves to even
+      else if (method == "ceil")
+        x = std::ceil(x);
+      else if (method == "floor")
+        x = std::floor(x);
+      else
+        throw TemplateError("method must be common, ceil or floor");
       return Value(x / scale);
     };
     f["reverse"] = [](Interpreter&, const Value& v, CallArgs& a) {
@@ -735,7 +835,8 @@ const std::unordered_map<std::string, FilterFn>& filters() {
       if (v.is_string()) {
         std::vector<size_t> cps = codepoint_offsets(v.as_string());
         std::string out;
-        for (size_t i = cps.size() - 1; i > 0; --i) out.append(v.as_string(), cps[i - 1], cps[i] - cps[i - 1]);
+        for (size_t i = cps.size() - 1; i > 0; --i)
+          out.append(v.as_string(), cps[i - 1], cps[i] - cps[i - 1]);
         return Value(std::move(out));
       }
       List items = iterate(v);
@@ -754,7 +855,8 @@ const std::unordered_map<std::string, FilterFn>& filters() {
       for (const Value& item : iterate(v)) {
         Value k = attribute.is_string() ? lookup_path(item, attribute.as_string()) : item;
         if (!case_sensitive && k.is_string()) k = Value(lower(k.as_string()));
-        if (std::any_of(seen.begin(), seen.end(), [&](const Value& s) { return equals(s, k); })) continue;
+        if (std::any_of(seen.begin(), seen.end(), [&](const Value& s) { return equals(s, k); }))
+          continue;
         seen.push_back(k);
         out.push_back(item);
       }
@@ -766,7 +868,8 @@ const std::unordered_map<std::string, FilterFn>& filters() {
       Value total = args.get(1, Value(int64_t{0}));
       for (const Value& item : iterate(v)) {
         Value x = attribute.is_string() ? lookup_path(item, attribute.as_string()) : item;
-        if (!x.is_number() || !total.is_number()) throw TemplateError("sum() needs numbers, got " + x.type_name());
+        if (!x.is_number() || !total.is_number())
+          throw TemplateError("sum() needs numbers, got " + x.type_name());
         int64_t r;
         if ((x.is_float() || total.is_float()))
           total = Value(total.to_double() + x.to_double());
@@ -790,9 +893,12 @@ const std::unordered_map<std::string, FilterFn>& filters() {
     f["indent"] = [](Interpreter& in, const Value& v, CallArgs& a) {
       Args args("indent", a, {"width", "first", "blank"});
       Value w = args.get(0, Value(int64_t{4}));
-      if (!w.is_string() && !w.is_int() && !w.is_bool()) throw TemplateError("indent width must be an integer or a string");
+      if (!w.is_string() && !w.is_int() && !w.is_bool())
+        throw TemplateError("indent width must be an integer or a string");
       if (!w.is_string()) in.check_size(static_cast<size_t>(std::max<int64_t>(0, w.to_int())));
-      std::string pad = w.is_string() ? w.as_string() : std::string(static_cast<size_t>(std::max<int64_t>(0, w.to_int())), ' ');
+      std::string pad =
+          w.is_string() ? w.as_string()
+                        : std::string(static_cast<size_t>(std::max<int64_t>(0, w.to_int())), ' ');
       bool first = args.flag(1, false), blank = args.flag(2, false);
       std::string s = to_str(v);
       std::vector<std::string> lines;
@@ -818,7 +924,8 @@ const std::unordered_map<std::string, FilterFn>& filters() {
       if (!v.is_dict()) throw TemplateError("dictsort needs a mapping, got " + v.type_name());
       bool case_sensitive = args.flag(0, false), reverse = args.flag(2, false);
       std::string by = args.str(1, "key");
-      if (by != "key" && by != "value") throw TemplateError("You can only sort by either \"key\" or \"value\"");
+      if (by != "key" && by != "value")
+        throw TemplateError("You can only sort by either \"key\" or \"value\"");
       List pairs;
       for (const auto& [k, x] : v.as_dict().entries()) pairs.push_back(Value::tuple({Value(k), x}));
       auto key = [&](const Value& pair) {
@@ -868,29 +975,37 @@ Value method_of(const Value& object, const std::string& name) {
 static constexpr int64_t kMaxRange = 100000;
 
 void add_globals(Interpreter& in) {
-  in.set_global("range", Value::function("range", [](Interpreter&, CallArgs& a) {
-    if (!a.keyword.empty()) throw TemplateError("range() takes no keyword arguments");
-    std::vector<int64_t> n;
-    for (const Value& v : a.positional) {
-      if (!v.is_int() && !v.is_bool()) throw TemplateError("range() arguments must be integers, got " + v.type_name());
-      n.push_back(v.to_int());
-    }
-    if (n.empty() || n.size() > 3) throw TemplateError("range expected 1 to 3 arguments");
-    int64_t start = n.size() == 1 ? 0 : n[0], stop = n.size() == 1 ? n[0] : n[1], step = n.size() == 3 ? n[2] : 1;
-    if (step == 0) throw TemplateError("range() arg 3 must not be zero");
-    // Items counted in 128 bits, so that no step can overflow.
-    const __int128 span = step > 0 ? static_cast<__int128>(stop) - start : static_cast<__int128>(start) - stop;
-    const __int128 stride = step > 0 ? static_cast<__int128>(step) : -static_cast<__int128>(step);
-    const __int128 count = span <= 0 ? 0 : (span + stride - 1) / stride;
-    if (count > kMaxRange) throw TemplateError("range too big (more than " + std::to_string(kMaxRange) + " items)");
-    List out;
-    for (__int128 k = 0; k < count; ++k) out.emplace_back(static_cast<int64_t>(start + k * step));
-    return Value::list(std::move(out));
-  }));
+  in.set_global(
+      "range", Value::function("range", [](Interpreter&, CallArgs& a) {
+        if (!a.keyword.empty()) throw TemplateError("range() takes no keyword arguments");
+        std::vector<int64_t> n;
+        for (const Value& v : a.positional) {
+          if (!v.is_int() && !v.is_bool())
+            throw TemplateError("range() arguments must be integers, got " + v.type_name());
+          n.push_back(v.to_int());
+        }
+        if (n.empty() || n.size() > 3) throw TemplateError("range expected 1 to 3 arguments");
+        int64_t start = n.size() == 1 ? 0 : n[0], stop = n.size() == 1 ? n[0] : n[1],
+                step = n.size() == 3 ? n[2] : 1;
+        if (step == 0) throw TemplateError("range() arg 3 must not be zero");
+        // Items counted in 128 bits, so that no step can overflow.
+        const __int128 span =
+            step > 0 ? static_cast<__int128>(stop) - start : static_cast<__int128>(start) - stop;
+        const __int128 stride =
+            step > 0 ? static_cast<__int128>(step) : -static_cast<__int128>(step);
+        const __int128 count = span <= 0 ? 0 : (span + stride - 1) / stride;
+        if (count > kMaxRange)
+          throw TemplateError("range too big (more than " + std::to_string(kMaxRange) + " items)");
+        List out;
+        for (__int128 k = 0; k < count; ++k)
+          out.emplace_back(static_cast<int64_t>(start + k * step));
+        return Value::list(std::move(out));
+      }));
   auto make_dict = [](CallArgs& a, bool is_namespace, const char* fn) {
     Value d = Value::dict();
     d.as_dict().is_namespace = is_namespace;
-    if (a.positional.size() > 1) throw TemplateError(std::string(fn) + "() takes at most one positional argument");
+    if (a.positional.size() > 1)
+      throw TemplateError(std::string(fn) + "() takes at most one positional argument");
     if (!a.positional.empty()) {
       const Value& init = a.positional[0];
       if (!init.is_dict()) throw TemplateError(std::string(fn) + "() argument must be a mapping");
@@ -900,23 +1015,26 @@ void add_globals(Interpreter& in) {
     return d;
   };
   in.set_global("namespace", Value::function("namespace", [make_dict](Interpreter&, CallArgs& a) {
-    return make_dict(a, true, "namespace");
-  }));
-  in.set_global("dict", Value::function("dict", [make_dict](Interpreter&, CallArgs& a) { return make_dict(a, false, "dict"); }));
-  in.set_global("raise_exception", Value::function("raise_exception", [](Interpreter&, CallArgs& a) -> Value {
-    Args args("raise_exception", a, {"message"});
-    throw TemplateError(to_str(args.get(0)), 0, true);
-  }));
+                  return make_dict(a, true, "namespace");
+                }));
+  in.set_global("dict", Value::function("dict", [make_dict](Interpreter&, CallArgs& a) {
+                  return make_dict(a, false, "dict");
+                }));
+  in.set_global("raise_exception",
+                Value::function("raise_exception", [](Interpreter&, CallArgs& a) -> Value {
+                  Args args("raise_exception", a, {"message"});
+                  throw TemplateError(to_str(args.get(0)), 0, true);
+                }));
   in.set_global("strftime_now", Value::function("strftime_now", [](Interpreter&, CallArgs& a) {
-    Args args("strftime_now", a, {"format"});
-    std::string fmt = args.str(0, "");
-    std::time_t now = std::time(nullptr);
-    std::tm local{};
-    localtime_r(&now, &local);
-    char buf[512];
-    size_t n = fmt.empty() ? 0 : std::strftime(buf, sizeof(buf), fmt.c_str(), &local);
-    return Value(std::string(buf, n));
-  }));
+                  Args args("strftime_now", a, {"format"});
+                  std::string fmt = args.str(0, "");
+                  std::time_t now = std::time(nullptr);
+                  std::tm local{};
+                  localtime_r(&now, &local);
+                  char buf[512];
+                  size_t n = fmt.empty() ? 0 : std::strftime(buf, sizeof(buf), fmt.c_str(), &local);
+                  return Value(std::string(buf, n));
+                }));
 }
 
 static void check_expr(const Expr* e);
@@ -940,7 +1058,8 @@ static void check_expr(const Expr* e) {
     throw TemplateError("unknown filter '" + e->name + "'", e->line);
   if (e->kind == ExprKind::Test && !tests().count(e->name))
     throw TemplateError("unknown test '" + e->name + "'", e->line);
-  for (const Expr* c : {e->object.get(), e->lhs.get(), e->rhs.get(), e->cond.get(), e->start.get(), e->stop.get(), e->step.get()})
+  for (const Expr* c : {e->object.get(), e->lhs.get(), e->rhs.get(), e->cond.get(), e->start.get(),
+                        e->stop.get(), e->step.get()})
     check_expr(c);
   for (const ExprPtr& c : e->items) check_expr(c.get());
   for (const ExprPtr& c : e->keys) check_expr(c.get());

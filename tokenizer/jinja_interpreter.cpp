@@ -20,7 +20,9 @@ Value Scope::lookup(const std::string& name) const {
 }
 
 void require_defined(const Value& v) {
-  if (v.is_undefined()) throw TemplateError("'" + (v.undefined_name().empty() ? "value" : v.undefined_name()) + "' is undefined");
+  if (v.is_undefined())
+    throw TemplateError("'" + (v.undefined_name().empty() ? "value" : v.undefined_name()) +
+                        "' is undefined");
 }
 
 Value get_attr(const Value& object, const std::string& name) {
@@ -58,7 +60,8 @@ Value get_item(const Value& object, const Value& key) {
     int64_t i = key.to_int();
     if (object.is_list()) {
       const List& l = object.as_list();
-      return normalise_index(i, l.size()) ? l[static_cast<size_t>(i)] : Value(Undefined{to_str(key)});
+      return normalise_index(i, l.size()) ? l[static_cast<size_t>(i)]
+                                          : Value(Undefined{to_str(key)});
     }
     const std::string& s = object.as_string();
     std::vector<size_t> cps = codepoint_offsets(s);
@@ -72,7 +75,8 @@ Value get_item(const Value& object, const Value& key) {
 
 List iterate(const Value& v) {
   switch (v.type()) {
-    case Value::Type::Undefined: return {};
+    case Value::Type::Undefined:
+      return {};
     case Value::Type::List: {
       List items = v.as_list();
       items.is_tuple = false;  // what filters build from it are lists, as in Python
@@ -87,10 +91,12 @@ List iterate(const Value& v) {
       const std::string& s = v.as_string();
       std::vector<size_t> cps = codepoint_offsets(s);
       List chars;
-      for (size_t i = 0; i + 1 < cps.size(); ++i) chars.emplace_back(s.substr(cps[i], cps[i + 1] - cps[i]));
+      for (size_t i = 0; i + 1 < cps.size(); ++i)
+        chars.emplace_back(s.substr(cps[i], cps[i + 1] - cps[i]));
       return chars;
     }
-    default: throw TemplateError("'" + v.type_name() + "' object is not iterable");
+    default:
+      throw TemplateError("'" + v.type_name() + "' object is not iterable");
   }
 }
 
@@ -103,7 +109,8 @@ static int nesting_depth(const Value& v, int limit) {
     return deepest + 1;
   }
   if (v.is_dict()) {
-    for (const auto& e : v.as_dict().entries()) deepest = std::max(deepest, nesting_depth(e.second, limit - 1));
+    for (const auto& e : v.as_dict().entries())
+      deepest = std::max(deepest, nesting_depth(e.second, limit - 1));
     return deepest + 1;
   }
   return 0;
@@ -112,12 +119,14 @@ static int nesting_depth(const Value& v, int limit) {
 // Values built by the template are kept shallow enough to print, compare and
 // free without deep recursion.
 static void check_nesting(const Value& v) {
-  if (nesting_depth(v, kMaxValueDepth + 1) > kMaxValueDepth) throw TemplateError("value nested too deeply");
+  if (nesting_depth(v, kMaxValueDepth + 1) > kMaxValueDepth)
+    throw TemplateError("value nested too deeply");
 }
 
 // ---- Interpreter -------------------------------------------------------------
 
-Interpreter::Interpreter(const Program& program, RenderLimits limits) : program_(program), limits_(limits) {
+Interpreter::Interpreter(const Program& program, RenderLimits limits)
+    : program_(program), limits_(limits) {
   add_globals(*this);
 }
 
@@ -134,12 +143,14 @@ std::string Interpreter::render() {
 
 void Interpreter::count_step() {
   if (++steps_ > limits_.max_steps)
-    throw TemplateError("template ran too long (more than " + std::to_string(limits_.max_steps) + " steps)");
+    throw TemplateError("template ran too long (more than " + std::to_string(limits_.max_steps) +
+                        " steps)");
 }
 
 void Interpreter::check_size(size_t bytes) const {
   if (bytes > limits_.max_output_bytes || written_ + bytes > limits_.max_output_bytes)
-    throw TemplateError("template output too large (more than " + std::to_string(limits_.max_output_bytes) + " bytes)");
+    throw TemplateError("template output too large (more than " +
+                        std::to_string(limits_.max_output_bytes) + " bytes)");
 }
 
 void Interpreter::write(const std::string& text) {
@@ -174,26 +185,38 @@ Interpreter::Flow Interpreter::exec_stmt(const Stmt& s, Scope& scope) {
   try {
     count_step();
     switch (s.kind) {
-      case StmtKind::Text: write(s.text); return Flow::Normal;
-      case StmtKind::Output: write(to_str(eval(*s.expr, scope))); return Flow::Normal;
+      case StmtKind::Text:
+        write(s.text);
+        return Flow::Normal;
+      case StmtKind::Output:
+        write(to_str(eval(*s.expr, scope)));
+        return Flow::Normal;
       case StmtKind::If:
         for (size_t i = 0; i < s.conds.size(); ++i)
           if (eval(*s.conds[i], scope).truthy()) return exec(s.bodies[i], scope);
         return exec(s.else_body, scope);
-      case StmtKind::For: return exec_for(s, scope);
-      case StmtKind::Set: exec_set(s, scope); return Flow::Normal;
+      case StmtKind::For:
+        return exec_for(s, scope);
+      case StmtKind::Set:
+        exec_set(s, scope);
+        return Flow::Normal;
       case StmtKind::SetBlock: {
         Value v = apply_filters(s.filters, Value(capture(s.body, scope)), scope);
         scope.vars[s.targets[0]] = std::move(v);
         return Flow::Normal;
       }
-      case StmtKind::Macro: scope.vars[s.name] = make_macro(s); return Flow::Normal;
-      case StmtKind::Break: return Flow::Break;
-      case StmtKind::Continue: return Flow::Continue;
+      case StmtKind::Macro:
+        scope.vars[s.name] = make_macro(s);
+        return Flow::Normal;
+      case StmtKind::Break:
+        return Flow::Break;
+      case StmtKind::Continue:
+        return Flow::Continue;
       case StmtKind::FilterBlock:
         write(to_str(apply_filters(s.filters, Value(capture(s.body, scope)), scope)));
         return Flow::Normal;
-      case StmtKind::Scope: return exec(s.body, scope);
+      case StmtKind::Scope:
+        return exec(s.body, scope);
     }
   } catch (TemplateError& e) {
     if (e.line == 0) e.line = s.line;
@@ -237,8 +260,8 @@ Interpreter::Flow Interpreter::exec_for(const Stmt& s, Scope& scope) {
   // iteration would dominate the cost of tight loops.
   Value loop = Value::dict();
   Dict& d = loop.as_dict();
-  for (const char* key : {"index", "index0", "revindex", "revindex0", "first", "last", "length", "depth", "depth0",
-                          "previtem", "nextitem", "cycle"})
+  for (const char* key : {"index", "index0", "revindex", "revindex0", "first", "last", "length",
+                          "depth", "depth0", "previtem", "nextitem", "cycle"})
     d.set(key, Value());
   d.set("length", Value(n));
   d.set("depth", Value(int64_t{1}));
@@ -297,11 +320,12 @@ Value Interpreter::make_macro(const Stmt& s) {
   const Stmt* def = &s;
   return Value::function(s.name, [def](Interpreter& in, CallArgs& args) -> Value {
     if (args.positional.size() > def->params.size())
-      throw TemplateError("macro '" + def->name + "' takes not more than " + std::to_string(def->params.size()) +
-                          " argument(s)");
+      throw TemplateError("macro '" + def->name + "' takes not more than " +
+                          std::to_string(def->params.size()) + " argument(s)");
     if (++in.call_depth_ > in.limits_.max_call_depth) {
       --in.call_depth_;
-      throw TemplateError("macro calls nested too deeply (more than " + std::to_string(in.limits_.max_call_depth) + ")");
+      throw TemplateError("macro calls nested too deeply (more than " +
+                          std::to_string(in.limits_.max_call_depth) + ")");
     }
     // A macro sees the template's top-level variables (even those set after
     // its definition, as in Jinja), not its caller's locals.
@@ -314,7 +338,8 @@ Value Interpreter::make_macro(const Stmt& s) {
         if (i < args.positional.size()) {
           v = args.positional[i];
         } else {
-          auto it = std::find_if(args.keyword.begin(), args.keyword.end(), [&](auto& kv) { return kv.first == p.name; });
+          auto it = std::find_if(args.keyword.begin(), args.keyword.end(),
+                                 [&](auto& kv) { return kv.first == p.name; });
           if (it != args.keyword.end()) {
             v = it->second;
           } else if (p.default_value) {
@@ -324,8 +349,11 @@ Value Interpreter::make_macro(const Stmt& s) {
         scope.vars[p.name] = std::move(v);
       }
       for (const auto& kv : args.keyword) {
-        bool known = std::any_of(def->params.begin(), def->params.end(), [&](auto& p) { return p.name == kv.first; });
-        if (!known) throw TemplateError("macro '" + def->name + "' takes no keyword argument '" + kv.first + "'");
+        bool known = std::any_of(def->params.begin(), def->params.end(),
+                                 [&](auto& p) { return p.name == kv.first; });
+        if (!known)
+          throw TemplateError("macro '" + def->name + "' takes no keyword argument '" + kv.first +
+                              "'");
       }
       out = in.capture(def->body, scope);
     } catch (...) {
@@ -361,10 +389,12 @@ Value Interpreter::eval(const Expr& e, Scope& scope) {
 }
 
 // Python's slice semantics over n elements.
-static std::vector<size_t> slice_indices(size_t n, const Value& start_v, const Value& stop_v, const Value& step_v) {
+static std::vector<size_t> slice_indices(size_t n, const Value& start_v, const Value& stop_v,
+                                         const Value& step_v) {
   auto as_index = [](const Value& v, const char* what) -> std::optional<int64_t> {
     if (v.is_undefined() || v.is_none()) return std::nullopt;
-    if (!v.is_int() && !v.is_bool()) throw TemplateError(std::string("slice ") + what + " must be an integer or none");
+    if (!v.is_int() && !v.is_bool())
+      throw TemplateError(std::string("slice ") + what + " must be an integer or none");
     return v.to_int();
   };
   const int64_t len = static_cast<int64_t>(n);
@@ -380,14 +410,17 @@ static std::vector<size_t> slice_indices(size_t n, const Value& start_v, const V
   int64_t start = clamp(as_index(start_v, "start"), step > 0 ? 0 : len - 1);
   int64_t stop = clamp(as_index(stop_v, "stop"), step > 0 ? len : -1);
   std::vector<size_t> out;
-  for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) out.push_back(static_cast<size_t>(i));
+  for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step)
+    out.push_back(static_cast<size_t>(i));
   return out;
 }
 
 Value Interpreter::eval_inner(const Expr& e, Scope& scope) {
   switch (e.kind) {
-    case ExprKind::Literal: return e.value;
-    case ExprKind::Name: return scope.lookup(e.name);
+    case ExprKind::Literal:
+      return e.value;
+    case ExprKind::Name:
+      return scope.lookup(e.name);
     case ExprKind::List:
     case ExprKind::Tuple: {
       List items;
@@ -402,14 +435,17 @@ Value Interpreter::eval_inner(const Expr& e, Scope& scope) {
       Value d = Value::dict();
       for (size_t i = 0; i < e.keys.size(); ++i) {
         Value k = eval(*e.keys[i], scope);
-        if (!k.is_string()) throw TemplateError("dict keys must be strings in chat templates, got " + k.type_name());
+        if (!k.is_string())
+          throw TemplateError("dict keys must be strings in chat templates, got " + k.type_name());
         d.as_dict().set(k.as_string(), eval(*e.items[i], scope));
       }
       check_nesting(d);
       return d;
     }
-    case ExprKind::Attr: return get_attr(eval(*e.object, scope), e.name);
-    case ExprKind::Item: return get_item(eval(*e.object, scope), eval(*e.lhs, scope));
+    case ExprKind::Attr:
+      return get_attr(eval(*e.object, scope), e.name);
+    case ExprKind::Item:
+      return get_item(eval(*e.object, scope), eval(*e.lhs, scope));
     case ExprKind::Slice: {
       Value obj = eval(*e.object, scope);
       require_defined(obj);
@@ -426,7 +462,8 @@ Value Interpreter::eval_inner(const Expr& e, Scope& scope) {
         const std::string& s = obj.as_string();
         std::vector<size_t> cps = codepoint_offsets(s);
         std::string out;
-        for (size_t i : slice_indices(cps.size() - 1, start, stop, step)) out.append(s, cps[i], cps[i + 1] - cps[i]);
+        for (size_t i : slice_indices(cps.size() - 1, start, stop, step))
+          out.append(s, cps[i], cps[i + 1] - cps[i]);
         return Value(std::move(out));
       }
       throw TemplateError("'" + obj.type_name() + "' object is not subscriptable");
@@ -451,14 +488,18 @@ Value Interpreter::eval_inner(const Expr& e, Scope& scope) {
       Value v = eval(*e.object, scope);
       if (e.name == "not") return Value(!v.truthy());
       require_defined(v);
-      if (!v.is_number()) throw TemplateError("bad operand type for unary " + e.name + ": '" + v.type_name() + "'");
+      if (!v.is_number())
+        throw TemplateError("bad operand type for unary " + e.name + ": '" + v.type_name() + "'");
       if (e.name == "+") return v.is_bool() ? Value(v.to_int()) : v;
       if (v.is_float()) return Value(-v.as_float());
-      if (v.to_int() == std::numeric_limits<int64_t>::min()) throw TemplateError("integer overflow");
+      if (v.to_int() == std::numeric_limits<int64_t>::min())
+        throw TemplateError("integer overflow");
       return Value(-v.to_int());
     }
-    case ExprKind::Binary: return eval_binary(e, scope);
-    case ExprKind::Compare: return eval_compare(e, scope);
+    case ExprKind::Binary:
+      return eval_binary(e, scope);
+    case ExprKind::Compare:
+      return eval_compare(e, scope);
     case ExprKind::Cond:
       if (eval(*e.cond, scope).truthy()) return eval(*e.lhs, scope);
       return e.rhs ? eval(*e.rhs, scope) : Value(Undefined{});
@@ -467,14 +508,15 @@ Value Interpreter::eval_inner(const Expr& e, Scope& scope) {
 }
 
 [[noreturn]] static void bad_operands(const std::string& op, const Value& a, const Value& b) {
-  throw TemplateError("unsupported operand type(s) for " + op + ": '" + a.type_name() + "' and '" + b.type_name() + "'");
+  throw TemplateError("unsupported operand type(s) for " + op + ": '" + a.type_name() + "' and '" +
+                      b.type_name() + "'");
 }
 
 // Integer arithmetic that fails on overflow instead of wrapping (Python's
 // ints never wrap; templates have no use for numbers this large).
 static Value checked_int(const char* op, int64_t a, int64_t b) {
   int64_t r = 0;
-  bool overflow = op[0] == '+' ? __builtin_add_overflow(a, b, &r)
+  bool overflow = op[0] == '+'   ? __builtin_add_overflow(a, b, &r)
                   : op[0] == '-' ? __builtin_sub_overflow(a, b, &r)
                                  : __builtin_mul_overflow(a, b, &r);
   if (overflow) throw TemplateError("integer overflow");
@@ -530,7 +572,8 @@ Value Interpreter::eval_binary(const Expr& e, Scope& scope) {
       int64_t n = std::max<int64_t>(0, count.to_int());
       const size_t unit = seq.is_string() ? seq.as_string().size() : seq.as_list().size();
       if (unit == 0) n = 0;
-      if (n > 0 && static_cast<uint64_t>(n) > limits_.max_output_bytes / unit) check_size(limits_.max_output_bytes + 1);
+      if (n > 0 && static_cast<uint64_t>(n) > limits_.max_output_bytes / unit)
+        check_size(limits_.max_output_bytes + 1);
       if (seq.is_string()) {
         check_size(static_cast<size_t>(n) * seq.as_string().size());
         std::string out;
@@ -539,7 +582,8 @@ Value Interpreter::eval_binary(const Expr& e, Scope& scope) {
       }
       check_size(static_cast<size_t>(n) * seq.as_list().size());
       List out;
-      for (int64_t i = 0; i < n; ++i) out.insert(out.end(), seq.as_list().begin(), seq.as_list().end());
+      for (int64_t i = 0; i < n; ++i)
+        out.insert(out.end(), seq.as_list().begin(), seq.as_list().end());
       return Value::list(std::move(out));
     }
     bad_operands(op, a, b);
@@ -550,10 +594,12 @@ Value Interpreter::eval_binary(const Expr& e, Scope& scope) {
     return Value(a.to_double() / b.to_double());
   }
   if (op == "//" || op == "%") {
-    if (b.to_double() == 0.0) throw TemplateError(op == "%" ? "modulo by zero" : "integer division or modulo by zero");
+    if (b.to_double() == 0.0)
+      throw TemplateError(op == "%" ? "modulo by zero" : "integer division or modulo by zero");
     if (ints) {
       int64_t x = a.to_int(), y = b.to_int();
-      if (x == std::numeric_limits<int64_t>::min() && y == -1) throw TemplateError("integer overflow");
+      if (x == std::numeric_limits<int64_t>::min() && y == -1)
+        throw TemplateError("integer overflow");
       int64_t q = x / y, m = x % y;
       if (m != 0 && ((m < 0) != (y < 0))) {  // Python floors toward negative infinity
         q -= 1;
@@ -584,16 +630,20 @@ Value Interpreter::eval_binary(const Expr& e, Scope& scope) {
 
 static bool contains(const Value& container, const Value& item) {
   switch (container.type()) {
-    case Value::Type::Undefined: return false;
+    case Value::Type::Undefined:
+      return false;
     case Value::Type::String:
       if (!item.is_string())
-        throw TemplateError("'in <string>' requires string as left operand, not " + item.type_name());
+        throw TemplateError("'in <string>' requires string as left operand, not " +
+                            item.type_name());
       return container.as_string().find(item.as_string()) != std::string::npos;
     case Value::Type::List:
       return std::any_of(container.as_list().begin(), container.as_list().end(),
                          [&](const Value& v) { return equals(v, item); });
-    case Value::Type::Dict: return item.is_string() && container.as_dict().find(item.as_string()) != nullptr;
-    default: throw TemplateError("argument of type '" + container.type_name() + "' is not iterable");
+    case Value::Type::Dict:
+      return item.is_string() && container.as_dict().find(item.as_string()) != nullptr;
+    default:
+      throw TemplateError("argument of type '" + container.type_name() + "' is not iterable");
   }
 }
 
@@ -614,10 +664,14 @@ Value Interpreter::eval_compare(const Expr& e, Scope& scope) {
     } else {
       require_defined(left);
       require_defined(right);
-      if (op == "<") r = less(left, right);
-      else if (op == ">") r = less(right, left);
-      else if (op == "<=") r = !less(right, left);
-      else r = !less(left, right);
+      if (op == "<")
+        r = less(left, right);
+      else if (op == ">")
+        r = less(right, left);
+      else if (op == "<=")
+        r = !less(right, left);
+      else
+        r = !less(left, right);
     }
     if (!r) return Value(false);
     left = std::move(right);

@@ -14,9 +14,9 @@ namespace moe::jinja {
 // Bounds on one render, so a hostile or buggy template fails with an error
 // instead of running away.
 struct RenderLimits {
-  int max_call_depth = 64;                      // nested macro calls
-  size_t max_output_bytes = size_t{64} << 20;   // text written, captures included
-  uint64_t max_steps = 5'000'000;               // statements, expressions and loop iterations evaluated
+  int max_call_depth = 64;                     // nested macro calls
+  size_t max_output_bytes = size_t{64} << 20;  // text written, captures included
+  uint64_t max_steps = 5'000'000;  // statements, expressions and loop iterations evaluated
 };
 
 // Variables: a scope looks names up in itself, then in its parent.

@@ -11,7 +11,9 @@ namespace moe::jinja {
 
 namespace {
 
-bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+bool is_space(char c) {
+  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+}
 bool is_digit(char c) { return c >= '0' && c <= '9'; }
 bool is_name_start(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_'; }
 bool is_name_char(char c) { return is_name_start(c) || is_digit(c); }
@@ -108,7 +110,8 @@ class Lexer {
 
   size_t find_tag_start(size_t from) const {
     for (size_t p = src_.find('{', from); p != std::string::npos; p = src_.find('{', p + 1)) {
-      if (p + 1 < src_.size() && (src_[p + 1] == '{' || src_[p + 1] == '%' || src_[p + 1] == '#')) return p;
+      if (p + 1 < src_.size() && (src_[p + 1] == '{' || src_[p + 1] == '%' || src_[p + 1] == '#'))
+        return p;
     }
     return std::string::npos;
   }
@@ -181,7 +184,9 @@ class Lexer {
       q = skip_spaces(q);
       if (!at(q, "endraw")) continue;
       q = skip_spaces(q + 6);
-      if (!(at(q, "%}") || (q < src_.size() && (src_[q] == '-' || src_[q] == '+') && at(q + 1, "%}")))) continue;
+      if (!(at(q, "%}") ||
+            (q < src_.size() && (src_[q] == '-' || src_[q] == '+') && at(q + 1, "%}"))))
+        continue;
       const int text_line = line_;
       emit_data(strip_before_tag(src_.substr(pos_, p - pos_), sign, true), text_line);
       finish_tag(end_of_block_tag(q));
@@ -198,7 +203,8 @@ class Lexer {
     while (true) {
       advance_to(skip_spaces(pos_));
       if (pos_ >= src_.size())
-        fail(std::string("unexpected end of template: missing '") + (is_block ? "%}" : "}}") + "'", begin_line);
+        fail(std::string("unexpected end of template: missing '") + (is_block ? "%}" : "}}") + "'",
+             begin_line);
       if (depth == 0) {
         if (is_block && (at(pos_, "%}") || at(pos_, "-%}") || at(pos_, "+%}"))) {
           tokens_.push_back(Token{TokenKind::BlockEnd, "", line_});
@@ -260,26 +266,51 @@ class Lexer {
       char e = src_[p + 1];
       p += 2;
       switch (e) {
-        case 'n': value += '\n'; break;
-        case 't': value += '\t'; break;
-        case 'r': value += '\r'; break;
-        case '0': value += '\0'; break;
-        case 'a': value += '\a'; break;
-        case 'b': value += '\b'; break;
-        case 'f': value += '\f'; break;
-        case 'v': value += '\v'; break;
-        case '\\': value += '\\'; break;
-        case '\'': value += '\''; break;
-        case '"': value += '"'; break;
-        case '\n': break;  // a backslash at the end of a line joins the lines
+        case 'n':
+          value += '\n';
+          break;
+        case 't':
+          value += '\t';
+          break;
+        case 'r':
+          value += '\r';
+          break;
+        case '0':
+          value += '\0';
+          break;
+        case 'a':
+          value += '\a';
+          break;
+        case 'b':
+          value += '\b';
+          break;
+        case 'f':
+          value += '\f';
+          break;
+        case 'v':
+          value += '\v';
+          break;
+        case '\\':
+          value += '\\';
+          break;
+        case '\'':
+          value += '\'';
+          break;
+        case '"':
+          value += '"';
+          break;
+        case '\n':
+          break;  // a backslash at the end of a line joins the lines
         case 'x':
         case 'u':
         case 'U': {
           size_t digits = e == 'x' ? 2 : e == 'u' ? 4 : 8;
           bool ok = p + digits <= src_.size();
-          for (size_t k = 0; ok && k < digits; ++k) ok = std::isxdigit(static_cast<unsigned char>(src_[p + k]));
+          for (size_t k = 0; ok && k < digits; ++k)
+            ok = std::isxdigit(static_cast<unsigned char>(src_[p + k]));
           if (!ok) fail(std::string("truncated \\") + e + " escape in string", line_);
-          uint32_t cp = static_cast<uint32_t>(std::strtoul(src_.substr(p, digits).c_str(), nullptr, 16));
+          uint32_t cp =
+              static_cast<uint32_t>(std::strtoul(src_.substr(p, digits).c_str(), nullptr, 16));
           if (cp > 0x10FFFF) fail("escape out of the Unicode range in string", line_);
           append_utf8(value, cp);
           p += digits;
@@ -297,7 +328,9 @@ class Lexer {
   void lex_number() {
     size_t p = pos_;
     auto digits = [&] {
-      while (p < src_.size() && (is_digit(src_[p]) || (src_[p] == '_' && p + 1 < src_.size() && is_digit(src_[p + 1])))) ++p;
+      while (p < src_.size() && (is_digit(src_[p]) ||
+                                 (src_[p] == '_' && p + 1 < src_.size() && is_digit(src_[p + 1]))))
+        ++p;
     };
     digits();
     bool is_float = false;

@@ -18,11 +18,11 @@ enum class TokenKind {
   BlockBegin,  // {%
   BlockEnd,    // %}
   Name,
-  String,      // text holds the unescaped value
+  String,  // text holds the unescaped value
   Int,
   Float,
-  Op,          // text holds the operator: "==", "(", "|", ...
-  End,         // end of the source
+  Op,   // text holds the operator: "==", "(", "|", ...
+  End,  // end of the source
 };
 
 struct Token {
@@ -34,8 +34,8 @@ struct Token {
 };
 
 struct LexOptions {
-  bool trim_blocks = true;     // drop the first newline after a block tag
-  bool lstrip_blocks = true;   // drop spaces and tabs before a block tag that starts a line
+  bool trim_blocks = true;    // drop the first newline after a block tag
+  bool lstrip_blocks = true;  // drop spaces and tabs before a block tag that starts a line
   bool keep_trailing_newline = false;
 };
 

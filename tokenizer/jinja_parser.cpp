@@ -11,17 +11,27 @@ namespace {
 
 std::string describe(const Token& t) {
   switch (t.kind) {
-    case TokenKind::Data: return "template text";
-    case TokenKind::VarBegin: return "'{{'";
-    case TokenKind::VarEnd: return "'}}'";
-    case TokenKind::BlockBegin: return "'{%'";
-    case TokenKind::BlockEnd: return "'%}'";
-    case TokenKind::Name: return "'" + t.text + "'";
-    case TokenKind::String: return "a string";
+    case TokenKind::Data:
+      return "template text";
+    case TokenKind::VarBegin:
+      return "'{{'";
+    case TokenKind::VarEnd:
+      return "'}}'";
+    case TokenKind::BlockBegin:
+      return "'{%'";
+    case TokenKind::BlockEnd:
+      return "'%}'";
+    case TokenKind::Name:
+      return "'" + t.text + "'";
+    case TokenKind::String:
+      return "a string";
     case TokenKind::Int:
-    case TokenKind::Float: return "a number";
-    case TokenKind::Op: return "'" + t.text + "'";
-    case TokenKind::End: return "the end of the template";
+    case TokenKind::Float:
+      return "a number";
+    case TokenKind::Op:
+      return "'" + t.text + "'";
+    case TokenKind::End:
+      return "the end of the template";
   }
   return "a token";
 }
@@ -39,14 +49,18 @@ class Parser {
  private:
   // ---- token stream --------------------------------------------------------
   const Token& cur() const { return toks_[pos_]; }
-  const Token& peek(size_t ahead = 1) const { return toks_[std::min(pos_ + ahead, toks_.size() - 1)]; }
+  const Token& peek(size_t ahead = 1) const {
+    return toks_[std::min(pos_ + ahead, toks_.size() - 1)];
+  }
   const Token& next() {
     const Token& t = toks_[pos_];
     if (pos_ + 1 < toks_.size()) ++pos_;
     return t;
   }
   bool is_op(const char* op) const { return cur().kind == TokenKind::Op && cur().text == op; }
-  bool is_name(const char* name) const { return cur().kind == TokenKind::Name && cur().text == name; }
+  bool is_name(const char* name) const {
+    return cur().kind == TokenKind::Name && cur().text == name;
+  }
   bool skip_op(const char* op) {
     if (!is_op(op)) return false;
     next();
@@ -76,7 +90,9 @@ class Parser {
   // Bounds the recursion of both this parser and the evaluator over its tree.
   struct DepthGuard {
     explicit DepthGuard(Parser& p) : p_(p) {
-      if (++p_.depth_ > kMaxParseDepth) p_.fail("template nested too deeply (more than " + std::to_string(kMaxParseDepth) + " levels)");
+      if (++p_.depth_ > kMaxParseDepth)
+        p_.fail("template nested too deeply (more than " + std::to_string(kMaxParseDepth) +
+                " levels)");
     }
     ~DepthGuard() { --p_.depth_; }
     Parser& p_;
@@ -89,13 +105,16 @@ class Parser {
     auto see = [&](const ExprPtr& c) {
       if (c) h = std::max(h, c->depth);
     };
-    see(e->object), see(e->lhs), see(e->rhs), see(e->cond), see(e->start), see(e->stop), see(e->step);
+    see(e->object), see(e->lhs), see(e->rhs), see(e->cond), see(e->start), see(e->stop),
+        see(e->step);
     for (const auto& c : e->items) see(c);
     for (const auto& c : e->keys) see(c);
     for (const auto& kv : e->kwargs) see(kv.second);
     e->depth = h + 1;
     if (e->depth > kMaxExprDepth)
-      throw TemplateError("expression nested too deeply (more than " + std::to_string(kMaxExprDepth) + " levels)", e->line);
+      throw TemplateError(
+          "expression nested too deeply (more than " + std::to_string(kMaxExprDepth) + " levels)",
+          e->line);
     return e;
   }
 
@@ -110,7 +129,8 @@ class Parser {
 
   // Parses statements up to a `{% <end> %}` tag whose name is in `ends`; on
   // return the current token is that name (the `{%` is consumed).
-  Body subparse(std::initializer_list<const char*> ends, const std::string& opener, int opener_line) {
+  Body subparse(std::initializer_list<const char*> ends, const std::string& opener,
+                int opener_line) {
     DepthGuard guard(*this);
     Body body;
     while (true) {
@@ -120,8 +140,9 @@ class Parser {
         std::string want = *ends.begin();
         for (const char* e : ends)
           if (std::string(e).rfind("end", 0) == 0) want = e;
-        throw TemplateError("unexpected end of template: '" + opener + "' opened on line " + std::to_string(opener_line) +
-                                " is never closed with '" + want + "'",
+        throw TemplateError("unexpected end of template: '" + opener + "' opened on line " +
+                                std::to_string(opener_line) + " is never closed with '" + want +
+                                "'",
                             t.line);
       }
       if (t.kind == TokenKind::Data) {
@@ -186,8 +207,9 @@ class Parser {
       expect_block_end();
     } else if (tag == "elif" || tag == "else" || tag.rfind("end", 0) == 0) {
       throw TemplateError("unexpected '" + tag + "' (no open block it could close)", line);
-    } else if (tag == "include" || tag == "import" || tag == "from" || tag == "extends" || tag == "block" ||
-               tag == "call" || tag == "with" || tag == "autoescape" || tag == "do" || tag == "trans") {
+    } else if (tag == "include" || tag == "import" || tag == "from" || tag == "extends" ||
+               tag == "block" || tag == "call" || tag == "with" || tag == "autoescape" ||
+               tag == "do" || tag == "trans") {
       throw TemplateError("the '" + tag + "' tag is not supported in chat templates", line);
     } else {
       throw TemplateError("unknown tag '" + tag + "'", line);
@@ -372,8 +394,8 @@ class Parser {
     while (true) {
       std::string op;
       if (cur().kind == TokenKind::Op &&
-          (cur().text == "==" || cur().text == "!=" || cur().text == "<" || cur().text == "<=" || cur().text == ">" ||
-           cur().text == ">=")) {
+          (cur().text == "==" || cur().text == "!=" || cur().text == "<" || cur().text == "<=" ||
+           cur().text == ">" || cur().text == ">=")) {
         op = next().text;
       } else if (is_name("in")) {
         next();
@@ -472,7 +494,8 @@ class Parser {
     }
     if (t.kind == TokenKind::String) {
       std::string s;
-      while (cur().kind == TokenKind::String) s += next().text;  // adjacent strings join, as in Python
+      while (cur().kind == TokenKind::String)
+        s += next().text;  // adjacent strings join, as in Python
       auto lit = make(ExprKind::Literal, line);
       lit->value = Value(std::move(s));
       return lit;
@@ -614,10 +637,11 @@ class Parser {
         t->name = expect_name();
         if (is_op("(")) {
           parse_call_args(*t);
-        } else if ((cur().kind == TokenKind::Name || cur().kind == TokenKind::String || cur().kind == TokenKind::Int ||
-                    cur().kind == TokenKind::Float || is_op("[") || is_op("{")) &&
-                   !is_name("else") && !is_name("or") && !is_name("and") && !is_name("if") && !is_name("in") &&
-                   !is_name("not") && !is_name("is")) {
+        } else if ((cur().kind == TokenKind::Name || cur().kind == TokenKind::String ||
+                    cur().kind == TokenKind::Int || cur().kind == TokenKind::Float || is_op("[") ||
+                    is_op("{")) &&
+                   !is_name("else") && !is_name("or") && !is_name("and") && !is_name("if") &&
+                   !is_name("in") && !is_name("not") && !is_name("is")) {
           // `x is divisibleby 3`: one argument without parentheses
           t->items.push_back(parse_postfix(parse_primary()));
         }

@@ -41,29 +41,46 @@ Value Value::function(std::string name, std::function<Value(Interpreter&, CallAr
 bool Value::truthy() const {
   switch (type()) {
     case Type::Undefined:
-    case Type::None: return false;
-    case Type::Bool: return as_bool();
-    case Type::Int: return as_int() != 0;
-    case Type::Float: return as_float() != 0.0;
-    case Type::String: return !as_string().empty();
-    case Type::List: return !as_list().empty();
-    case Type::Dict: return as_dict().size() != 0;
-    case Type::Callable: return true;
+    case Type::None:
+      return false;
+    case Type::Bool:
+      return as_bool();
+    case Type::Int:
+      return as_int() != 0;
+    case Type::Float:
+      return as_float() != 0.0;
+    case Type::String:
+      return !as_string().empty();
+    case Type::List:
+      return !as_list().empty();
+    case Type::Dict:
+      return as_dict().size() != 0;
+    case Type::Callable:
+      return true;
   }
   return false;
 }
 
 std::string Value::type_name() const {
   switch (type()) {
-    case Type::Undefined: return "Undefined";
-    case Type::None: return "NoneType";
-    case Type::Bool: return "bool";
-    case Type::Int: return "int";
-    case Type::Float: return "float";
-    case Type::String: return "str";
-    case Type::List: return "list";
-    case Type::Dict: return as_dict().is_namespace ? "Namespace" : "dict";
-    case Type::Callable: return "function";
+    case Type::Undefined:
+      return "Undefined";
+    case Type::None:
+      return "NoneType";
+    case Type::Bool:
+      return "bool";
+    case Type::Int:
+      return "int";
+    case Type::Float:
+      return "float";
+    case Type::String:
+      return "str";
+    case Type::List:
+      return "list";
+    case Type::Dict:
+      return as_dict().is_namespace ? "Namespace" : "dict";
+    case Type::Callable:
+      return "function";
   }
   return "object";
 }
@@ -119,7 +136,8 @@ std::string float_repr(double d) {
     } else if (static_cast<size_t>(point) >= digits.size()) {
       out = digits + std::string(static_cast<size_t>(point) - digits.size(), '0') + ".0";
     } else {
-      out = digits.substr(0, static_cast<size_t>(point)) + "." + digits.substr(static_cast<size_t>(point));
+      out = digits.substr(0, static_cast<size_t>(point)) + "." +
+            digits.substr(static_cast<size_t>(point));
     }
     return sign + out;
   }
@@ -165,7 +183,8 @@ static void check_depth(int depth) {
 static std::string repr_at(const Value& v, int depth) {
   check_depth(depth);
   switch (v.type()) {
-    case Value::Type::String: return string_repr(v.as_string());
+    case Value::Type::String:
+      return string_repr(v.as_string());
     case Value::Type::List: {
       const List& items = v.as_list();
       std::string out = items.is_tuple ? "(" : "[";
@@ -188,7 +207,8 @@ static std::string repr_at(const Value& v, int depth) {
       }
       return out + (v.as_dict().is_namespace ? "}>" : "}");
     }
-    default: return to_str(v);
+    default:
+      return to_str(v);
   }
 }
 
@@ -196,15 +216,23 @@ std::string to_repr(const Value& v) { return repr_at(v, 0); }
 
 std::string to_str(const Value& v) {
   switch (v.type()) {
-    case Value::Type::Undefined: return "";
-    case Value::Type::None: return "None";
-    case Value::Type::Bool: return v.as_bool() ? "True" : "False";
-    case Value::Type::Int: return std::to_string(v.as_int());
-    case Value::Type::Float: return float_repr(v.as_float());
-    case Value::Type::String: return v.as_string();
+    case Value::Type::Undefined:
+      return "";
+    case Value::Type::None:
+      return "None";
+    case Value::Type::Bool:
+      return v.as_bool() ? "True" : "False";
+    case Value::Type::Int:
+      return std::to_string(v.as_int());
+    case Value::Type::Float:
+      return float_repr(v.as_float());
+    case Value::Type::String:
+      return v.as_string();
     case Value::Type::List:
-    case Value::Type::Dict: return to_repr(v);
-    case Value::Type::Callable: return "<function " + v.as_callable().name + ">";
+    case Value::Type::Dict:
+      return to_repr(v);
+    case Value::Type::Callable:
+      return "<function " + v.as_callable().name + ">";
   }
   return "";
 }
@@ -220,8 +248,10 @@ static bool equals_at(const Value& a, const Value& b, int depth) {
   if (a.type() != b.type()) return false;
   switch (a.type()) {
     case Value::Type::Undefined:
-    case Value::Type::None: return true;
-    case Value::Type::String: return a.as_string() == b.as_string();
+    case Value::Type::None:
+      return true;
+    case Value::Type::String:
+      return a.as_string() == b.as_string();
     case Value::Type::List: {
       const List& x = a.as_list();
       const List& y = b.as_list();
@@ -240,8 +270,10 @@ static bool equals_at(const Value& a, const Value& b, int depth) {
       }
       return true;
     }
-    case Value::Type::Callable: return &a.as_callable() == &b.as_callable();
-    default: return false;
+    case Value::Type::Callable:
+      return &a.as_callable() == &b.as_callable();
+    default:
+      return false;
   }
 }
 
@@ -253,7 +285,8 @@ static bool less_at(const Value& a, const Value& b, int depth) {
     if (a.is_float() || b.is_float()) return a.to_double() < b.to_double();
     return a.to_int() < b.to_int();
   }
-  if (a.is_string() && b.is_string()) return a.as_string() < b.as_string();  // bytewise == code point order
+  if (a.is_string() && b.is_string())
+    return a.as_string() < b.as_string();  // bytewise == code point order
   if (a.is_list() && b.is_list()) {
     const List& x = a.as_list();
     const List& y = b.as_list();
@@ -263,7 +296,8 @@ static bool less_at(const Value& a, const Value& b, int depth) {
     }
     return x.size() < y.size();
   }
-  throw TemplateError("'<' not supported between instances of '" + a.type_name() + "' and '" + b.type_name() + "'");
+  throw TemplateError("'<' not supported between instances of '" + a.type_name() + "' and '" +
+                      b.type_name() + "'");
 }
 
 bool less(const Value& a, const Value& b) { return less_at(a, b, 0); }
@@ -276,14 +310,36 @@ static void append_json_string(std::string& out, const std::string& s, bool ensu
     unsigned char c = static_cast<unsigned char>(s[i]);
     char buf[16];
     switch (c) {
-      case '"': out += "\\\""; ++i; continue;
-      case '\\': out += "\\\\"; ++i; continue;
-      case '\n': out += "\\n"; ++i; continue;
-      case '\r': out += "\\r"; ++i; continue;
-      case '\t': out += "\\t"; ++i; continue;
-      case '\b': out += "\\b"; ++i; continue;
-      case '\f': out += "\\f"; ++i; continue;
-      default: break;
+      case '"':
+        out += "\\\"";
+        ++i;
+        continue;
+      case '\\':
+        out += "\\\\";
+        ++i;
+        continue;
+      case '\n':
+        out += "\\n";
+        ++i;
+        continue;
+      case '\r':
+        out += "\\r";
+        ++i;
+        continue;
+      case '\t':
+        out += "\\t";
+        ++i;
+        continue;
+      case '\b':
+        out += "\\b";
+        ++i;
+        continue;
+      case '\f':
+        out += "\\f";
+        ++i;
+        continue;
+      default:
+        break;
     }
     if (c < 0x20) {
       std::snprintf(buf, sizeof(buf), "\\u%04x", c);
@@ -318,18 +374,29 @@ static void append_json(std::string& out, const Value& v, const JsonStyle& st, i
     out += '\n';
     out.append(static_cast<size_t>(st.indent) * static_cast<size_t>(lvl), ' ');
   };
-  const std::string item_sep = !st.item_separator.empty() ? st.item_separator : (st.indent < 0 ? ", " : ",");
+  const std::string item_sep =
+      !st.item_separator.empty() ? st.item_separator : (st.indent < 0 ? ", " : ",");
   const std::string key_sep = !st.key_separator.empty() ? st.key_separator : ": ";
   switch (v.type()) {
-    case Value::Type::None: out += "null"; return;
-    case Value::Type::Bool: out += v.as_bool() ? "true" : "false"; return;
-    case Value::Type::Int: out += std::to_string(v.as_int()); return;
+    case Value::Type::None:
+      out += "null";
+      return;
+    case Value::Type::Bool:
+      out += v.as_bool() ? "true" : "false";
+      return;
+    case Value::Type::Int:
+      out += std::to_string(v.as_int());
+      return;
     case Value::Type::Float: {
       double d = v.as_float();
-      out += std::isnan(d) ? "NaN" : std::isinf(d) ? (d < 0 ? "-Infinity" : "Infinity") : float_repr(d);
+      out += std::isnan(d)   ? "NaN"
+             : std::isinf(d) ? (d < 0 ? "-Infinity" : "Infinity")
+                             : float_repr(d);
       return;
     }
-    case Value::Type::String: append_json_string(out, v.as_string(), st.ensure_ascii); return;
+    case Value::Type::String:
+      append_json_string(out, v.as_string(), st.ensure_ascii);
+      return;
     case Value::Type::List: {
       const List& items = v.as_list();
       if (items.empty()) {
@@ -350,7 +417,8 @@ static void append_json(std::string& out, const Value& v, const JsonStyle& st, i
       std::vector<const std::pair<std::string, Value>*> entries;
       for (const auto& e : v.as_dict().entries()) entries.push_back(&e);
       if (st.sort_keys)
-        std::sort(entries.begin(), entries.end(), [](auto* a, auto* b) { return a->first < b->first; });
+        std::sort(entries.begin(), entries.end(),
+                  [](auto* a, auto* b) { return a->first < b->first; });
       if (entries.empty()) {
         out += "{}";
         return;

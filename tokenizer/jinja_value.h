@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -14,8 +15,6 @@
 #include <utility>
 #include <variant>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 namespace moe::jinja {
 
@@ -145,7 +144,7 @@ bool less(const Value& a, const Value& b);
 // json.dumps(v, ensure_ascii, indent, separators, sort_keys) as Python writes it.
 struct JsonStyle {
   bool ensure_ascii = false;
-  int indent = -1;  // -1: all on one line
+  int indent = -1;             // -1: all on one line
   std::string item_separator;  // empty: Python's default for the indent
   std::string key_separator;
   bool sort_keys = false;
@@ -177,7 +176,8 @@ Value from_json(const Json& j, int depth = 0) {
   }
   if (j.is_object()) {
     Value d = Value::dict();
-    for (auto it = j.begin(); it != j.end(); ++it) d.as_dict().set(it.key(), from_json(it.value(), depth + 1));
+    for (auto it = j.begin(); it != j.end(); ++it)
+      d.as_dict().set(it.key(), from_json(it.value(), depth + 1));
     return d;
   }
   return Value(None{});  // binary and discarded values have no template meaning

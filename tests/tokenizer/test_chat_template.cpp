@@ -3,17 +3,15 @@
 // way) produced for the cases in chat_template_cases.json; errors must come
 // back as values with a line number; runaway templates must stop.
 
-#include <catch2/catch.hpp>
+#include <unistd.h>
 
+#include <catch2/catch.hpp>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
-
-#include <unistd.h>
-
-#include <nlohmann/json.hpp>
 
 #include "tokenizer/chat_template.h"
 
@@ -50,8 +48,8 @@ ChatTemplate parse_ok(const std::string& source) {
   return *t;
 }
 
-std::string render_ok(const std::string& source, const json& messages = json::array(), bool add_generation_prompt = false,
-                      const json& extra = json::object()) {
+std::string render_ok(const std::string& source, const json& messages = json::array(),
+                      bool add_generation_prompt = false, const json& extra = json::object()) {
   auto r = parse_ok(source).render(messages, add_generation_prompt, extra);
   INFO(source);
   if (!r) FAIL("render failed: " << r.error());
@@ -94,14 +92,17 @@ TEST_CASE("tokenizer fixtures: every reference chat renders byte-identical to ap
   CHECK(checked == 6);
 }
 
-TEST_CASE("model fixtures: templates from tokenizer_config.json and chat_template.jinja reproduce the chat prompts",
-          "[chat_template]") {
+TEST_CASE(
+    "model fixtures: templates from tokenizer_config.json and chat_template.jinja reproduce the "
+    "chat prompts",
+    "[chat_template]") {
   // The chat prompts of each model's reference.json were rendered from the
   // same two conversations as the tokenizer fixtures' chats.
   json tok_ref = read_json(kFixtures + "/tokenizers/reference.json");
   const json& conversations = tok_ref["bytelevel_qwen"]["chats"];
   int checked = 0;
-  for (const char* model : {"qwen2_moe", "mixtral", "olmoe", "qwen2_dense", "qwen3_moe", "deepseek_v2"}) {
+  for (const char* model :
+       {"qwen2_moe", "mixtral", "olmoe", "qwen2_dense", "qwen3_moe", "deepseek_v2"}) {
     INFO(model);
     auto t = moe::load_chat_template(kFixtures + "/" + model);
     if (!t) FAIL(t.error());
@@ -125,7 +126,8 @@ TEST_CASE("model fixtures: templates from tokenizer_config.json and chat_templat
   CHECK(checked == 12);
 }
 
-TEST_CASE("the demo model's template renders as the reference Qwen-style prompts", "[chat_template]") {
+TEST_CASE("the demo model's template renders as the reference Qwen-style prompts",
+          "[chat_template]") {
   auto t = moe::load_chat_template(kData + "/../../models/demo-moe");
   if (!t) FAIL(t.error());
   CHECK(t->eos_token() == "<|endoftext|>");
@@ -138,7 +140,8 @@ TEST_CASE("the demo model's template renders as the reference Qwen-style prompts
   }
 }
 
-TEST_CASE("special tokens come from tokenizer_config.json, as strings or {content} objects", "[chat_template]") {
+TEST_CASE("special tokens come from tokenizer_config.json, as strings or {content} objects",
+          "[chat_template]") {
   auto gpt2 = moe::load_chat_template(kFixtures + "/tokenizers/bytelevel_gpt2");
   REQUIRE(gpt2.ok());
   CHECK(gpt2->bos_token() == "<|endoftext|>");
@@ -147,7 +150,8 @@ TEST_CASE("special tokens come from tokenizer_config.json, as strings or {conten
   CHECK(mixtral->bos_token() == "<s>");
   CHECK(mixtral->eos_token() == "</s>");
 
-  fs::path dir = fs::temp_directory_path() / ("moe_chat_template_test_" + std::to_string(::getpid()));
+  fs::path dir =
+      fs::temp_directory_path() / ("moe_chat_template_test_" + std::to_string(::getpid()));
   fs::create_directories(dir);
   {
     std::ofstream(dir / "tokenizer_config.json") << R"({
@@ -162,11 +166,15 @@ TEST_CASE("special tokens come from tokenizer_config.json, as strings or {conten
   REQUIRE(r.ok());
   CHECK(*r == "<B>x<E>");
   // extra_context overrides the loaded tokens
-  r = t->render(json::parse(R"([{"role": "user", "content": "x"}])"), false, json{{"bos_token", "[b]"}});
+  r = t->render(json::parse(R"([{"role": "user", "content": "x"}])"), false,
+                json{{"bos_token", "[b]"}});
   REQUIRE(r.ok());
   CHECK(*r == "[b]x<E>");
 
-  { std::ofstream(dir / "tokenizer_config.json") << R"({"chat_template": [{"name": "rag", "template": "x"}]})"; }
+  {
+    std::ofstream(dir / "tokenizer_config.json")
+        << R"({"chat_template": [{"name": "rag", "template": "x"}]})";
+  }
   auto no_default = moe::load_chat_template(dir.string());
   REQUIRE_FALSE(no_default.ok());
   CHECK(no_default.error().find("default") != std::string::npos);
@@ -185,9 +193,10 @@ TEST_CASE("language cases match Jinja2 configured as apply_chat_template", "[cha
   for (const auto& c : doc["cases"]) {
     const std::string name = c["name"];
     INFO("case " << name);
-    std::string source = c.contains("template_file")
-                             ? read_text(kHere + "/chat_templates/" + c["template_file"].get<std::string>())
-                             : c["template"].get<std::string>();
+    std::string source =
+        c.contains("template_file")
+            ? read_text(kHere + "/chat_templates/" + c["template_file"].get<std::string>())
+            : c["template"].get<std::string>();
     ++total;
     auto t = ChatTemplate::parse(source);
     if (!t) {
@@ -198,7 +207,8 @@ TEST_CASE("language cases match Jinja2 configured as apply_chat_template", "[cha
     }
     auto r = t->render_ordered(c["messages"], c["add_generation_prompt"].get<bool>(), c["context"]);
     if (c.contains("text")) {
-      if (!r) FAIL_CHECK("render failed: " << r.error());
+      if (!r)
+        FAIL_CHECK("render failed: " << r.error());
       else {
         CHECK(*r == c["text"].get<std::string>());
         if (*r == c["text"].get<std::string>()) ++passed;
@@ -206,7 +216,8 @@ TEST_CASE("language cases match Jinja2 configured as apply_chat_template", "[cha
     } else {
       CHECK_FALSE(r.ok());
       const std::string want = c["error"];
-      if (!r && !want.empty()) CHECK(r.error() == want);  // raise_exception: the author's message, verbatim
+      if (!r && !want.empty())
+        CHECK(r.error() == want);  // raise_exception: the author's message, verbatim
       if (!r && (want.empty() || r.error() == want)) ++passed;
     }
   }
@@ -218,7 +229,8 @@ TEST_CASE("language cases match Jinja2 configured as apply_chat_template", "[cha
 // ---- the language, case by case -----------------------------------------------------
 
 TEST_CASE("loops expose loop.* and filter with an inline if", "[chat_template]") {
-  CHECK(render_ok("{% for m in messages if m.role != 'system' %}{{ loop.index }}{{ m.role[0] }}{{ '.' if not loop.last }}"
+  CHECK(render_ok("{% for m in messages if m.role != 'system' %}{{ loop.index }}{{ m.role[0] }}{{ "
+                  "'.' if not loop.last }}"
                   "{% endfor %}",
                   kTwoTurns) == "1u.2a");
   CHECK(render_ok("{% for x in 'abc' %}{{ loop.revindex }}{{ x }}{% endfor %}") == "3a2b1c");
@@ -228,28 +240,34 @@ TEST_CASE("loops expose loop.* and filter with an inline if", "[chat_template]")
 TEST_CASE("namespace() carries values out of a loop; plain set does not", "[chat_template]") {
   const std::string src =
       "{% set ns = namespace(found=false) %}{% set plain = false %}"
-      "{% for m in messages %}{% if m.role == 'assistant' %}{% set ns.found = true %}{% set plain = true %}{% endif %}"
+      "{% for m in messages %}{% if m.role == 'assistant' %}{% set ns.found = true %}{% set plain "
+      "= true %}{% endif %}"
       "{% endfor %}{{ ns.found }}/{{ plain }}";
   CHECK(render_ok(src, kTwoTurns) == "True/False");
-  CHECK(render_error("{% set x = 1 %}{% set x.y = 2 %}").find("non-namespace") != std::string::npos);
+  CHECK(render_error("{% set x = 1 %}{% set x.y = 2 %}").find("non-namespace") !=
+        std::string::npos);
 }
 
-TEST_CASE("whitespace control: -, trim_blocks, lstrip_blocks and a dropped final newline", "[chat_template]") {
+TEST_CASE("whitespace control: -, trim_blocks, lstrip_blocks and a dropped final newline",
+          "[chat_template]") {
   CHECK(render_ok("a\n  {%- if true %}\n  b\n  {% endif %}\nc\n") == "a  b\nc");
   CHECK(render_ok("{{ 'x' }}\n{{- 'y' -}}\n  z") == "xyz");
   CHECK(render_ok("  {%+ if true %}k{% endif +%}\nz\n") == "  k\nz");
 }
 
-TEST_CASE("undefined names are falsy, print empty and fail only when used as values", "[chat_template]") {
-  CHECK(render_ok("[{{ nothing }}]{% if not nothing %}f{% endif %}{{ nothing is defined }}{{ nothing | length }}") ==
-        "[]fFalse0");
+TEST_CASE("undefined names are falsy, print empty and fail only when used as values",
+          "[chat_template]") {
+  CHECK(render_ok("[{{ nothing }}]{% if not nothing %}f{% endif %}{{ nothing is defined }}{{ "
+                  "nothing | length }}") == "[]fFalse0");
   CHECK(render_error("{{ nothing.attr }}") == "chat template line 1: 'nothing' is undefined");
   // tools and documents default to none, as transformers passes them
   CHECK(render_ok("{{ tools is none }}{{ documents is none }}") == "TrueTrue");
 }
 
 TEST_CASE("raise_exception() ends the render with the template's own message", "[chat_template]") {
-  auto t = parse_ok("{% if messages | length > 1 %}{{ raise_exception('Only one message, please.') }}{% endif %}ok");
+  auto t = parse_ok(
+      "{% if messages | length > 1 %}{{ raise_exception('Only one message, please.') }}{% endif "
+      "%}ok");
   auto r = t.render(kTwoTurns, false);
   REQUIRE_FALSE(r.ok());
   CHECK(r.error() == "Only one message, please.");
@@ -264,20 +282,24 @@ TEST_CASE("syntax errors name the line", "[chat_template]") {
     REQUIRE_FALSE(t.ok());
     return t.error();
   };
-  CHECK(err("line one\n{% if x %}\n{% frobnicate %}\n{% endif %}") == "chat template line 3: unknown tag 'frobnicate'");
-  CHECK(err("a\nb\n{{ x | no_such_filter }}") == "chat template line 3: unknown filter 'no_such_filter'");
+  CHECK(err("line one\n{% if x %}\n{% frobnicate %}\n{% endif %}") ==
+        "chat template line 3: unknown tag 'frobnicate'");
+  CHECK(err("a\nb\n{{ x | no_such_filter }}") ==
+        "chat template line 3: unknown filter 'no_such_filter'");
   CHECK(err("{% for x in y %}\n\nbody") ==
-        "chat template line 3: unexpected end of template: 'for' opened on line 1 is never closed with 'endfor'");
+        "chat template line 3: unexpected end of template: 'for' opened on line 1 is never closed "
+        "with 'endfor'");
   CHECK(err("\n\n\n{{ 'unterminated }}").find("chat template line 4: unterminated string") == 0);
   CHECK(err("{{ 1 + }}").find("chat template line 1: expected an expression") == 0);
-  CHECK(err("{% endif %}") .find("line 1: unexpected 'endif'") != std::string::npos);
+  CHECK(err("{% endif %}").find("line 1: unexpected 'endif'") != std::string::npos);
   CHECK(err("{% include 'other.jinja' %}").find("not supported") != std::string::npos);
   CHECK(err("{# never closed").find("missing end of comment") != std::string::npos);
   CHECK(err("{% break %}").find("outside of a loop") != std::string::npos);
 }
 
 TEST_CASE("runtime errors name the line and never abort", "[chat_template]") {
-  CHECK(render_error("ok\n{{ 'a' + 1 }}") == "chat template line 2: unsupported operand type(s) for +: 'str' and 'int'");
+  CHECK(render_error("ok\n{{ 'a' + 1 }}") ==
+        "chat template line 2: unsupported operand type(s) for +: 'str' and 'int'");
   CHECK(render_error("\n{{ 1 // 0 }}").find("line 2") != std::string::npos);
   CHECK(render_error("{% set l = [] %}{{ l.append(1) }}").find("unsafe") != std::string::npos);
   CHECK(render_error("{% for x in none %}{% endfor %}").find("not iterable") != std::string::npos);
@@ -287,31 +309,36 @@ TEST_CASE("runtime errors name the line and never abort", "[chat_template]") {
 
 TEST_CASE("deep nesting and runaway templates are refused with errors", "[chat_template]") {
   // Nesting the parser would otherwise recurse into without bound.
-  CHECK(ChatTemplate::parse("{{ " + std::string(5000, '(') + "1" + std::string(5000, ')') + " }}").error().find("nested too deeply") !=
-        std::string::npos);
+  CHECK(ChatTemplate::parse("{{ " + std::string(5000, '(') + "1" + std::string(5000, ')') + " }}")
+            .error()
+            .find("nested too deeply") != std::string::npos);
   std::string chain = "{{ 1";
   for (int i = 0; i < 5000; ++i) chain += " + 1";
   CHECK(ChatTemplate::parse(chain + " }}").error().find("nested too deeply") != std::string::npos);
   std::string blocks;
   for (int i = 0; i < 1000; ++i) blocks += "{% if true %}";
   CHECK(ChatTemplate::parse(blocks).error().find("nested too deeply") != std::string::npos);
-  CHECK(ChatTemplate::parse("{{ " + std::string(5000, '-') + "1 }}").error().find("nested too deeply") != std::string::npos);
+  CHECK(ChatTemplate::parse("{{ " + std::string(5000, '-') + "1 }}")
+            .error()
+            .find("nested too deeply") != std::string::npos);
 
   // Infinite recursion through a macro.
-  CHECK(render_error("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}").find("nested too deeply") !=
-        std::string::npos);
+  CHECK(render_error("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}")
+            .find("nested too deeply") != std::string::npos);
   // Values nested by a loop cannot grow deeper than printing can handle.
-  CHECK(render_error("{% set ns = namespace(x=[]) %}{% for i in range(5000) %}{% set ns.x = [ns.x] %}{% endfor %}"
+  CHECK(render_error("{% set ns = namespace(x=[]) %}{% for i in range(5000) %}{% set ns.x = [ns.x] "
+                     "%}{% endfor %}"
                      "{{ ns.x }}")
             .find("nested too deeply") != std::string::npos);
 
   // A huge loop stops at the step budget, quickly (CPU time: the machine may be busy).
   const std::clock_t start = std::clock();
-  CHECK(render_error("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+  CHECK(render_error(
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
             .find("ran too long") != std::string::npos);
   // Output that would grow without bound stops at the size limit.
-  CHECK(render_error("{% for i in range(100000) %}{{ 'x' * 1000000 }}{% endfor %}").find("too large") !=
-        std::string::npos);
+  CHECK(render_error("{% for i in range(100000) %}{{ 'x' * 1000000 }}{% endfor %}")
+            .find("too large") != std::string::npos);
   CHECK(render_error("{{ 'x' * 100000000000 }}").find("too large") != std::string::npos);
   CHECK(render_error("{{ range(1000000) | length }}").find("range too big") != std::string::npos);
   const double cpu_seconds = static_cast<double>(std::clock() - start) / CLOCKS_PER_SEC;
@@ -320,7 +347,8 @@ TEST_CASE("deep nesting and runaway templates are refused with errors", "[chat_t
 
 TEST_CASE("render_ordered keeps the key order of tool schemas in tojson", "[chat_template]") {
   auto t = parse_ok("{% for t in tools %}{{ t | tojson }}{% endfor %}");
-  ordered_json tools = ordered_json::parse(R"([{"name": "f", "parameters": {"type": "object", "a": 1}}])");
+  ordered_json tools =
+      ordered_json::parse(R"([{"name": "f", "parameters": {"type": "object", "a": 1}}])");
   auto r = t.render_ordered(ordered_json::array(), false, ordered_json{{"tools", tools}});
   REQUIRE(r.ok());
   CHECK(*r == R"({"name": "f", "parameters": {"type": "object", "a": 1}})");

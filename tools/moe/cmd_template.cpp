@@ -6,9 +6,8 @@
 #include <fstream>
 #include <iostream>
 #include <iterator>
-#include <string>
-
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "tokenizer/chat_template.h"
 #include "tools/moe/commands.h"
@@ -18,14 +17,15 @@ namespace moe::cli {
 namespace {
 
 void usage(FILE* out) {
-  std::fprintf(out,
-               "usage: moe template --model DIR --messages FILE [--add-generation-prompt] [--tools FILE]\n\n"
-               "  --model DIR               folder with chat_template.jinja or tokenizer_config.json\n"
-               "                            (tokenizer files are enough)\n"
-               "  --messages FILE           JSON list of {\"role\", \"content\", ...}; - reads stdin\n"
-               "  --add-generation-prompt   end with the assistant's turn opened\n"
-               "  --tools FILE              JSON list of tool definitions, passed as `tools`\n\n"
-               "prints the rendered prompt exactly as the template produces it\n");
+  std::fprintf(
+      out,
+      "usage: moe template --model DIR --messages FILE [--add-generation-prompt] [--tools FILE]\n\n"
+      "  --model DIR               folder with chat_template.jinja or tokenizer_config.json\n"
+      "                            (tokenizer files are enough)\n"
+      "  --messages FILE           JSON list of {\"role\", \"content\", ...}; - reads stdin\n"
+      "  --add-generation-prompt   end with the assistant's turn opened\n"
+      "  --tools FILE              JSON list of tool definitions, passed as `tools`\n\n"
+      "prints the rendered prompt exactly as the template produces it\n");
 }
 
 // Key order is kept (ordered_json): templates print tool schemas with tojson.
