@@ -7,6 +7,7 @@
 
 #include "engine/engine.h"
 #include "gpu_worker/backend.h"
+#include "gpu_worker/model_hello.h"
 #include "gpu_worker/residency.h"
 
 namespace moe::worker {
@@ -29,25 +30,13 @@ class CpuBackend final : public Backend {
   }
 
   protocol::Hello describe() const override {
-    const ModelDesc& d = engine_->desc();
-    protocol::Hello h;
-    h.role = protocol::Role::worker;
+    protocol::Hello h = model_hello(engine_->desc());
     h.model_id = model_id_;
     h.backend = "cpu";
     h.instance = "moe-worker";
     h.kv_blocks_total = uint32_t(engine_->kv_blocks_total());
     h.kv_block_tokens = uint32_t(engine_->kv_block_tokens());
     h.max_context = uint32_t(engine_->max_context());
-    h.max_batch_sequences = uint32_t(protocol::kMaxStepSequences);
-    h.max_step_tokens = uint32_t(protocol::kMaxStepTokens);
-    h.vocab_size = uint32_t(d.vocab_size);
-    h.eos_ids = d.eos_token_ids;
-    h.experts.n_layers = uint32_t(d.n_layers);
-    h.experts.n_moe_layers = uint32_t(d.n_moe_layers());
-    h.experts.n_experts = uint32_t(d.moe.n_experts);
-    h.experts.top_k = uint32_t(d.moe.top_k);
-    for (int l = 0; l < d.n_layers; ++l)
-      if (d.moe_layer_index(l) >= 0) h.experts.moe_layers.push_back(uint16_t(l));
     return h;
   }
 

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "gpu_worker/backend.h"
+#include "gpu_worker/model_hello.h"
 #include "gpu_worker/worker_server.h"
 #include "model/model_files.h"
 
@@ -28,24 +29,13 @@ class InstantBackend final : public worker::Backend {
   explicit InstantBackend(const ModelDesc& d) : desc_(d) {}
 
   protocol::Hello describe() const override {
-    protocol::Hello h;
-    h.role = protocol::Role::worker;
+    protocol::Hello h = worker::model_hello(desc_);
     h.model_id = "instant";
     h.backend = "instant";
     h.instance = "moe-bench-instant-worker";
     h.kv_blocks_total = kBlocks;
     h.kv_block_tokens = kBlockTokens;
     h.max_context = uint32_t(std::min(desc_.max_position, int(kBlocks * kBlockTokens)));
-    h.max_batch_sequences = uint32_t(protocol::kMaxStepSequences);
-    h.max_step_tokens = uint32_t(protocol::kMaxStepTokens);
-    h.vocab_size = uint32_t(desc_.vocab_size);
-    h.eos_ids = desc_.eos_token_ids;
-    h.experts.n_layers = uint32_t(desc_.n_layers);
-    h.experts.n_moe_layers = uint32_t(desc_.n_moe_layers());
-    h.experts.n_experts = uint32_t(desc_.moe.n_experts);
-    h.experts.top_k = uint32_t(desc_.moe.top_k);
-    for (int l = 0; l < desc_.n_layers; ++l)
-      if (desc_.moe_layer_index(l) >= 0) h.experts.moe_layers.push_back(uint16_t(l));
     return h;
   }
 
