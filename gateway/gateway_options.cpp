@@ -14,7 +14,7 @@ bool parse_u64(const std::string& s, uint64_t* out) {
 bool takes_value(const std::string& name) {
   for (const char* known : {"--model", "--worker", "--host", "--port", "--api-key", "--max-body-bytes",
                             "--served-model-name", "--redis", "--fallback-worker", "--request-timeout-ms", "--keepalive-timeout-ms",
-                            "--max-write-queue-bytes"}) {
+                            "--max-write-queue-bytes", "--max-step-tokens"}) {
     if (name == known) return true;
   }
   return false;
@@ -55,6 +55,9 @@ std::string gateway_usage() {
          "                            (default 60000)\n"
          "  --max-write-queue-bytes N a streaming client this far behind is dropped and its\n"
          "                            generation cancelled (default 1048576)\n"
+         "  --max-step-tokens N       tokens in one worker step, decode and prefill chunks\n"
+         "                            together (default 256): larger favours throughput,\n"
+         "                            smaller the latency of running streams\n"
          "  --help                    this text\n"
          "  --version                 the version\n";
 }
@@ -123,6 +126,9 @@ Result<GatewayCommandLine> parse_gateway_args(const std::vector<std::string>& ar
       if ((st = number(24ull * 3600 * 1000))) o.keepalive_timeout_ms = num;
     } else if (name == "--max-write-queue-bytes") {
       if ((st = number(std::numeric_limits<uint32_t>::max()))) o.max_write_queue_bytes = num;
+    } else if (name == "--max-step-tokens") {
+      if ((st = number(65535))) o.max_step_tokens = static_cast<int>(num);
+      if (st.ok() && o.max_step_tokens < 1) return make_error("option --max-step-tokens needs at least 1");
     } else {
       return make_error("unknown option '" + name + "' (see --help)");
     }

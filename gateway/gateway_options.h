@@ -23,6 +23,7 @@ struct GatewayOptions {
   uint64_t request_timeout_ms = 30'000;    // --request-timeout-ms
   uint64_t keepalive_timeout_ms = 60'000;  // --keepalive-timeout-ms
   size_t max_write_queue_bytes = 1 << 20;  // --max-write-queue-bytes
+  int max_step_tokens = 256;               // --max-step-tokens: tokens of one worker step
 };
 
 struct GatewayCommandLine {

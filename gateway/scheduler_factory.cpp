@@ -16,6 +16,7 @@ Result<std::unique_ptr<Scheduler>> make_scheduler(uv_loop_t* loop, const Gateway
   ContinuousSchedulerOptions so;
   // With Redis, workers publish per-request routing summaries from the usage.
   so.report_expert_usage = !opts.redis_url.empty();
+  so.max_step_tokens = opts.max_step_tokens;
   std::vector<std::string> sockets;
   for (const std::string& w : opts.workers) {
     if (w.rfind("unix:", 0) != 0) return make_error("--worker needs unix:PATH, got '" + w + "'");
