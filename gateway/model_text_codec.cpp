@@ -51,28 +51,6 @@ class ModelTextCodec final : public TextCodec {
   std::vector<int32_t> stop_ids_;
 };
 
-// The chat template's source: chat_template.jinja, else tokenizer_config.json's
-// "chat_template" (a string, or a list of {name, template} with a "default").
-std::string template_source(const ModelFiles& files) {
-  std::string jinja = files.tokenizer_file("chat_template.jinja");
-  if (!jinja.empty()) return jinja;
-  std::string cfg_text = files.tokenizer_file("tokenizer_config.json");
-  if (cfg_text.empty()) return "";
-  auto cfg = nlohmann::json::parse(cfg_text, nullptr, false);
-  if (cfg.is_discarded() || !cfg.is_object()) return "";
-  auto it = cfg.find("chat_template");
-  if (it == cfg.end()) return "";
-  if (it->is_string()) return it->get<std::string>();
-  if (it->is_array()) {
-    for (const auto& t : *it) {
-      if (t.is_object() && t.value("name", "") == "default" && t.contains("template") && t["template"].is_string()) {
-        return t["template"].get<std::string>();
-      }
-    }
-  }
-  return "";
-}
-
 }  // namespace
 
 Result<std::unique_ptr<TextCodec>> load_model_text_codec(const std::string& model_path) {
@@ -84,14 +62,12 @@ Result<std::unique_ptr<TextCodec>> load_model_text_codec(const std::string& mode
   auto tok = Tokenizer::from_json(tok_json, f.tokenizer_file("tokenizer_config.json"));
   if (!tok.ok()) return make_error(model_path + ": tokenizer.json: " + tok.error());
 
-  std::optional<ChatTemplate> tmpl;
-  std::string source = template_source(f);
-  if (!source.empty()) {
-    auto parsed = ChatTemplate::parse(source);
-    if (!parsed.ok()) return make_error(model_path + ": chat template: " + parsed.error());
-    parsed->set_special_tokens(tok.value()->bos_token(), tok.value()->eos_token());
-    tmpl = std::move(parsed.value());
-  }
+  // A model without a chat template still serves completions.
+  auto found = chat_template_from_files({model_path, f.tokenizer_file("chat_template.jinja"),
+                                         f.tokenizer_file("tokenizer_config.json"), ""});
+  if (!found.ok()) return make_error("chat template: " + found.error());
+  std::optional<ChatTemplate> tmpl = std::move(found.value());
+  if (tmpl) tmpl->set_special_tokens(tok.value()->bos_token(), tok.value()->eos_token());
 
   std::vector<int32_t> stop_ids = f.desc().eos_token_ids;
   if (int32_t eos = tok.value()->eos_id(); eos >= 0 && std::find(stop_ids.begin(), stop_ids.end(), eos) == stop_ids.end()) {

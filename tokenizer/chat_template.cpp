@@ -3,6 +3,7 @@
 #include <fstream>
 #include <new>
 #include <sstream>
+#include <utility>
 
 #include "tokenizer/jinja_builtins.h"
 #include "tokenizer/jinja_interpreter.h"
@@ -123,46 +124,61 @@ Result<std::string> ChatTemplate::render_ordered(
                      extra_context);
 }
 
-Result<ChatTemplate> load_chat_template(const std::string& dir) {
-  const std::string config_path = dir + "/tokenizer_config.json";
+Result<std::optional<ChatTemplate>> chat_template_from_files(const ChatTemplateFiles& files) {
+  const std::string config_name = files.where + "/tokenizer_config.json";
   nlohmann::json config = nlohmann::json::object();
-  if (file_exists(config_path)) {
-    auto text = read_file(config_path);
-    if (!text) return make_error(text.error());
-    config = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  if (!files.tokenizer_config_json.empty()) {
+    config = nlohmann::json::parse(files.tokenizer_config_json, nullptr, /*allow_exceptions=*/false);
     if (config.is_discarded() || !config.is_object())
-      return make_error(config_path + ": not a JSON object");
+      return make_error(config_name + ": not a JSON object");
   }
 
   std::string source;
-  const std::string jinja_path = dir + "/chat_template.jinja";
-  const std::string json_path = dir + "/chat_template.json";
-  if (file_exists(jinja_path)) {
-    auto text = read_file(jinja_path);
-    if (!text) return make_error(text.error());
-    source = std::move(*text);
+  if (!files.chat_template_jinja.empty()) {
+    source = files.chat_template_jinja;
   } else if (config.contains("chat_template")) {
-    auto t = template_from_config(config["chat_template"], config_path);
+    auto t = template_from_config(config["chat_template"], config_name);
     if (!t) return make_error(t.error());
     source = std::move(*t);
-  } else if (file_exists(json_path)) {
-    auto text = read_file(json_path);
-    if (!text) return make_error(text.error());
-    auto j = nlohmann::json::parse(*text, nullptr, false);
+  } else if (!files.chat_template_json.empty()) {
+    const std::string json_name = files.where + "/chat_template.json";
+    auto j = nlohmann::json::parse(files.chat_template_json, nullptr, false);
     if (j.is_discarded() || !j.is_object() || !j.contains("chat_template"))
-      return make_error(json_path + ": no chat_template in it");
-    auto t = template_from_config(j["chat_template"], json_path);
+      return make_error(json_name + ": no chat_template in it");
+    auto t = template_from_config(j["chat_template"], json_name);
     if (!t) return make_error(t.error());
     source = std::move(*t);
   } else {
-    return make_error("no chat template in " + dir +
-                      " (neither chat_template.jinja nor chat_template in tokenizer_config.json)");
+    return std::optional<ChatTemplate>();
   }
 
   auto parsed = ChatTemplate::parse(std::move(source));
-  if (!parsed) return make_error(dir + ": " + parsed.error());
+  if (!parsed) return make_error(files.where + ": " + parsed.error());
   parsed->set_special_tokens(token_text(config, "bos_token"), token_text(config, "eos_token"));
-  return parsed;
+  return std::optional<ChatTemplate>(std::move(*parsed));
+}
+
+Result<ChatTemplate> load_chat_template(const std::string& dir) {
+  ChatTemplateFiles files;
+  files.where = dir;
+  const std::pair<const char*, std::string*> wanted[] = {
+      {"/chat_template.jinja", &files.chat_template_jinja},
+      {"/tokenizer_config.json", &files.tokenizer_config_json},
+      {"/chat_template.json", &files.chat_template_json},
+  };
+  for (const auto& [name, text] : wanted) {
+    const std::string path = dir + name;
+    if (!file_exists(path)) continue;
+    auto read = read_file(path);
+    if (!read) return make_error(read.error());
+    *text = std::move(*read);
+  }
+  auto t = chat_template_from_files(files);
+  if (!t) return make_error(t.error());
+  if (!t->has_value())
+    return make_error("no chat template in " + dir +
+                      " (neither chat_template.jinja nor chat_template in tokenizer_config.json)");
+  return std::move(**t);
 }
 
 }  // namespace moe

@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "model/result.h"
@@ -52,10 +53,25 @@ class ChatTemplate {
   std::string eos_token_;
 };
 
-// Loads the chat template of a model (or tokenizer-only) folder: the file
-// chat_template.jinja, else `chat_template` in tokenizer_config.json — a
-// string, or a list of {name, template} of which "default" is taken — plus
-// bos_token / eos_token from tokenizer_config.json (strings or {content: …}).
+// The texts of a model's files that may hold its chat template; "" where a
+// file is absent. `where` prefixes error messages (the folder or file path).
+struct ChatTemplateFiles {
+  std::string where;
+  std::string chat_template_jinja;    // chat_template.jinja
+  std::string tokenizer_config_json;  // tokenizer_config.json
+  std::string chat_template_json;     // chat_template.json
+};
+
+// The chat template those files define: chat_template.jinja, else
+// `chat_template` in tokenizer_config.json — a string, or a list of
+// {name, template} of which "default" is taken — else chat_template.json;
+// plus bos_token / eos_token from tokenizer_config.json (strings or
+// {content: …}). nullopt when the model has no chat template; an error when
+// one is there but broken.
+Result<std::optional<ChatTemplate>> chat_template_from_files(const ChatTemplateFiles& files);
+
+// The same for a model (or tokenizer-only) folder; a folder without a chat
+// template is an error.
 Result<ChatTemplate> load_chat_template(const std::string& dir);
 
 }  // namespace moe

@@ -40,26 +40,11 @@ void usage(FILE* out) {
 Result<ChatTemplate> chat_template_of(const std::string& path, const ModelFiles& files) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) return load_chat_template(path);
-  std::string source = files.tokenizer_file("chat_template.jinja");
-  const std::string config_text = files.tokenizer_file("tokenizer_config.json");
-  nlohmann::json config = nlohmann::json::object();
-  if (!config_text.empty()) config = nlohmann::json::parse(config_text, nullptr, false);
-  if (config.is_discarded()) return make_error("tokenizer_config.json is not valid JSON");
-  if (source.empty() && config.contains("chat_template") && config["chat_template"].is_string())
-    source = config["chat_template"].get<std::string>();
-  if (source.empty()) return make_error(path + ": the model has no chat template");
-  auto t = ChatTemplate::parse(source);
-  if (!t) return t;
-  auto token = [&](const char* key) -> std::string {
-    if (!config.contains(key)) return "";
-    const auto& v = config[key];
-    if (v.is_string()) return v.get<std::string>();
-    if (v.is_object() && v.contains("content") && v["content"].is_string())
-      return v["content"].get<std::string>();
-    return "";
-  };
-  t->set_special_tokens(token("bos_token"), token("eos_token"));
-  return t;
+  auto t = chat_template_from_files({path, files.tokenizer_file("chat_template.jinja"),
+                                     files.tokenizer_file("tokenizer_config.json"), ""});
+  if (!t) return make_error(t.error());
+  if (!t->has_value()) return make_error(path + ": the model has no chat template");
+  return std::move(**t);
 }
 
 }  // namespace
