@@ -3,6 +3,12 @@
 // shuffles, 16-byte loads). Values: lanes own head dims and each key's
 // probability is broadcast. Warps keep online-softmax state (max, sum, out)
 // and merge through shared memory at the end.
+//
+// Small heads (16, 32) cannot give every lane of a warp its own head dims in
+// the value phase, so there a key's row is spread over head_dim / 2 lanes
+// (two dims each, 4-byte loads) and a warp takes 64 / head_dim keys at once;
+// the key groups' partial outputs are summed with shuffles after the last
+// tile. Heads of 64 and up keep one key per step over the whole warp.
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/cuda_check.cuh"
 #include "kernels/cuda/launch.cuh"
@@ -41,7 +47,13 @@ template <int HD>
 __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, PagedKvPool kv) {
   detail::allow_next_grid();
   detail::wait_prior_grid();
-  constexpr int D = HD / 32;  // head dims per lane in the value phase
+  static_assert(HD == 16 || HD == 32 || HD == 64 || HD == 128 || HD == 256, "unsupported head_dim");
+  constexpr bool kSmall = HD < 64;
+  // Head dims per lane in the value phase; small heads: 2, and a key's row
+  // over kLanesPerKey lanes, kKeysPerStep keys side by side in a warp.
+  constexpr int D = kSmall ? 2 : HD / 32;
+  constexpr int kLanesPerKey = kSmall ? HD / 2 : 32;
+  constexpr int kKeysPerStep = 32 / kLanesPerKey;
   __shared__ float qs[HD];
   __shared__ float wm[kWarps], wl[kWarps];
   __shared__ float wo[kWarps][HD];
@@ -89,34 +101,73 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
     for (int i = 0; i < D; ++i) o[i] *= corr;
     m = m_new;
     const int valid = min(32, n_keys - tile * 32);
-    // Eight keys' value rows are loaded before their FMAs, so eight loads
-    // are in flight per lane instead of one.
-    for (int j0 = 0; j0 < valid; j0 += 8) {
-      float pv[8];
-      float vv[8][D];
+    if constexpr (kSmall) {
+      // Lane group g = lane / kLanesPerKey takes keys g, g + kKeysPerStep, ...
+      // of the tile; eight steps' loads are in flight before their FMAs.
+      const int group = lane / kLanesPerKey, dim0 = (lane % kLanesPerKey) * D;
+      for (int j0 = 0; j0 < valid; j0 += 8 * kKeysPerStep) {
+        float pv[8];
+        float vv[8][D];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        pv[u] = __shfl_sync(0xffffffffu, p, j0 + u);  // p is 0 past the last key
-        const unsigned long long sj = __shfl_sync(0xffffffffu, (unsigned long long)slot, j0 + u);
-        if (j0 + u < valid) {
-          load_row_part<D>(kv.v + sj * row_stride + size_t(kvh) * HD + lane * D, vv[u]);
-        } else {
+        for (int u = 0; u < 8; ++u) {
+          const int jj = j0 + u * kKeysPerStep + group;  // key within the tile
+          const float pj = __shfl_sync(0xffffffffu, p, jj & 31);
+          const unsigned long long sj = __shfl_sync(0xffffffffu, (unsigned long long)slot, jj & 31);
+          if (jj < valid) {
+            pv[u] = pj;
+            load_row_part<D>(kv.v + sj * row_stride + size_t(kvh) * HD + dim0, vv[u]);
+          } else {
+            pv[u] = 0.f;
 #pragma unroll
-          for (int i = 0; i < D; ++i) vv[u][i] = 0.f;
+            for (int i = 0; i < D; ++i) vv[u][i] = 0.f;
+          }
         }
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+#pragma unroll
+          for (int i = 0; i < D; ++i) o[i] = fmaf(pv[u], vv[u][i], o[i]);
       }
+    } else {
+      // Eight keys' value rows are loaded before their FMAs, so eight loads
+      // are in flight per lane instead of one.
+      for (int j0 = 0; j0 < valid; j0 += 8) {
+        float pv[8];
+        float vv[8][D];
 #pragma unroll
-      for (int u = 0; u < 8; ++u)
+        for (int u = 0; u < 8; ++u) {
+          pv[u] = __shfl_sync(0xffffffffu, p, j0 + u);  // p is 0 past the last key
+          const unsigned long long sj = __shfl_sync(0xffffffffu, (unsigned long long)slot, j0 + u);
+          if (j0 + u < valid) {
+            load_row_part<D>(kv.v + sj * row_stride + size_t(kvh) * HD + lane * D, vv[u]);
+          } else {
 #pragma unroll
-        for (int i = 0; i < D; ++i) o[i] = fmaf(pv[u], vv[u][i], o[i]);
+            for (int i = 0; i < D; ++i) vv[u][i] = 0.f;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+#pragma unroll
+          for (int i = 0; i < D; ++i) o[i] = fmaf(pv[u], vv[u][i], o[i]);
+      }
     }
   }
   if (lane == 0) {
     wm[warp] = m;
     wl[warp] = l;
   }
+  if constexpr (kSmall) {
+    // Sum the key groups' partial outputs (same dims, lanes kLanesPerKey apart).
 #pragma unroll
-  for (int i = 0; i < D; ++i) wo[warp][lane * D + i] = o[i];
+    for (int off = kLanesPerKey; off < 32; off <<= 1)
+#pragma unroll
+      for (int i = 0; i < D; ++i) o[i] += __shfl_xor_sync(0xffffffffu, o[i], off);
+    if (lane < kLanesPerKey)
+#pragma unroll
+      for (int i = 0; i < D; ++i) wo[warp][lane * D + i] = o[i];
+  } else {
+#pragma unroll
+    for (int i = 0; i < D; ++i) wo[warp][lane * D + i] = o[i];
+  }
   __syncthreads();
   float M = -INFINITY;
   for (int w = 0; w < kWarps; ++w) M = fmaxf(M, wm[w]);
@@ -141,12 +192,14 @@ Status paged_attention(const AttentionArgs& a, const PagedKvPool& kv, cudaStream
   MOE_CUDA_REQUIRE(kv.block_tokens > 0 && kv.max_blocks > 0, "bad block geometry");
   const dim3 grid(a.tokens, a.n_heads);
   switch (kv.head_dim) {
+    case 16: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<16>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
+    case 32: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<32>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
     case 64: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<64>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
     case 128: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<128>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
     case 256: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<256>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
     default:
       return make_error("paged_attention: unsupported head_dim " + std::to_string(kv.head_dim) +
-                        " (64, 128, 256)");
+                        " (supported: 16, 32, 64, 128, 256)");
   }
   MOE_CUDA_LAUNCHED();
   return {};

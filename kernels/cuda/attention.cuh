@@ -32,7 +32,7 @@ struct AttentionArgs {
   __nv_bfloat16* out = nullptr;           // [tokens, n_heads, head_dim]
 };
 
-// head_dim must be a multiple of 32 and at most 256; n_heads a multiple of n_kv.
+// head_dim 16, 32, 64, 128 or 256 (others are refused); n_heads a multiple of n_kv.
 Status paged_attention(const AttentionArgs& a, const PagedKvPool& kv, cudaStream_t stream);
 
 }  // namespace moe::cuda
