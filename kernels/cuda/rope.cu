@@ -1,4 +1,7 @@
 // A block per (token, 8 heads), a warp per head (q heads, then k heads, then v).
+// The full-width q/k norm needs the sum of squares of a token's whole q (or
+// k) row: each block that holds a q (k) head sums it first, all threads
+// together, so the heads of one token need no communication between blocks.
 #include "kernels/cuda/cuda_check.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/device_math.cuh"
@@ -23,6 +26,43 @@ __global__ void __launch_bounds__(kThreads) qkv_rope_kernel(QkvRopeArgs a, Paged
   const int32_t* table = kv.block_tables + size_t(a.seq_of_token[t]) * kv.max_blocks;
   const size_t slot = size_t(table[pos / kv.block_tokens]) * kv.block_tokens + pos % kv.block_tokens;
   float* x = sh + warp * HD;
+  // Full-width norm: 1 / rms of the token's q and k rows (bias included).
+  float inv_q = 0.f, inv_k = 0.f;
+  if (a.qk_norm_full_width) {
+    const int q_width = a.n_heads * HD, k_width = kv.n_kv * HD;
+    const bool need_q = a.q_norm && first_head < a.n_heads;
+    const bool need_k = a.k_norm && first_head < a.n_heads + kv.n_kv && first_head + nw > a.n_heads;
+    if (need_q || need_k) {  // the same for the whole block
+      __shared__ float red[2][kThreads / 32];
+      float sq = 0.f, sk = 0.f;
+      if (need_q)
+        for (int i = threadIdx.x; i < q_width; i += blockDim.x) {
+          float v = row[i];
+          if (a.bias) v += __bfloat162float(a.bias[i]);
+          sq += v * v;
+        }
+      if (need_k)
+        for (int i = threadIdx.x; i < k_width; i += blockDim.x) {
+          float v = row[q_width + i];
+          if (a.bias) v += __bfloat162float(a.bias[q_width + i]);
+          sk += v * v;
+        }
+      sq = detail::warp_sum(sq);
+      sk = detail::warp_sum(sk);
+      if (lane == 0) {
+        red[0][warp] = sq;
+        red[1][warp] = sk;
+      }
+      __syncthreads();
+      sq = sk = 0.f;
+      for (int w = 0; w < nw; ++w) {
+        sq += red[0][w];
+        sk += red[1][w];
+      }
+      inv_q = rsqrtf(sq / float(q_width) + a.eps);
+      inv_k = rsqrtf(sk / float(k_width) + a.eps);
+    }
+  }
   for (int head = first_head + warp; head < n_total && head < first_head + nw; head += nw) {
     const bool is_q = head < a.n_heads, is_k = !is_q && head < a.n_heads + kv.n_kv;
     float ss = 0.f;
@@ -34,7 +74,12 @@ __global__ void __launch_bounds__(kThreads) qkv_rope_kernel(QkvRopeArgs a, Paged
     }
     const __nv_bfloat16* nw_ = is_q ? a.q_norm : (is_k ? a.k_norm : nullptr);
     __syncwarp();
-    if (nw_) {
+    if (nw_ && a.qk_norm_full_width) {
+      const float inv = is_q ? inv_q : inv_k;
+      const __nv_bfloat16* w = nw_ + size_t(is_q ? head : head - a.n_heads) * HD;
+      for (int i = lane; i < HD; i += 32) x[i] = __bfloat162float(w[i]) * (x[i] * inv);
+      __syncwarp();
+    } else if (nw_) {
       const float inv = rsqrtf(detail::warp_sum(ss) / float(HD) + a.eps);
       for (int i = lane; i < HD; i += 32) x[i] = __bfloat162float(nw_[i]) * (x[i] * inv);
       __syncwarp();
