@@ -444,6 +444,122 @@ TEST_CASE("cuda qkv_rope_store (bias, per-head norm, RoPE, paged store) matches 
   CHECK(rel_err(gv, rv) < 8e-3);
 }
 
+namespace {
+
+// One qkv_rope_store run against the CPU engine's order (engine/forward.cpp):
+// projection bias, q/k RMSNorm (per head, over the whole projection, or
+// none), rotate-half RoPE, kv_store. 7 tokens of 3 sequences at positions
+// that do not start at 0, scattered 8-slot blocks.
+enum class QkNormCase { none, per_head, full_width };
+
+void check_qkv_rope_store(int hd, int nh, int nkv, bool with_bias, QkNormCase norm, float eps,
+                          std::mt19937& rng) {
+  INFO("head_dim " << hd << ", heads " << nh << "/" << nkv << ", bias " << with_bias << ", norm "
+                   << int(norm));
+  const int tokens = 7, bt = 8, max_blocks = 6, seqs = 3, pool_blocks = seqs * max_blocks + 2;
+  const int width = (nh + 2 * nkv) * hd;
+  const auto qkv = randn(size_t(tokens) * width, rng);
+  const auto bias = round_bf16(randn(width, rng, 0.3f));
+  const int qn_len = norm == QkNormCase::full_width ? nh * hd : hd;
+  const int kn_len = norm == QkNormCase::full_width ? nkv * hd : hd;
+  const auto qn = round_bf16(randn(qn_len, rng)), kn = round_bf16(randn(kn_len, rng));
+  std::vector<int32_t> perm(pool_blocks);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  const std::vector<int32_t> tables(perm.begin(), perm.begin() + seqs * max_blocks);
+  // Distinct (sequence, position) pairs, so no two tokens share a slot.
+  const std::vector<int32_t> seq = {0, 1, 2, 1, 0, 2, 1}, pos = {5, 9, 47, 30, 12, 33, 31};
+  const auto inv_freq = moe::cpu::rope_inv_freq_default(1e4f, hd);
+
+  std::vector<float> ref = qkv;
+  if (with_bias)
+    for (int t = 0; t < tokens; ++t)
+      for (int i = 0; i < width; ++i) ref[size_t(t) * width + i] += bias[i];
+  float* ref_q = ref.data();
+  float* ref_k = ref.data() + nh * hd;
+  if (norm == QkNormCase::per_head) {
+    moe::cpu::rmsnorm_heads(ref_q, width, qn.data(), tokens, nh, hd, eps);
+    moe::cpu::rmsnorm_heads(ref_k, width, kn.data(), tokens, nkv, hd, eps);
+  } else if (norm == QkNormCase::full_width) {
+    moe::cpu::rmsnorm(ref_q, width, qn.data(), ref_q, width, tokens, nh * hd, eps);
+    moe::cpu::rmsnorm(ref_k, width, kn.data(), ref_k, width, tokens, nkv * hd, eps);
+  }
+  moe::cpu::rope_neox(ref_q, width, hd, pos.data(), tokens, nh, hd, inv_freq.data());
+  moe::cpu::rope_neox(ref_k, width, hd, pos.data(), tokens, nkv, hd, inv_freq.data());
+
+  Dev<float> dqkv(qkv), dfreq(inv_freq);
+  Dev<bf16> dbias(to_bf16(bias)), dqn(to_bf16(qn)), dkn(to_bf16(kn)), dq(size_t(tokens) * nh * hd);
+  Dev<bf16> dk(size_t(pool_blocks) * bt * nkv * hd), dv(dk.n);
+  Dev<int32_t> dtab(tables), dseq(seq), dpos(pos);
+  moe::cuda::PagedKvPool kv;
+  kv.k = dk.p;
+  kv.v = dv.p;
+  kv.block_tables = dtab.p;
+  kv.max_blocks = max_blocks;
+  kv.block_tokens = bt;
+  kv.n_kv = nkv;
+  kv.head_dim = hd;
+  moe::cuda::QkvRopeArgs a;
+  a.qkv = dqkv.p;
+  a.bias = with_bias ? dbias.p : nullptr;
+  if (norm != QkNormCase::none) {
+    a.q_norm = dqn.p;
+    a.k_norm = dkn.p;
+  }
+  a.qk_norm_full_width = norm == QkNormCase::full_width;
+  a.eps = eps;
+  a.positions = dpos.p;
+  a.seq_of_token = dseq.p;
+  a.inv_freq = dfreq.p;
+  a.tokens = tokens;
+  a.n_heads = nh;
+  a.q_out = dq.p;
+  REQUIRE_OK(moe::cuda::qkv_rope_store(a, kv, nullptr));
+  const auto q = as_float(dq.get()), k = as_float(dk.get()), v = as_float(dv.get());
+  std::vector<float> gq, rq, gk, rk, gv, rv;
+  for (int t = 0; t < tokens; ++t) {
+    for (int i = 0; i < nh * hd; ++i) {
+      gq.push_back(q[size_t(t) * nh * hd + i]);
+      rq.push_back(ref[size_t(t) * width + i]);
+    }
+    const size_t slot = size_t(tables[seq[t] * max_blocks + pos[t] / bt]) * bt + pos[t] % bt;
+    for (int i = 0; i < nkv * hd; ++i) {
+      gk.push_back(k[slot * nkv * hd + i]);
+      rk.push_back(ref[size_t(t) * width + nh * hd + i]);
+      gv.push_back(v[slot * nkv * hd + i]);
+      rv.push_back(ref[size_t(t) * width + (nh + nkv) * hd + i]);
+    }
+  }
+  CHECK(rel_err(gq, rq) < 8e-3);
+  CHECK(rel_err(gk, rk) < 8e-3);
+  CHECK(rel_err(gv, rv) < 8e-3);
+}
+
+}  // namespace
+
+TEST_CASE("cuda qkv_rope_store with head_dim 16 and 32 matches the CPU", "[cuda][rope]") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(21);
+  // The fixtures' shapes: Qwen2 / Qwen2-MoE / Mixtral (16, bias or not, no
+  // norm) and Qwen3-MoE (32, per-head norm); a 12-head token spans two blocks.
+  check_qkv_rope_store(16, 4, 2, true, QkNormCase::none, 1e-6f, rng);
+  check_qkv_rope_store(16, 4, 2, false, QkNormCase::none, 1e-5f, rng);
+  check_qkv_rope_store(32, 4, 2, false, QkNormCase::per_head, 1e-6f, rng);
+  check_qkv_rope_store(16, 6, 3, true, QkNormCase::per_head, 1e-6f, rng);
+}
+
+TEST_CASE("cuda qkv_rope_store full-width q/k norm (OLMoE) matches the CPU", "[cuda][rope]") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(22);
+  // The OLMoE fixture (16, 4/4 heads, eps 1e-5); k straddling two blocks
+  // (6/3 heads); q over two blocks with GQA (32, 16/4); OLMoE's own shape
+  // (128, 16/16: q over two blocks, k over two more).
+  check_qkv_rope_store(16, 4, 4, false, QkNormCase::full_width, 1e-5f, rng);
+  check_qkv_rope_store(16, 6, 3, true, QkNormCase::full_width, 1e-5f, rng);
+  check_qkv_rope_store(32, 16, 4, true, QkNormCase::full_width, 1e-6f, rng);
+  check_qkv_rope_store(128, 16, 16, false, QkNormCase::full_width, 1e-5f, rng);
+}
+
 TEST_CASE("cuda paged attention (decode and prefill) matches the CPU", "[cuda][attention]") {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(18);
@@ -494,6 +610,89 @@ TEST_CASE("cuda paged attention (decode and prefill) matches the CPU", "[cuda][a
     a.out = dout.p;
     REQUIRE_OK(moe::cuda::paged_attention(a, kv, nullptr));
     CHECK(rel_err(as_float(dout.get()), ref) < 8e-3);
+  }
+}
+
+TEST_CASE("cuda paged attention with head_dim 16 and 32 matches the CPU", "[cuda][attention]") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(23);
+  struct Shape {
+    int hd, nh, nkv, bt;
+  };
+  // The fixtures' heads (16: 4/2 and OLMoE's 4/4; 32: Qwen3-MoE's 4/2), an
+  // 8-query group on one KV head, and 7-slot blocks.
+  for (const Shape sh : {Shape{16, 4, 2, 16}, Shape{16, 4, 4, 7}, Shape{16, 8, 1, 16},
+                         Shape{32, 4, 2, 16}, Shape{32, 6, 3, 7}, Shape{32, 8, 1, 16}}) {
+    const int hd = sh.hd, nh = sh.nh, nkv = sh.nkv, bt = sh.bt;
+    INFO("head_dim " << hd << ", heads " << nh << "/" << nkv << ", block_tokens " << bt);
+    const int seqs = 4, max_blocks = (320 + bt - 1) / bt, pool_blocks = seqs * max_blocks + 3;
+    const auto kpool = round_bf16(randn(size_t(pool_blocks) * bt * nkv * hd, rng));
+    const auto vpool = round_bf16(randn(kpool.size(), rng));
+    std::vector<int32_t> perm(pool_blocks);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    // Four sequences over disjoint, shuffled blocks.
+    const std::vector<int32_t> tables(perm.begin(), perm.begin() + seqs * max_blocks);
+    // Decode: contexts 1, 301 (every warp over more than one 32-key tile)
+    // and 34 (one key past a tile); prefill: 24 queries of sequence 3 at
+    // positions 41..64. 27 tokens in all.
+    std::vector<int32_t> seq = {0, 1, 2}, pos = {0, 300, 33};
+    for (int i = 0; i < 24; ++i) {
+      seq.push_back(3);
+      pos.push_back(41 + i);
+    }
+    const int tokens = int(seq.size());
+    const auto q = round_bf16(randn(size_t(tokens) * nh * hd, rng));
+    const float scale = 1.f / std::sqrt(float(hd));
+    std::vector<float> ref(q.size());
+    for (int t = 0; t < tokens; ++t) {
+      moe::cpu::PagedKv kv{kpool.data(), vpool.data(), tables.data() + seq[t] * max_blocks, bt};
+      moe::cpu::attention(q.data() + size_t(t) * nh * hd, nh * hd, kv, &pos[t], ref.data() + size_t(t) * nh * hd,
+                          nh * hd, 1, nh, nkv, hd, hd, scale, nullptr);
+    }
+    Dev<bf16> dq(to_bf16(q)), dk(to_bf16(kpool)), dv(to_bf16(vpool)), dout(q.size());
+    Dev<int32_t> dtab(tables), dseq(seq), dpos(pos);
+    moe::cuda::PagedKvPool kv;
+    kv.k = dk.p;
+    kv.v = dv.p;
+    kv.block_tables = dtab.p;
+    kv.max_blocks = max_blocks;
+    kv.block_tokens = bt;
+    kv.n_kv = nkv;
+    kv.head_dim = hd;
+    moe::cuda::AttentionArgs a;
+    a.q = dq.p;
+    a.seq_of_token = dseq.p;
+    a.positions = dpos.p;
+    a.tokens = tokens;
+    a.n_heads = nh;
+    a.scale = scale;
+    a.out = dout.p;
+    REQUIRE_OK(moe::cuda::paged_attention(a, kv, nullptr));
+    CHECK(rel_err(as_float(dout.get()), ref) < 8e-3);
+  }
+}
+
+TEST_CASE("cuda paged attention refuses an unsupported head_dim", "[cuda][attention]") {
+  SKIP_WITHOUT_GPU();
+  Dev<bf16> buf(4096);
+  Dev<int32_t> ints(std::vector<int32_t>{0, 0});
+  moe::cuda::PagedKvPool kv;
+  kv.k = kv.v = buf.p;
+  kv.block_tables = ints.p;
+  kv.max_blocks = 1;
+  kv.block_tokens = 16;
+  kv.n_kv = 1;
+  moe::cuda::AttentionArgs a;
+  a.q = a.out = buf.p;
+  a.seq_of_token = a.positions = ints.p;
+  a.tokens = 1;
+  a.n_heads = 1;
+  for (int hd : {8, 48, 96}) {
+    kv.head_dim = hd;
+    const auto st = moe::cuda::paged_attention(a, kv, nullptr);
+    REQUIRE_FALSE(st.ok());
+    CHECK(st.error().find("16, 32, 64, 128, 256") != std::string::npos);
   }
 }
 
