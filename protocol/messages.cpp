@@ -391,6 +391,7 @@ std::vector<uint8_t> encode_step(const StepRequest& m) {
     qb.add_start_pos(s.start_pos);
     qb.add_sample(s.sample);
     qb.add_sampling(sampling);
+    qb.add_route_bucket(s.route_bucket);
     seqs.push_back(qb.Finish());
   }
   auto sv = b.CreateVector(seqs);
@@ -440,6 +441,7 @@ Result<StepRequest> decode_step(Payload p) {
       if (uint64_t{s.start_pos} + n > std::numeric_limits<uint32_t>::max())
         r.fail(id() + " runs past position 2^32");
       s.sample = q->sample();
+      s.route_bucket = q->route_bucket();
       if (const fb::SamplingParams* sp = q->sampling()) {
         SamplingParams& o = s.sampling;
         o.temperature = sp->temperature();

@@ -152,6 +152,7 @@ struct StepSequence {
   uint32_t start_pos = 0;       // position of tokens[0]; 0: a fresh sequence
   bool sample = true;           // false: a non-final prefill chunk, nothing sampled
   SamplingParams sampling;
+  uint64_t route_bucket = 0;    // the gateway's routing-class tag, copied into routing summaries; 0: none
   bool operator==(const StepSequence&) const = default;
 };
 

@@ -119,6 +119,7 @@ TEST_CASE("a step written by flatc decodes with the schema's defaults filled in"
   CHECK(a.sampling.temperature == 0.0f);
   CHECK(a.sampling.top_p == 1.0f);  // absent: default
   CHECK(a.sampling.seed == 42);
+  CHECK(a.route_bucket == 0);  // written before the field existed: none
   const StepSequence& b = s->sequences[1];
   CHECK(b.seq_id == 9000000000ull);
   CHECK(b.tokens == std::vector<int32_t>{13});
@@ -130,6 +131,17 @@ TEST_CASE("a step written by flatc decodes with the schema's defaults filled in"
   CHECK(b.sampling.seed == 3);
   CHECK(b.sampling.logprobs);
   CHECK(b.sampling.top_logprobs == 5);
+}
+
+TEST_CASE("a step sequence's route bucket round-trips; without one it reads 0") {
+  StepRequest s = one_sequence_step();
+  s.sequences[0].route_bucket = 0x8001000000000abcull;
+  auto back = decode_step(encode_step(s));
+  REQUIRE(back.ok());
+  CHECK(back->sequences[0].route_bucket == 0x8001000000000abcull);
+  auto none = decode_step(encode_step(one_sequence_step()));
+  REQUIRE(none.ok());
+  CHECK(none->sequences[0].route_bucket == 0);
 }
 
 TEST_CASE("a step reply written by flatc decodes, per-sequence errors included") {

@@ -96,6 +96,7 @@ class SampleMessages {
       q.sampling.seed = u64();
       q.sampling.logprobs = coin();
       q.sampling.top_logprobs = static_cast<uint8_t>(pick(0, kMaxTopLogprobs));
+      q.route_bucket = coin() ? u64() : 0;
       s.sequences.push_back(std::move(q));
     }
     return s;
