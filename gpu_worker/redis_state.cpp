@@ -257,7 +257,9 @@ void WorkerRedisState::after_step(const protocol::StepRequest& req,
     published_version_ = backend_->residency_version();
     queue_resident("change");
   }
-  (void)req;
+  // The gateway's routing class of each sequence, for its routing summary.
+  for (const protocol::StepSequence& q : req.sequences)
+    if (q.route_bucket != 0) buckets_[q.seq_id] = q.route_bucket;
   for (const protocol::StepResult& r : reply.results) {
     if (r.error != protocol::ErrorCode::none || r.expert_usage.empty()) continue;
     auto& u = usage_[r.seq_id];
@@ -267,6 +269,11 @@ void WorkerRedisState::after_step(const protocol::StepRequest& req,
 }
 
 void WorkerRedisState::released(uint64_t seq_id) {
+  uint64_t bucket = 0;
+  if (auto b = buckets_.find(seq_id); b != buckets_.end()) {
+    bucket = b->second;
+    buckets_.erase(b);
+  }
   auto it = usage_.find(seq_id);
   if (it == usage_.end()) return;
   // "0:3=5,7=2 1:…": per MoE layer, expert=tokens it served.
@@ -288,6 +295,10 @@ void WorkerRedisState::released(uint64_t seq_id) {
   Entry e;
   e.key = routing_key();
   e.fields = {"worker", opts_.consumer, "seq", std::to_string(seq_id), "layers", std::move(layers)};
+  if (bucket != 0) {
+    e.fields.push_back("bucket");
+    e.fields.push_back(std::to_string(bucket));
+  }
   std::lock_guard<std::mutex> lk(mu_);
   if (routing_pending_.size() >= kMaxRoutingQueued) routing_pending_.pop_front();
   routing_pending_.push_back(std::move(e));

@@ -3,7 +3,8 @@
 //   moe:<model>:resident  worker → gateways: the resident experts, a snapshot
 //                         on start and one after every change
 //   moe:<model>:routing   worker → gateways: per request, the experts each
-//                         MoE layer used (from the steps' expert usage)
+//                         MoE layer used (from the steps' expert usage), and
+//                         the gateway's route_bucket when the steps carried one
 //   moe:<model>:events    gateways → workers: warm hints (and session
 //                         events), read in the consumer group "workers";
 //                         entries a dead worker left pending are claimed and
@@ -105,6 +106,8 @@ class WorkerRedisState final : public StepHooks {
   uint64_t published_version_ = ~uint64_t(0);  // step thread only
   // step thread only: per sequence, tokens each (moe layer, expert) served
   std::unordered_map<uint64_t, std::vector<uint32_t>> usage_;
+  // step thread only: per sequence, the gateway's route_bucket (non-zero ones)
+  std::unordered_map<uint64_t, uint64_t> buckets_;
   uint32_t n_experts_ = 0;
 
   std::mutex mu_;

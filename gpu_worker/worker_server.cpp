@@ -85,7 +85,10 @@ void WorkerServer::drop_client() {
   ::close(client_fd_);
   client_fd_ = -1;
   // The gateway that held these sequences is gone; their KV is freed.
-  for (uint64_t id : client_seqs_) backend_->release(id);
+  for (uint64_t id : client_seqs_) {
+    backend_->release(id);
+    if (opts_.hooks) opts_.hooks->released(id);  // their routing summaries still count
+  }
   client_seqs_.clear();
   said_hello_ = false;
   close_after_flush_ = false;
@@ -230,7 +233,7 @@ void WorkerServer::handle_frame(const pr::Frame& f) {
       client_seqs_.erase(id);
       if (opts_.hooks) opts_.hooks->released(id);
     }
-  } else if (std::get_if<pr::StatsRequest>(&*msg)) {
+  } else if (auto* sr = std::get_if<pr::StatsRequest>(&*msg)) {
     pr::StatsReply r;
     r.kv_blocks_free = uint32_t(backend_->kv_blocks_free());
     r.kv_blocks_used = uint32_t(backend_->kv_blocks_total() - backend_->kv_blocks_free());
@@ -239,23 +242,17 @@ void WorkerServer::handle_frame(const pr::Frame& f) {
     r.sampled_tokens = sampled_tokens_;
     r.sequences_active = uint32_t(backend_->sequences_active());
     r.uptime_ms = now_ms() - started_ms_;
+    backend_->fill_expert_stats(r);
+    if (sr->include_resident) r.resident = backend_->resident();
     queue(pr::make_frame(f.request_id, r).value());
   } else if (auto* sd = std::get_if<pr::Shutdown>(&*msg)) {
     // Every step received before it was answered already (steps run in order).
     std::fprintf(stderr, "moe-worker: shutdown requested (%s)\n", sd->reason.c_str());
     exit_requested_ = true;
   } else if (auto* le = std::get_if<pr::LoadExpert>(&*msg)) {
-    // The CPU backend reads every expert from the mapped model: all resident.
-    pr::LoadExpertReply r;
-    r.layer = le->layer;
-    r.resident = le->experts;
-    queue(pr::make_frame(f.request_id, r).value());
+    queue(pr::make_frame(f.request_id, backend_->load_experts(*le)).value());
   } else if (auto* ue = std::get_if<pr::UnloadExpert>(&*msg)) {
-    pr::UnloadExpertReply r;
-    r.layer = ue->layer;
-    r.failed = ue->experts;
-    r.message = "this backend keeps every expert in host memory";
-    queue(pr::make_frame(f.request_id, r).value());
+    queue(pr::make_frame(f.request_id, backend_->unload_experts(*ue)).value());
   } else if (auto* wh = std::get_if<pr::WarmHints>(&*msg)) {
     std::vector<pr::ExpertRef> experts;
     for (const pr::ExpertHint& h : wh->hints) experts.push_back({h.layer, h.expert});
