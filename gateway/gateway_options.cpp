@@ -14,7 +14,9 @@ bool parse_u64(const std::string& s, uint64_t* out) {
 bool takes_value(const std::string& name) {
   for (const char* known : {"--model", "--worker", "--host", "--port", "--api-key", "--max-body-bytes",
                             "--served-model-name", "--redis", "--fallback-worker", "--request-timeout-ms", "--keepalive-timeout-ms",
-                            "--max-write-queue-bytes", "--max-step-tokens"}) {
+                            "--max-write-queue-bytes", "--max-step-tokens", "--predict", "--grouped-batching",
+                            "--lsh-bits", "--lsh-seed", "--predict-half-life", "--predict-experts",
+                            "--grouping-max-skips"}) {
     if (name == known) return true;
   }
   return false;
@@ -58,6 +60,22 @@ std::string gateway_usage() {
          "  --max-step-tokens N       tokens in one worker step, decode and prefill chunks\n"
          "                            together (default 256): larger favours throughput,\n"
          "                            smaller the latency of running streams\n"
+         "  --predict on|off          expert prediction (default on): each prompt is hashed\n"
+         "                            (mean input embedding, LSH) to a bucket whose experts are\n"
+         "                            learned from the workers' routing summaries (from Redis\n"
+         "                            with --redis, else from this gateway's own steps); the\n"
+         "                            predicted experts are warm-hinted to the worker before the\n"
+         "                            prompt's prefill. POST /debug/experts shows a prediction\n"
+         "  --grouped-batching on|off when more sequences are ready than one step takes, pick\n"
+         "                            those whose predicted experts overlap most (default on;\n"
+         "                            without predictions it is first come first served)\n"
+         "  --grouping-max-skips N    a sequence passed over N times goes next (default 4)\n"
+         "  --lsh-bits N              hyperplanes of the prompt hash, 1..32 (default 14); every\n"
+         "                            gateway sharing a Redis must use the same bits and seed\n"
+         "  --lsh-seed N              seed of the hyperplanes (default 1)\n"
+         "  --predict-half-life N     routing summaries after which a learned one weighs half\n"
+         "                            (default 500)\n"
+         "  --predict-experts N       experts predicted (and hinted) per MoE layer (default 8)\n"
          "  --help                    this text\n"
          "  --version                 the version\n";
 }
@@ -126,6 +144,22 @@ Result<GatewayCommandLine> parse_gateway_args(const std::vector<std::string>& ar
       if ((st = number(24ull * 3600 * 1000))) o.keepalive_timeout_ms = num;
     } else if (name == "--max-write-queue-bytes") {
       if ((st = number(std::numeric_limits<uint32_t>::max()))) o.max_write_queue_bytes = num;
+    } else if (name == "--predict" || name == "--grouped-batching") {
+      if (value != "on" && value != "off") return make_error("option " + name + " needs on or off, got '" + value + "'");
+      (name == "--predict" ? o.predict : o.grouped_batching) = value == "on";
+    } else if (name == "--lsh-bits") {
+      if ((st = number(32))) o.lsh_bits = static_cast<int>(num);
+      if (st.ok() && o.lsh_bits < 1) return make_error("option --lsh-bits needs 1..32");
+    } else if (name == "--lsh-seed") {
+      if ((st = number(std::numeric_limits<uint64_t>::max()))) o.lsh_seed = num;
+    } else if (name == "--predict-half-life") {
+      if ((st = number(1'000'000'000))) o.predict_half_life = double(num);
+      if (st.ok() && num < 1) return make_error("option --predict-half-life needs at least 1");
+    } else if (name == "--predict-experts") {
+      if ((st = number(4096))) o.predict_experts = static_cast<int>(num);
+      if (st.ok() && num < 1) return make_error("option --predict-experts needs at least 1");
+    } else if (name == "--grouping-max-skips") {
+      if ((st = number(1'000'000))) o.grouping_max_skips = static_cast<int>(num);
     } else if (name == "--max-step-tokens") {
       if ((st = number(65535))) o.max_step_tokens = static_cast<int>(num);
       if (st.ok() && o.max_step_tokens < 1) return make_error("option --max-step-tokens needs at least 1");

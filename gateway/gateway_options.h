@@ -24,6 +24,14 @@ struct GatewayOptions {
   uint64_t keepalive_timeout_ms = 60'000;  // --keepalive-timeout-ms
   size_t max_write_queue_bytes = 1 << 20;  // --max-write-queue-bytes
   int max_step_tokens = 256;               // --max-step-tokens: tokens of one worker step
+  // Expert prediction (docs/expert-prediction.md).
+  bool predict = true;                     // --predict on|off
+  bool grouped_batching = true;            // --grouped-batching on|off
+  int lsh_bits = 14;                       // --lsh-bits
+  uint64_t lsh_seed = 1;                   // --lsh-seed
+  double predict_half_life = 500;          // --predict-half-life: in routing summaries
+  int predict_experts = 8;                 // --predict-experts: per MoE layer
+  int grouping_max_skips = 4;              // --grouping-max-skips
 };
 
 struct GatewayCommandLine {

@@ -7,6 +7,7 @@
 
 #include <uv.h>
 
+#include "gateway/expert_prediction.h"
 #include "gateway/gateway_options.h"
 #include "gateway/http_server.h"
 #include "gateway/metrics.h"
@@ -61,8 +62,26 @@ int main(int argc, char** argv) {
   }
   std::unique_ptr<moe::gw::TextCodec> text = std::move(codec.value());
 
+  // Expert prediction: the model's embedding table, mapped (docs/expert-prediction.md).
+  std::unique_ptr<moe::gw::PromptExpertPredictor> predictor;
+  if (opts.predict) {
+    moe::gw::PredictorOptions po;
+    po.lsh_bits = opts.lsh_bits;
+    po.lsh_seed = opts.lsh_seed;
+    po.experts_per_layer = opts.predict_experts;
+    po.table.half_life = opts.predict_half_life;
+    auto p = moe::gw::PromptExpertPredictor::open(opts.model_path, po);
+    if (p.ok()) {
+      predictor = std::move(p.value());
+      std::fprintf(stderr, "moe-gateway: expert prediction on (%d-bit LSH, %d MoE layers x %d experts, %d per layer)\n",
+                   opts.lsh_bits, predictor->n_layers(), predictor->n_experts(), opts.predict_experts);
+    } else {
+      std::fprintf(stderr, "moe-gateway: expert prediction off: %s\n", p.error().c_str());
+    }
+  }
+
   uv_loop_t* loop = uv_default_loop();
-  auto scheduler = moe::gw::make_scheduler(loop, opts);
+  auto scheduler = moe::gw::make_scheduler(loop, opts, predictor.get());
   if (!scheduler.ok()) {
     std::fprintf(stderr, "moe-gateway: %s\n", scheduler.error().c_str());
     return 1;
@@ -84,6 +103,11 @@ int main(int argc, char** argv) {
     moe::gw::RedisWorkerStreamsOptions wso;
     wso.model = moe::gw::redis_model_name(opts.model_path);
     worker_streams = std::make_unique<moe::gw::RedisWorkerStreams>(loop, redis.get(), wso);
+    if (predictor) {
+      worker_streams->on_routing([p = predictor.get()](uint64_t bucket, const std::string& layers) {
+        p->learn_summary(bucket, layers);
+      });
+    }
     worker_streams->start();
     redis->start();
   }
@@ -96,6 +120,8 @@ int main(int argc, char** argv) {
   api_opts.sessions = &sessions;
   api_opts.served_model_name = opts.served_model_name;
   api_opts.api_key = opts.api_key;
+  api_opts.predictor = predictor.get();
+  if (worker_streams) api_opts.resident_sets = [ws = worker_streams.get()] { return ws->resident(); };
   moe::gw::OpenAiApi api(api_opts, engine.get(), text.get(), &metrics);
 
   moe::gw::HttpServerOptions http;

@@ -109,6 +109,26 @@ std::string GatewayMetrics::render(const SchedulerStats& stats, bool ready) cons
                 "Requests whose client went away (or read too slowly) before the end.",
                 static_cast<double>(client_disconnects_));
   render_scalar(out, "moe_gateway_ready", "gauge", "1 once a worker can take steps.", ready ? 1 : 0);
+  if (stats.predicting) {
+    render_scalar(out, "moe_gateway_prediction_requests_total", "counter",
+                  "Finished requests whose expert prediction was checked against their use.",
+                  static_cast<double>(stats.prediction_requests));
+    render_scalar(out, "moe_gateway_predicted_experts_total", "counter",
+                  "Experts predicted for those requests (per MoE layer, summed).",
+                  static_cast<double>(stats.predicted_experts));
+    render_scalar(out, "moe_gateway_prediction_hits_total", "counter",
+                  "Predicted experts the request really used.", static_cast<double>(stats.prediction_hits));
+    render_scalar(out, "moe_gateway_prediction_buckets", "gauge", "Prompt-hash buckets the expert table knows.",
+                  static_cast<double>(stats.prediction_buckets));
+    render_scalar(out, "moe_gateway_routing_summaries_learned_total", "counter",
+                  "Routing summaries the expert table learned from.",
+                  static_cast<double>(stats.routing_summaries_learned));
+    render_scalar(out, "moe_gateway_routing_summaries_foreign_total", "counter",
+                  "Routing summaries not learned: no bucket, or another gateway's LSH settings.",
+                  static_cast<double>(stats.routing_summaries_foreign));
+    render_scalar(out, "moe_gateway_warm_hints_sent_total", "counter",
+                  "warm_hints frames sent to workers before prefills.", static_cast<double>(stats.warm_hints_sent));
+  }
   return out;
 }
 

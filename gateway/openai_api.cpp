@@ -6,6 +6,7 @@
 #include <uv.h>
 
 #include "gateway/generation.h"
+#include "gateway/prediction_debug.h"
 
 namespace moe::gw {
 namespace {
@@ -19,6 +20,7 @@ constexpr const char* kCompletions = "/v1/completions";
 constexpr const char* kModels = "/v1/models";
 constexpr const char* kHealth = "/health";
 constexpr const char* kMetrics = "/metrics";
+constexpr const char* kDebugExperts = "/debug/experts";
 
 bool constant_time_equal(const std::string& a, const std::string& b) {
   if (a.size() != b.size()) return false;
@@ -93,6 +95,8 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
     route = {kHealth, "GET"};
   } else if (path == kMetrics) {
     route = {kMetrics, "GET"};
+  } else if (path == kDebugExperts && opts_.predictor) {
+    route = {kDebugExperts, "POST"};
   }
   if (!route.endpoint) {
     reply_error(ex, "unknown",
@@ -123,6 +127,7 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
   if (route.endpoint == kCompletions) return completions(ApiKind::completion, ex);
   if (route.endpoint == kModels) return models(ex, path);
   if (route.endpoint == kHealth) return health(ex);
+  if (route.endpoint == kDebugExperts) return debug_experts(ex);
   metrics(ex);
 }
 
@@ -236,6 +241,12 @@ void OpenAiApi::metrics(const std::shared_ptr<HttpExchange>& ex) {
   metrics_->count_request(kMetrics, 200);
   r.body = metrics_->render(scheduler_->stats(), scheduler_->ready());
   ex->respond(std::move(r));
+}
+
+void OpenAiApi::debug_experts(const std::shared_ptr<HttpExchange>& ex) {
+  std::map<std::string, std::string> resident;
+  if (opts_.resident_sets) resident = opts_.resident_sets();
+  reply(ex, kDebugExperts, expert_prediction_response(ex->request().body, *codec_, *opts_.predictor, resident));
 }
 
 }  // namespace moe::gw

@@ -5,10 +5,13 @@
 //   POST /v1/chat/completions   POST /v1/completions   (stream: SSE)
 //   GET  /v1/models             GET  /v1/models/{id}
 //   GET  /health (no auth)      GET  /metrics (Prometheus text)
+//   POST /debug/experts         (the expert prediction for a prompt; 404 while --predict off)
 //
 // Threading: loop thread only.
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -16,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gateway/completion_request.h"
+#include "gateway/expert_prediction.h"
 #include "gateway/http_server.h"
 #include "gateway/metrics.h"
 #include "gateway/scheduler.h"
@@ -29,6 +33,9 @@ struct ApiOptions {
   std::string api_key;    // "": no authentication
   int max_choices = 128;  // prompts × n per request
   SessionStore* sessions = nullptr;  // chat sessions by `session_id` / X-Session-Id (null: off)
+  const PromptExpertPredictor* predictor = nullptr;  // /debug/experts (null: 404)
+  // Worker name → its published resident set, for /debug/experts (may be unset).
+  std::function<std::map<std::string, std::string>()> resident_sets;
 };
 
 class OpenAiApi final : public HttpHandler {
@@ -47,6 +54,7 @@ class OpenAiApi final : public HttpHandler {
   void models(const std::shared_ptr<HttpExchange>& ex, const std::string& path);
   void health(const std::shared_ptr<HttpExchange>& ex);
   void metrics(const std::shared_ptr<HttpExchange>& ex);
+  void debug_experts(const std::shared_ptr<HttpExchange>& ex);
   void reply(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint, HttpResponse r);
   void reply_error(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint, const ApiError& e);
   bool authorised(const HttpRequest& req) const;

@@ -3,6 +3,7 @@
 #include <hiredis/hiredis.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 
 namespace moe::gw {
@@ -98,7 +99,11 @@ void RedisWorkerStreams::sync_positions() {
   for (const std::string& key : {resident_key(), routing_key()}) {
     redis_->command({"XREVRANGE", key, "+", "-", "COUNT", "1"}, [this, key, conn,
                                                                  pending](const redisReply* r) {
-      if (r && r->type == REDIS_REPLY_ARRAY && r->elements == 1 &&
+      if (key == routing_key() && r && r->type == REDIS_REPLY_ARRAY) {
+        // Learned from the start once; then onwards from our own position.
+        if (!routing_positioned_) last_id_[key] = "0-0";
+        routing_positioned_ = true;
+      } else if (r && r->type == REDIS_REPLY_ARRAY && r->elements == 1 &&
           r->element[0]->type == REDIS_REPLY_ARRAY && r->element[0]->elements == 2) {
         last_id_[key] = text_of(r->element[0]->element[0]);
         if (key == resident_key()) {
@@ -174,6 +179,12 @@ void RedisWorkerStreams::take(const std::string& stream, const std::string& id,
     return;
   }
   ++routing_;
+  if (!on_routing_) return;
+  bool has_bucket = false;
+  const std::string bucket = field(fields, "bucket", &has_bucket);
+  uint64_t tag = 0;
+  if (has_bucket && all_digits(bucket) && bucket.size() <= 20) tag = std::strtoull(bucket.c_str(), nullptr, 10);
+  on_routing_(tag, field(fields, "layers", &has_layers));
 }
 
 }  // namespace moe::gw

@@ -1,17 +1,21 @@
 #pragma once
 // The gateway's view of what workers publish in Redis (docs/state-and-failover.md):
 // it tails moe:<model>:resident (each worker's resident experts) and
-// moe:<model>:routing (per-request expert use, for the routing that will
-// learn from it), and appends warm hints to moe:<model>:events, which the
+// moe:<model>:routing (per-request expert use, which the expert predictor
+// learns from), and appends warm hints to moe:<model>:events, which the
 // workers read in their consumer group. Entries that are not what they
-// should be are skipped with a log line. Polls without blocking the loop;
-// after a reconnection it continues from each stream's newest entry.
+// should be are skipped with a log line. Polls without blocking the loop.
+// The routing stream is read whole from its start on the first connection
+// (what other gateways' traffic taught is learned here too) and after that
+// from this gateway's own last id, across reconnections; the resident stream
+// starts at its newest entry after every (re)connection.
 //
 // Threading: loop thread only.
 
 #include <uv.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -38,6 +42,12 @@ class RedisWorkerStreams {
   RedisWorkerStreams& operator=(const RedisWorkerStreams&) = delete;
 
   void start();
+  // Called for every routing summary read (every worker's, from the start of
+  // the stream on the first connection): its `bucket` field (0 when absent)
+  // and its `layers` text.
+  void on_routing(std::function<void(uint64_t bucket, const std::string& layers)> fn) {
+    on_routing_ = std::move(fn);
+  }
   // "layer:expert ..." as the workers parse it; appended with MAXLEN ~.
   void publish_warm_hints(const std::string& experts);
 
@@ -67,6 +77,8 @@ class RedisWorkerStreams {
   std::map<std::string, std::string> resident_;
   uint64_t routing_ = 0;
   uint64_t skipped_ = 0;
+  bool routing_positioned_ = false;  // the routing stream's position survives reconnections
+  std::function<void(uint64_t, const std::string&)> on_routing_;
 };
 
 }  // namespace moe::gw

@@ -57,6 +57,15 @@ struct SchedulerStats {
   int kv_blocks_total = 0;
   uint64_t preemptions = 0;
   bool degraded = false;  // serving from the fallback worker
+  // Expert prediction (docs/expert-prediction.md); zeros while --predict off.
+  bool predicting = false;
+  uint64_t prediction_requests = 0;    // finished requests whose prediction was checked
+  uint64_t predicted_experts = 0;      // experts predicted for them
+  uint64_t prediction_hits = 0;        // of those, used by the request
+  uint64_t prediction_buckets = 0;     // LSH buckets the table knows
+  uint64_t routing_summaries_learned = 0;
+  uint64_t routing_summaries_foreign = 0;  // other LSH settings, or no bucket
+  uint64_t warm_hints_sent = 0;        // warm_hints frames sent before prefills
 };
 
 class Scheduler {

@@ -58,19 +58,38 @@ SchedulerStats ContinuousScheduler::stats() const {
   s.kv_blocks_total = policy_.limits().kv_blocks_total;
   s.preemptions = policy_.preemptions();
   s.degraded = active_ > 0;
+  if (PromptExpertPredictor* p = opts_.predictor) {
+    const PredictionStats ps = p->stats();
+    s.predicting = true;
+    s.prediction_requests = ps.requests_scored;
+    s.predicted_experts = ps.predicted;
+    s.prediction_hits = ps.hits;
+    s.prediction_buckets = ps.buckets;
+    s.routing_summaries_learned = ps.summaries_learned;
+    s.routing_summaries_foreign = ps.summaries_foreign;
+    s.warm_hints_sent = warm_hints_sent_;
+  }
   return s;
 }
 
 uint64_t ContinuousScheduler::submit(SequenceRequest req, SequenceObserver* obs) {
   const uint64_t id = next_seq_id_++;
   observers_[id] = obs;
-  policy_.add(id, std::move(req));
+  SequenceHints hints;
+  if (PromptExpertPredictor* p = opts_.predictor) {
+    Predicted& pr = predicted_[id];
+    pr.prediction = p->predict(req.prompt);
+    hints.experts = pr.prediction.set;
+    hints.route_tag = pr.prediction.tag;
+  }
+  policy_.add(id, std::move(req), std::move(hints));
   request_kick();
   return id;
 }
 
 void ContinuousScheduler::cancel(uint64_t id) {
   observers_.erase(id);
+  prediction_done(id);
   if (policy_.cancel(id)) send_releases({id});
   request_kick();  // its blocks may let a waiting request in
 }
@@ -81,6 +100,42 @@ void ContinuousScheduler::send_releases(std::vector<uint64_t> ids) {
   pr::ReleaseSequences r;
   r.seq_ids = std::move(ids);
   (void)l->send(pr::Message(std::move(r)));
+}
+
+void ContinuousScheduler::prediction_done(uint64_t id) {
+  auto it = predicted_.find(id);
+  if (it == predicted_.end()) return;
+  Predicted& pr = it->second;
+  const bool used = std::any_of(pr.usage.begin(), pr.usage.end(), [](float v) { return v > 0; });
+  if (used) {
+    opts_.predictor->score(pr.prediction, pr.usage);
+    if (opts_.learn_from_replies) opts_.predictor->learn(pr.prediction.bucket, pr.usage);
+  }
+  predicted_.erase(it);
+}
+
+void ContinuousScheduler::send_warm_hints(WorkerLink* link, uint64_t seq_id) {
+  auto it = predicted_.find(seq_id);
+  if (it == predicted_.end() || !it->second.prediction.known()) return;
+  const ExpertPrediction& pred = it->second.prediction;
+  // Rank by rank across layers (every layer's best first), so a worker that
+  // can place only some of them places the likeliest of each layer.
+  // Hints address experts by the model's layer index (docs/protocol.md);
+  // the prediction's rows are MoE layers in the worker's moe_layers order.
+  const std::vector<uint16_t>& moe_layers = link->worker_hello().experts.moe_layers;
+  pr::WarmHints wh;
+  wh.seq_id = seq_id;
+  const size_t E = size_t(opts_.predictor->n_experts());
+  size_t ranks = 0;
+  for (const auto& l : pred.experts) ranks = std::max(ranks, l.size());
+  for (size_t r = 0; r < ranks; ++r)
+    for (size_t l = 0; l < pred.experts.size(); ++l) {
+      if (r >= pred.experts[l].size()) continue;
+      const int e = pred.experts[l][r];
+      const uint16_t layer = l < moe_layers.size() ? moe_layers[l] : uint16_t(l);
+      wh.hints.push_back({layer, uint16_t(e), std::clamp(pred.p[l * E + size_t(e)], 0.0f, 1.0f)});
+    }
+  if (link->send(pr::Message(std::move(wh))).ok()) ++warm_hints_sent_;
 }
 
 void ContinuousScheduler::request_kick() {
@@ -128,6 +183,13 @@ void ContinuousScheduler::on_frame(size_t link, const pr::Frame& f) {
         c.sampled = r.sampled;
         c.token.token = r.token;
         c.token.logprob = r.logprob;
+        if (!r.expert_usage.empty()) {
+          if (auto it = predicted_.find(r.seq_id); it != predicted_.end()) {
+            auto& u = it->second.usage;
+            if (u.size() < r.expert_usage.size()) u.resize(r.expert_usage.size(), 0.0f);
+            for (size_t i = 0; i < r.expert_usage.size(); ++i) u[i] += float(r.expert_usage[i]);
+          }
+        }
         for (const auto& t : r.top) c.token.top.emplace_back(t.token, t.logprob);
         results.push_back(std::move(c));
       }
@@ -148,6 +210,8 @@ void ContinuousScheduler::finish_step(const std::vector<ChunkResult>& results) {
   StepPlan plan = std::move(in_flight_plan_);
   in_flight_plan_ = {};
   auto updates = policy_.apply(plan, results, &release);
+  for (const SequenceUpdate& u : updates)
+    if (u.finished) prediction_done(u.seq_id);
   send_releases(std::move(release));
   kick();  // the next step goes out before observers run their (slower) text work
   dispatch(updates);
@@ -198,6 +262,8 @@ void ContinuousScheduler::kick() {
       lim.kv_block_tokens = int(h.kv_block_tokens);
       lim.max_context = int(h.max_context);
       lim.headroom_blocks = opts_.headroom_blocks;
+      lim.grouped_batching = opts_.grouped_batching;
+      lim.grouping_max_skips = opts_.grouping_max_skips;
       if (h.max_batch_sequences > 0) lim.max_batch_sequences = int(h.max_batch_sequences);
       if (h.max_step_tokens > 0 && int(h.max_step_tokens) < lim.max_step_tokens) lim.max_step_tokens = int(h.max_step_tokens);
       policy_.set_limits(lim);
@@ -208,7 +274,13 @@ void ContinuousScheduler::kick() {
   std::vector<SequenceUpdate> rejected;
   StepPlan plan = policy_.plan(&rejected);
   send_releases(plan.release);
+  for (const SequenceUpdate& u : rejected) prediction_done(u.seq_id);
   if (!plan.chunks.empty()) {
+    // Warm hints go first, on the same socket, so the worker has them before
+    // the step that prefills the sequence from its start.
+    if (opts_.predictor && opts_.warm_hints)
+      for (const PlannedChunk& c : plan.chunks)
+        if (c.start_pos == 0) send_warm_hints(link, c.seq_id);
     pr::StepRequest req;
     req.report_expert_usage = opts_.report_expert_usage;
     for (const PlannedChunk& c : plan.chunks) {
@@ -217,6 +289,7 @@ void ContinuousScheduler::kick() {
       s.tokens = c.tokens;
       s.start_pos = uint32_t(c.start_pos);
       s.sample = c.sample;
+      s.route_bucket = c.route_tag;
       // Sampling parameters travel with every chunk; the worker keeps none.
       s.sampling.temperature = c.sampling.temperature;
       s.sampling.top_p = c.sampling.top_p;

@@ -15,6 +15,7 @@
 
 #include <uv.h>
 
+#include "gateway/expert_prediction.h"
 #include "gateway/scheduler.h"
 #include "gateway/scheduler_policy.h"
 #include "gateway/worker_link.h"
@@ -27,6 +28,14 @@ struct ContinuousSchedulerOptions {
   int headroom_blocks = 1;
   bool report_expert_usage = false;
   WorkerLinkOptions link;  // socket_path is taken from the list of workers
+  // Expert prediction: each prompt is predicted at submit, its bucket tag
+  // travels with its chunks, warm hints precede its first prefill, and the
+  // prediction is scored against the usage the worker reports. Null: off.
+  PromptExpertPredictor* predictor = nullptr;  // must outlive the scheduler
+  bool learn_from_replies = false;  // no Redis: the table learns from this gateway's own replies
+  bool warm_hints = true;
+  bool grouped_batching = true;
+  int grouping_max_skips = 4;
 };
 
 class ContinuousScheduler final : public Scheduler {
@@ -56,6 +65,8 @@ class ContinuousScheduler final : public Scheduler {
   void dispatch(std::vector<SequenceUpdate>& updates);
   WorkerLink* active_link() const;
   void send_releases(std::vector<uint64_t> ids);
+  void send_warm_hints(WorkerLink* link, uint64_t seq_id);
+  void prediction_done(uint64_t id);  // scores (and maybe learns from) a finished sequence
 
   uv_loop_t* loop_;
   ContinuousSchedulerOptions opts_;
@@ -70,6 +81,12 @@ class ContinuousScheduler final : public Scheduler {
   StepPlan in_flight_plan_;
   uv_timer_t* kick_timer_ = nullptr;
   uint64_t steps_sent_ = 0;
+  struct Predicted {
+    ExpertPrediction prediction;
+    std::vector<float> usage;  // [layer * n_experts + expert]: tokens the worker reported
+  };
+  std::unordered_map<uint64_t, Predicted> predicted_;
+  uint64_t warm_hints_sent_ = 0;
 };
 
 }  // namespace moe::gw

@@ -12,11 +12,17 @@
 
 namespace moe::gw {
 
-Result<std::unique_ptr<Scheduler>> make_scheduler(uv_loop_t* loop, const GatewayOptions& opts) {
+Result<std::unique_ptr<Scheduler>> make_scheduler(uv_loop_t* loop, const GatewayOptions& opts,
+                                                  PromptExpertPredictor* predictor) {
   ContinuousSchedulerOptions so;
-  // With Redis, workers publish per-request routing summaries from the usage.
-  so.report_expert_usage = !opts.redis_url.empty();
+  // With Redis, workers publish per-request routing summaries from the usage;
+  // the predictor scores its predictions against it.
+  so.report_expert_usage = !opts.redis_url.empty() || predictor != nullptr;
   so.max_step_tokens = opts.max_step_tokens;
+  so.predictor = predictor;
+  so.learn_from_replies = opts.redis_url.empty();
+  so.grouped_batching = opts.grouped_batching;
+  so.grouping_max_skips = opts.grouping_max_skips;
   std::vector<std::string> sockets;
   for (const std::string& w : opts.workers) {
     if (w.rfind("unix:", 0) != 0) return make_error("--worker needs unix:PATH, got '" + w + "'");

@@ -7,6 +7,7 @@
 
 #include <uv.h>
 
+#include "gateway/expert_prediction.h"
 #include "gateway/gateway_options.h"
 #include "gateway/scheduler.h"
 #include "model/result.h"
@@ -14,7 +15,9 @@
 namespace moe::gw {
 
 // A Scheduler running on `loop` (connecting to opts.workers); an error when
-// it cannot be set up. The loop must outlive it.
-Result<std::unique_ptr<Scheduler>> make_scheduler(uv_loop_t* loop, const GatewayOptions& opts);
+// it cannot be set up. The loop must outlive it, and so must `predictor`
+// (null: no expert prediction).
+Result<std::unique_ptr<Scheduler>> make_scheduler(uv_loop_t* loop, const GatewayOptions& opts,
+                                                  PromptExpertPredictor* predictor = nullptr);
 
 }  // namespace moe::gw

@@ -10,10 +10,11 @@ int BatchPolicy::blocks_for(int tokens) const {
   return (tokens + bt - 1) / bt;
 }
 
-void BatchPolicy::add(uint64_t id, SequenceRequest req) {
+void BatchPolicy::add(uint64_t id, SequenceRequest req, SequenceHints hints) {
   Seq s;
   s.context = req.prompt;
   s.req = std::move(req);
+  s.hints = std::move(hints);
   seqs_[id] = std::move(s);
   waiting_.push_back(id);
 }
@@ -44,6 +45,29 @@ int BatchPolicy::committed_blocks() const {
 }
 
 std::vector<uint64_t> BatchPolicy::running_ids() const { return running_; }
+
+int BatchPolicy::skips(uint64_t id) const {
+  auto it = seqs_.find(id);
+  return it == seqs_.end() ? 0 : it->second.skips;
+}
+
+size_t BatchPolicy::pick_grouped(const std::vector<uint64_t>& candidates, const ExpertSet& step) const {
+  // Passed over often enough: the oldest such goes now, whatever it shares.
+  for (size_t i = 0; i < candidates.size(); ++i)
+    if (seqs_.at(candidates[i]).skips >= limits_.grouping_max_skips) return i;
+  size_t best = 0;
+  double best_score = -1;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const ExpertSet& e = seqs_.at(candidates[i]).hints.experts;
+    const size_t n = e.count();
+    const double score = n == 0 ? 0.0 : double(e.overlap(step)) / double(n);
+    if (score > best_score) {  // ties: the older one
+      best = i;
+      best_score = score;
+    }
+  }
+  return best;
+}
 
 const std::vector<int32_t>* BatchPolicy::generated(uint64_t id) const {
   auto it = seqs_.find(id);
@@ -112,9 +136,12 @@ StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected) {
     Seq& s = seqs_.at(id);
     if (int(s.context.size()) - s.on_worker != 1) continue;
     free_blocks -= blocks_for(s.on_worker + 1) - blocks_for(s.on_worker);
-    plan.chunks.push_back({id, {s.context.back()}, s.on_worker, true, s.req.sampling});
+    plan.chunks.push_back({id, {s.context.back()}, s.on_worker, true, s.req.sampling, s.hints.route_tag});
     --budget;
   }
+  // The experts this step already touches (grouped batching adds to it).
+  ExpertSet step_experts;
+  for (const PlannedChunk& c : plan.chunks) step_experts.merge(seqs_.at(c.seq_id).hints.experts);
 
   // 2. Prefill chunks of admitted sequences, oldest first, within the budget
   //    and the free blocks.
@@ -131,25 +158,64 @@ StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected) {
     c.tokens.assign(s.context.begin() + s.on_worker, s.context.begin() + s.on_worker + n);
     c.sample = n == remaining;
     c.sampling = s.req.sampling;
+    c.route_tag = s.hints.route_tag;
     free_blocks -= blocks_for(s.on_worker + n) - blocks_for(s.on_worker);
     budget -= n;
     plan.chunks.push_back(std::move(c));
   };
+  std::vector<uint64_t> prefilling;
+  int prefill_tokens = 0;
   for (uint64_t id : running_) {
-    if (budget <= 0) break;
     const Seq& s = seqs_.at(id);
-    if (int(s.context.size()) - s.on_worker > 1) add_prefill(id);
+    const int remaining = int(s.context.size()) - s.on_worker;
+    if (remaining <= 1) continue;
+    prefilling.push_back(id);
+    prefill_tokens += remaining;
+  }
+  if (!limits_.grouped_batching || prefill_tokens <= budget) {
+    for (uint64_t id : prefilling) {
+      if (budget <= 0) break;
+      add_prefill(id);
+      step_experts.merge(seqs_.at(id).hints.experts);
+    }
+  } else {
+    // More prefill than the step takes: overlap with the step decides, and
+    // every sequence left out this time counts one more skip.
+    while (budget > 0 && !prefilling.empty()) {
+      const size_t k = pick_grouped(prefilling, step_experts);
+      const uint64_t id = prefilling[k];
+      prefilling.erase(prefilling.begin() + long(k));
+      Seq& s = seqs_.at(id);
+      s.skips = 0;
+      add_prefill(id);
+      step_experts.merge(s.hints.experts);
+    }
+    for (uint64_t id : prefilling) ++seqs_.at(id).skips;
   }
 
   // 3. Admission, first come first served: the whole context must fit next to
   //    what the admitted sequences will hold, plus headroom.
+  //    With grouped batching the pick among the first `grouping_window`
+  //    waiting requests goes by overlap; the head, once passed over
+  //    grouping_max_skips times, goes next. Whoever is picked must fit, else
+  //    admission stops for this step (a small request never slips past a
+  //    large one by size alone).
   while (budget > 0 && !waiting_.empty() && int(running_.size()) < limits_.max_batch_sequences) {
-    const uint64_t id = waiting_.front();
+    size_t pos = 0;
+    if (limits_.grouped_batching && waiting_.size() > 1) {
+      const size_t w = std::min(waiting_.size(), size_t(std::max(limits_.grouping_window, 1)));
+      std::vector<uint64_t> window(waiting_.begin(), waiting_.begin() + long(w));
+      if (seqs_.at(window[0]).skips < limits_.grouping_max_skips) pos = pick_grouped(window, step_experts);
+    }
+    const uint64_t id = waiting_[pos];
     Seq& s = seqs_.at(id);
     const int len = int(s.context.size());
     const int need = running_.empty() ? blocks_for(len + 1) : blocks_for(len) + limits_.headroom_blocks;
     if (committed_blocks() + need > total) break;
-    waiting_.pop_front();
+    for (size_t i = 0; i < pos; ++i) ++seqs_.at(waiting_[i]).skips;  // overtaken
+    waiting_.erase(waiting_.begin() + long(pos));
+    s.skips = 0;
+    step_experts.merge(s.hints.experts);
     s.admitted = true;
     s.admitted_at = ++admit_counter_;
     s.on_worker = 0;

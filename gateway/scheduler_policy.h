@@ -10,6 +10,13 @@
 // the worker and put back at the front of the queue, to be recomputed later
 // by prefilling its prompt plus the tokens it already produced (those tokens
 // are never reported twice). A lost worker preempts everything the same way.
+//
+// Expert-grouped batching (docs/expert-prediction.md): when more prefill
+// chunks or waiting requests compete for a step than its budget takes, the
+// ones whose predicted experts overlap most with what the step already uses
+// go first, so one expert's weights serve several sequences. A sequence that
+// has been passed over `grouping_max_skips` times goes next regardless, so
+// none starves; sequences without a prediction keep first-come order.
 
 #include <cstdint>
 #include <deque>
@@ -17,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "gateway/expert_set.h"
 #include "gateway/scheduler.h"
 
 namespace moe::gw {
@@ -28,6 +36,15 @@ struct PolicyLimits {
   int max_context = 0;        // prompt + generated, per sequence
   int headroom_blocks = 1;    // kept free per admission for the first decodes
   int max_batch_sequences = 4096;
+  bool grouped_batching = true;  // choose by predicted-expert overlap (else first come first served)
+  int grouping_max_skips = 4;    // times a sequence may be passed over before it goes next
+  int grouping_window = 16;      // waiting requests considered for admission at once
+};
+
+// What the gateway predicted for a sequence (expert_prediction.h).
+struct SequenceHints {
+  ExpertSet experts;        // predicted (layer, expert) pairs; empty: no prediction
+  uint64_t route_tag = 0;   // StepSequence.route_bucket
 };
 
 // One sequence's part of a step.
@@ -37,6 +54,7 @@ struct PlannedChunk {
   int start_pos = 0;
   bool sample = false;  // the last prefill chunk or a decode token
   Sampling sampling;    // the request's, sent with every chunk
+  uint64_t route_tag = 0;
 };
 
 struct StepPlan {
@@ -73,7 +91,7 @@ class BatchPolicy {
   // Queues a request at the back. A request that can never run (empty, longer
   // than the context or the whole KV cache) finishes at the next plan() with
   // an error update instead.
-  void add(uint64_t id, SequenceRequest req);
+  void add(uint64_t id, SequenceRequest req, SequenceHints hints = {});
   // Forgets a sequence; true when the worker holds KV for it (send a release).
   bool cancel(uint64_t id);
 
@@ -98,6 +116,7 @@ class BatchPolicy {
   std::vector<uint64_t> running_ids() const;  // in admission order
   const std::vector<int32_t>* generated(uint64_t id) const;
   bool knows(uint64_t id) const { return seqs_.count(id) != 0; }
+  int skips(uint64_t id) const;  // times passed over by grouped batching since last chosen
 
  private:
   struct Seq {
@@ -107,7 +126,11 @@ class BatchPolicy {
     int on_worker = 0;               // tokens of `context` the worker holds
     uint64_t admitted_at = 0;        // admission order (youngest = largest)
     bool admitted = false;
+    SequenceHints hints;
+    int skips = 0;                   // passed over by grouped batching
   };
+  // Grouped batching: which of `candidates` (oldest first) goes next.
+  size_t pick_grouped(const std::vector<uint64_t>& candidates, const ExpertSet& step) const;
   int blocks_for(int tokens) const;
   int committed_blocks() const;  // blocks admitted sequences hold or will hold once prefilled
   void preempt(uint64_t id, StepPlan& plan);

@@ -47,3 +47,39 @@ TEST_CASE("options: --help and --version need no model", "[gateway][options]") {
   REQUIRE(v.ok());
   CHECK(v->version);
 }
+
+TEST_CASE("options: expert prediction flags, their defaults and their errors", "[gateway][options]") {
+  auto d = parse_gateway_args({"--model", "m"});
+  REQUIRE(d.ok());
+  CHECK(d->options.predict);
+  CHECK(d->options.grouped_batching);
+  CHECK(d->options.lsh_bits == 14);
+  CHECK(d->options.lsh_seed == 1);
+  CHECK(d->options.predict_half_life == 500);
+  CHECK(d->options.predict_experts == 8);
+  CHECK(d->options.grouping_max_skips == 4);
+  auto r = parse_gateway_args({"--model", "m", "--predict", "off", "--grouped-batching=off", "--lsh-bits", "12",
+                               "--lsh-seed", "18446744073709551615", "--predict-half-life", "50",
+                               "--predict-experts", "4", "--grouping-max-skips", "0"});
+  REQUIRE(r.ok());
+  CHECK_FALSE(r->options.predict);
+  CHECK_FALSE(r->options.grouped_batching);
+  CHECK(r->options.lsh_bits == 12);
+  CHECK(r->options.lsh_seed == 18446744073709551615ull);
+  CHECK(r->options.predict_half_life == 50);
+  CHECK(r->options.predict_experts == 4);
+  CHECK(r->options.grouping_max_skips == 0);
+  for (auto bad : {std::vector<std::string>{"--model", "m", "--predict", "yes"},
+                   std::vector<std::string>{"--model", "m", "--lsh-bits", "0"},
+                   std::vector<std::string>{"--model", "m", "--lsh-bits", "33"},
+                   std::vector<std::string>{"--model", "m", "--predict-experts", "0"},
+                   std::vector<std::string>{"--model", "m", "--predict-half-life", "0"}}) {
+    auto e = parse_gateway_args(bad);
+    REQUIRE_FALSE(e.ok());
+    CHECK(e.error().find(bad[2]) != std::string::npos);
+  }
+  const std::string help = moe::gw::gateway_usage();
+  for (const char* flag : {"--predict on|off", "--grouped-batching on|off", "--lsh-bits", "--lsh-seed",
+                           "--predict-half-life", "--predict-experts", "--grouping-max-skips"})
+    CHECK(help.find(flag) != std::string::npos);
+}

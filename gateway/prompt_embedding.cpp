@@ -1,0 +1,106 @@
+#include "gateway/prompt_embedding.h"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+namespace moe::gw {
+
+namespace {
+constexpr const char* kEmbedName = "model.embed_tokens.weight";
+}
+
+Result<std::unique_ptr<PromptEmbedder>> PromptEmbedder::open(const std::string& model_path) {
+  auto files = ModelFiles::open(model_path);
+  if (!files.ok()) return make_error(files.error());
+  const TensorView* t = files.value()->find(kEmbedName);
+  if (!t) return make_error(model_path + ": no tensor " + kEmbedName + " to embed prompts with");
+  if (t->shape.size() != 2 || t->shape[0] <= 0 || t->shape[1] <= 0)
+    return make_error(std::string(kEmbedName) + " is not a [vocab, hidden] matrix");
+  if (t->dtype != DType::f32 && t->dtype != DType::f16 && t->dtype != DType::bf16)
+    return make_error(std::string(kEmbedName) + " has dtype " + dtype_name(t->dtype) + ", not a float type");
+  std::unique_ptr<PromptEmbedder> e(new PromptEmbedder());
+  e->files_ = std::move(files.value());
+  e->view_ = t;
+  e->vocab_ = int(t->shape[0]);
+  e->dim_ = int(t->shape[1]);
+  e->compute_center();
+  return e;
+}
+
+PromptEmbedder::PromptEmbedder(std::vector<float> table, int vocab, int dim)
+    : owned_(std::move(table)), vocab_(vocab), dim_(dim) {
+  owned_.resize(size_t(vocab_) * size_t(dim_));
+  compute_center();
+}
+
+float PromptEmbedder::at(int64_t row, int col) const {
+  const size_t i = size_t(row) * size_t(dim_) + size_t(col);
+  if (!view_) return owned_[i];
+  switch (view_->dtype) {
+    case DType::bf16: {
+      uint16_t v;
+      std::memcpy(&v, view_->data + 2 * i, 2);
+      return bf16_to_f32(v);
+    }
+    case DType::f16: {
+      uint16_t v;
+      std::memcpy(&v, view_->data + 2 * i, 2);
+      return f16_to_f32(v);
+    }
+    default: {
+      float v;
+      std::memcpy(&v, view_->data + 4 * i, 4);
+      return v;
+    }
+  }
+}
+
+void PromptEmbedder::compute_center() {
+  std::vector<double> sum(size_t(dim_), 0.0);
+  for (int64_t r = 0; r < vocab_; ++r)
+    for (int c = 0; c < dim_; ++c) sum[size_t(c)] += at(r, c);
+  center_.resize(size_t(dim_));
+  for (int c = 0; c < dim_; ++c) center_[size_t(c)] = vocab_ > 0 ? float(sum[size_t(c)] / vocab_) : 0.0f;
+}
+
+std::vector<float> PromptEmbedder::embed(std::span<const int32_t> tokens) const {
+  std::vector<float> out(size_t(dim_), 0.0f);
+  int64_t n = 0;
+  for (int32_t t : tokens) {
+    if (t < 0 || t >= vocab_) continue;
+    for (int c = 0; c < dim_; ++c) out[size_t(c)] += at(t, c);
+    ++n;
+  }
+  if (n == 0) return out;
+  for (int c = 0; c < dim_; ++c) out[size_t(c)] = out[size_t(c)] / float(n) - center_[size_t(c)];
+  return out;
+}
+
+LshHasher::LshHasher(int dim, int bits, uint64_t seed) : dim_(dim), bits_(bits), seed_(seed) {
+  if (bits_ < 1) bits_ = 1;
+  if (bits_ > kMaxBits) bits_ = kMaxBits;
+  // std::mt19937_64's output is fixed by the standard; the Box-Muller
+  // transform below is ours, so the planes are the same on every platform.
+  std::mt19937_64 rng(seed_);
+  auto uniform = [&] { return (double(rng() >> 11) + 0.5) * (1.0 / 9007199254740992.0); };
+  planes_.resize(size_t(bits_) * size_t(dim_));
+  for (size_t i = 0; i < planes_.size(); ++i) {
+    const double u1 = uniform(), u2 = uniform();
+    planes_[i] = float(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
+  }
+}
+
+uint32_t LshHasher::bucket(std::span<const float> v) const {
+  uint32_t b = 0;
+  const size_t n = std::min(v.size(), size_t(dim_));
+  for (int i = 0; i < bits_; ++i) {
+    const float* p = planes_.data() + size_t(i) * size_t(dim_);
+    double dot = 0.0;
+    for (size_t c = 0; c < n; ++c) dot += double(p[c]) * double(v[c]);
+    if (dot > 0.0) b |= 1u << i;
+  }
+  return b;
+}
+
+}  // namespace moe::gw

@@ -1,0 +1,73 @@
+#pragma once
+// A prompt's cheap embedding and its locality-sensitive hash
+// (docs/expert-prediction.md).
+//
+// PromptEmbedder: the mean of the model's own input-embedding rows
+// (`model.embed_tokens.weight`, read from the mapped checkpoint, never
+// copied) over the prompt's token ids, minus the mean row of the whole table.
+// Without the centring every prompt's mean points roughly the same way and
+// random hyperplanes through the origin would put them all in one bucket.
+//
+// LshHasher: `bits` random hyperplanes (normal entries from a seeded
+// generator); bit i of the bucket says on which side of plane i the vector
+// lies. Vectors at a small angle share most bits, so similar prompts land in
+// the same bucket or one a few bits away.
+//
+// Threading: both are immutable after construction; any thread.
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "model/model_files.h"
+#include "model/result.h"
+
+namespace moe::gw {
+
+class PromptEmbedder {
+ public:
+  // The embedding table of the model at `model_path` (folder or packed file).
+  static Result<std::unique_ptr<PromptEmbedder>> open(const std::string& model_path);
+  // Over a table given directly (tests): [vocab, dim] row-major.
+  PromptEmbedder(std::vector<float> table, int vocab, int dim);
+
+  int dim() const { return dim_; }
+  int vocab() const { return vocab_; }
+  // Mean row of `tokens` minus the table's mean row; ids out of range are
+  // skipped; an empty (or all-invalid) prompt gives the zero vector.
+  std::vector<float> embed(std::span<const int32_t> tokens) const;  // [dim]
+
+ private:
+  PromptEmbedder() = default;
+  void compute_center();
+  float at(int64_t row, int col) const;
+
+  std::shared_ptr<ModelFiles> files_;  // keeps the mapping alive
+  const TensorView* view_ = nullptr;   // [vocab, dim], bf16/f16/f32 as stored
+  std::vector<float> owned_;           // the table when given directly
+  int vocab_ = 0, dim_ = 0;
+  std::vector<float> center_;  // [dim]: mean row of the table
+};
+
+class LshHasher {
+ public:
+  static constexpr int kMaxBits = 32;
+  // `bits` in 1..kMaxBits hyperplanes of dimension `dim`, from `seed`.
+  LshHasher(int dim, int bits, uint64_t seed);
+
+  int bits() const { return bits_; }
+  uint64_t seed() const { return seed_; }
+  // Bit i set when the vector is on the positive side of plane i.
+  uint32_t bucket(std::span<const float> v) const;
+
+ private:
+  int dim_, bits_;
+  uint64_t seed_;
+  std::vector<float> planes_;  // [bits, dim]
+};
+
+inline int hamming(uint32_t a, uint32_t b) { return __builtin_popcount(a ^ b); }
+
+}  // namespace moe::gw
