@@ -37,23 +37,30 @@ int ForwardPass::kv_v_dim(const ModelDesc& d) {
   return d.attention == AttentionKind::mla ? d.mla.v_head_dim : d.head_dim;
 }
 
+std::vector<float> rope_frequencies(const ModelDesc& d, float* attention_factor) {
+  const bool mla = d.attention == AttentionKind::mla;
+  const int rot_dim = mla ? d.mla.qk_rope_head_dim : d.head_dim;
+  const RopeConfig& r = d.rope;
+  *attention_factor = 1.0f;
+  if (r.type == "yarn") {
+    const int orig = r.original_max_position > 0 ? r.original_max_position : d.max_position;
+    return cpu::rope_inv_freq_yarn(r.theta, rot_dim, r.factor, orig, r.beta_fast, r.beta_slow, r.mscale,
+                                   r.mscale_all_dim, attention_factor);
+  }
+  // "dynamic" equals the default table up to the original context, which
+  // the engine never exceeds (max_context is max_position).
+  std::vector<float> inv = cpu::rope_inv_freq_default(r.theta, rot_dim);
+  if (r.type == "linear")
+    for (float& f : inv) f /= r.factor;
+  return inv;
+}
+
 ForwardPass::ForwardPass(const ModelDesc& desc, const ModelWeights& w, KvCache& kv,
                          cpu::ThreadPool& pool)
     : d_(desc), w_(w), kv_(kv), pool_(pool) {
   const bool mla = d_.attention == AttentionKind::mla;
-  const int rot_dim = mla ? d_.mla.qk_rope_head_dim : d_.head_dim;
   const RopeConfig& r = d_.rope;
-  if (r.type == "yarn") {
-    const int orig = r.original_max_position > 0 ? r.original_max_position : d_.max_position;
-    inv_freq_ = cpu::rope_inv_freq_yarn(r.theta, rot_dim, r.factor, orig, r.beta_fast, r.beta_slow,
-                                        r.mscale, r.mscale_all_dim, &rope_scale_);
-  } else {
-    // "dynamic" equals the default table up to the original context, which
-    // the engine never exceeds (max_context is max_position).
-    inv_freq_ = cpu::rope_inv_freq_default(r.theta, rot_dim);
-    if (r.type == "linear")
-      for (float& f : inv_freq_) f /= r.factor;
-  }
+  inv_freq_ = rope_frequencies(d_, &rope_scale_);
   softmax_scale_ = 1.0f / std::sqrt(float(kv_qk_dim(d_)));
   if (mla && r.type == "yarn" && r.mscale_all_dim != 0.0f) {
     const float m = float(yarn_mscale(r.factor, r.mscale_all_dim));

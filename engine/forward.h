@@ -35,6 +35,10 @@ struct Batch {
   std::vector<int> logit_rows;  // rows whose logits are wanted, in output order
 };
 
+// The model's RoPE inverse frequencies [rot_dim / 2] (default, linear or
+// YaRN scaling); *attention_factor receives the cos/sin scale (1 but YaRN).
+std::vector<float> rope_frequencies(const ModelDesc& d, float* attention_factor);
+
 class ForwardPass {
  public:
   ForwardPass(const ModelDesc& desc, const ModelWeights& w, KvCache& kv, cpu::ThreadPool& pool);

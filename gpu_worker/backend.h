@@ -38,6 +38,24 @@ class Backend {
   virtual std::vector<protocol::ExpertRef> resident() const { return {}; }
   // Changes whenever the resident set changes (publish after a change).
   virtual uint64_t residency_version() const { return 0; }
+
+  // load_expert / unload_expert. The default: a backend that reads every
+  // expert from host memory has them all resident and drops none.
+  virtual protocol::LoadExpertReply load_experts(const protocol::LoadExpert& req) {
+    protocol::LoadExpertReply r;
+    r.layer = req.layer;
+    r.resident = req.experts;
+    return r;
+  }
+  virtual protocol::UnloadExpertReply unload_experts(const protocol::UnloadExpert& req) {
+    protocol::UnloadExpertReply r;
+    r.layer = req.layer;
+    r.failed = req.experts;
+    r.message = "this backend keeps every expert in host memory";
+    return r;
+  }
+  // The expert counters of the stats reply (hits, misses, bytes, islands).
+  virtual void fill_expert_stats(protocol::StatsReply& /*r*/) const {}
 };
 
 struct CpuBackendOptions {
@@ -47,5 +65,19 @@ struct CpuBackendOptions {
 
 // The CPU backend over moe::CpuEngine. `model_path`: folder or packed file.
 Result<std::unique_ptr<Backend>> make_cpu_backend(const std::string& model_path, const CpuBackendOptions& opts);
+
+struct CudaBackendOptions {
+  uint64_t vram_budget = 0;     // 0: what the device has free, less a margin
+  int kv_blocks = 0;            // 0: what the budget leaves after the experts (up to 8 GiB)
+  int max_step_tokens = 512;    // tokens per forward pass
+  std::string policy = "ours";  // expert eviction: lru | lfu | ours
+  bool prefetch = true;         // under a budget: prefetch the next layer's predicted experts
+};
+
+// True when this binary was built with the CUDA backend.
+bool cuda_backend_built();
+// The CUDA backend (gpu_worker/cuda_engine.h); an error without a device or
+// in a binary built without CUDA.
+Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string& model_path, const CudaBackendOptions& opts);
 
 }  // namespace moe::worker

@@ -1,5 +1,5 @@
-// moe-worker: the inference worker (CPU backend; the CUDA backend joins later
-// behind the same Backend interface).
+// moe-worker: the inference worker, on the CPU backend or (when built with
+// the CUDA toolkit) the CUDA backend, behind the same Backend interface.
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -45,10 +45,6 @@ int main(int argc, char** argv) {
     return 0;
   }
   const moe::worker::WorkerOptions& o = cl->options;
-  if (o.backend == "cuda") {
-    std::fprintf(stderr, "moe-worker: the cuda backend is not built into this binary yet (use --backend cpu)\n");
-    return 2;
-  }
   if (o.redis_url.empty()) std::fprintf(stderr, "moe-worker: no --redis; expert state stays in this process\n");
 
   int pipe_fds[2];
@@ -64,10 +60,21 @@ int main(int argc, char** argv) {
   sigaction(SIGINT, &sa, nullptr);
   std::signal(SIGPIPE, SIG_IGN);
 
-  moe::worker::CpuBackendOptions bo;
-  bo.threads = o.threads;
-  bo.kv_blocks = o.kv_blocks;
-  auto backend = moe::worker::make_cpu_backend(o.model_path, bo);
+  moe::Result<std::unique_ptr<moe::worker::Backend>> backend = moe::make_error("no backend");
+  if (o.backend == "cuda") {
+    moe::worker::CudaBackendOptions co;
+    co.vram_budget = o.vram_budget_bytes;
+    co.kv_blocks = o.kv_blocks;
+    co.max_step_tokens = o.max_step_tokens;
+    co.policy = o.expert_policy;
+    co.prefetch = o.prefetch;
+    backend = moe::worker::make_cuda_backend(o.model_path, co);
+  } else {
+    moe::worker::CpuBackendOptions bo;
+    bo.threads = o.threads;
+    bo.kv_blocks = o.kv_blocks;
+    backend = moe::worker::make_cpu_backend(o.model_path, bo);
+  }
   if (!backend.ok()) {
     std::fprintf(stderr, "moe-worker: %s\n", backend.error().c_str());
     return 1;

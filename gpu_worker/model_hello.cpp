@@ -1,5 +1,7 @@
 #include "gpu_worker/model_hello.h"
 
+#include <filesystem>
+
 namespace moe::worker {
 
 protocol::Hello model_hello(const ModelDesc& d) {
@@ -16,6 +18,13 @@ protocol::Hello model_hello(const ModelDesc& d) {
   for (int l = 0; l < d.n_layers; ++l)
     if (d.moe_layer_index(l) >= 0) h.experts.moe_layers.push_back(uint16_t(l));
   return h;
+}
+
+std::string model_id_from_path(const std::string& model_path) {
+  std::filesystem::path p(model_path);
+  std::string id = p.filename().string();
+  if (id.empty()) id = p.parent_path().filename().string();
+  return id;
 }
 
 }  // namespace moe::worker

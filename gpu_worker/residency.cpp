@@ -145,6 +145,21 @@ Status ResidencyMap::unpin(ExpertKey key) {
   return {};
 }
 
+Status ResidencyMap::drop(ExpertKey key) {
+  if (!valid(key)) return make_error("expert out of range");
+  const int64_t i = island_of_[index_of(key)];
+  if (i < 0) return {};
+  if (pins_[size_t(i)] > 0) return make_error("expert is in use by the current step");
+  island_of_[index_of(key)] = -1;
+  key_of_[size_t(i)] = -1;
+  predicted_[size_t(i)] = 0;
+  prefetched_[size_t(i)] = 0;
+  policy_->on_evict(key, now_);
+  --stats_.islands_in_use;
+  free_.push_back(i);
+  return {};
+}
+
 std::vector<Placement> ResidencyMap::hint(int layer, std::span<const int> experts,
                                           HintPriority priority) {
   std::vector<Placement> loads;

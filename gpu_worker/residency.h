@@ -82,6 +82,11 @@ class ResidencyMap {
   // Drops one pin. Unpinning an expert with no pins is an error.
   [[nodiscard]] Status unpin(ExpertKey key);
 
+  // Drops a resident that nothing pins (an explicit unload); its island
+  // becomes free. Error when the expert is pinned; a no-op when it is not
+  // resident.
+  [[nodiscard]] Status drop(ExpertKey key);
+
   // ---- Predictions
   // Experts of `layer` likely soon. Returns the copies to start (hit = false)
   // for those not yet resident that got an island; resident ones are only

@@ -48,7 +48,8 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
       inline_value = true;
     }
     static const char* const kValued[] = {"--model", "--socket", "--backend", "--threads", "--kv-blocks",
-                                          "--max-frame-bytes", "--vram-budget", "--redis"};
+                                          "--max-frame-bytes", "--vram-budget", "--redis",
+                                          "--max-step-tokens", "--expert-policy", "--prefetch"};
     bool known = false;
     for (const char* k : kValued) known = known || name == k;
     if (!known) return make_error("unknown option '" + a + "' (see --help)");
@@ -74,7 +75,21 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
           return make_error("option --max-frame-bytes out of range: '" + value + "'");
         o.max_frame_bytes = size_t(*v);
       }
-    } else if (name == "--redis") o.redis_url = value;
+    } else if (name == "--redis") {
+      o.redis_url = value;
+    } else if (name == "--max-step-tokens") {
+      auto v = parse_count(name, value);
+      if (!v.ok()) return make_error(v.error());
+      if (*v < 1 || *v > 8192) return make_error("option --max-step-tokens must be in [1, 8192], got '" + value + "'");
+      o.max_step_tokens = *v;
+    } else if (name == "--expert-policy") {
+      if (value != "lru" && value != "lfu" && value != "ours")
+        return make_error("option --expert-policy takes lru, lfu or ours, got '" + value + "'");
+      o.expert_policy = value;
+    } else if (name == "--prefetch") {
+      if (value != "on" && value != "off") return make_error("option --prefetch takes on or off, got '" + value + "'");
+      o.prefetch = value == "on";
+    }
   }
   if (!cl.help && !cl.version) {
     if (o.model_path.empty()) return make_error("option --model is required");
@@ -92,7 +107,11 @@ std::string worker_usage() {
          "  --threads N             CPU threads (default: all cores)\n"
          "  --kv-blocks N           KV cache blocks (default: the backend's budget)\n"
          "  --max-frame-bytes N     largest frame accepted (default 64M)\n"
-         "  --vram-budget SIZE      device memory to use (cuda backend)\n"
+         "  --vram-budget SIZE      device memory to use, e.g. 12GiB (cuda; default: free memory less 512 MiB);\n"
+         "                          one allocation holds weights, KV, workspace and expert islands\n"
+         "  --max-step-tokens N     tokens per forward pass; larger steps run as several (cuda, default 512)\n"
+         "  --expert-policy P       expert eviction under a budget: lru, lfu or ours (cuda, default ours)\n"
+         "  --prefetch on|off       copy the next layer's predicted experts ahead (cuda, default on)\n"
          "  --redis URL             Redis for warm-expert state and events (redis://HOST:PORT)\n"
          "  --help, --version\n";
 }

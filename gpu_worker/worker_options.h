@@ -17,8 +17,11 @@ struct WorkerOptions {
   int threads = 0;              // --threads (0: all cores)
   int kv_blocks = 0;            // --kv-blocks (0: the backend's default)
   size_t max_frame_bytes = 64u << 20;  // --max-frame-bytes
-  uint64_t vram_budget_bytes = 0;      // --vram-budget (cuda only)
-  std::string redis_url;               // --redis (accepted, not used yet)
+  uint64_t vram_budget_bytes = 0;      // --vram-budget (cuda only; 0: free memory less a margin)
+  std::string redis_url;               // --redis
+  int max_step_tokens = 512;           // --max-step-tokens (cuda: tokens per forward pass)
+  std::string expert_policy = "ours";  // --expert-policy lru|lfu|ours (cuda)
+  bool prefetch = true;                // --prefetch on|off (cuda, under a budget)
 };
 
 struct WorkerCommandLine {

@@ -15,4 +15,9 @@ namespace moe::cuda {
 Status embedding_gather(const __nv_bfloat16* table, int vocab, int hidden, const int32_t* tokens, int n_tokens,
                         float* x, cudaStream_t stream);
 
+// dst[i, :] = src[rows[i], :] for i < n_rows (f32 rows of `dim`): the
+// positions a step samples from, out of the residual stream.
+Status gather_rows_f32(const float* src, const int32_t* rows, int n_rows, int dim, float* dst,
+                       cudaStream_t stream);
+
 }  // namespace moe::cuda

@@ -42,8 +42,10 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // Bytes of shared memory one staged vector of K inputs takes.
+// Per staged vector; a multiple of 16 bytes so that the next vector's
+// 16-byte runs stay aligned (an odd chunk count would leave 8 over).
 __host__ __device__ inline size_t staged_bytes(int K, bool fast) {
-  return fast ? size_t(K / 32) * (64 + 8) : size_t(K) * 4;
+  return fast ? (size_t(K / 32) * (64 + 8) + 15) / 16 * 16 : size_t(K) * 4;
 }
 
 // Fast staging: chunk c (32 inputs), word q (inputs 8q..8q+7 of the chunk):
@@ -287,7 +289,7 @@ __global__ void __launch_bounds__(kThreads) q4_down_kernel(DownParams p) {
   const int t = blockIdx.y;
   const int K = p.m.cols;
   const int nchunks = K / 32;
-  const size_t per = staged_bytes(K, FAST);  // a multiple of 8 bytes
+  const size_t per = staged_bytes(K, FAST);  // a multiple of 16 bytes
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * R;
   const int rows = p.m.rows;

@@ -1,0 +1,154 @@
+// The CUDA backend: protocol steps onto moe::CudaEngine (docs/cuda-worker.md).
+#include <algorithm>
+#include <chrono>
+#include <span>
+#include <unordered_set>
+
+#include "gpu_worker/backend.h"
+#include "gpu_worker/cuda_engine.h"
+#include "gpu_worker/model_hello.h"
+#include "gpu_worker/step_translation.h"
+
+namespace moe::worker {
+namespace {
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(std::unique_ptr<CudaEngine> engine, std::string model_id)
+      : engine_(std::move(engine)), model_id_(std::move(model_id)) {}
+
+  protocol::Hello describe() const override {
+    protocol::Hello h = model_hello(engine_->desc());
+    h.model_id = model_id_;
+    h.backend = "cuda";
+    h.instance = "moe-worker";
+    h.kv_blocks_total = uint32_t(engine_->kv_blocks_total());
+    h.kv_block_tokens = uint32_t(engine_->kv_block_tokens());
+    h.max_context = uint32_t(engine_->max_context());
+    return h;
+  }
+
+  protocol::StepReply step(const protocol::StepRequest& req) override {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto seq_length = [this](uint64_t id) { return engine_->seq_length(id); };
+    EngineLimits lim{engine_->desc().vocab_size, engine_->max_context(), engine_->kv_block_tokens(),
+                     engine_->kv_blocks_free(), seq_length};
+    TranslatedStep t = translate_step(req, lim);
+    const CudaExpertStats before = engine_->expert_stats();
+    const auto t1 = std::chrono::steady_clock::now();
+    if (!t.inputs.empty()) {
+      auto out = engine_->step(std::span<const SeqInput>(t.inputs));
+      fill_step_results(t, out, req.report_expert_usage, seq_length);
+      if (out.ok())
+        for (const SeqOutput& o : *out) live_.insert(o.seq_id);
+    } else {
+      fill_step_results(t, std::vector<SeqOutput>{}, req.report_expert_usage, seq_length);
+    }
+    protocol::StepReply& reply = t.reply;
+    const auto t2 = std::chrono::steady_clock::now();
+    const CudaExpertStats after = engine_->expert_stats();
+    if (after.all_resident) {
+      // Every routed expert was resident: each use is a hit.
+      uint64_t uses = 0;
+      for (const auto& r : reply.results)
+        for (uint16_t c : r.expert_usage) uses += c ? 1 : 0;
+      reply.expert_hits = uint32_t(uses);
+    } else {
+      reply.expert_hits = uint32_t(after.residency.hits - before.residency.hits);
+      reply.expert_misses = uint32_t(after.residency.misses - before.residency.misses);
+    }
+    reply.timing.compute_us = uint32_t(std::chrono::duration_cast<std::chrono::microseconds>(t2 - t1).count());
+    reply.timing.total_us = uint32_t(std::chrono::duration_cast<std::chrono::microseconds>(t2 - t0).count());
+    reply.kv_blocks_free = uint32_t(engine_->kv_blocks_free());
+    reply.kv_blocks_used = uint32_t(engine_->kv_blocks_total() - engine_->kv_blocks_free());
+    return std::move(reply);
+  }
+
+  void release(uint64_t seq_id) override {
+    engine_->release(seq_id);
+    live_.erase(seq_id);
+  }
+  int kv_blocks_total() const override { return engine_->kv_blocks_total(); }
+  int kv_blocks_free() const override { return engine_->kv_blocks_free(); }
+  int sequences_active() const override { return int(live_.size()); }
+
+  size_t warm(const std::vector<protocol::ExpertRef>& experts) override {
+    std::vector<ExpertKey> keys;
+    for (const auto& e : experts) keys.push_back({e.layer, e.expert});
+    return engine_->warm(keys);
+  }
+  std::vector<protocol::ExpertRef> resident() const override {
+    std::vector<protocol::ExpertRef> out;
+    for (const ExpertKey& k : engine_->resident()) out.push_back({uint16_t(k.layer), uint16_t(k.expert)});
+    return out;
+  }
+  uint64_t residency_version() const override { return engine_->residency_version(); }
+
+  protocol::LoadExpertReply load_experts(const protocol::LoadExpert& req) override {
+    const auto t0 = std::chrono::steady_clock::now();
+    const uint64_t bytes0 = engine_->expert_stats().residency.bytes_copied;
+    protocol::LoadExpertReply r;
+    r.layer = req.layer;
+    for (uint16_t e : req.experts) {
+      const ExpertKey k{req.layer, e};
+      if (engine_->warm(std::span<const ExpertKey>(&k, 1)) == 1)
+        r.resident.push_back(e);
+      else
+        r.failed.push_back(e);
+    }
+    if (!r.failed.empty()) r.message = "no free island (or no such expert) for some experts; eviction makes room as steps need it";
+    r.bytes_copied = engine_->expert_stats().residency.bytes_copied - bytes0;
+    r.elapsed_us = uint32_t(
+        std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count());
+    return r;
+  }
+  protocol::UnloadExpertReply unload_experts(const protocol::UnloadExpert& req) override {
+    protocol::UnloadExpertReply r;
+    r.layer = req.layer;
+    std::vector<ExpertKey> keys;
+    for (uint16_t e : req.experts) keys.push_back({req.layer, e});
+    const std::vector<ExpertKey> failed = engine_->unload(keys);
+    for (const ExpertKey& k : keys) {
+      const bool f = std::any_of(failed.begin(), failed.end(), [&](const ExpertKey& x) { return x == k; });
+      (f ? r.failed : r.unloaded).push_back(uint16_t(k.expert));
+    }
+    if (!r.failed.empty())
+      r.message = engine_->expert_stats().all_resident ? "every expert fits the budget: none is unloaded"
+                                                       : "expert in use or out of range";
+    return r;
+  }
+  void fill_expert_stats(protocol::StatsReply& r) const override {
+    const CudaExpertStats s = engine_->expert_stats();
+    r.expert_hits = s.residency.hits;
+    r.expert_misses = s.residency.misses;
+    r.bytes_copied = s.residency.bytes_copied;
+    r.islands_used = uint32_t(s.residency.islands_in_use);
+    r.islands_total = uint32_t(s.islands_total);
+  }
+
+ private:
+  std::unique_ptr<CudaEngine> engine_;
+  std::string model_id_;
+  std::unordered_set<uint64_t> live_;
+};
+
+}  // namespace
+
+bool cuda_backend_built() { return true; }
+
+Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string& model_path, const CudaBackendOptions& opts) {
+  auto files = ModelFiles::open(model_path);
+  if (!files.ok()) return make_error(files.error());
+  CudaEngineOptions eo;
+  eo.vram_budget = opts.vram_budget;
+  eo.kv_blocks = opts.kv_blocks;
+  eo.max_step_tokens = opts.max_step_tokens;
+  eo.policy = opts.policy;
+  eo.prefetch = opts.prefetch;
+  auto engine = CudaEngine::create(files.value(), eo);
+  if (!engine.ok()) return make_error(engine.error());
+  const std::string id = model_id_from_path(model_path);
+  return std::unique_ptr<Backend>(new CudaBackend(std::move(engine.value()), id));
+}
+
+}  // namespace moe::worker

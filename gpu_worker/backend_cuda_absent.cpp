@@ -1,0 +1,13 @@
+// A moe-worker built without the CUDA toolkit: the cuda backend is refused
+// with a message instead of being silently replaced.
+#include "gpu_worker/backend.h"
+
+namespace moe::worker {
+
+bool cuda_backend_built() { return false; }
+
+Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string&, const CudaBackendOptions&) {
+  return make_error("this moe-worker was built without the CUDA toolkit; rebuild with nvcc installed or use --backend cpu");
+}
+
+}  // namespace moe::worker

@@ -1,0 +1,970 @@
+#include "gpu_worker/cuda_engine.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "engine/weights.h"
+#include "gpu_worker/eviction_policy.h"
+#include "gpu_worker/expert_predictor.h"
+#include "gpu_worker/island_arena.h"
+#include "engine/forward.h"
+#include "kernels/cpu/sampling.h"
+#include "kernels/cuda/activation.cuh"
+#include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/cuda_check.cuh"
+#include "kernels/cuda/dense_matmul.cuh"
+#include "kernels/cuda/embedding.cuh"
+#include "kernels/cuda/norm.cuh"
+#include "kernels/cuda/q4_gemm.cuh"
+#include "kernels/cuda/q4_gemv.cuh"
+#include "kernels/cuda/rope.cuh"
+#include "kernels/cuda/router.cuh"
+#include "kernels/cuda/sampling.cuh"
+#include "model/safetensors.h"
+
+#define ENGINE_TRY(expr)                                  \
+  do {                                                    \
+    ::moe::Status st_ = (expr);                           \
+    if (!st_.ok()) return ::moe::make_error(st_.error()); \
+  } while (0)
+
+namespace moe {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kBlockTokens = 16;
+constexpr int kMaxSampleRows = 64;  // sampled rows per forward pass
+constexpr size_t kAlign = 256;
+constexpr size_t kDefaultMargin = size_t(512) << 20;  // free memory the default budget leaves
+
+size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+// Hands out aligned pieces of one region. With a null base it only counts,
+// so the same code measures a region before the arena exists and carves it
+// after.
+struct Carver {
+  uint8_t* base = nullptr;
+  size_t used = 0;
+  template <typename T>
+  T* take(size_t count) {
+    used = align_up(used, kAlign);
+    T* p = base ? reinterpret_cast<T*>(base + used) : nullptr;
+    used += count * sizeof(T);
+    return p;
+  }
+};
+
+// Rows of a Linear [out, in] as bf16 bits, appended to `out`.
+void append_bf16_rows(const Linear& L, std::vector<uint16_t>& out) {
+  const size_t at = out.size();
+  out.resize(at + size_t(L.out) * L.in);
+  uint16_t* dst = out.data() + at;
+  if (L.bf16) {
+    std::memcpy(dst, L.bf16, size_t(L.out) * L.in * 2);
+    return;
+  }
+  std::vector<float> row(size_t(L.in));
+  for (int r = 0; r < L.out; ++r) {
+    L.row(r, row.data());
+    for (int c = 0; c < L.in; ++c) dst[size_t(r) * L.in + c] = f32_to_bf16(row[size_t(c)]);
+  }
+}
+
+std::vector<uint16_t> bf16_of(const std::vector<float>& v) {
+  std::vector<uint16_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = f32_to_bf16(v[i]);
+  return out;
+}
+
+}  // namespace
+
+struct CudaEngine::Impl {
+  // ---- Model
+  std::shared_ptr<ModelFiles> files;
+  ModelDesc d;
+  CudaEngineOptions opts;
+  std::unique_ptr<ModelWeights> host_weights;  // mapping-backed views, the source of every upload
+  ExpertLayout layout{};
+  bool grouped_ok = false;
+  int H = 0, W = 0, QD = 0, E = 0, K = 0, Lm = 0, V = 0;
+  int max_context = 0, max_blocks = 0;
+  int T = 0;                // tokens per pass
+  size_t h_rows = 0;        // rows of the GEMV expert scratch
+  int gu_stride = 0;        // row stride of the fused gate|up output
+  int mlp_inter_max = 0;    // widest shared / dense MLP
+  float attention_factor = 1.f;
+  std::vector<uint8_t*> quantised;  // experts quantised at load (freed at the end)
+
+  struct DevLayer {
+    bf16 *in_norm = nullptr, *post_norm = nullptr, *qkv_w = nullptr, *qkv_b = nullptr;
+    bf16 *q_norm = nullptr, *k_norm = nullptr, *o_w = nullptr;
+    int moe_index = -1;  // -1: dense MLP
+    bf16* router_w = nullptr;
+    bf16 *mlp_gu_w = nullptr, *mlp_down_w = nullptr;  // shared expert or dense MLP
+    int mlp_inter = 0, mlp_rows = 0;                  // rows: gate | up | (gate logit), padded
+    bool mlp_gated = false;                           // Qwen2-MoE: sigmoid gate logit at row 2*inter
+    bf16 *k_pool = nullptr, *v_pool = nullptr;
+  };
+  std::vector<DevLayer> layers;
+  bf16 *embed = nullptr, *final_norm = nullptr, *lm_head = nullptr;
+
+  // ---- Device memory
+  IslandPlan plan;
+  std::unique_ptr<IslandArena> arena;
+  std::unique_ptr<ResidencyMap> map;
+  std::unique_ptr<ExpertPredictor> predictor;
+  std::unique_ptr<cuda::CublasLtMatmul> mm;
+  cudaStream_t st = nullptr;
+  bool all_resident = false;
+  uint64_t residency_version = 0;
+
+  // workspace
+  float *x = nullptr, *qkv = nullptr, *router_logits = nullptr, *route_w = nullptr, *h = nullptr;
+  float *gu = nullptr, *tmp = nullptr, *xs = nullptr, *logits = nullptr, *inv_freq = nullptr;
+  int32_t *route_ids = nullptr, *sampled = nullptr;
+  bf16 *xn = nullptr, *q = nullptr, *attn = nullptr, *mh = nullptr, *xsn = nullptr;
+  const uint8_t** blob_tables = nullptr;  // [Lm, E] device pointers
+  void* grouped_ws = nullptr;
+  size_t grouped_ws_bytes = 0;
+  uint8_t* pack_dev = nullptr;  // a pass's inputs (layout: PassPack)
+  size_t pack_bytes = 0;
+
+  // pinned host mirrors
+  uint8_t* pack_host = nullptr;
+  const uint8_t** tables_host = nullptr;  // [Lm, E]
+  int32_t* ids_host = nullptr;            // [Lm, T, K]
+  int32_t* sampled_host = nullptr;        // [kMaxSampleRows]
+  float* logits_host = nullptr;           // [kMaxSampleRows, V]
+
+  // ---- Sequences and KV blocks
+  struct Sequence {
+    std::vector<int32_t> blocks;
+    int32_t length = 0;
+  };
+  std::unordered_map<uint64_t, Sequence> seqs;
+  std::vector<int32_t> free_blocks;
+  int kv_blocks = 0;
+
+  // ---- Decode graphs (resident mode), keyed by batch size
+  struct Graph {
+    int seen = 0;
+    cudaGraphExec_t exec = nullptr;
+  };
+  std::map<int, Graph> graphs;
+
+  // Where a pass's inputs sit in the pack (a function of its sizes only, so
+  // that a captured graph's pointers stay valid for every pass of that size).
+  struct PassPack {
+    size_t tokens = 0, positions = 0, seq_of_token = 0, sample_rows = 0, sample_pos = 0,
+           params = 0, tables = 0, bytes = 0;
+  };
+  PassPack pack_layout(int n, int s, int pieces) const {
+    PassPack p;
+    size_t o = 0;
+    auto put = [&](size_t& field, size_t bytes) {
+      o = align_up(o, 16);
+      field = o;
+      o += bytes;
+    };
+    put(p.tokens, size_t(n) * 4);
+    put(p.positions, size_t(n) * 4);
+    put(p.seq_of_token, size_t(n) * 4);
+    put(p.sample_rows, size_t(std::max(s, 1)) * 4);
+    put(p.sample_pos, size_t(std::max(s, 1)) * 8);
+    put(p.params, size_t(std::max(s, 1)) * sizeof(cuda::SampleRowParams));
+    put(p.tables, size_t(pieces) * max_blocks * 4);
+    p.bytes = o;
+    return p;
+  }
+
+  ~Impl() {
+    if (st) (void)cudaStreamSynchronize(st);
+    for (auto& [b, g] : graphs)
+      if (g.exec) (void)cudaGraphExecDestroy(g.exec);
+    arena.reset();
+    mm.reset();
+    if (pack_host) (void)cudaFreeHost(pack_host);
+    if (tables_host) (void)cudaFreeHost(tables_host);
+    if (ids_host) (void)cudaFreeHost(ids_host);
+    if (sampled_host) (void)cudaFreeHost(sampled_host);
+    if (logits_host) (void)cudaFreeHost(logits_host);
+    if (st) (void)cudaStreamDestroy(st);
+    for (uint8_t* p : quantised) std::free(p);
+  }
+
+  Status carve_weights(Carver& c, bool upload);
+  void carve_workspace(Carver& c);
+  Status expert_source(ExpertHostSource& src);
+  Status forward(const PassPack& pk, int n, int s);
+  Status moe_layer(const DevLayer& L, int n);
+  Status bind_experts(int ml, int n);
+  Status release_experts(int ml);
+  std::vector<std::vector<int>> bound;  // [Lm] experts pinned for the layer's kernels
+};
+
+// ---------------------------------------------------------------- weights
+
+Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
+  const ModelWeights& w = *host_weights;
+  std::vector<uint16_t> buf;
+  auto put = [&](bf16** dst, const std::vector<uint16_t>& data) -> Status {
+    *dst = c.take<bf16>(data.size());
+    if (upload && !data.empty())
+      MOE_CUDA_TRY(cudaMemcpy(*dst, data.data(), data.size() * 2, cudaMemcpyHostToDevice));
+    return {};
+  };
+  // The same sizes in the measuring pass, without converting anything.
+  auto reserve = [&](bf16** dst, size_t elems) { *dst = c.take<bf16>(elems); };
+  auto linear = [&](bf16** dst, std::initializer_list<const Linear*> parts, size_t pad_rows) -> Status {
+    size_t elems = 0;
+    for (const Linear* p : parts) elems += size_t(p->out) * p->in;
+    const size_t in = (*parts.begin())->in;
+    elems += pad_rows * in;
+    if (!upload) {
+      reserve(dst, elems);
+      return {};
+    }
+    buf.clear();
+    for (const Linear* p : parts) append_bf16_rows(*p, buf);
+    buf.resize(elems, 0);
+    return put(dst, buf);
+  };
+  auto vec = [&](bf16** dst, const std::vector<float>& v) -> Status {
+    if (v.empty()) {
+      *dst = nullptr;
+      return {};
+    }
+    if (!upload) {
+      reserve(dst, v.size());
+      return {};
+    }
+    return put(dst, bf16_of(v));
+  };
+
+  layers.resize(size_t(d.n_layers));
+  for (int l = 0; l < d.n_layers; ++l) {
+    const LayerWeights& lw = w.layers[size_t(l)];
+    DevLayer& L = layers[size_t(l)];
+    if (Status s = vec(&L.in_norm, lw.attn_norm); !s) return s;
+    if (Status s = vec(&L.post_norm, lw.mlp_norm); !s) return s;
+    if (Status s = linear(&L.qkv_w, {&lw.q, &lw.k, &lw.v}, 0); !s) return s;
+    if (d.qkv_bias) {
+      std::vector<float> b;
+      for (const Linear* p : {&lw.q, &lw.k, &lw.v}) {
+        if (p->bias.size() != size_t(p->out)) return make_error("layer " + std::to_string(l) + ": q/k/v bias missing");
+        b.insert(b.end(), p->bias.begin(), p->bias.end());
+      }
+      if (Status s = vec(&L.qkv_b, b); !s) return s;
+    }
+    if (Status s = vec(&L.q_norm, lw.q_norm); !s) return s;
+    if (Status s = vec(&L.k_norm, lw.k_norm); !s) return s;
+    if (Status s = linear(&L.o_w, {&lw.o}, 0); !s) return s;
+    L.moe_index = d.moe_layer_index(l);
+    const Mlp* mlp = nullptr;
+    if (L.moe_index >= 0) {
+      if (Status s = linear(&L.router_w, {&lw.router}, 0); !s) return s;
+      if (lw.shared.gate.present()) mlp = &lw.shared;
+      L.mlp_gated = lw.shared_gate.present();
+    } else {
+      mlp = &lw.dense;
+    }
+    if (mlp) {
+      L.mlp_inter = mlp->gate.out;
+      const int rows = 2 * L.mlp_inter + (L.mlp_gated ? 1 : 0);
+      L.mlp_rows = int(align_up(size_t(rows), 8));
+      if (L.mlp_gated) {
+        if (Status s = linear(&L.mlp_gu_w, {&mlp->gate, &mlp->up, &lw.shared_gate}, size_t(L.mlp_rows - rows)); !s)
+          return s;
+      } else {
+        if (Status s = linear(&L.mlp_gu_w, {&mlp->gate, &mlp->up}, size_t(L.mlp_rows - rows)); !s) return s;
+      }
+      if (Status s = linear(&L.mlp_down_w, {&mlp->down}, 0); !s) return s;
+    }
+  }
+  if (Status s = linear(&embed, {&w.embed}, 0); !s) return s;
+  if (Status s = vec(&final_norm, w.final_norm); !s) return s;
+  if (d.tie_embeddings)
+    lm_head = embed;
+  else if (Status s = linear(&lm_head, {&w.lm_head}, 0); !s)
+    return s;
+  return {};
+}
+
+void CudaEngine::Impl::carve_workspace(Carver& c) {
+  x = c.take<float>(size_t(T) * H);
+  xn = c.take<bf16>(size_t(T) * H);
+  qkv = c.take<float>(size_t(T) * W);
+  q = c.take<bf16>(size_t(T) * QD);
+  attn = c.take<bf16>(size_t(T) * QD);
+  tmp = c.take<float>(size_t(T) * H);
+  if (Lm > 0) {
+    router_logits = c.take<float>(size_t(T) * E);
+    route_w = c.take<float>(size_t(T) * K);
+    route_ids = c.take<int32_t>(size_t(Lm) * T * K);
+    h = c.take<float>(h_rows * size_t(layout.inter));
+    blob_tables = c.take<const uint8_t*>(size_t(Lm) * E);
+    if (grouped_ok) grouped_ws = c.take<uint8_t>(grouped_ws_bytes);
+  }
+  if (mlp_inter_max > 0) {
+    gu = c.take<float>(size_t(T) * gu_stride);
+    mh = c.take<bf16>(size_t(T) * mlp_inter_max);
+  }
+  xs = c.take<float>(size_t(kMaxSampleRows) * H);
+  xsn = c.take<bf16>(size_t(kMaxSampleRows) * H);
+  logits = c.take<float>(size_t(kMaxSampleRows) * V);
+  sampled = c.take<int32_t>(kMaxSampleRows);
+  inv_freq = c.take<float>(size_t(d.head_dim / 2));
+  pack_dev = c.take<uint8_t>(pack_bytes);
+}
+
+Status CudaEngine::Impl::expert_source(ExpertHostSource& src) {
+  src.n_layers = Lm;
+  src.n_experts = E;
+  src.blob_bytes = layout.blob_bytes;
+  src.blobs.resize(size_t(Lm) * E);
+  for (int l = 0; l < d.n_layers; ++l) {
+    const int ml = d.moe_layer_index(l);
+    if (ml < 0) continue;
+    const LayerWeights& lw = host_weights->layers[size_t(l)];
+    if (host_weights->experts_q4) {
+      for (int e = 0; e < E; ++e) src.blobs[size_t(ml) * E + e] = lw.experts[size_t(e)].q4;
+      continue;
+    }
+    // A checkpoint with float experts: quantise the layer's experts now, into
+    // one block per layer (pinned later by the arena).
+    auto* block = static_cast<uint8_t*>(std::aligned_alloc(4096, align_up(layout.blob_bytes * E, 4096)));
+    if (!block) return make_error("out of host memory quantising experts");
+    quantised.push_back(block);
+    std::vector<float> g, r;
+    for (int e = 0; e < E; ++e) {
+      const Mlp& m = lw.experts[size_t(e)];
+      uint8_t* blob = block + size_t(e) * layout.blob_bytes;
+      std::memset(blob, 0, layout.blob_bytes);
+      for (auto [lin, ml_layout] : {std::pair{&m.gate, &layout.gate}, std::pair{&m.up, &layout.up},
+                                    std::pair{&m.down, &layout.down}}) {
+        g.resize(size_t(lin->out) * lin->in);
+        for (int row = 0; row < lin->out; ++row) lin->row(row, g.data() + size_t(row) * lin->in);
+        q4_quantize_matrix(g.data(), *ml_layout, blob);
+      }
+      src.blobs[size_t(ml) * E + e] = blob;
+    }
+    std::fprintf(stderr, "moe-worker: quantised layer %d's %d experts to INT4 (group %d)\n", l, E, layout.group);
+  }
+  return {};
+}
+
+// ---------------------------------------------------------------- creation
+
+Result<std::string> cuda_device_summary() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return make_error("no CUDA device");
+  int dev = 0;
+  MOE_CUDA_TRY(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  MOE_CUDA_TRY(cudaGetDeviceProperties(&prop, dev));
+  size_t free_b = 0, total_b = 0;
+  MOE_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
+  return std::string(prop.name) + ", " + format_bytes(free_b) + " free of " + format_bytes(total_b);
+}
+
+Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFiles> files,
+                                                       const CudaEngineOptions& opts) {
+  auto dev = cuda_device_summary();
+  if (!dev) return make_error("the cuda backend needs a CUDA device: " + dev.error());
+  const ModelDesc& d = files->desc();
+  if (d.attention != AttentionKind::gqa)
+    return make_error(std::string("the cuda backend does not run ") + arch_name(d.arch) +
+                      " (multi-head latent attention); use --backend cpu");
+  if (d.moe.topk_method != "greedy")
+    return make_error("the cuda backend has no group-limited expert selection (" + d.moe.topk_method + ")");
+  if (opts.max_step_tokens < 1 || opts.max_step_tokens > 8192)
+    return make_error("max_step_tokens must be in [1, 8192]");
+
+  std::unique_ptr<CudaEngine> eng(new CudaEngine());
+  eng->impl_ = std::make_unique<Impl>();
+  Impl& m = *eng->impl_;
+  m.files = std::move(files);
+  m.d = d;
+  m.opts = opts;
+  m.H = d.hidden_size;
+  m.QD = d.n_heads * d.head_dim;
+  m.W = (d.n_heads + 2 * d.n_kv_heads) * d.head_dim;
+  m.E = d.moe.n_experts;
+  m.K = d.moe.top_k;
+  m.Lm = d.n_moe_layers();
+  m.V = d.vocab_size;
+  m.T = opts.max_step_tokens;
+  m.max_context = opts.max_context > 0 ? opts.max_context : std::min(d.max_position > 0 ? d.max_position : 4096, 32768);
+  m.max_blocks = (m.max_context + kBlockTokens - 1) / kBlockTokens;
+
+  auto w = load_weights(*m.files, /*convert_f32=*/false, /*use_q4=*/m.files->experts_q4());
+  if (!w) return make_error(w.error());
+  m.host_weights = std::move(*w);
+  if (m.Lm > 0) {
+    m.layout = m.host_weights->experts_q4 ? m.host_weights->q4_layout
+                                          : expert_layout(m.H, d.moe.expert_intermediate, opts.q4_group);
+    m.grouped_ok = cuda::q4_grouped_supported(m.layout);
+    m.h_rows = size_t(m.grouped_ok ? std::min(m.T, cuda::kGemvMaxTokens) : m.T) * m.K;
+    if (m.grouped_ok) m.grouped_ws_bytes = cuda::q4_grouped_workspace_bytes(m.layout, m.T, m.K, m.E);
+  }
+  for (int l = 0; l < d.n_layers; ++l) {
+    const LayerWeights& lw = m.host_weights->layers[size_t(l)];
+    const Mlp* mlp = d.moe_layer_index(l) >= 0 ? (lw.shared.gate.present() ? &lw.shared : nullptr) : &lw.dense;
+    if (!mlp) continue;
+    m.mlp_inter_max = std::max(m.mlp_inter_max, mlp->gate.out);
+    const int rows = 2 * mlp->gate.out + (lw.shared_gate.present() ? 1 : 0);
+    m.gu_stride = std::max(m.gu_stride, int(align_up(size_t(rows), 8)));
+  }
+  m.pack_bytes = m.pack_layout(m.T, kMaxSampleRows, m.T).bytes;
+
+  // Measure the fixed parts, plan the arena, then carve and fill it.
+  Carver measure_w, measure_ws;
+  if (Status s = m.carve_weights(measure_w, false); !s) return make_error(s.error());
+  m.carve_workspace(measure_ws);
+  size_t free_b = 0, total_b = 0;
+  MOE_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
+  IslandPlanRequest req;
+  req.budget_bytes = opts.vram_budget ? opts.vram_budget : (free_b > kDefaultMargin ? free_b - kDefaultMargin : 0);
+  if (req.budget_bytes > free_b)
+    return make_error("--vram-budget " + format_bytes(req.budget_bytes) + " exceeds the device's free memory (" +
+                      format_bytes(free_b) + ")");
+  req.nonexpert_bytes = measure_w.used;
+  req.workspace_bytes = measure_ws.used;
+  req.kv_bytes_per_block = size_t(2) * d.n_layers * kBlockTokens * d.n_kv_heads * d.head_dim * 2;
+  req.kv_blocks_min = std::max(opts.kv_blocks_min, 1);
+  req.kv_blocks_wanted = std::max(opts.kv_blocks, opts.kv_blocks_min);
+  req.expert_blob_bytes = m.Lm > 0 ? m.layout.blob_bytes : kAlign;
+  req.n_total_experts = int64_t(m.Lm) * m.E;
+  req.min_islands = m.Lm > 0 ? m.E : 0;  // a prompt may route to every expert of a layer at once
+  auto plan = plan_islands(req);
+  if (!plan) return make_error(plan.error());
+  if (opts.kv_blocks == 0) {
+    // Unasked, KV takes what the experts leave, up to 8 GiB.
+    const size_t left = req.budget_bytes - plan->arena_bytes;
+    const int64_t extra = int64_t(std::min(left, size_t(8) << 30) / plan->kv_block_stride);
+    if (extra > 0) {
+      req.kv_blocks_wanted = plan->kv_blocks + extra;
+      plan = plan_islands(req);
+      if (!plan) return make_error(plan.error());
+    }
+  }
+  m.plan = *plan;
+  m.kv_blocks = int(std::min<int64_t>(m.plan.kv_blocks, INT32_MAX));
+  m.all_resident = m.Lm == 0 || m.plan.n_islands >= int64_t(m.Lm) * m.E;
+
+  ExpertHostSource src;
+  if (m.Lm > 0) {
+    if (Status s = m.expert_source(src); !s) return make_error(s.error());
+  } else {
+    // A dense model: the arena still needs a source; one dummy layer.
+    src.n_layers = 1;
+    src.n_experts = 1;
+    src.blob_bytes = kAlign;
+    static const uint8_t zero[kAlign] = {};
+    src.blobs = {zero};
+  }
+  auto arena = IslandArena::create(m.plan, src);
+  if (!arena) return make_error(arena.error());
+  m.arena = std::move(*arena);
+  MOE_CUDA_TRY(cudaStreamCreateWithFlags(&m.st, cudaStreamNonBlocking));
+
+  Carver cw{m.arena->region(m.plan.nonexpert)};
+  if (Status s = m.carve_weights(cw, true); !s) return make_error(s.error());
+  Carver cs{m.arena->region(m.plan.workspace)};
+  m.carve_workspace(cs);
+  // KV: per layer a K and a V pool of kv_blocks blocks.
+  const size_t pool_bytes = size_t(m.kv_blocks) * kBlockTokens * d.n_kv_heads * d.head_dim * 2;
+  uint8_t* kv = m.arena->region(m.plan.kv);
+  for (int l = 0; l < d.n_layers; ++l) {
+    m.layers[size_t(l)].k_pool = reinterpret_cast<bf16*>(kv + size_t(2 * l) * pool_bytes);
+    m.layers[size_t(l)].v_pool = reinterpret_cast<bf16*>(kv + size_t(2 * l + 1) * pool_bytes);
+  }
+  m.free_blocks.reserve(size_t(m.kv_blocks));
+  for (int b = m.kv_blocks - 1; b >= 0; --b) m.free_blocks.push_back(b);
+
+  // RoPE table, as the CPU engine computes it.
+  {
+    const std::vector<float> inv = rope_frequencies(d, &m.attention_factor);
+    MOE_CUDA_TRY(cudaMemcpy(m.inv_freq, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice));
+  }
+
+  auto cm = cuda::CublasLtMatmul::create();
+  if (!cm) return make_error(cm.error());
+  m.mm.reset(cm.value());
+
+  MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.pack_host), m.pack_bytes));
+  MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.sampled_host), kMaxSampleRows * 4));
+  MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.logits_host), size_t(kMaxSampleRows) * m.V * 4));
+  if (m.Lm > 0) {
+    MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.tables_host), size_t(m.Lm) * m.E * sizeof(void*)));
+    MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.ids_host), size_t(m.Lm) * m.T * m.K * 4));
+    std::memset(m.tables_host, 0, size_t(m.Lm) * m.E * sizeof(void*));
+    std::unique_ptr<EvictionPolicy> pol;
+    if (opts.policy == "lru") pol = std::make_unique<LruPolicy>();
+    else if (opts.policy == "lfu") pol = std::make_unique<LfuDecayPolicy>();
+    else if (opts.policy == "ours") pol = std::make_unique<OursPolicy>();
+    else return make_error("unknown eviction policy '" + opts.policy + "' (lru, lfu, ours)");
+    m.map = std::make_unique<ResidencyMap>(m.Lm, m.E, m.plan.n_islands, m.layout.blob_bytes, std::move(pol));
+    m.predictor = std::make_unique<ExpertPredictor>(m.Lm, m.E);
+    m.bound.resize(size_t(m.Lm));
+    if (m.all_resident) {
+      // Every expert into its island now; the pointer tables never change.
+      for (int ml = 0; ml < m.Lm; ++ml)
+        for (int e = 0; e < m.E; ++e) {
+          auto p = m.arena->request(*m.map, ml, e, m.st);
+          if (!p) return make_error(p.error());
+          m.tables_host[size_t(ml) * m.E + e] = *p;
+          if (Status s = m.arena->release(*m.map, ml, e, m.st); !s) return make_error(s.error());
+        }
+      MOE_CUDA_TRY(cudaMemcpyAsync(m.blob_tables, m.tables_host, size_t(m.Lm) * m.E * sizeof(void*),
+                                   cudaMemcpyHostToDevice, m.st));
+      ++m.residency_version;
+    }
+  }
+  if (Status s = m.arena->synchronize(); !s) return make_error(s.error());
+  MOE_CUDA_TRY(cudaStreamSynchronize(m.st));
+  std::fprintf(stderr, "moe-worker: cuda backend on %s; %s; experts %s\n", dev->c_str(), m.plan.describe().c_str(),
+               m.all_resident ? "all resident" : "under the budget (islands < experts)");
+  return Result<std::unique_ptr<CudaEngine>>(std::move(eng));
+}
+
+CudaEngine::~CudaEngine() = default;
+
+// ---------------------------------------------------------------- the forward pass
+
+Status CudaEngine::Impl::bind_experts(int ml, int n) {
+  // The host needs the layer's routes to know what to fetch.
+  const int32_t* ids_dev = route_ids + size_t(ml) * n * K;
+  int32_t* ids = ids_host + size_t(ml) * n * K;
+  MOE_CUDA_TRY(cudaMemcpyAsync(ids, ids_dev, size_t(n) * K * 4, cudaMemcpyDeviceToHost, st));
+  MOE_CUDA_TRY(cudaStreamSynchronize(st));
+  std::vector<int>& used = bound[size_t(ml)];
+  used.clear();
+  for (int i = 0; i < n * K; ++i)
+    if (ids[i] >= 0 && ids[i] < E && std::find(used.begin(), used.end(), ids[i]) == used.end()) used.push_back(ids[i]);
+  const uint8_t** table = tables_host + size_t(ml) * E;
+  for (int e : used) {
+    auto p = arena->request(*map, ml, e, st);
+    if (!p) return make_error(p.error());
+    table[e] = *p;
+  }
+  map->clear_predictions(ml);
+  MOE_CUDA_TRY(cudaMemcpyAsync(blob_tables + size_t(ml) * E, table, size_t(E) * sizeof(void*), cudaMemcpyHostToDevice,
+                               st));
+  if (!opts.prefetch) return {};
+  // The next MoE layer's likely experts, copied while this one computes.
+  std::vector<int> guess;
+  for (int t = 0; t < n; ++t) {
+    std::span<const int32_t> r(ids + size_t(t) * K, size_t(K));
+    std::vector<int> row(r.begin(), r.end());
+    predictor->observe(ml, row);
+    for (int e : predictor->predict_next(ml, row))
+      if (std::find(guess.begin(), guess.end(), e) == guess.end()) guess.push_back(e);
+  }
+  if (guess.empty()) return {};
+  return arena->prefetch(*map, (ml + 1) % Lm, guess, HintPriority::prefetch);
+}
+
+Status CudaEngine::Impl::release_experts(int ml) {
+  for (int e : bound[size_t(ml)])
+    if (Status s = arena->release(*map, ml, e, st); !s) return s;
+  bound[size_t(ml)].clear();
+  return {};
+}
+
+Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n) {
+  const int ml = L.moe_index;
+  const bool small = n <= cuda::kGemvMaxTokens;
+  if (small) {
+    if (Status s = cuda::dense_gemv_bf16(L.router_w, xn, router_logits, n, E, H, false, nullptr, 0, st); !s) return s;
+  } else if (Status s = mm->matmul(xn, L.router_w, router_logits, true, n, E, H, 0.f, st); !s) {
+    return s;
+  }
+  int32_t* ids = route_ids + size_t(ml) * n * K;
+  if (Status s = cuda::router_topk(router_logits, n, E, K, d.moe.norm_topk_prob, d.moe.routed_scaling, ids, route_w, st);
+      !s)
+    return s;
+  if (!all_resident)
+    if (Status s = bind_experts(ml, n); !s) return s;
+  cuda::Q4ExpertArgs a;
+  a.layout = layout;
+  a.blobs = blob_tables + size_t(ml) * E;
+  a.n_experts = E;
+  a.expert_ids = ids;
+  a.route_weights = route_w;
+  a.tokens = n;
+  a.top_k = K;
+  if (small || !grouped_ok) {
+    if (Status s = cuda::q4_expert_gate_up(a, xn, h, st); !s) return s;
+    if (Status s = cuda::q4_expert_down(a, h, x, true, st); !s) return s;
+  } else if (Status s = cuda::q4_grouped_moe(a, xn, x, grouped_ws, grouped_ws_bytes, st); !s) {
+    return s;
+  }
+  if (!all_resident)
+    if (Status s = release_experts(ml); !s) return s;
+  return {};
+}
+
+Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
+  const bool small = n <= cuda::kGemvMaxTokens;
+  const auto* tokens = reinterpret_cast<const int32_t*>(pack_dev + pk.tokens);
+  const auto* positions = reinterpret_cast<const int32_t*>(pack_dev + pk.positions);
+  const auto* seq_of_token = reinterpret_cast<const int32_t*>(pack_dev + pk.seq_of_token);
+  const auto* tables = reinterpret_cast<const int32_t*>(pack_dev + pk.tables);
+  const float eps = d.rms_eps;
+  auto dense = [&](const bf16* w, const bf16* in, float* out, int n_out, int k, bool acc) -> Status {
+    if (small) return cuda::dense_gemv_bf16(w, in, out, n, n_out, k, acc, nullptr, 0, st);
+    return mm->matmul(in, w, out, true, n, n_out, k, acc ? 1.f : 0.f, st);
+  };
+  if (Status e = cuda::embedding_gather(embed, V, H, tokens, n, x, st); !e) return e;
+  for (const DevLayer& L : layers) {
+    cuda::PagedKvPool kv{L.k_pool, L.v_pool, tables, max_blocks, kBlockTokens, d.n_kv_heads, d.head_dim};
+    if (Status e = cuda::rmsnorm(x, L.in_norm, xn, n, H, eps, st); !e) return e;
+    if (Status e = dense(L.qkv_w, xn, qkv, W, H, false); !e) return e;
+    cuda::QkvRopeArgs ra;
+    ra.qkv = qkv;
+    ra.bias = L.qkv_b;
+    ra.q_norm = L.q_norm;
+    ra.k_norm = L.k_norm;
+    ra.qk_norm_full_width = d.qk_norm == QkNorm::whole;
+    ra.eps = eps;
+    ra.positions = positions;
+    ra.seq_of_token = seq_of_token;
+    ra.inv_freq = inv_freq;
+    ra.attention_factor = attention_factor;
+    ra.tokens = n;
+    ra.n_heads = d.n_heads;
+    ra.q_out = q;
+    if (Status e = cuda::qkv_rope_store(ra, kv, st); !e) return e;
+    cuda::AttentionArgs aa;
+    aa.q = q;
+    aa.seq_of_token = seq_of_token;
+    aa.positions = positions;
+    aa.tokens = n;
+    aa.n_heads = d.n_heads;
+    aa.scale = 1.f / std::sqrt(float(d.head_dim));
+    aa.out = attn;
+    if (Status e = cuda::paged_attention(aa, kv, st); !e) return e;
+    if (Status e = dense(L.o_w, attn, x, H, QD, true); !e) return e;
+    if (Status e = cuda::rmsnorm(x, L.post_norm, xn, n, H, eps, st); !e) return e;
+    if (L.mlp_gu_w) {
+      // Shared expert or dense MLP: gate|up (| gate logit), SiLU product, down.
+      const int I = L.mlp_inter;
+      if (small) {
+        if (Status e = cuda::dense_gemv_bf16(L.mlp_gu_w, xn, gu, n, L.mlp_rows, H, false, nullptr, 0, st); !e) return e;
+      } else if (Status e = mm->matmul(xn, L.mlp_gu_w, gu, true, n, L.mlp_rows, H, 0.f, st); !e) {
+        return e;
+      }
+      if (Status e = cuda::silu_mul_fused(gu, mh, n, I, st, gu_stride); !e) return e;
+      const float* gate = L.mlp_gated ? gu + 2 * I : nullptr;
+      if (small) {
+        if (Status e = cuda::dense_gemv_bf16(L.mlp_down_w, mh, x, n, H, I, true, gate, gu_stride, st); !e) return e;
+      } else if (gate) {
+        if (Status e = mm->matmul(mh, L.mlp_down_w, tmp, true, n, H, I, 0.f, st); !e) return e;
+        if (Status e = cuda::gated_add(x, tmp, gate, gu_stride, n, H, st); !e) return e;
+      } else if (Status e = mm->matmul(mh, L.mlp_down_w, x, true, n, H, I, 1.f, st); !e) {
+        return e;
+      }
+    }
+    if (L.moe_index >= 0)
+      if (Status e = moe_layer(L, n); !e) return e;
+  }
+  if (s == 0) return {};
+  const auto* rows = reinterpret_cast<const int32_t*>(pack_dev + pk.sample_rows);
+  if (Status e = cuda::gather_rows_f32(x, rows, s, H, xs, st); !e) return e;
+  if (Status e = cuda::rmsnorm(xs, final_norm, xsn, s, H, eps, st); !e) return e;
+  if (s <= cuda::kGemvMaxTokens) {
+    if (Status e = cuda::dense_gemv_bf16(lm_head, xsn, logits, s, V, H, false, nullptr, 0, st); !e) return e;
+  } else if (Status e = mm->matmul(xsn, lm_head, logits, true, s, V, H, 0.f, st); !e) {
+    return e;
+  }
+  return cuda::sample_tokens(logits, s, V, reinterpret_cast<const cuda::SampleRowParams*>(pack_dev + pk.params),
+                             reinterpret_cast<const int64_t*>(pack_dev + pk.sample_pos), sampled, st);
+}
+
+// ---------------------------------------------------------------- steps
+
+Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs) {
+  Impl& m = *impl_;
+  const ModelDesc& d = m.d;
+  auto blocks_for = [](int tokens) { return (tokens + kBlockTokens - 1) / kBlockTokens; };
+  // Check everything first: a refused step changes nothing.
+  {
+    std::unordered_set<uint64_t> ids;
+    int need = 0, freed = 0;
+    for (const SeqInput& in : inputs) {
+      const std::string who = "sequence " + std::to_string(in.seq_id);
+      if (!ids.insert(in.seq_id).second) return make_error(who + " appears twice in one step");
+      if (in.tokens.empty()) return make_error(who + ": no tokens");
+      for (int32_t t : in.tokens)
+        if (t < 0 || t >= d.vocab_size) return make_error(who + ": token id " + std::to_string(t) + " out of range");
+      auto it = m.seqs.find(in.seq_id);
+      const int have = it == m.seqs.end() ? 0 : it->second.length;
+      if (in.start_pos != 0 && in.start_pos != have)
+        return make_error(who + ": start_pos " + std::to_string(in.start_pos) + " but the sequence holds " +
+                          std::to_string(have) + " tokens");
+      const int end = in.start_pos + int(in.tokens.size());
+      if (end > m.max_context)
+        return make_error(who + ": " + std::to_string(end) + " tokens exceed the context of " +
+                          std::to_string(m.max_context));
+      const int owned = it == m.seqs.end() ? 0 : int(it->second.blocks.size());
+      if (in.start_pos == 0) {
+        freed += owned;
+        need += blocks_for(end);
+      } else {
+        need += std::max(0, blocks_for(end) - owned);
+      }
+    }
+    if (need > int(m.free_blocks.size()) + freed)
+      return make_error("KV cache full: the step needs " + std::to_string(need) + " blocks, " +
+                        std::to_string(int(m.free_blocks.size()) + freed) + " free");
+  }
+  for (const SeqInput& in : inputs) {
+    if (in.start_pos == 0) release(in.seq_id);
+    Impl::Sequence& s = m.seqs[in.seq_id];
+    const int end = in.start_pos + int(in.tokens.size());
+    while (int(s.blocks.size()) < blocks_for(end)) {
+      s.blocks.push_back(m.free_blocks.back());
+      m.free_blocks.pop_back();
+    }
+    s.length = end;
+  }
+
+  const size_t per_seq = size_t(m.Lm) * m.E;
+  std::vector<SeqOutput> out(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    out[i].seq_id = inputs[i].seq_id;
+    out[i].expert_counts.assign(per_seq, 0);
+  }
+
+  // Pieces: runs of one sequence's tokens, packed into passes of at most T
+  // tokens and kMaxSampleRows sampled rows.
+  struct Piece {
+    size_t input;
+    int begin, count;
+    bool sample;
+  };
+  std::vector<std::vector<Piece>> passes(1);
+  int pass_tokens = 0, pass_samples = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const SeqInput& in = inputs[i];
+    int done = 0;
+    const int total = int(in.tokens.size());
+    while (done < total) {
+      if (pass_tokens == m.T) {
+        passes.emplace_back();
+        pass_tokens = pass_samples = 0;
+      }
+      const int c = std::min(total - done, m.T - pass_tokens);
+      const bool last = done + c == total;
+      const bool sample = last && in.sample;
+      if (sample && pass_samples == kMaxSampleRows) {
+        passes.emplace_back();
+        pass_tokens = pass_samples = 0;
+        continue;
+      }
+      passes.back().push_back({i, done, c, sample});
+      pass_tokens += c;
+      pass_samples += sample ? 1 : 0;
+      done += c;
+    }
+  }
+
+  for (const std::vector<Piece>& pass : passes) {
+    if (pass.empty()) continue;
+    int n = 0, s = 0;
+    for (const Piece& p : pass) {
+      n += p.count;
+      s += p.sample ? 1 : 0;
+    }
+    const int pieces = int(pass.size());
+    const Impl::PassPack pk = m.pack_layout(n, s, pieces);
+    auto* tok = reinterpret_cast<int32_t*>(m.pack_host + pk.tokens);
+    auto* pos = reinterpret_cast<int32_t*>(m.pack_host + pk.positions);
+    auto* sot = reinterpret_cast<int32_t*>(m.pack_host + pk.seq_of_token);
+    auto* rows = reinterpret_cast<int32_t*>(m.pack_host + pk.sample_rows);
+    auto* spos = reinterpret_cast<int64_t*>(m.pack_host + pk.sample_pos);
+    auto* prm = reinterpret_cast<cuda::SampleRowParams*>(m.pack_host + pk.params);
+    auto* tab = reinterpret_cast<int32_t*>(m.pack_host + pk.tables);
+    std::vector<size_t> sample_input;  // [s]: the input each sampled row answers
+    int t = 0;
+    bool pure_decode = n <= cuda::kGemvMaxTokens;
+    for (int pi = 0; pi < pieces; ++pi) {
+      const Piece& p = pass[size_t(pi)];
+      const SeqInput& in = inputs[p.input];
+      const Impl::Sequence& sq = m.seqs[in.seq_id];
+      std::fill(tab + size_t(pi) * m.max_blocks, tab + size_t(pi + 1) * m.max_blocks, 0);
+      std::copy(sq.blocks.begin(), sq.blocks.end(), tab + size_t(pi) * m.max_blocks);
+      for (int j = 0; j < p.count; ++j, ++t) {
+        tok[t] = in.tokens[size_t(p.begin + j)];
+        pos[t] = in.start_pos + p.begin + j;
+        sot[t] = pi;
+      }
+      pure_decode = pure_decode && p.count == 1 && p.sample;
+      if (p.sample) {
+        const int r = int(sample_input.size());
+        rows[r] = t - 1;
+        spos[r] = int64_t(in.start_pos) + int64_t(in.tokens.size());
+        prm[r] = {in.sampling.temperature, in.sampling.top_p, in.sampling.top_k, in.sampling.seed};
+        sample_input.push_back(p.input);
+      }
+    }
+    MOE_CUDA_TRY(cudaMemcpyAsync(m.pack_dev, m.pack_host, pk.bytes, cudaMemcpyHostToDevice, m.st));
+
+    // Resident decode steps replay a graph captured for their batch size
+    // (from the second step of that size: the first runs eagerly and sets up
+    // the kernels' attributes).
+    Impl::Graph* g = nullptr;
+    if (pure_decode && m.all_resident && m.opts.graphs) {
+      g = &m.graphs[n];
+      if (!g->exec && g->seen++ >= 1) {
+        cudaGraph_t graph = nullptr;
+        MOE_CUDA_TRY(cudaStreamBeginCapture(m.st, cudaStreamCaptureModeThreadLocal));
+        const Status fs = m.forward(pk, n, s);
+        const cudaError_t ce = cudaStreamEndCapture(m.st, &graph);
+        if (!fs) return make_error(fs.error());
+        MOE_CUDA_TRY(ce);
+        const cudaError_t ie = cudaGraphInstantiate(&g->exec, graph, 0);
+        cudaGraphDestroy(graph);
+        MOE_CUDA_TRY(ie);
+      }
+    }
+    if (g && g->exec) {
+      MOE_CUDA_TRY(cudaGraphLaunch(g->exec, m.st));
+    } else if (Status fs = m.forward(pk, n, s); !fs) {
+      return make_error(fs.error());
+    }
+
+    if (s > 0) MOE_CUDA_TRY(cudaMemcpyAsync(m.sampled_host, m.sampled, size_t(s) * 4, cudaMemcpyDeviceToHost, m.st));
+    for (int r = 0; r < s; ++r) {
+      const SamplingParams& sp = inputs[sample_input[size_t(r)]].sampling;
+      if (sp.logprobs || sp.top_logprobs > 0)
+        MOE_CUDA_TRY(cudaMemcpyAsync(m.logits_host + size_t(r) * m.V, m.logits + size_t(r) * m.V, size_t(m.V) * 4,
+                                     cudaMemcpyDeviceToHost, m.st));
+    }
+    if (m.Lm > 0 && m.all_resident)
+      MOE_CUDA_TRY(cudaMemcpyAsync(m.ids_host, m.route_ids, size_t(m.Lm) * n * m.K * 4, cudaMemcpyDeviceToHost, m.st));
+    MOE_CUDA_TRY(cudaStreamSynchronize(m.st));
+
+    // Expert use per sequence (the ids of each MoE layer, token by token).
+    t = 0;
+    for (const Piece& p : pass) {
+      uint16_t* counts = out[p.input].expert_counts.data();
+      for (int j = 0; j < p.count; ++j, ++t)
+        for (int ml = 0; ml < m.Lm; ++ml) {
+          const int32_t* r = m.ids_host + (size_t(ml) * n + size_t(t)) * m.K;
+          for (int k = 0; k < m.K; ++k)
+            if (r[k] >= 0 && r[k] < m.E) {
+              uint16_t& c = counts[size_t(ml) * m.E + size_t(r[k])];
+              if (c < UINT16_MAX) ++c;
+            }
+        }
+    }
+    for (int r = 0; r < s; ++r) {
+      const size_t i = sample_input[size_t(r)];
+      SeqOutput& o = out[i];
+      o.token = m.sampled_host[r];
+      const SamplingParams& sp = inputs[i].sampling;
+      const float* row = m.logits_host + size_t(r) * m.V;
+      if (sp.logprobs || sp.top_logprobs > 0) o.logprob = cpu::token_logprob(row, m.V, o.token);
+      if (sp.top_logprobs > 0) o.top = cpu::top_logprobs(row, m.V, sp.top_logprobs);
+    }
+  }
+  return out;
+}
+
+void CudaEngine::release(uint64_t seq_id) {
+  Impl& m = *impl_;
+  auto it = m.seqs.find(seq_id);
+  if (it == m.seqs.end()) return;
+  for (int32_t b : it->second.blocks) m.free_blocks.push_back(b);
+  m.seqs.erase(it);
+}
+
+int CudaEngine::kv_blocks_total() const { return impl_->kv_blocks; }
+int CudaEngine::kv_blocks_free() const { return int(impl_->free_blocks.size()); }
+int CudaEngine::kv_block_tokens() const { return kBlockTokens; }
+int CudaEngine::max_context() const { return impl_->max_context; }
+int CudaEngine::seq_length(uint64_t seq_id) const {
+  auto it = impl_->seqs.find(seq_id);
+  return it == impl_->seqs.end() ? -1 : it->second.length;
+}
+const ModelDesc& CudaEngine::desc() const { return impl_->d; }
+const IslandPlan& CudaEngine::plan() const { return impl_->plan; }
+
+// ---------------------------------------------------------------- experts
+
+size_t CudaEngine::warm(std::span<const ExpertKey> experts) {
+  Impl& m = *impl_;
+  if (!m.map) return 0;
+  size_t resident = 0;
+  for (const ExpertKey& k : experts) {
+    if (k.layer < 0 || k.layer >= m.Lm || k.expert < 0 || k.expert >= m.E) continue;
+    const int e = k.expert;
+    if (m.map->lookup(k) < 0) {
+      if (Status s = m.arena->prefetch(*m.map, k.layer, std::span<const int>(&e, 1), HintPriority::warm); !s) {
+        std::fprintf(stderr, "moe-worker: warming expert %d/%d failed: %s\n", k.layer, k.expert, s.error().c_str());
+        continue;
+      }
+      if (m.map->lookup(k) >= 0) ++m.residency_version;
+    }
+    if (m.map->lookup(k) >= 0) ++resident;
+  }
+  return resident;
+}
+
+std::vector<ExpertKey> CudaEngine::unload(std::span<const ExpertKey> experts) {
+  Impl& m = *impl_;
+  // With every expert resident the pointer tables are fixed (and dropping
+  // one would gain nothing): unloads are refused.
+  if (!m.map || m.all_resident) return std::vector<ExpertKey>(experts.begin(), experts.end());
+  std::vector<ExpertKey> failed;
+  for (const ExpertKey& k : experts) {
+    const bool was = k.layer >= 0 && k.layer < m.Lm && k.expert >= 0 && k.expert < m.E && m.map->lookup(k) >= 0;
+    if (Status s = m.map->drop(k); !s) {
+      failed.push_back(k);
+      continue;
+    }
+    if (was) ++m.residency_version;
+  }
+  return failed;
+}
+
+std::vector<ExpertKey> CudaEngine::resident() const {
+  std::vector<ExpertKey> out;
+  const Impl& m = *impl_;
+  if (!m.map) return out;
+  for (int64_t i = 0; i < m.map->n_islands(); ++i)
+    if (auto k = m.map->resident(i)) out.push_back(*k);
+  std::sort(out.begin(), out.end(),
+            [](const ExpertKey& a, const ExpertKey& b) { return a.layer != b.layer ? a.layer < b.layer : a.expert < b.expert; });
+  return out;
+}
+
+uint64_t CudaEngine::residency_version() const {
+  const Impl& m = *impl_;
+  // Misses and prefetches change the resident set too.
+  return m.residency_version + (m.map ? m.map->stats().misses + m.map->stats().prefetches : 0);
+}
+
+CudaExpertStats CudaEngine::expert_stats() const {
+  CudaExpertStats s;
+  const Impl& m = *impl_;
+  if (m.map) s.residency = m.map->stats();
+  s.islands_total = m.plan.n_islands;
+  s.all_resident = m.all_resident;
+  return s;
+}
+
+}  // namespace moe

@@ -1,0 +1,92 @@
+#pragma once
+// The model on one GPU (docs/cuda-worker.md): bf16 non-expert weights, a
+// paged bf16 KV pool, INT4 experts in islands of one device arena sized by
+// the VRAM budget, the forward pass over the kernels of kernels/cuda, and
+// sampling on the device. The same step contract as moe::CpuEngine
+// (engine/engine.h), whose SeqInput / SeqOutput it takes.
+//
+// Thread ownership: one thread drives an engine (step, release, warm...).
+// Built only with the CUDA toolkit; this header needs no CUDA headers.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "gpu_worker/island_plan.h"
+#include "gpu_worker/residency.h"
+#include "model/model_files.h"
+#include "model/result.h"
+
+namespace moe {
+
+struct CudaEngineOptions {
+  size_t vram_budget = 0;     // 0: free device memory less a margin
+  int kv_blocks = 0;          // 0: as many as fit after the experts (at least kv_blocks_min)
+  int kv_blocks_min = 64;     // the worker refuses to start with fewer
+  int max_step_tokens = 512;  // tokens per forward pass (larger steps run as several)
+  int max_context = 0;        // 0: the model's max_position (capped at 32768)
+  std::string policy = "ours";  // eviction: lru | lfu | ours
+  bool prefetch = true;         // budget mode: hint the next layer's predicted experts
+  bool graphs = true;           // resident mode: replay decode steps as CUDA graphs
+  int q4_group = 64;            // quantising a checkpoint whose experts are not INT4 yet
+};
+
+// What the experts cost and where they are (the worker's stats reply).
+struct CudaExpertStats {
+  ResidencyStats residency;
+  int64_t islands_total = 0;
+  bool all_resident = false;
+};
+
+class CudaEngine {
+ public:
+  // Loads `files` onto the current CUDA device. Refuses architectures the
+  // kernels do not cover (MLA) and budgets that cannot hold the model's
+  // fixed part, saying what would fit.
+  static Result<std::unique_ptr<CudaEngine>> create(std::shared_ptr<ModelFiles> files,
+                                                    const CudaEngineOptions& opts);
+  ~CudaEngine();
+  CudaEngine(const CudaEngine&) = delete;
+  CudaEngine& operator=(const CudaEngine&) = delete;
+
+  // As CpuEngine::step: each input's tokens are appended at start_pos (0
+  // starts afresh), a token is sampled after the last where `sample` is set;
+  // fails without changing any state when an input is inconsistent or the
+  // KV pool is short.
+  Result<std::vector<SeqOutput>> step(std::span<const SeqInput> inputs);
+  void release(uint64_t seq_id);
+
+  int kv_blocks_total() const;
+  int kv_blocks_free() const;
+  int kv_block_tokens() const;
+  int max_context() const;
+  int seq_length(uint64_t seq_id) const;  // -1 when unknown
+  const ModelDesc& desc() const;
+  const IslandPlan& plan() const;
+
+  // ---- Experts
+  // Makes experts resident into free islands only (warm hints, re-warm,
+  // load_expert); returns how many of `experts` are resident afterwards.
+  size_t warm(std::span<const ExpertKey> experts);
+  // Drops unpinned residents; returns the ones that could not be dropped.
+  std::vector<ExpertKey> unload(std::span<const ExpertKey> experts);
+  std::vector<ExpertKey> resident() const;  // ordered by (layer, expert)
+  uint64_t residency_version() const;
+  CudaExpertStats expert_stats() const;
+
+  struct Impl;
+
+ private:
+  CudaEngine() = default;
+  std::unique_ptr<Impl> impl_;
+};
+
+// One line about the device the engine would run on ("NVIDIA H200, 139.8 GiB
+// free of 139.8 GiB"), or an error when there is no usable device.
+Result<std::string> cuda_device_summary();
+
+}  // namespace moe

@@ -1,0 +1,348 @@
+// The CUDA engine against the CPU engine (itself checked against
+// transformers on the same checkpoints, tests/engine) on every fixture
+// architecture the GPU runs and on the demo model. Both engines read the
+// same packed file with INT4 experts, so the experts are bit-identical and
+// what differs is bf16 weights and activations on the GPU against f32 on
+// the CPU. Needs a CUDA device: without one every case prints
+// "SKIPPED: no CUDA device" and passes (CI has nvcc but no GPU).
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "gpu_worker/cuda_engine.h"
+#include "kernels/cuda/cuda_check.cuh"
+#include "model/model_files.h"
+#include "model/packed_model.h"
+
+namespace fs = std::filesystem;
+using namespace moe;
+
+#define SKIP_WITHOUT_GPU()                  \
+  do {                                      \
+    if (!moe::cuda::device_present()) {     \
+      std::puts("SKIPPED: no CUDA device"); \
+      WARN("SKIPPED: no CUDA device");      \
+      return;                               \
+    }                                       \
+  } while (0)
+
+namespace {
+
+// MOE_TEST_DATA in the environment overrides the build's path (a build
+// carried to another machine).
+std::string data_dir() {
+  const char* env = std::getenv("MOE_TEST_DATA");
+  return env ? std::string(env) : std::string(MOE_TEST_DATA);
+}
+std::string model_dir(const std::string& name) {
+  return name == "demo-moe" ? data_dir() + "/../../models/demo-moe" : data_dir() + "/fixtures/" + name;
+}
+
+// The model packed once per run, INT4 experts of group 64.
+std::string packed(const std::string& name) {
+  static std::map<std::string, std::string> done;
+  auto it = done.find(name);
+  if (it != done.end()) return it->second;
+  const fs::path dir = fs::temp_directory_path() / ("moe-cuda-engine-test-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string out = (dir / (name + ".moepack")).string();
+  PackOptions po;
+  po.group_size = 64;
+  po.threads = 2;
+  const Status s = write_packed_model(model_dir(name), out, po);
+  REQUIRE(s.ok());
+  done[name] = out;
+  return out;
+}
+
+std::shared_ptr<ModelFiles> open_files(const std::string& path) {
+  auto f = ModelFiles::open(path);
+  REQUIRE(f.ok());
+  return *f;
+}
+
+std::unique_ptr<CudaEngine> cuda_engine(const std::string& path, CudaEngineOptions o = {}) {
+  if (o.vram_budget == 0) o.vram_budget = size_t(1) << 30;
+  if (o.kv_blocks == 0) o.kv_blocks = 256;
+  auto e = CudaEngine::create(open_files(path), o);
+  INFO((e.ok() ? std::string() : e.error()));
+  REQUIRE(e.ok());
+  return std::move(*e);
+}
+
+std::unique_ptr<CpuEngine> cpu_engine(const std::string& path) {
+  EngineOptions o;
+  o.threads = 2;
+  auto e = CpuEngine::create(open_files(path), o);
+  REQUIRE(e.ok());
+  return std::move(*e);
+}
+
+std::vector<int32_t> prompt(int n, int vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> p(static_cast<size_t>(n));
+  for (int32_t& t : p) t = int32_t(rng() % uint32_t(std::min(vocab, 4000)));
+  return p;
+}
+
+// Log-probabilities of the same tokens agree within kLogprobTol (natural
+// log): bf16 weights and bf16 matmul inputs on the GPU against f32 on the
+// CPU. Where the two engines routed some token of the sequence to different
+// experts (a near tie in the router flips with rounding), its outputs from
+// then on differ by more; those are counted and held to kFlippedTol.
+constexpr double kLogprobTol = 0.06;
+constexpr double kFlippedTol = 0.6;
+
+struct Compare {
+  double max_lp_diff = 0, max_flipped_diff = 0, sum_diff = 0;
+  int n_diff = 0;
+  int tokens = 0, agree = 0, near_ties = 0, flipped = 0;
+};
+
+// One step's outputs: same sampled token unless the CPU's best two are
+// within the tolerance of each other; each of the CPU's top tokens has the
+// same log-probability on the GPU.
+void compare_outputs(const SeqOutput& c, const SeqOutput& g, bool routing_flipped, Compare& cmp) {
+  REQUIRE(c.top.size() >= 2);
+  REQUIRE(g.top.size() == c.top.size());
+  const double tol = routing_flipped ? kFlippedTol : kLogprobTol;
+  ++cmp.tokens;
+  cmp.flipped += routing_flipped ? 1 : 0;
+  if (c.token == g.token)
+    ++cmp.agree;
+  else {
+    ++cmp.near_ties;
+    CHECK(c.top[0].second - c.top[1].second < 2 * tol);
+  }
+  std::map<int32_t, float> glp(g.top.begin(), g.top.end());
+  for (const auto& [tok, lp] : c.top) {
+    if (!glp.count(tok)) {
+      // Ranks may swap at the bottom of the list; such a token must be close to the cut.
+      CHECK(lp - g.top.back().second < 2 * tol);
+      continue;
+    }
+    const double d = std::abs(double(glp[tok]) - lp);
+    if (routing_flipped) {
+      cmp.max_flipped_diff = std::max(cmp.max_flipped_diff, d);
+    } else {
+      cmp.max_lp_diff = std::max(cmp.max_lp_diff, d);
+      cmp.sum_diff += d;
+      ++cmp.n_diff;
+    }
+    CHECK(d < tol);
+  }
+}
+
+SeqInput input(uint64_t id, std::vector<int32_t> toks, int start) {
+  SeqInput in;
+  in.seq_id = id;
+  in.tokens = std::move(toks);
+  in.start_pos = start;
+  in.sampling.temperature = 0;
+  in.sampling.top_logprobs = 8;
+  in.sampling.logprobs = true;
+  return in;
+}
+
+// Three prompts prefilled together, then decode steps batched, the CPU's
+// token fed to both engines (teacher forcing keeps them on one path).
+Compare run_against_cpu(CpuEngine& cpu, CudaEngine& gpu, int decode_steps) {
+  Compare cmp;
+  const int V = cpu.desc().vocab_size;
+  const int lens[3] = {5, 23, 61};
+  std::vector<SeqInput> step;
+  std::vector<int> pos(3);
+  std::vector<bool> flipped(3, false);  // the sequence's routing differed at some step
+  for (int i = 0; i < 3; ++i) {
+    step.push_back(input(uint64_t(i + 1), prompt(lens[i], V, uint32_t(100 + i)), 0));
+    pos[size_t(i)] = lens[i];
+  }
+  for (int s = 0; s <= decode_steps; ++s) {
+    auto c = cpu.step(step);
+    auto g = gpu.step(step);
+    REQUIRE(c.ok());
+    INFO((g.ok() ? std::string() : g.error()));
+    REQUIRE(g.ok());
+    REQUIRE(c->size() == g->size());
+    for (size_t i = 0; i < c->size(); ++i) {
+      REQUIRE((*c)[i].expert_counts.size() == (*g)[i].expert_counts.size());
+      if ((*c)[i].expert_counts != (*g)[i].expert_counts) flipped[i] = true;
+      compare_outputs((*c)[i], (*g)[i], flipped[i], cmp);
+    }
+    std::vector<SeqInput> next;
+    for (size_t i = 0; i < c->size(); ++i) {
+      next.push_back(input(uint64_t(i + 1), {(*c)[i].token}, pos[i]));
+      pos[i] += 1;
+    }
+    step = std::move(next);
+  }
+  return cmp;
+}
+
+}  // namespace
+
+TEST_CASE("cuda engine: every GQA fixture and the demo model match the CPU engine", "[cuda][engine]") {
+  SKIP_WITHOUT_GPU();
+  for (const std::string name : {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen2_dense", "demo-moe"}) {
+    SECTION(name) {
+      const std::string path = packed(name);
+      auto cpu = cpu_engine(path);
+      auto gpu = cuda_engine(path);
+      const Compare cmp = run_against_cpu(*cpu, *gpu, 12);
+      std::printf("cuda engine vs cpu, %-12s: %d outputs, %d same greedy token, %d near ties; |dlogprob| of "
+                  "the top 8 where routing agreed: max %.4f, mean %.4f; %d outputs after a routing flip: max %.4f\n",
+                  name.c_str(), cmp.tokens, cmp.agree, cmp.near_ties, cmp.max_lp_diff,
+                  cmp.n_diff ? cmp.sum_diff / cmp.n_diff : 0.0, cmp.flipped, cmp.max_flipped_diff);
+      CHECK(cmp.agree >= cmp.tokens - 2);
+    }
+  }
+}
+
+TEST_CASE("cuda engine: DeepSeek-V2 (MLA) is refused with a message", "[cuda][engine]") {
+  SKIP_WITHOUT_GPU();
+  auto e = CudaEngine::create(open_files(model_dir("deepseek_v2")), {});
+  REQUIRE_FALSE(e.ok());
+  CHECK(e.error().find("multi-head latent attention") != std::string::npos);
+}
+
+TEST_CASE("cuda engine: a step cut into passes equals one pass; decode graphs equal eager steps", "[cuda][engine]") {
+  SKIP_WITHOUT_GPU();
+  const std::string path = packed("demo-moe");
+  CudaEngineOptions one, chunked, eager;
+  chunked.max_step_tokens = 7;  // the 61-token prompt runs as 9 chunks, the batch as several passes
+  eager.graphs = false;
+  auto a = cuda_engine(path, one);
+  auto b = cuda_engine(path, chunked);
+  auto c = cuda_engine(path, eager);
+  const int V = a->desc().vocab_size;
+  std::vector<SeqInput> step;
+  for (int i = 0; i < 3; ++i) step.push_back(input(uint64_t(i + 1), prompt(20 + 20 * i, V, uint32_t(7 + i)), 0));
+  std::vector<int> pos = {20, 40, 60};
+  std::vector<bool> flip(3, false);  // the sequence's routing differed at some step
+  for (int s = 0; s < 6; ++s) {
+    auto ra = a->step(step);
+    auto rb = b->step(step);
+    auto rc = c->step(step);
+    REQUIRE((ra.ok() && rb.ok() && rc.ok()));
+    std::vector<SeqInput> next;
+    for (size_t i = 0; i < ra->size(); ++i) {
+      // Chunks run other kernels (GEMV against cuBLASLt, expert GEMVs against
+      // the grouped GEMM): rounding differs, and may flip a router tie.
+      if ((*ra)[i].expert_counts != (*rb)[i].expert_counts) flip[i] = true;
+      const bool same_routing = !flip[i];
+      CHECK(std::abs((*ra)[i].logprob - (*rb)[i].logprob) < (same_routing ? kLogprobTol : kFlippedTol));
+      if (same_routing) CHECK((*ra)[i].token == (*rb)[i].token);
+      // The graph replays exactly the kernels the eager step runs.
+      CHECK((*ra)[i].token == (*rc)[i].token);
+      CHECK((*ra)[i].logprob == (*rc)[i].logprob);
+      CHECK((*ra)[i].expert_counts == (*rc)[i].expert_counts);
+      next.push_back(input(uint64_t(i + 1), {(*ra)[i].token}, pos[i]++));
+    }
+    step = std::move(next);
+  }
+}
+
+TEST_CASE("cuda engine: under a budget of fewer islands than experts the output is unchanged", "[cuda][engine]") {
+  SKIP_WITHOUT_GPU();
+  const std::string path = packed("demo-moe");
+  auto full = cuda_engine(path);
+  const IslandPlan p = full->plan();
+  const int E = full->desc().moe.n_experts;
+  const int64_t total = int64_t(full->desc().n_moe_layers()) * E;
+  REQUIRE(p.n_islands == total);
+  for (const std::string policy : {"lru", "ours"}) {
+    for (const bool prefetch : {false, true}) {
+      CudaEngineOptions o;
+      o.policy = policy;
+      o.prefetch = prefetch;
+      // Room for a layer's experts and a third more: half the model's experts miss.
+      const int64_t islands = E + E / 3;
+      o.vram_budget = p.arena_bytes - size_t(total - islands) * p.island_stride;
+      auto small = cuda_engine(path, o);
+      REQUIRE(small->plan().n_islands == islands);
+      const int V = full->desc().vocab_size;
+      std::vector<SeqInput> step = {input(1, prompt(30, V, 1), 0), input(2, prompt(9, V, 2), 0)};
+      std::vector<int> pos = {30, 9};
+      for (int s = 0; s < 8; ++s) {
+        auto ra = full->step(step);
+        auto rb = small->step(step);
+        REQUIRE((ra.ok() && rb.ok()));
+        std::vector<SeqInput> next;
+        for (size_t i = 0; i < ra->size(); ++i) {
+          CHECK((*ra)[i].token == (*rb)[i].token);
+          CHECK((*ra)[i].logprob == (*rb)[i].logprob);
+          CHECK((*ra)[i].expert_counts == (*rb)[i].expert_counts);
+          next.push_back(input(uint64_t(i + 1), {(*ra)[i].token}, pos[i]++));
+        }
+        step = std::move(next);
+      }
+      for (uint64_t id : {1, 2}) {
+        full->release(id);
+        small->release(id);
+      }
+      const CudaExpertStats st = small->expert_stats();
+      std::printf("cuda engine budget %s prefetch %s: %lld islands of %lld experts, hits %llu misses %llu "
+                  "prefetched %llu used %llu, %.1f MB copied\n",
+                  policy.c_str(), prefetch ? "on" : "off", (long long)islands, (long long)total,
+                  (unsigned long long)st.residency.hits, (unsigned long long)st.residency.misses,
+                  (unsigned long long)st.residency.prefetches, (unsigned long long)st.residency.prefetch_used,
+                  st.residency.bytes_copied / 1e6);
+      CHECK_FALSE(st.all_resident);
+      CHECK(st.residency.misses > 0);
+      CHECK(st.residency.hits > 0);
+      CHECK(st.residency.islands_in_use <= islands);
+    }
+  }
+}
+
+TEST_CASE("cuda engine: a budget too small is refused saying what would fit; warm and unload act on islands",
+          "[cuda][engine]") {
+  SKIP_WITHOUT_GPU();
+  const std::string path = packed("demo-moe");
+  CudaEngineOptions tiny;
+  tiny.vram_budget = size_t(4) << 20;
+  tiny.kv_blocks = 256;
+  auto e = CudaEngine::create(open_files(path), tiny);
+  REQUIRE_FALSE(e.ok());
+  CHECK(e.error().find("would fit") != std::string::npos);
+
+  auto full = cuda_engine(path);
+  const IslandPlan p = full->plan();
+  const int E = full->desc().moe.n_experts;
+  const int64_t total = int64_t(full->desc().n_moe_layers()) * E;
+  CudaEngineOptions o;
+  o.vram_budget = p.arena_bytes - size_t(total - 2 * E) * p.island_stride;
+  auto small = cuda_engine(path, o);
+  CHECK(small->resident().empty());
+  std::vector<ExpertKey> want;
+  for (int e2 = 0; e2 < E; ++e2) want.push_back({1, e2});
+  CHECK(small->warm(want) == size_t(E));
+  CHECK(small->resident().size() == size_t(E));
+  const std::vector<ExpertKey> drop = {{1, 0}, {1, 5}};
+  CHECK(small->unload(drop).empty());
+  CHECK(small->resident().size() == size_t(E - 2));
+  // Every expert resident: nothing is unloaded.
+  CHECK(full->unload(drop).size() == 2);
+}
+
+TEST_CASE("cuda engine: a checkpoint folder is quantised at load exactly as the packed file", "[cuda][engine]") {
+  SKIP_WITHOUT_GPU();
+  auto a = cuda_engine(packed("qwen3_moe"));
+  auto b = cuda_engine(model_dir("qwen3_moe"));
+  const int V = a->desc().vocab_size;
+  std::vector<SeqInput> step = {input(1, prompt(17, V, 3), 0)};
+  auto ra = a->step(step);
+  auto rb = b->step(step);
+  REQUIRE((ra.ok() && rb.ok()));
+  CHECK((*ra)[0].token == (*rb)[0].token);
+  CHECK((*ra)[0].logprob == (*rb)[0].logprob);
+}
