@@ -28,7 +28,7 @@
 namespace moe::gw {
 
 struct PredictorOptions {
-  int lsh_bits = 14;
+  int lsh_bits = 12;
   uint64_t lsh_seed = 1;
   int experts_per_layer = 8;  // predicted (and warm-hinted) experts per MoE layer
   FrequencyTableParams table;

@@ -70,7 +70,7 @@ std::string gateway_usage() {
          "                            those whose predicted experts overlap most (default on;\n"
          "                            without predictions it is first come first served)\n"
          "  --grouping-max-skips N    a sequence passed over N times goes next (default 4)\n"
-         "  --lsh-bits N              hyperplanes of the prompt hash, 1..32 (default 14); every\n"
+         "  --lsh-bits N              hyperplanes of the prompt hash, 1..32 (default 12); every\n"
          "                            gateway sharing a Redis must use the same bits and seed\n"
          "  --lsh-seed N              seed of the hyperplanes (default 1)\n"
          "  --predict-half-life N     routing summaries after which a learned one weighs half\n"

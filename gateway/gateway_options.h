@@ -27,7 +27,7 @@ struct GatewayOptions {
   // Expert prediction (docs/expert-prediction.md).
   bool predict = true;                     // --predict on|off
   bool grouped_batching = true;            // --grouped-batching on|off
-  int lsh_bits = 14;                       // --lsh-bits
+  int lsh_bits = 12;                       // --lsh-bits
   uint64_t lsh_seed = 1;                   // --lsh-seed
   double predict_half_life = 500;          // --predict-half-life: in routing summaries
   int predict_experts = 8;                 // --predict-experts: per MoE layer

@@ -53,7 +53,7 @@ TEST_CASE("options: expert prediction flags, their defaults and their errors", "
   REQUIRE(d.ok());
   CHECK(d->options.predict);
   CHECK(d->options.grouped_batching);
-  CHECK(d->options.lsh_bits == 14);
+  CHECK(d->options.lsh_bits == 12);
   CHECK(d->options.lsh_seed == 1);
   CHECK(d->options.predict_half_life == 500);
   CHECK(d->options.predict_experts == 8);
