@@ -77,20 +77,22 @@ class Cluster:
         self._spawn(name, self.worker_args(name, sock, redis, extra))
         return sock
 
-    def start_gateway(self, workers, fallback=None, redis=True):
+    def start_gateway(self, workers, fallback=None, redis=True, name="gateway", extra=()):
+        """Starts a gateway; returns its HTTP port (also self.http_port)."""
         self.http_port = free_port()
         args = [os.environ["MOE_GATEWAY"], "--model", os.environ["MOE_MODEL"], "--host", "127.0.0.1",
-                "--port", str(self.http_port)]
+                "--port", str(self.http_port), *extra]
         for w in workers:
             args += ["--worker", "unix:" + w]
         if fallback:
             args += ["--fallback-worker", "unix:" + fallback]
         if redis and self.redis_port:
             args += ["--redis", self.redis_url()]
-        self._spawn("gateway", args)
-        self.wait_health()
+        self._spawn(name, args)
+        self.wait_health(name=name)
+        return self.http_port
 
-    def wait_health(self, timeout=60):
+    def wait_health(self, timeout=60, name="gateway"):
         end = time.time() + timeout
         while time.time() < end:
             try:
@@ -102,10 +104,10 @@ class Cluster:
                     return
             except OSError:
                 pass
-            if self.procs["gateway"].poll() is not None:
-                raise RuntimeError("gateway exited:\n" + self.log("gateway"))
+            if self.procs[name].poll() is not None:
+                raise RuntimeError(name + " exited:\n" + self.log(name))
             time.sleep(0.1)
-        raise RuntimeError("gateway never became healthy:\n" + self.log("gateway"))
+        raise RuntimeError(name + " never became healthy:\n" + self.log(name))
 
     # ------------------------------------------------------------ processes
     def _spawn(self, name, args):
