@@ -12,7 +12,7 @@ namespace moe::gw {
 
 struct GatewayOptions {
   std::string model_path;             // --model: checkpoint folder or packed file
-  std::vector<std::string> workers;   // --worker unix:PATH (repeatable), in order of preference
+  std::vector<std::string> workers;   // --worker unix:PATH (repeatable): served at once
   std::string fallback_worker;        // --fallback-worker unix:PATH: served only while no --worker is up
   std::string host = "127.0.0.1";     // --host
   int port = 8080;                    // --port (0: ephemeral)

@@ -1,5 +1,6 @@
 // moe-gateway: the OpenAI-compatible HTTP front end.
 #include <csignal>
+#include <map>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -81,13 +82,6 @@ int main(int argc, char** argv) {
   }
 
   uv_loop_t* loop = uv_default_loop();
-  auto scheduler = moe::gw::make_scheduler(loop, opts, predictor.get());
-  if (!scheduler.ok()) {
-    std::fprintf(stderr, "moe-gateway: %s\n", scheduler.error().c_str());
-    return 1;
-  }
-  std::unique_ptr<moe::gw::Scheduler> engine = std::move(scheduler.value());
-
   // Redis: sessions and the workers' streams; without it, in this process.
   std::unique_ptr<moe::gw::RedisClient> redis;
   std::unique_ptr<moe::gw::RedisWorkerStreams> worker_streams;
@@ -111,6 +105,18 @@ int main(int argc, char** argv) {
     worker_streams->start();
     redis->start();
   }
+  // The workers' resident sets (from Redis) let the scheduler choose among
+  // several workers; read through the owning pointer, which outlives it.
+  auto resident_sets = [&worker_streams]() -> std::map<std::string, std::string> {
+    return worker_streams ? worker_streams->resident() : std::map<std::string, std::string>{};
+  };
+  auto scheduler = moe::gw::make_scheduler(loop, opts, predictor.get(), resident_sets);
+  if (!scheduler.ok()) {
+    std::fprintf(stderr, "moe-gateway: %s\n", scheduler.error().c_str());
+    return 1;
+  }
+  std::unique_ptr<moe::gw::Scheduler> engine = std::move(scheduler.value());
+
   moe::gw::SessionStoreOptions sso;
   if (worker_streams) sso.events_key = worker_streams->events_key();
   moe::gw::SessionStore sessions(redis.get(), sso);

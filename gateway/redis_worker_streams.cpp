@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <set>
+#include <utility>
 
 namespace moe::gw {
 namespace {
@@ -97,22 +99,35 @@ void RedisWorkerStreams::sync_positions() {
   const uint64_t conn = connection_;
   auto pending = std::make_shared<int>(2);
   for (const std::string& key : {resident_key(), routing_key()}) {
-    redis_->command({"XREVRANGE", key, "+", "-", "COUNT", "1"}, [this, key, conn,
+    // The resident stream: enough of its tail to find every recently active
+    // worker's newest set; the routing stream only needs a position.
+    const std::string count = key == resident_key() ? "1000" : "1";
+    redis_->command({"XREVRANGE", key, "+", "-", "COUNT", count}, [this, key, conn,
                                                                  pending](const redisReply* r) {
       if (key == routing_key() && r && r->type == REDIS_REPLY_ARRAY) {
         // Learned from the start once; then onwards from our own position.
         if (!routing_positioned_) last_id_[key] = "0-0";
         routing_positioned_ = true;
-      } else if (r && r->type == REDIS_REPLY_ARRAY && r->elements == 1 &&
-          r->element[0]->type == REDIS_REPLY_ARRAY && r->element[0]->elements == 2) {
+      } else if (r && r->type == REDIS_REPLY_ARRAY && r->elements >= 1 &&
+                 r->element[0]->type == REDIS_REPLY_ARRAY && r->element[0]->elements == 2) {
         last_id_[key] = text_of(r->element[0]->element[0]);
-        if (key == resident_key()) {
+        // Newest first: each worker's newest resident set, oldest applied first.
+        std::set<std::string> seen;
+        std::vector<std::pair<std::string, std::vector<std::string>>> newest;
+        for (size_t k = 0; k < r->elements; ++k) {
+          const redisReply* e = r->element[k];
+          if (e->type != REDIS_REPLY_ARRAY || e->elements != 2) continue;
           std::vector<std::string> fields;
-          const redisReply* f = r->element[0]->element[1];
+          const redisReply* f = e->element[1];
           for (size_t i = 0; f->type == REDIS_REPLY_ARRAY && i < f->elements; ++i)
             fields.push_back(text_of(f->element[i]));
-          take(key, last_id_[key], fields);
+          bool has_worker = false;
+          const std::string worker = field(fields, "worker", &has_worker);
+          if (k > 0 && (!has_worker || !seen.insert(worker).second)) continue;
+          seen.insert(worker);
+          newest.emplace_back(text_of(e->element[0]), std::move(fields));
         }
+        for (auto it = newest.rbegin(); it != newest.rend(); ++it) take(key, it->first, it->second);
       } else if (r && r->type == REDIS_REPLY_ARRAY) {
         last_id_[key] = "0-0";
       }

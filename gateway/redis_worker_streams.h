@@ -7,8 +7,9 @@
 // should be are skipped with a log line. Polls without blocking the loop.
 // The routing stream is read whole from its start on the first connection
 // (what other gateways' traffic taught is learned here too) and after that
-// from this gateway's own last id, across reconnections; the resident stream
-// starts at its newest entry after every (re)connection.
+// from this gateway's own last id, across reconnections; after every
+// (re)connection the resident stream's last 1000 entries give each worker's
+// newest set, and reading goes on after its newest entry.
 //
 // Threading: loop thread only.
 

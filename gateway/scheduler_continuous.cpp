@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <variant>
 
 namespace moe::gw {
@@ -14,6 +15,7 @@ ContinuousScheduler::ContinuousScheduler(uv_loop_t* loop, std::vector<std::strin
   kick_timer_ = new uv_timer_t;
   uv_timer_init(loop_, kick_timer_);
   kick_timer_->data = this;
+  workers_.resize(worker_sockets.size());  // never resized again: callbacks keep indices
   for (size_t i = 0; i < worker_sockets.size(); ++i) {
     WorkerLinkOptions lo = opts_.link;
     lo.socket_path = worker_sockets[i];
@@ -21,43 +23,63 @@ ContinuousScheduler::ContinuousScheduler(uv_loop_t* loop, std::vector<std::strin
     cb.on_ready = [this, i](const pr::Hello& h) { on_ready(i, h); };
     cb.on_frame = [this, i](const pr::Frame& f) { on_frame(i, f); };
     cb.on_down = [this, i](const std::string&) { on_down(i); };
-    links_.push_back(std::make_unique<WorkerLink>(loop_, lo, std::move(cb)));
+    Worker& w = workers_[i];
+    w.link = std::make_unique<WorkerLink>(loop_, lo, std::move(cb));
+    w.name = std::filesystem::path(worker_sockets[i]).stem().string();
+    w.fallback = opts_.last_is_fallback && worker_sockets.size() > 1 && i + 1 == worker_sockets.size();
   }
-  for (auto& l : links_) l->start();
+  for (auto& w : workers_) w.link->start();
 }
 
 ContinuousScheduler::~ContinuousScheduler() {
   kick_timer_->data = nullptr;
   uv_close(reinterpret_cast<uv_handle_t*>(kick_timer_), [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
-  links_.clear();
+  workers_.clear();
   supervisor_.reset();
 }
 
-WorkerLink* ContinuousScheduler::active_link() const {
-  return active_ >= 0 && links_[size_t(active_)]->ready() ? links_[size_t(active_)].get() : nullptr;
+bool ContinuousScheduler::serving(size_t w) const {
+  if (!workers_[w].link->ready()) return false;
+  if (!workers_[w].fallback) return true;
+  for (const Worker& o : workers_)
+    if (!o.fallback && o.link->ready()) return false;
+  return true;
 }
 
 bool ContinuousScheduler::ready() const {
-  for (const auto& l : links_)
-    if (l->ready()) return true;
+  for (const auto& w : workers_)
+    if (w.link->ready()) return true;
   return false;
 }
 
 int ContinuousScheduler::max_context() const {
-  if (WorkerLink* l = active_link()) return int(l->worker_hello().max_context);
-  for (const auto& l : links_)
-    if (l->ready()) return int(l->worker_hello().max_context);
+  for (size_t i = 0; i < workers_.size(); ++i)
+    if (serving(i)) return int(workers_[i].link->worker_hello().max_context);
+  for (const auto& w : workers_)
+    if (w.link->ready()) return int(w.link->worker_hello().max_context);
   return 0;
+}
+
+uint64_t ContinuousScheduler::steps_sent() const {
+  uint64_t n = 0;
+  for (const auto& w : workers_) n += w.steps_sent;
+  return n;
 }
 
 SchedulerStats ContinuousScheduler::stats() const {
   SchedulerStats s;
-  s.waiting = policy_.waiting();
-  s.running = policy_.running();
-  s.kv_blocks_used = policy_.kv_blocks_used();
-  s.kv_blocks_total = policy_.limits().kv_blocks_total;
-  s.preemptions = policy_.preemptions();
-  s.degraded = active_ > 0;
+  s.waiting = int(queued_.size());
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    const Worker& w = workers_[i];
+    s.waiting += w.policy.waiting();
+    s.running += w.policy.running();
+    s.kv_blocks_used += w.policy.kv_blocks_used();
+    s.preemptions += w.policy.preemptions();
+    if (serving(i)) {
+      s.kv_blocks_total += w.policy.limits().kv_blocks_total;
+      if (w.fallback) s.degraded = true;
+    }
+  }
   if (PromptExpertPredictor* p = opts_.predictor) {
     const PredictionStats ps = p->stats();
     s.predicting = true;
@@ -75,14 +97,16 @@ SchedulerStats ContinuousScheduler::stats() const {
 uint64_t ContinuousScheduler::submit(SequenceRequest req, SequenceObserver* obs) {
   const uint64_t id = next_seq_id_++;
   observers_[id] = obs;
-  SequenceHints hints;
+  SequenceState st;
+  st.id = id;
   if (PromptExpertPredictor* p = opts_.predictor) {
     Predicted& pr = predicted_[id];
     pr.prediction = p->predict(req.prompt);
-    hints.experts = pr.prediction.set;
-    hints.route_tag = pr.prediction.tag;
+    st.hints.experts = pr.prediction.set;
+    st.hints.route_tag = pr.prediction.tag;
   }
-  policy_.add(id, std::move(req), std::move(hints));
+  st.req = std::move(req);
+  queued_.push_back(std::move(st));
   request_kick();
   return id;
 }
@@ -90,16 +114,15 @@ uint64_t ContinuousScheduler::submit(SequenceRequest req, SequenceObserver* obs)
 void ContinuousScheduler::cancel(uint64_t id) {
   observers_.erase(id);
   prediction_done(id);
-  if (policy_.cancel(id)) send_releases({id});
+  auto q = std::find_if(queued_.begin(), queued_.end(), [id](const SequenceState& s) { return s.id == id; });
+  if (q != queued_.end()) queued_.erase(q);
+  moved_.erase(id);
+  if (auto it = owner_.find(id); it != owner_.end()) {
+    const size_t w = it->second;
+    owner_.erase(it);
+    if (workers_[w].policy.cancel(id)) send_releases(w, {id});
+  }
   request_kick();  // its blocks may let a waiting request in
-}
-
-void ContinuousScheduler::send_releases(std::vector<uint64_t> ids) {
-  WorkerLink* l = active_link();
-  if (!l || ids.empty()) return;
-  pr::ReleaseSequences r;
-  r.seq_ids = std::move(ids);
-  (void)l->send(pr::Message(std::move(r)));
 }
 
 void ContinuousScheduler::prediction_done(uint64_t id) {
@@ -118,14 +141,14 @@ void ContinuousScheduler::send_warm_hints(WorkerLink* link, uint64_t seq_id) {
   auto it = predicted_.find(seq_id);
   if (it == predicted_.end() || !it->second.prediction.known()) return;
   const ExpertPrediction& pred = it->second.prediction;
-  // Rank by rank across layers (every layer's best first), so a worker that
-  // can place only some of them places the likeliest of each layer.
   // Hints address experts by the model's layer index (docs/protocol.md);
   // the prediction's rows are MoE layers in the worker's moe_layers order.
   const std::vector<uint16_t>& moe_layers = link->worker_hello().experts.moe_layers;
   pr::WarmHints wh;
   wh.seq_id = seq_id;
   const size_t E = size_t(opts_.predictor->n_experts());
+  // Rank by rank across layers (every layer's best first), so a worker that
+  // can place only some of them places the likeliest of each layer.
   size_t ranks = 0;
   for (const auto& l : pred.experts) ranks = std::max(ranks, l.size());
   for (size_t r = 0; r < ranks; ++r)
@@ -138,6 +161,14 @@ void ContinuousScheduler::send_warm_hints(WorkerLink* link, uint64_t seq_id) {
   if (link->send(pr::Message(std::move(wh))).ok()) ++warm_hints_sent_;
 }
 
+void ContinuousScheduler::send_releases(size_t w, std::vector<uint64_t> ids) {
+  WorkerLink* l = workers_[w].link.get();
+  if (!l->ready() || ids.empty()) return;
+  pr::ReleaseSequences r;
+  r.seq_ids = std::move(ids);
+  (void)l->send(pr::Message(std::move(r)));
+}
+
 void ContinuousScheduler::request_kick() {
   if (!uv_is_active(reinterpret_cast<uv_handle_t*>(kick_timer_)))
     uv_timer_start(kick_timer_, [](uv_timer_t* t) {
@@ -145,26 +176,47 @@ void ContinuousScheduler::request_kick() {
     }, 0, 0);
 }
 
-void ContinuousScheduler::on_ready(size_t link, const pr::Hello& h) {
-  std::fprintf(stderr, "moe-gateway: worker %s ready (%s, %s, %u KV blocks of %u tokens, context %u)\n",
-               links_[link]->socket_path().c_str(), h.model_id.c_str(), h.backend.c_str(), h.kv_blocks_total,
-               h.kv_block_tokens, h.max_context);
+void ContinuousScheduler::requeue(std::vector<SequenceState> seqs) {
+  for (auto it = seqs.rbegin(); it != seqs.rend(); ++it) {
+    owner_.erase(it->id);
+    moved_.insert(it->id);
+    queued_.push_front(std::move(*it));
+  }
+}
+
+void ContinuousScheduler::on_ready(size_t w, const pr::Hello& h) {
+  Worker& wk = workers_[w];
+  std::fprintf(stderr, "moe-gateway: worker %s ready (%s, %s, %u KV blocks of %u tokens, context %u)%s\n",
+               wk.link->socket_path().c_str(), h.model_id.c_str(), h.backend.c_str(), h.kv_blocks_total,
+               h.kv_block_tokens, h.max_context, wk.fallback ? ", the fallback" : "");
+  // Its KV holds nothing of ours (a fresh connection): plan from its limits.
+  PolicyLimits lim;
+  lim.max_step_tokens = opts_.max_step_tokens;
+  lim.kv_blocks_total = int(h.kv_blocks_total);
+  lim.kv_block_tokens = int(h.kv_block_tokens);
+  lim.max_context = int(h.max_context);
+  lim.headroom_blocks = opts_.headroom_blocks;
+  lim.grouped_batching = opts_.grouped_batching;
+  lim.grouping_max_skips = opts_.grouping_max_skips;
+  if (h.max_batch_sequences > 0) lim.max_batch_sequences = int(h.max_batch_sequences);
+  if (h.max_step_tokens > 0 && int(h.max_step_tokens) < lim.max_step_tokens) lim.max_step_tokens = int(h.max_step_tokens);
+  wk.policy.set_limits(lim);
   request_kick();
 }
 
-void ContinuousScheduler::on_down(size_t link) {
-  if (int(link) != active_) return;
+void ContinuousScheduler::on_down(size_t w) {
+  Worker& wk = workers_[w];
   // The worker's KV is gone: the step in flight will never be answered and
-  // every admitted sequence is recomputed wherever we serve next.
-  in_flight_ = false;
-  in_flight_plan_ = {};
-  policy_.worker_lost();
-  active_ = -1;
+  // every sequence it held is recomputed wherever it goes next.
+  wk.in_flight = false;
+  wk.in_flight_plan = {};
+  requeue(wk.policy.take_all());
   request_kick();
 }
 
-void ContinuousScheduler::on_frame(size_t link, const pr::Frame& f) {
-  if (int(link) != active_ || !in_flight_ || f.request_id != in_flight_request_) {
+void ContinuousScheduler::on_frame(size_t w, const pr::Frame& f) {
+  Worker& wk = workers_[w];
+  if (!wk.in_flight || f.request_id != wk.in_flight_request) {
     if (pr::Command(f.command) == pr::Command::error) {
       auto e = pr::decode_error(f.payload);
       std::fprintf(stderr, "moe-gateway: worker error: %s\n", e.ok() ? e->message.c_str() : e.error().c_str());
@@ -201,19 +253,23 @@ void ContinuousScheduler::on_frame(size_t link, const pr::Frame& f) {
     std::fprintf(stderr, "moe-gateway: the worker refused a step: %s\n", e.ok() ? e->message.c_str() : e.error().c_str());
   }
   // Sequences without a result finish with an error (apply() says so).
-  finish_step(results);
+  finish_step(w, results);
 }
 
-void ContinuousScheduler::finish_step(const std::vector<ChunkResult>& results) {
-  in_flight_ = false;
+void ContinuousScheduler::finish_step(size_t w, const std::vector<ChunkResult>& results) {
+  Worker& wk = workers_[w];
+  wk.in_flight = false;
   std::vector<uint64_t> release;
-  StepPlan plan = std::move(in_flight_plan_);
-  in_flight_plan_ = {};
-  auto updates = policy_.apply(plan, results, &release);
+  StepPlan plan = std::move(wk.in_flight_plan);
+  wk.in_flight_plan = {};
+  auto updates = wk.policy.apply(plan, results, &release);
   for (const SequenceUpdate& u : updates)
-    if (u.finished) prediction_done(u.seq_id);
-  send_releases(std::move(release));
-  kick();  // the next step goes out before observers run their (slower) text work
+    if (u.finished) {
+      owner_.erase(u.seq_id);
+      prediction_done(u.seq_id);
+    }
+  send_releases(w, std::move(release));
+  kick();  // the next steps go out before observers run their (slower) text work
   dispatch(updates);
 }
 
@@ -233,48 +289,90 @@ void ContinuousScheduler::dispatch(std::vector<SequenceUpdate>& updates) {
   }
 }
 
-void ContinuousScheduler::kick() {
-  if (in_flight_) return;
-  // Failover hook: a more preferred worker said hello again while a later one
-  // (the fallback) serves. What runs here is released and recomputed there,
-  // the same way as after a lost worker, so new and running requests move back.
-  for (int i = 0; i < active_; ++i) {
-    if (!links_[size_t(i)]->ready()) continue;
-    std::fprintf(stderr, "moe-gateway: worker %s is back; leaving %s\n", links_[size_t(i)]->socket_path().c_str(),
-                 links_[size_t(active_)]->socket_path().c_str());
-    send_releases(policy_.running_ids());
-    policy_.worker_lost();
-    active_ = -1;
-    break;
+void ContinuousScheduler::assign_queued() {
+  std::vector<size_t> candidates;
+  for (size_t i = 0; i < workers_.size(); ++i)
+    if (serving(i)) candidates.push_back(i);
+  if (candidates.empty() || queued_.empty()) return;
+
+  // Each worker as the choice sees it: its resident experts (from Redis) and
+  // its load, which grows with every sequence given to it in this round.
+  const PromptExpertPredictor* p = opts_.predictor;
+  std::map<std::string, std::string> resident;
+  if (p && opts_.resident_sets && candidates.size() > 1) resident = opts_.resident_sets();
+  std::vector<WorkerCandidate> view;
+  std::vector<double> demand, total;
+  for (size_t i : candidates) {
+    const Worker& wk = workers_[i];
+    WorkerCandidate c;
+    c.name = wk.name;
+    if (auto r = resident.find(wk.name); r != resident.end())
+      c.resident = parse_resident_set(r->second, p->n_layers(), p->n_experts());
+    view.push_back(std::move(c));
+    demand.push_back(wk.policy.demand_blocks());
+    total.push_back(std::max(wk.policy.limits().kv_blocks_total, 1));
   }
-  WorkerLink* link = active_link();
-  if (!link) {
-    // Serve from the most preferred ready worker; its KV holds nothing of ours.
-    for (size_t i = 0; i < links_.size(); ++i) {
-      if (!links_[i]->ready()) continue;
-      if (active_ >= 0) policy_.worker_lost();
-      active_ = int(i);
-      link = links_[i].get();
-      const pr::Hello& h = link->worker_hello();
-      PolicyLimits lim;
-      lim.max_step_tokens = opts_.max_step_tokens;
-      lim.kv_blocks_total = int(h.kv_blocks_total);
-      lim.kv_block_tokens = int(h.kv_block_tokens);
-      lim.max_context = int(h.max_context);
-      lim.headroom_blocks = opts_.headroom_blocks;
-      lim.grouped_batching = opts_.grouped_batching;
-      lim.grouping_max_skips = opts_.grouping_max_skips;
-      if (h.max_batch_sequences > 0) lim.max_batch_sequences = int(h.max_batch_sequences);
-      if (h.max_step_tokens > 0 && int(h.max_step_tokens) < lim.max_step_tokens) lim.max_step_tokens = int(h.max_step_tokens);
-      policy_.set_limits(lim);
-      break;
+  const ExpertPrediction none;
+  std::vector<std::vector<SequenceState>> moved(candidates.size()), fresh(candidates.size());
+  while (!queued_.empty()) {
+    SequenceState s = std::move(queued_.front());
+    queued_.pop_front();
+    size_t k = 0;
+    if (candidates.size() > 1) {
+      for (size_t j = 0; j < view.size(); ++j) view[j].load = std::min(1.0, demand[j] / total[j]);
+      auto pi = predicted_.find(s.id);
+      const int chosen = choose_worker(pi != predicted_.end() ? pi->second.prediction : none,
+                                       p ? size_t(p->n_experts()) : 0, view, opts_.choice);
+      k = chosen < 0 ? 0 : size_t(chosen);
     }
-    if (!link) return;
+    const Worker& wk = workers_[candidates[k]];
+    const int bt = std::max(wk.policy.limits().kv_block_tokens, 1);
+    demand[k] += double(s.req.prompt.size() + s.generated.size() + size_t(bt) - 1) / bt;
+    // Sequences that ran elsewhere go first, as a lost worker's would.
+    (moved_.erase(s.id) ? moved : fresh)[k].push_back(std::move(s));
   }
+  for (size_t k = 0; k < candidates.size(); ++k) {
+    Worker& wk = workers_[candidates[k]];
+    for (auto it = moved[k].rbegin(); it != moved[k].rend(); ++it) {
+      owner_[it->id] = candidates[k];
+      ++wk.assigned;
+      wk.policy.add_resumed(std::move(*it), true);
+    }
+    for (SequenceState& s : fresh[k]) {
+      owner_[s.id] = candidates[k];
+      ++wk.assigned;
+      wk.policy.add_resumed(std::move(s), false);
+    }
+  }
+}
+
+void ContinuousScheduler::kick() {
+  // A main worker is ready again while the fallback holds sequences: they are
+  // released there and recomputed on the main workers, as after a lost worker.
+  bool main_ready = false;
+  for (const Worker& w : workers_) main_ready |= !w.fallback && w.link->ready();
+  for (size_t i = 0; i < workers_.size() && main_ready; ++i) {
+    Worker& fb = workers_[i];
+    if (!fb.fallback || fb.in_flight || fb.policy.running() + fb.policy.waiting() == 0) continue;
+    std::fprintf(stderr, "moe-gateway: a main worker is back; leaving %s\n", fb.link->socket_path().c_str());
+    send_releases(i, fb.policy.running_ids());
+    requeue(fb.policy.take_all());
+  }
+  assign_queued();
+  for (size_t i = 0; i < workers_.size(); ++i)
+    if (!workers_[i].in_flight && serving(i)) step(i);
+}
+
+void ContinuousScheduler::step(size_t w) {
+  Worker& wk = workers_[w];
+  WorkerLink* link = wk.link.get();
   std::vector<SequenceUpdate> rejected;
-  StepPlan plan = policy_.plan(&rejected);
-  send_releases(plan.release);
-  for (const SequenceUpdate& u : rejected) prediction_done(u.seq_id);
+  StepPlan plan = wk.policy.plan(&rejected);
+  send_releases(w, plan.release);
+  for (const SequenceUpdate& u : rejected) {
+    owner_.erase(u.seq_id);
+    prediction_done(u.seq_id);
+  }
   if (!plan.chunks.empty()) {
     // Warm hints go first, on the same socket, so the worker has them before
     // the step that prefills the sequence from its start.
@@ -301,14 +399,14 @@ void ContinuousScheduler::kick() {
     }
     auto id = link->send(pr::Message(std::move(req)));
     if (id.ok()) {
-      in_flight_ = true;
-      in_flight_request_ = *id;
-      in_flight_plan_ = std::move(plan);
-      ++steps_sent_;
+      wk.in_flight = true;
+      wk.in_flight_request = *id;
+      wk.in_flight_plan = std::move(plan);
+      ++wk.steps_sent;
     } else {
-      // The link failed under us; its on_down resets the policy.
+      // The link failed under us; its on_down moves the sequences elsewhere.
       std::fprintf(stderr, "moe-gateway: cannot send a step: %s\n", id.error().c_str());
-      policy_.worker_lost();
+      wk.policy.worker_lost();
     }
   }
   dispatch(rejected);

@@ -1,6 +1,7 @@
 // make_scheduler: the engine side the gateway's main() runs. With --worker
-// unix:PATH (repeatable, in order of preference) it connects to running
+// unix:PATH (repeatable: the workers serve at once) it connects to running
 // workers; with only --model it starts and supervises its own moe-worker.
+// --fallback-worker serves only while none of the others is ready.
 #include "gateway/scheduler_factory.h"
 
 #include <cstdlib>
@@ -13,7 +14,8 @@
 namespace moe::gw {
 
 Result<std::unique_ptr<Scheduler>> make_scheduler(uv_loop_t* loop, const GatewayOptions& opts,
-                                                  PromptExpertPredictor* predictor) {
+                                                  PromptExpertPredictor* predictor,
+                                                  std::function<std::map<std::string, std::string>()> resident_sets) {
   ContinuousSchedulerOptions so;
   // With Redis, workers publish per-request routing summaries from the usage;
   // the predictor scores its predictions against it.
@@ -23,6 +25,7 @@ Result<std::unique_ptr<Scheduler>> make_scheduler(uv_loop_t* loop, const Gateway
   so.learn_from_replies = opts.redis_url.empty();
   so.grouped_batching = opts.grouped_batching;
   so.grouping_max_skips = opts.grouping_max_skips;
+  so.resident_sets = std::move(resident_sets);
   std::vector<std::string> sockets;
   for (const std::string& w : opts.workers) {
     if (w.rfind("unix:", 0) != 0) return make_error("--worker needs unix:PATH, got '" + w + "'");
@@ -44,7 +47,10 @@ Result<std::unique_ptr<Scheduler>> make_scheduler(uv_loop_t* loop, const Gateway
     sockets.push_back(supervisor->socket_path());
   }
   // The fallback is the least preferred link: served only while the others are down.
-  if (!opts.fallback_worker.empty()) sockets.push_back(opts.fallback_worker.substr(5));
+  if (!opts.fallback_worker.empty()) {
+    sockets.push_back(opts.fallback_worker.substr(5));
+    so.last_is_fallback = true;
+  }
   auto sched = std::make_unique<ContinuousScheduler>(loop, std::move(sockets), so);
   if (supervisor) sched->own_supervisor(std::move(supervisor));
   return std::unique_ptr<Scheduler>(std::move(sched));

@@ -273,6 +273,40 @@ std::vector<SequenceUpdate> BatchPolicy::apply(const StepPlan& plan, const std::
   return updates;
 }
 
+std::vector<SequenceState> BatchPolicy::take_all() {
+  std::vector<SequenceState> out;
+  auto take = [&](uint64_t id) {
+    Seq& s = seqs_.at(id);
+    out.push_back({id, std::move(s.req), std::move(s.generated), std::move(s.hints)});
+  };
+  for (uint64_t id : running_) take(id);
+  for (uint64_t id : waiting_) take(id);
+  seqs_.clear();
+  running_.clear();
+  waiting_.clear();
+  return out;
+}
+
+void BatchPolicy::add_resumed(SequenceState st, bool front) {
+  Seq s;
+  s.context = st.req.prompt;
+  s.context.insert(s.context.end(), st.generated.begin(), st.generated.end());
+  s.generated = std::move(st.generated);
+  s.req = std::move(st.req);
+  s.hints = std::move(st.hints);
+  seqs_[st.id] = std::move(s);
+  if (front)
+    waiting_.push_front(st.id);
+  else
+    waiting_.push_back(st.id);
+}
+
+int BatchPolicy::demand_blocks() const {
+  int d = committed_blocks();
+  for (uint64_t id : waiting_) d += blocks_for(int(seqs_.at(id).context.size()));
+  return d;
+}
+
 void BatchPolicy::worker_lost() {
   for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
     Seq& s = seqs_.at(*it);

@@ -72,6 +72,15 @@ struct ChunkResult {
   TokenEvent token;
 };
 
+// A sequence outside any worker's policy (moved between workers): what it
+// asked for and the tokens already reported to its observer.
+struct SequenceState {
+  uint64_t id = 0;
+  SequenceRequest req;
+  std::vector<int32_t> generated;
+  SequenceHints hints;
+};
+
 // What observers must hear after a step, in order.
 struct SequenceUpdate {
   uint64_t seq_id = 0;
@@ -106,6 +115,16 @@ class BatchPolicy {
   // goes back to the front of the queue, in admission order, to be
   // recomputed from prompt + generated tokens.
   void worker_lost();
+  // Removes every sequence, admitted ones first (admission order), then the
+  // queue in order. The caller releases the admitted ones on the worker if it
+  // still holds their KV (running_ids() before the call).
+  std::vector<SequenceState> take_all();
+  // Queues a sequence moved from another worker: it is recomputed from its
+  // prompt plus `generated`, whose tokens are not reported again.
+  void add_resumed(SequenceState s, bool front);
+  // KV blocks the admitted sequences will hold plus those the queue's
+  // prompts need: the worker's load as this policy sees it.
+  int demand_blocks() const;
 
   // Observation (tests, stats).
   int waiting() const { return int(waiting_.size()); }

@@ -55,7 +55,7 @@ Result<std::unique_ptr<WorkerSupervisor>> WorkerSupervisor::start(uv_loop_t* loo
   std::string tmpl = (fs::temp_directory_path(ec) / "moe-gateway-XXXXXX").string();
   if (!::mkdtemp(tmpl.data())) return make_error(std::string("mkdtemp: ") + std::strerror(errno));  // 0700
   s->dir_ = tmpl;
-  s->socket_path_ = tmpl + "/worker.sock";
+  s->socket_path_ = tmpl + "/" + s->opts_.socket_name;
   s->backoff_ms_ = s->opts_.restart_min_ms;
   s->restart_timer_ = new uv_timer_t;
   uv_timer_init(loop, s->restart_timer_);

@@ -21,6 +21,9 @@ struct SupervisorOptions {
   std::vector<std::string> extra_args;  // e.g. {"--threads", "2"}
   uint64_t restart_min_ms = 100;
   uint64_t restart_max_ms = 5000;
+  // The socket's file name in the private directory; its stem is the name
+  // the worker goes by in Redis.
+  std::string socket_name = "worker.sock";
 };
 
 // The moe-worker to start: `explicit_path` when set, else next to the

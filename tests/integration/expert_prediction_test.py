@@ -8,7 +8,8 @@ workers on the demo model and real gateways (docs/expert-prediction.md):
   3. its requests' predictions hit (/metrics) and warm hints go out;
   4. a second gateway, started afterwards with its own worker, learns the
      first one's traffic from the routing stream: same prediction, and its
-     first request is predicted well; it keeps learning live.
+     first request is predicted well; it keeps learning live;
+  5. one gateway drives both workers at once.
 """
 import http.client
 import json
@@ -197,9 +198,33 @@ def main():
         check(now_b >= total + 2 and now_a >= total + 2,
               f"both gateways keep learning every worker's summaries ({now_a:.0f}, {now_b:.0f} of {total + 2})")
         check(c.procs["gateway-a"].poll() is None and c.procs["gateway-b"].poll() is None, "both gateways still run")
+
+        # 5. One gateway driving both workers at once: concurrent streams are
+        #    spread over them (each worker's summaries name it) and all finish.
+        for n in ("gateway-a", "gateway-b"):
+            c.procs[n].terminate()
+            c.procs[n].wait(timeout=10)
+        before = len(summaries(c))
+        g = c.start_gateway([w1, w2], name="gateway-c")
+        streams = [h.Stream(g, kind_x(20 + i, i, 3, "copy") if i % 2 else kind_y("July", f"item {i}"), 16).start()
+                   for i in range(8)]
+        for st_ in streams:
+            st_.join(60)
+        check(all(x.finish and not x.error for x in streams),
+              f"8 concurrent streams over two workers finished ({[x.error for x in streams if x.error]})")
+        end = time.time() + 10
+        while time.time() < end and len(summaries(c)) < before + 8:
+            time.sleep(0.05)
+        names = c.redis("XRANGE", ROUTING, "-", "+").split("\n")
+        served = [names[i + 1] for i, v in enumerate(names[:-1]) if v == "worker"][before:]
+        print(f"RESULT gateway C spread 8 streams: w1 {served.count('w1')}, w2 {served.count('w2')}")
+        check(served.count("w1") > 0 and served.count("w2") > 0, "both workers served gateway C's streams")
+        _, pc = post(g, "/debug/experts", {"prompt": SIMILAR_X})
+        check(sorted(w["worker"] for w in pc["workers"]) == ["w1", "w2"],
+              f"/debug/experts scores both workers' resident sets ({pc['workers']})")
     finally:
         if failures:
-            for n in ("gateway-a", "gateway-b", "w1", "w2"):
+            for n in ("gateway-a", "gateway-b", "gateway-c", "w1", "w2"):
                 print(f"--- {n} log ---\n" + c.log(n)[-3000:])
         c.close()
     print(f"RESULT wall {time.time() - t0:.1f} s")
