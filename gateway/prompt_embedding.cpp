@@ -1,5 +1,6 @@
 #include "gateway/prompt_embedding.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -67,7 +68,9 @@ void PromptEmbedder::compute_center() {
 std::vector<float> PromptEmbedder::embed(std::span<const int32_t> tokens) const {
   std::vector<float> out(size_t(dim_), 0.0f);
   int64_t n = 0;
-  for (int32_t t : tokens) {
+  const size_t count = std::min(tokens.size(), kMaxTokens);
+  for (size_t k = 0; k < count; ++k) {
+    const int32_t t = tokens[count == tokens.size() ? k : k * tokens.size() / count];
     if (t < 0 || t >= vocab_) continue;
     for (int c = 0; c < dim_; ++c) out[size_t(c)] += at(t, c);
     ++n;

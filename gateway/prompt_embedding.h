@@ -35,6 +35,10 @@ class PromptEmbedder {
 
   int dim() const { return dim_; }
   int vocab() const { return vocab_; }
+  // Tokens a prompt's embedding reads at most: a longer prompt is sampled
+  // evenly across its length, so the cost on the gateway's loop is bounded
+  // (kMaxTokens × dim adds) whatever the prompt.
+  static constexpr size_t kMaxTokens = 512;
   // Mean row of `tokens` minus the table's mean row; ids out of range are
   // skipped; an empty (or all-invalid) prompt gives the zero vector.
   std::vector<float> embed(std::span<const int32_t> tokens) const;  // [dim]

@@ -99,6 +99,12 @@ TEST_CASE("the LSH is deterministic by seed and the embedding is centred", "[pre
   for (float v : e.embed(all)) CHECK(v == Approx(0.0f).margin(1e-6));  // the mean row is removed
   CHECK(e.embed(std::vector<int32_t>{}) == std::vector<float>(dim, 0.0f));
   CHECK(e.embed(std::vector<int32_t>{-1, 99}) == std::vector<float>(dim, 0.0f));  // out of range: skipped
+  // A prompt longer than kMaxTokens is sampled evenly across its length: a
+  // first half of one token and a second half of another give their mean.
+  std::vector<int32_t> longp;
+  for (size_t i = 0; i < 10 * PromptEmbedder::kMaxTokens; ++i) longp.push_back(i < 5 * PromptEmbedder::kMaxTokens ? 0 : 1);
+  const auto lm = e.embed(longp), pm = e.embed(std::vector<int32_t>{0, 1});
+  for (int c = 0; c < dim; ++c) CHECK(lm[size_t(c)] == Approx(pm[size_t(c)]).margin(1e-5));
 
   std::mt19937 rng(7);
   std::normal_distribution<float> nd;
