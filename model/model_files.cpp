@@ -47,6 +47,31 @@ Result<std::shared_ptr<ModelFiles>> ModelFiles::open(const std::string& path) {
   return files;
 }
 
+Result<std::shared_ptr<ModelFiles>> ModelFiles::from_memory(const std::string& config_json,
+                                                           std::map<std::string, TensorView> tensors,
+                                                           int q4_group,
+                                                           std::vector<const uint8_t*> expert_blobs) {
+  auto desc = parse_model_desc(config_json);
+  if (!desc) return make_error(desc.error());
+  auto files = std::make_shared<ModelFiles>();
+  files->path_ = "<memory>";
+  files->packed_ = true;  // tensors are looked up in packed_tensors_
+  files->desc_ = std::move(*desc);
+  files->packed_tensors_ = std::move(tensors);
+  files->text_files_["config.json"] = config_json;
+  if (!expert_blobs.empty()) {
+    const ModelDesc& d = files->desc_;
+    if (expert_blobs.size() != size_t(d.n_layers) * size_t(d.moe.n_experts))
+      return make_error("from_memory: expected " + std::to_string(size_t(d.n_layers) * d.moe.n_experts) +
+                        " expert blob pointers, got " + std::to_string(expert_blobs.size()));
+    files->experts_q4_ = true;
+    files->q4_group_ = q4_group;
+    files->layout_ = moe::expert_layout(d.hidden_size, d.moe.expert_intermediate, q4_group);
+    files->expert_blobs_ = std::move(expert_blobs);
+  }
+  return files;
+}
+
 const TensorView* ModelFiles::find(const std::string& name) const {
   if (!packed_) return ckpt_.find(name);
   auto it = packed_tensors_.find(name);

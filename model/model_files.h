@@ -22,6 +22,16 @@ class ModelFiles {
   // `path`: a checkpoint folder (config.json + safetensors) or a packed file.
   static Result<std::shared_ptr<ModelFiles>> open(const std::string& path);
 
+  // A model held in memory (benchmarks with generated weights): the
+  // description from `config_json`, float tensors by Hugging Face name, and
+  // INT4 expert blobs of group `q4_group` at [layer * n_experts + expert]
+  // (model layers; null for dense layers). The caller keeps every buffer
+  // alive as long as the ModelFiles.
+  static Result<std::shared_ptr<ModelFiles>> from_memory(const std::string& config_json,
+                                                         std::map<std::string, TensorView> tensors,
+                                                         int q4_group,
+                                                         std::vector<const uint8_t*> expert_blobs);
+
   const ModelDesc& desc() const { return desc_; }
   const std::string& path() const { return path_; }
   bool is_packed() const { return packed_; }

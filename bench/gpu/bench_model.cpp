@@ -34,27 +34,6 @@ int shared_rows(const ModelShape& s) { return 2 * s.shared_inter + 1 + s.n_exper
 int shared_rows_padded(const ModelShape& s) { return (shared_rows(s) + 7) / 8 * 8; }
 }  // namespace
 
-ModelShape qwen15_moe_a27b() {
-  return {"Qwen1.5-MoE-A2.7B",
-          2048,
-          24,
-          16,
-          16,
-          128,
-          60,
-          4,
-          1408,
-          5632,
-          false,
-          true,
-          false,
-          151936,
-          1e6f};
-}
-ModelShape qwen3_30b_a3b() {
-  return {"Qwen3-30B-A3B", 2048, 48, 32, 4, 128, 128, 8, 768, 0, true, false, true, 151936, 1e6f};
-}
-
 double decode_bytes_per_step(const ModelShape& s, const ExpertLayout& L, int tokens) {
   const double H = s.hidden, W = double(s.n_heads + 2 * s.n_kv) * s.head_dim;
   double per_layer = (W * H + H * s.n_heads * s.head_dim + s.n_experts * H) * 2;

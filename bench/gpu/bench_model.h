@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/gpu/model_shapes.h"
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/dense_matmul.cuh"
 #include "model/int4.h"
@@ -33,19 +34,6 @@ class ExpertProvider {
   // The layer's expert kernels are enqueued: its islands may be reused after them.
   virtual Status unbind(int layer, cudaStream_t st) = 0;
 };
-
-struct ModelShape {
-  std::string name;
-  int hidden, layers, n_heads, n_kv, head_dim;
-  int n_experts, top_k, inter;
-  int shared_inter;  // 0: no shared expert; else a sigmoid-gated shared MLP
-  bool qk_norm, qkv_bias, norm_topk;
-  int vocab;
-  float rope_theta;
-};
-
-ModelShape qwen15_moe_a27b();
-ModelShape qwen3_30b_a3b();
 
 // Bytes of weights one decode step reads for `tokens` tokens when each token
 // routes to top_k distinct experts (no sharing between tokens counted).
