@@ -45,6 +45,7 @@ using bf16 = __nv_bfloat16;
 
 constexpr int kBlockTokens = 16;
 constexpr int kMaxSampleRows = 64;  // sampled rows per forward pass
+constexpr int kFuseMaxTokens = 4;   // norm / SiLU folded into GEMVs up to this batch
 constexpr size_t kAlign = 256;
 constexpr size_t kDefaultMargin = size_t(512) << 20;  // free memory the default budget leaves
 
@@ -112,7 +113,8 @@ struct CudaEngine::Impl {
     int moe_index = -1;  // -1: dense MLP
     bf16* router_w = nullptr;
     bf16 *mlp_gu_w = nullptr, *mlp_down_w = nullptr;  // shared expert or dense MLP
-    int mlp_inter = 0, mlp_rows = 0;                  // rows: gate | up | (gate logit), padded
+    int mlp_inter = 0, mlp_rows = 0;                  // rows: gate | up | (gate logit) | (router), padded
+    int router_row = -1;                              // >= 0: the router's rows inside mlp_gu_w
     bool mlp_gated = false;                           // Qwen2-MoE: sigmoid gate logit at row 2*inter
     bf16 *k_pool = nullptr, *v_pool = nullptr;
   };
@@ -207,7 +209,7 @@ struct CudaEngine::Impl {
   void carve_workspace(Carver& c);
   Status expert_source(ExpertHostSource& src);
   Status forward(const PassPack& pk, int n, int s);
-  Status moe_layer(const DevLayer& L, int n);
+  Status moe_layer(const DevLayer& L, int n, bool logits_ready);
   Status bind_experts(int ml, int n);
   Status release_experts(int ml);
   std::vector<std::vector<int>> bound;  // [Lm] experts pinned for the layer's kernels
@@ -226,11 +228,9 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
   };
   // The same sizes in the measuring pass, without converting anything.
   auto reserve = [&](bf16** dst, size_t elems) { *dst = c.take<bf16>(elems); };
-  auto linear = [&](bf16** dst, std::initializer_list<const Linear*> parts, size_t pad_rows) -> Status {
-    size_t elems = 0;
+  auto linear_parts = [&](bf16** dst, const std::vector<const Linear*>& parts, size_t pad_rows) -> Status {
+    size_t elems = pad_rows * size_t(parts.front()->in);
     for (const Linear* p : parts) elems += size_t(p->out) * p->in;
-    const size_t in = (*parts.begin())->in;
-    elems += pad_rows * in;
     if (!upload) {
       reserve(dst, elems);
       return {};
@@ -239,6 +239,9 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
     for (const Linear* p : parts) append_bf16_rows(*p, buf);
     buf.resize(elems, 0);
     return put(dst, buf);
+  };
+  auto linear = [&](bf16** dst, std::initializer_list<const Linear*> parts, size_t pad_rows) -> Status {
+    return linear_parts(dst, std::vector<const Linear*>(parts), pad_rows);
   };
   auto vec = [&](bf16** dst, const std::vector<float>& v) -> Status {
     if (v.empty()) {
@@ -273,23 +276,29 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
     L.moe_index = d.moe_layer_index(l);
     const Mlp* mlp = nullptr;
     if (L.moe_index >= 0) {
-      if (Status s = linear(&L.router_w, {&lw.router}, 0); !s) return s;
       if (lw.shared.gate.present()) mlp = &lw.shared;
       L.mlp_gated = lw.shared_gate.present();
     } else {
       mlp = &lw.dense;
     }
     if (mlp) {
+      // One projection of the normed state: gate | up (| gate logit) (|
+      // router logits), rows padded to 8 (16-byte aligned output rows).
       L.mlp_inter = mlp->gate.out;
-      const int rows = 2 * L.mlp_inter + (L.mlp_gated ? 1 : 0);
-      L.mlp_rows = int(align_up(size_t(rows), 8));
-      if (L.mlp_gated) {
-        if (Status s = linear(&L.mlp_gu_w, {&mlp->gate, &mlp->up, &lw.shared_gate}, size_t(L.mlp_rows - rows)); !s)
-          return s;
-      } else {
-        if (Status s = linear(&L.mlp_gu_w, {&mlp->gate, &mlp->up}, size_t(L.mlp_rows - rows)); !s) return s;
+      std::vector<const Linear*> parts = {&mlp->gate, &mlp->up};
+      if (L.mlp_gated) parts.push_back(&lw.shared_gate);
+      int rows = 2 * L.mlp_inter + (L.mlp_gated ? 1 : 0);
+      if (L.moe_index >= 0) {
+        L.router_row = rows;
+        parts.push_back(&lw.router);
+        rows += E;
       }
+      L.mlp_rows = int(align_up(size_t(rows), 8));
+      if (Status s = linear_parts(&L.mlp_gu_w, parts, size_t(L.mlp_rows - rows)); !s) return s;
+      if (L.router_row >= 0) L.router_w = L.mlp_gu_w + size_t(L.router_row) * H;
       if (Status s = linear(&L.mlp_down_w, {&mlp->down}, 0); !s) return s;
+    } else if (L.moe_index >= 0) {
+      if (Status s = linear(&L.router_w, {&lw.router}, 0); !s) return s;
     }
   }
   if (Status s = linear(&embed, {&w.embed}, 0); !s) return s;
@@ -423,7 +432,7 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     const Mlp* mlp = d.moe_layer_index(l) >= 0 ? (lw.shared.gate.present() ? &lw.shared : nullptr) : &lw.dense;
     if (!mlp) continue;
     m.mlp_inter_max = std::max(m.mlp_inter_max, mlp->gate.out);
-    const int rows = 2 * mlp->gate.out + (lw.shared_gate.present() ? 1 : 0);
+    const int rows = 2 * mlp->gate.out + (lw.shared_gate.present() ? 1 : 0) + (d.moe_layer_index(l) >= 0 ? m.E : 0);
     m.gu_stride = std::max(m.gu_stride, int(align_up(size_t(rows), 8)));
   }
   m.pack_bytes = m.pack_layout(m.T, kMaxSampleRows, m.T).bytes;
@@ -583,16 +592,23 @@ Status CudaEngine::Impl::release_experts(int ml) {
   return {};
 }
 
-Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n) {
+Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready) {
   const int ml = L.moe_index;
   const bool small = n <= cuda::kGemvMaxTokens;
-  if (small) {
-    if (Status s = cuda::dense_gemv_bf16(L.router_w, xn, router_logits, n, E, H, false, nullptr, 0, st); !s) return s;
-  } else if (Status s = mm->matmul(xn, L.router_w, router_logits, true, n, E, H, 0.f, st); !s) {
-    return s;
+  // The router's logits: inside the shared projection's output, already
+  // made by the fused norm + GEMV, or computed here from xn.
+  const float* logits = L.router_row >= 0 ? gu + L.router_row : router_logits;
+  const int stride = L.router_row >= 0 ? gu_stride : E;
+  if (!logits_ready) {
+    if (small) {
+      if (Status s = cuda::dense_gemv_bf16(L.router_w, xn, router_logits, n, E, H, false, nullptr, 0, st); !s)
+        return s;
+    } else if (Status s = mm->matmul(xn, L.router_w, router_logits, true, n, E, H, 0.f, st); !s) {
+      return s;
+    }
   }
   int32_t* ids = route_ids + size_t(ml) * n * K;
-  if (Status s = cuda::router_topk(router_logits, n, E, K, d.moe.norm_topk_prob, d.moe.routed_scaling, ids, route_w, st);
+  if (Status s = cuda::router_topk(logits, n, E, K, d.moe.norm_topk_prob, d.moe.routed_scaling, ids, route_w, st, stride);
       !s)
     return s;
   if (!all_resident)
@@ -618,6 +634,10 @@ Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n) {
 
 Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
   const bool small = n <= cuda::kGemvMaxTokens;
+  // Up to this many tokens RMSNorm and SiLU are folded into the GEMVs'
+  // staging (fewer launches); above, every block re-reading the f32 inputs
+  // costs more than the launches saved (docs/cuda.md).
+  const bool fuse = n <= kFuseMaxTokens;
   const auto* tokens = reinterpret_cast<const int32_t*>(pack_dev + pk.tokens);
   const auto* positions = reinterpret_cast<const int32_t*>(pack_dev + pk.positions);
   const auto* seq_of_token = reinterpret_cast<const int32_t*>(pack_dev + pk.seq_of_token);
@@ -630,8 +650,14 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
   if (Status e = cuda::embedding_gather(embed, V, H, tokens, n, x, st); !e) return e;
   for (const DevLayer& L : layers) {
     cuda::PagedKvPool kv{L.k_pool, L.v_pool, tables, max_blocks, kBlockTokens, d.n_kv_heads, d.head_dim};
-    if (Status e = cuda::rmsnorm(x, L.in_norm, xn, n, H, eps, st); !e) return e;
-    if (Status e = dense(L.qkv_w, xn, qkv, W, H, false); !e) return e;
+    if (fuse) {
+      if (Status e = cuda::dense_gemv_bf16_rmsnorm(L.qkv_w, x, L.in_norm, eps, nullptr, qkv, n, W, H, false, nullptr, 0, st);
+          !e)
+        return e;
+    } else {
+      if (Status e = cuda::rmsnorm(x, L.in_norm, xn, n, H, eps, st); !e) return e;
+      if (Status e = dense(L.qkv_w, xn, qkv, W, H, false); !e) return e;
+    }
     cuda::QkvRopeArgs ra;
     ra.qkv = qkv;
     ra.bias = L.qkv_b;
@@ -657,28 +683,45 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
     aa.out = attn;
     if (Status e = cuda::paged_attention(aa, kv, st); !e) return e;
     if (Status e = dense(L.o_w, attn, x, H, QD, true); !e) return e;
-    if (Status e = cuda::rmsnorm(x, L.post_norm, xn, n, H, eps, st); !e) return e;
-    if (L.mlp_gu_w) {
-      // Shared expert or dense MLP: gate|up (| gate logit), SiLU product, down.
-      const int I = L.mlp_inter;
-      if (small) {
-        if (Status e = cuda::dense_gemv_bf16(L.mlp_gu_w, xn, gu, n, L.mlp_rows, H, false, nullptr, 0, st); !e) return e;
-      } else if (Status e = mm->matmul(xn, L.mlp_gu_w, gu, true, n, L.mlp_rows, H, 0.f, st); !e) {
+    // The normed state xn and the first projection after attention: the
+    // shared expert's / dense MLP's gate|up (with the router's rows when the
+    // layer has both), or the router alone. Small batches norm inside the GEMV.
+    bool logits_ready = false;
+    if (fuse && (L.mlp_gu_w || L.moe_index >= 0)) {
+      const bf16* w = L.mlp_gu_w ? L.mlp_gu_w : L.router_w;
+      float* y = L.mlp_gu_w ? gu : router_logits;
+      const int rows = L.mlp_gu_w ? L.mlp_rows : E;
+      if (Status e = cuda::dense_gemv_bf16_rmsnorm(w, x, L.post_norm, eps, xn, y, n, rows, H, false, nullptr, 0, st); !e)
         return e;
-      }
-      if (Status e = cuda::silu_mul_fused(gu, mh, n, I, st, gu_stride); !e) return e;
-      const float* gate = L.mlp_gated ? gu + 2 * I : nullptr;
-      if (small) {
-        if (Status e = cuda::dense_gemv_bf16(L.mlp_down_w, mh, x, n, H, I, true, gate, gu_stride, st); !e) return e;
-      } else if (gate) {
-        if (Status e = mm->matmul(mh, L.mlp_down_w, tmp, true, n, H, I, 0.f, st); !e) return e;
-        if (Status e = cuda::gated_add(x, tmp, gate, gu_stride, n, H, st); !e) return e;
-      } else if (Status e = mm->matmul(mh, L.mlp_down_w, x, true, n, H, I, 1.f, st); !e) {
-        return e;
+      logits_ready = true;
+    } else {
+      if (Status e = cuda::rmsnorm(x, L.post_norm, xn, n, H, eps, st); !e) return e;
+      if (L.mlp_gu_w) {
+        if (Status e = dense(L.mlp_gu_w, xn, gu, L.mlp_rows, H, false); !e) return e;
+        logits_ready = L.router_row >= 0;
       }
     }
     if (L.moe_index >= 0)
-      if (Status e = moe_layer(L, n); !e) return e;
+      if (Status e = moe_layer(L, n, logits_ready); !e) return e;
+    if (L.mlp_gu_w) {
+      // SiLU(gate) * up, then down (scaled by the shared expert's gate), added to the residual.
+      const int I = L.mlp_inter;
+      const float* gate = L.mlp_gated ? gu + 2 * I : nullptr;
+      if (fuse) {
+        if (Status e = cuda::dense_gemv_bf16_silu(L.mlp_down_w, gu, gu_stride, x, n, H, I, true, gate, gu_stride, st); !e)
+          return e;
+      } else {
+        if (Status e = cuda::silu_mul_fused(gu, mh, n, I, st, gu_stride); !e) return e;
+        if (small) {
+          if (Status e = cuda::dense_gemv_bf16(L.mlp_down_w, mh, x, n, H, I, true, gate, gu_stride, st); !e) return e;
+        } else if (gate) {
+          if (Status e = mm->matmul(mh, L.mlp_down_w, tmp, true, n, H, I, 0.f, st); !e) return e;
+          if (Status e = cuda::gated_add(x, tmp, gate, gu_stride, n, H, st); !e) return e;
+        } else if (Status e = mm->matmul(mh, L.mlp_down_w, x, true, n, H, I, 1.f, st); !e) {
+          return e;
+        }
+      }
+    }
   }
   if (s == 0) return {};
   const auto* rows = reinterpret_cast<const int32_t*>(pack_dev + pk.sample_rows);
