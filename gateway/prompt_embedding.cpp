@@ -35,32 +35,50 @@ PromptEmbedder::PromptEmbedder(std::vector<float> table, int vocab, int dim)
   compute_center();
 }
 
-float PromptEmbedder::at(int64_t row, int col) const {
-  const size_t i = size_t(row) * size_t(dim_) + size_t(col);
-  if (!view_) return owned_[i];
+void PromptEmbedder::add_row(int64_t row, float* acc, uint16_t* scratch) const {
+  const size_t D = size_t(dim_);
+  if (!view_) {
+    const float* r = owned_.data() + size_t(row) * D;
+    for (size_t c = 0; c < D; ++c) acc[c] += r[c];
+    return;
+  }
+  const uint8_t* src = view_->data + size_t(row) * D * dtype_size(view_->dtype);
   switch (view_->dtype) {
-    case DType::bf16: {
-      uint16_t v;
-      std::memcpy(&v, view_->data + 2 * i, 2);
-      return bf16_to_f32(v);
-    }
-    case DType::f16: {
-      uint16_t v;
-      std::memcpy(&v, view_->data + 2 * i, 2);
-      return f16_to_f32(v);
-    }
-    default: {
-      float v;
-      std::memcpy(&v, view_->data + 4 * i, 4);
-      return v;
-    }
+    case DType::bf16:
+      // A bf16 value is the top half of the f32 with the same bits.
+      std::memcpy(scratch, src, 2 * D);
+      for (size_t c = 0; c < D; ++c) {
+        const uint32_t u = uint32_t(scratch[c]) << 16;
+        float f;
+        std::memcpy(&f, &u, 4);
+        acc[c] += f;
+      }
+      return;
+    case DType::f16:
+      std::memcpy(scratch, src, 2 * D);
+      for (size_t c = 0; c < D; ++c) acc[c] += f16_to_f32(scratch[c]);
+      return;
+    default:
+      for (size_t c = 0; c < D; ++c) {
+        float f;
+        std::memcpy(&f, src + 4 * c, 4);
+        acc[c] += f;
+      }
+      return;
   }
 }
 
 void PromptEmbedder::compute_center() {
+  // Rows are summed in float in blocks of 256 and the blocks in double, so a
+  // large vocabulary loses no precision and the pass stays fast.
   std::vector<double> sum(size_t(dim_), 0.0);
-  for (int64_t r = 0; r < vocab_; ++r)
-    for (int c = 0; c < dim_; ++c) sum[size_t(c)] += at(r, c);
+  std::vector<float> block(static_cast<size_t>(dim_));
+  std::vector<uint16_t> half(view_ ? size_t(dim_) : 0);
+  for (int64_t r0 = 0; r0 < vocab_; r0 += 256) {
+    std::fill(block.begin(), block.end(), 0.0f);
+    for (int64_t r = r0; r < std::min<int64_t>(vocab_, r0 + 256); ++r) add_row(r, block.data(), half.data());
+    for (int c = 0; c < dim_; ++c) sum[size_t(c)] += block[size_t(c)];
+  }
   center_.resize(size_t(dim_));
   for (int c = 0; c < dim_; ++c) center_[size_t(c)] = vocab_ > 0 ? float(sum[size_t(c)] / vocab_) : 0.0f;
 }
@@ -69,10 +87,11 @@ std::vector<float> PromptEmbedder::embed(std::span<const int32_t> tokens) const 
   std::vector<float> out(size_t(dim_), 0.0f);
   int64_t n = 0;
   const size_t count = std::min(tokens.size(), kMaxTokens);
+  std::vector<uint16_t> half(view_ ? size_t(dim_) : 0);
   for (size_t k = 0; k < count; ++k) {
     const int32_t t = tokens[count == tokens.size() ? k : k * tokens.size() / count];
     if (t < 0 || t >= vocab_) continue;
-    for (int c = 0; c < dim_; ++c) out[size_t(c)] += at(t, c);
+    add_row(t, out.data(), half.data());
     ++n;
   }
   if (n == 0) return out;

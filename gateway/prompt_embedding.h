@@ -46,7 +46,8 @@ class PromptEmbedder {
  private:
   PromptEmbedder() = default;
   void compute_center();
-  float at(int64_t row, int col) const;
+  // acc[c] += row[c]; `scratch` holds dim 16-bit values.
+  void add_row(int64_t row, float* acc, uint16_t* scratch) const;
 
   std::shared_ptr<ModelFiles> files_;  // keeps the mapping alive
   const TensorView* view_ = nullptr;   // [vocab, dim], bf16/f16/f32 as stored

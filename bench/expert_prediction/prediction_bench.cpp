@@ -215,6 +215,17 @@ int main(int argc, char** argv) {
         if (how == "interleaved") neighbour.print("neighbour");
       }
       std::printf("  test prompts by source: bucket %d, nearest %d, global %d\n", sources[0], sources[1], sources[2]);
+      // What one prediction costs the gateway's loop (embedding, hash, estimate, top-N).
+      const auto p0 = std::chrono::steady_clock::now();
+      size_t predicted = 0, known = 0;
+      for (int rep = 0; rep < 5; ++rep)
+        for (const Prompt& q : prompts) {
+          known += pred.value()->predict(q.tokens).known();
+          ++predicted;
+        }
+      const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - p0).count();
+      std::printf("  predict(): %.1f us per %d-token prompt (%zu of %zu known)\n", us / double(predicted), window, known,
+                  predicted);
     }
   }
   return 0;
