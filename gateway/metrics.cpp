@@ -129,6 +129,13 @@ std::string GatewayMetrics::render(const SchedulerStats& stats, bool ready) cons
     render_scalar(out, "moe_gateway_warm_hints_sent_total", "counter",
                   "warm_hints frames sent to workers before prefills.", static_cast<double>(stats.warm_hints_sent));
   }
+  if (stats.steps_with_usage > 0) {
+    render_scalar(out, "moe_gateway_steps_with_usage_total", "counter", "Worker steps that reported expert usage.",
+                  static_cast<double>(stats.steps_with_usage));
+    render_scalar(out, "moe_gateway_step_experts_total", "counter",
+                  "Distinct (layer, expert) pairs used per step, summed over those steps.",
+                  static_cast<double>(stats.step_experts));
+  }
   return out;
 }
 

@@ -66,6 +66,8 @@ struct SchedulerStats {
   uint64_t routing_summaries_learned = 0;
   uint64_t routing_summaries_foreign = 0;  // other LSH settings, or no bucket
   uint64_t warm_hints_sent = 0;        // warm_hints frames sent before prefills
+  uint64_t steps_with_usage = 0;       // step replies that carried expert usage
+  uint64_t step_experts = 0;           // distinct (layer, expert) pairs those steps used, summed
 };
 
 class Scheduler {

@@ -91,6 +91,8 @@ SchedulerStats ContinuousScheduler::stats() const {
     s.routing_summaries_foreign = ps.summaries_foreign;
     s.warm_hints_sent = warm_hints_sent_;
   }
+  s.steps_with_usage = steps_with_usage_;
+  s.step_experts = step_experts_;
   return s;
 }
 
@@ -227,6 +229,16 @@ void ContinuousScheduler::on_frame(size_t w, const pr::Frame& f) {
   if (pr::Command(f.command) == pr::Command::step_reply) {
     auto reply = pr::decode_step_reply(f.payload);
     if (reply.ok()) {
+      // How many distinct experts the step used: what grouped batching lowers.
+      std::vector<uint8_t> touched;
+      for (const pr::StepResult& r : reply->results) {
+        if (touched.size() < r.expert_usage.size()) touched.resize(r.expert_usage.size(), 0);
+        for (size_t i = 0; i < r.expert_usage.size(); ++i) touched[i] |= r.expert_usage[i] != 0;
+      }
+      if (!touched.empty()) {
+        ++steps_with_usage_;
+        step_experts_ += uint64_t(std::count(touched.begin(), touched.end(), uint8_t(1)));
+      }
       for (const pr::StepResult& r : reply->results) {
         ChunkResult c;
         c.seq_id = r.seq_id;

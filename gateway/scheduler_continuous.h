@@ -123,6 +123,8 @@ class ContinuousScheduler final : public Scheduler {
   };
   std::unordered_map<uint64_t, Predicted> predicted_;
   uint64_t warm_hints_sent_ = 0;
+  uint64_t steps_with_usage_ = 0;
+  uint64_t step_experts_ = 0;
 };
 
 }  // namespace moe::gw
