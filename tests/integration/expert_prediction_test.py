@@ -170,6 +170,9 @@ def main():
         check(predicted >= 3 * 6 * TOP and hits / predicted >= 0.9, f"predictions hit ({hits:.0f}/{predicted:.0f})")
         check(m["moe_gateway_warm_hints_sent_total"] >= 3, "warm hints were sent before the prefills")
         check(m["moe_gateway_prediction_buckets"] >= 2, f"buckets known: {m['moe_gateway_prediction_buckets']:.0f}")
+        steps = m.get("moe_gateway_steps_with_usage_total", 0)
+        per_step = m.get("moe_gateway_step_experts_total", 0) / max(steps, 1)
+        check(steps > 0 and 4 <= per_step <= 6 * 32, f"distinct experts per step on /metrics ({per_step:.1f} over {steps:.0f} steps)")
 
         # 4. A second gateway learns the first one's traffic through Redis.
         total = len(summaries(c))
