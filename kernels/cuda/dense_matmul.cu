@@ -3,6 +3,10 @@
 #include "kernels/cuda/dense_matmul.cuh"
 #include "kernels/cuda/device_math.cuh"
 
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
 namespace moe::cuda {
 namespace {
 
@@ -11,9 +15,11 @@ constexpr int kRowsPerWarp = 2;
 constexpr int kThreads = kWarps * 32;
 
 // x staged in shared memory as bf16 [tokens, k]; each lane takes 16-byte runs
-// (8 inputs) of two rows and dots them with every token. The first runs of
-// weights are loaded before waiting for the previous kernel (nothing writes
-// weights), and each round loads the next runs before using the current.
+// of weights of two rows (8 bf16 weights, or 16 int8 weights: two 8-input
+// chunks of x) and dots them with every token. The first runs of weights (and
+// the int8 row scales) are loaded before waiting for the previous kernel
+// (nothing writes weights), and each round loads the next runs before using
+// the current. int8 sums are scaled by their row's scale at the end.
 // Where the kernel's input comes from.
 enum class In { bf16, rmsnorm, silu };
 
@@ -81,13 +87,50 @@ __device__ void stage_input(const GemvIn& in, int k, uint4* xs) {
   }
 }
 
-template <int T, In MODE>
+// How a 16-byte run of weights turns into floats: kChunks chunks of 8.
+template <typename W>
+struct WeightRun;
+
+template <>
+struct WeightRun<__nv_bfloat16> {
+  static constexpr int kChunks = 1;
+  __device__ __forceinline__ static void unpack(const uint4& v, int, float (&f)[8]) {
+    const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 p = __bfloat1622float2(b[e]);
+      f[2 * e] = p.x;
+      f[2 * e + 1] = p.y;
+    }
+  }
+};
+
+template <>
+struct WeightRun<int8_t> {
+  static constexpr int kChunks = 2;
+  // Chunk h is bytes [8h, 8h + 8). Each signed byte q, biased to q + 128,
+  // becomes the low mantissa byte of 2^23 (0x4B000000); subtracting
+  // 2^23 + 128 leaves q exactly.
+  __device__ __forceinline__ static void unpack(const uint4& v, int h, float (&f)[8]) {
+    const uint32_t words[2] = {(h ? v.z : v.x) ^ 0x80808080u, (h ? v.w : v.y) ^ 0x80808080u};
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        f[4 * j + e] = __uint_as_float(__byte_perm(words[j], 0x4B000000u, 0x7440u + e)) - 8388736.f;
+  }
+};
+
+template <typename W, int T, In MODE>
 __global__ void __launch_bounds__(kThreads)
-    gemv_kernel(const __nv_bfloat16* __restrict__ w, GemvIn in, float* y, int n_out, int k, bool accumulate,
-                const float* gate, int gate_stride) {
+    gemv_kernel(const W* __restrict__ w, GemvIn in, float* y, int n_out, int k, bool accumulate,
+                const float* gate, int gate_stride, const float* __restrict__ row_scale) {
+  constexpr bool kScaled = std::is_same_v<W, int8_t>;
+  constexpr int kChunks = WeightRun<W>::kChunks;
   extern __shared__ uint4 xs[];  // [T, k/8]
   detail::allow_next_grid();
-  const int kc = k / 8;
+  const int kc = k / 8;        // 8-input chunks of x
+  const int kw = kc / kChunks;  // 16-byte runs of a weight row
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * kRowsPerWarp;
   const uint4* wr[kRowsPerWarp];
@@ -95,13 +138,21 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = 0; r < kRowsPerWarp; ++r)
     wr[r] = reinterpret_cast<const uint4*>(w + size_t(min(row0 + r, n_out - 1)) * k);
   const bool active = row0 < n_out;
+  float scale[kRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) scale[r] = 1.f;
+  if constexpr (kScaled) {
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r)
+      if (active) scale[r] = __ldg(row_scale + min(row0 + r, n_out - 1));
+  }
   uint4 cur[kRowsPerWarp][2];
   auto load = [&](uint4 (&dst)[kRowsPerWarp][2], int c0) {
 #pragma unroll
     for (int u = 0; u < 2; ++u)
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r)
-        if (active && c0 + 32 * u < kc) dst[r][u] = __ldcs(wr[r] + c0 + 32 * u);
+        if (active && c0 + 32 * u < kw) dst[r][u] = __ldcs(wr[r] + c0 + 32 * u);
   };
   load(cur, lane);
   detail::wait_prior_grid();
@@ -113,35 +164,30 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = 0; r < kRowsPerWarp; ++r)
 #pragma unroll
     for (int t = 0; t < T; ++t) acc[r][t] = 0.f;
-  for (int c0 = lane; c0 < kc; c0 += 64) {
+  for (int c0 = lane; c0 < kw; c0 += 64) {
     uint4 nxt[kRowsPerWarp][2];
     load(nxt, c0 + 64);
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int c = c0 + 32 * u;
-      if (c >= kc) break;
-      float wf[kRowsPerWarp][8];
+      if (c >= kw) break;
 #pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) {
-        const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&cur[r][u]);
+      for (int h = 0; h < kChunks; ++h) {
+        float wf[kRowsPerWarp][8];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = __bfloat1622float2(b[e]);
-          wf[r][2 * e] = f.x;
-          wf[r][2 * e + 1] = f.y;
-        }
-      }
+        for (int r = 0; r < kRowsPerWarp; ++r) WeightRun<W>::unpack(cur[r][u], h, wf[r]);
 #pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const uint4 xv = xs[t * kc + c];
-        const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&xv);
+        for (int t = 0; t < T; ++t) {
+          const uint4 xv = xs[t * kc + c * kChunks + h];
+          const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&xv);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = __bfloat1622float2(b[e]);
+          for (int e = 0; e < 4; ++e) {
+            const float2 f = __bfloat1622float2(b[e]);
 #pragma unroll
-          for (int r = 0; r < kRowsPerWarp; ++r) {
-            acc[r][t] = fmaf(wf[r][2 * e], f.x, acc[r][t]);
-            acc[r][t] = fmaf(wf[r][2 * e + 1], f.y, acc[r][t]);
+            for (int r = 0; r < kRowsPerWarp; ++r) {
+              acc[r][t] = fmaf(wf[r][2 * e], f.x, acc[r][t]);
+              acc[r][t] = fmaf(wf[r][2 * e + 1], f.y, acc[r][t]);
+            }
           }
         }
       }
@@ -162,6 +208,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int t = 0; t < T; ++t) {
         float v = acc[r][t];
+        if constexpr (kScaled) v *= scale[r];
         if (gate) v *= detail::sigmoid(gate[size_t(t) * gate_stride]);
         float* o = y + size_t(t) * n_out + row0 + r;
         *o = accumulate ? *o + v : v;
@@ -170,31 +217,38 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <int T, In MODE>
-Status launch_gemv(const __nv_bfloat16* w, const GemvIn& in, float* y, int n_out, int k, bool acc,
+template <typename W, int T, In MODE>
+Status launch_gemv(const W* w, const float* row_scale, const GemvIn& in, float* y, int n_out, int k, bool acc,
                    const float* gate, int gate_stride, cudaStream_t stream) {
   const size_t smem = size_t(T) * k * 2;
   if (smem > 48 * 1024)
-    MOE_CUDA_TRY(cudaFuncSetAttribute(gemv_kernel<T, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    MOE_CUDA_TRY(cudaFuncSetAttribute(gemv_kernel<W, T, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       int(smem)));
   const int rows_per_block = kWarps * kRowsPerWarp;
-  MOE_CUDA_TRY(detail::launch_pdl(gemv_kernel<T, MODE>, dim3((n_out + rows_per_block - 1) / rows_per_block),
-                                  dim3(kThreads), smem, stream, w, in, y, n_out, k, acc, gate, gate_stride));
+  MOE_CUDA_TRY(detail::launch_pdl(gemv_kernel<W, T, MODE>, dim3((n_out + rows_per_block - 1) / rows_per_block),
+                                  dim3(kThreads), smem, stream, w, in, y, n_out, k, acc, gate, gate_stride,
+                                  row_scale));
   MOE_CUDA_LAUNCHED();
   return {};
 }
 
-template <In MODE>
-Status gemv_dispatch(const __nv_bfloat16* w, const GemvIn& in, float* y, int tokens, int n_out, int k,
+// row_scale: [n_out] for int8 weights, null for bf16.
+template <In MODE, typename W>
+Status gemv_dispatch(const W* w, const float* row_scale, const GemvIn& in, float* y, int tokens, int n_out, int k,
                      bool accumulate, const float* gate_logits, int gate_stride, cudaStream_t stream) {
+  constexpr bool kScaled = std::is_same_v<W, int8_t>;
   MOE_CUDA_REQUIRE(w && y, "null pointer");
+  MOE_CUDA_REQUIRE(!kScaled || row_scale, "row_scale must be given with int8 weights");
   MOE_CUDA_REQUIRE(tokens >= 1 && tokens <= kGemvMaxTokens, "tokens must be in [1, 8]");
-  MOE_CUDA_REQUIRE(n_out > 0 && k > 0 && k % 8 == 0, "k must be a positive multiple of 8");
+  if constexpr (kScaled)
+    MOE_CUDA_REQUIRE(n_out > 0 && k > 0 && k % 16 == 0, "k must be a positive multiple of 16 (int8 weights)");
+  else
+    MOE_CUDA_REQUIRE(n_out > 0 && k > 0 && k % 8 == 0, "k must be a positive multiple of 8");
   MOE_CUDA_REQUIRE(size_t(tokens) * k * 2 <= 200 * 1024, "tokens * k too large for shared memory");
   MOE_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(w) % 16 == 0, "w must be 16-byte aligned");
   switch (tokens) {
 #define MOE_GEMV_CASE(T) \
-  case T: return launch_gemv<T, MODE>(w, in, y, n_out, k, accumulate, gate_logits, gate_stride, stream);
+  case T: return launch_gemv<W, T, MODE>(w, row_scale, in, y, n_out, k, accumulate, gate_logits, gate_stride, stream);
     MOE_GEMV_CASE(1) MOE_GEMV_CASE(2) MOE_GEMV_CASE(3) MOE_GEMV_CASE(4)
     MOE_GEMV_CASE(5) MOE_GEMV_CASE(6) MOE_GEMV_CASE(7) MOE_GEMV_CASE(8)
 #undef MOE_GEMV_CASE
@@ -202,19 +256,21 @@ Status gemv_dispatch(const __nv_bfloat16* w, const GemvIn& in, float* y, int tok
   return make_error("dense_gemv: unreachable token count");
 }
 
-}  // namespace
-
-Status dense_gemv_bf16(const __nv_bfloat16* w, const __nv_bfloat16* x, float* y, int tokens, int n_out, int k,
-                       bool accumulate, const float* gate_logits, int gate_stride, cudaStream_t stream) {
+// The three inputs, for either weight type.
+template <typename W>
+Status gemv_bf16_in(const W* w, const float* row_scale, const __nv_bfloat16* x, float* y, int tokens, int n_out,
+                    int k, bool accumulate, const float* gate_logits, int gate_stride, cudaStream_t stream) {
   MOE_CUDA_REQUIRE(x && reinterpret_cast<uintptr_t>(x) % 16 == 0, "x must be non-null and 16-byte aligned");
   GemvIn in;
   in.x = x;
-  return gemv_dispatch<In::bf16>(w, in, y, tokens, n_out, k, accumulate, gate_logits, gate_stride, stream);
+  return gemv_dispatch<In::bf16>(w, row_scale, in, y, tokens, n_out, k, accumulate, gate_logits, gate_stride,
+                                 stream);
 }
 
-Status dense_gemv_bf16_rmsnorm(const __nv_bfloat16* w, const float* x_f32, const __nv_bfloat16* norm_w, float eps,
-                               __nv_bfloat16* xn_out, float* y, int tokens, int n_out, int k, bool accumulate,
-                               const float* gate_logits, int gate_stride, cudaStream_t stream) {
+template <typename W>
+Status gemv_rmsnorm_in(const W* w, const float* row_scale, const float* x_f32, const __nv_bfloat16* norm_w,
+                       float eps, __nv_bfloat16* xn_out, float* y, int tokens, int n_out, int k, bool accumulate,
+                       const float* gate_logits, int gate_stride, cudaStream_t stream) {
   MOE_CUDA_REQUIRE(x_f32 && norm_w, "null pointer");
   MOE_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(xn_out) % 16 == 0, "xn_out must be 16-byte aligned");
   MOE_CUDA_REQUIRE(!(accumulate && y == x_f32), "y must not alias x_f32 when accumulating");
@@ -223,17 +279,145 @@ Status dense_gemv_bf16_rmsnorm(const __nv_bfloat16* w, const float* x_f32, const
   in.norm_w = norm_w;
   in.eps = eps;
   in.xn_out = xn_out;
-  return gemv_dispatch<In::rmsnorm>(w, in, y, tokens, n_out, k, accumulate, gate_logits, gate_stride, stream);
+  return gemv_dispatch<In::rmsnorm>(w, row_scale, in, y, tokens, n_out, k, accumulate, gate_logits, gate_stride,
+                                    stream);
+}
+
+template <typename W>
+Status gemv_silu_in(const W* w, const float* row_scale, const float* gate_up, int gate_up_stride, float* y,
+                    int tokens, int n_out, int k, bool accumulate, const float* gate_logits, int gate_stride,
+                    cudaStream_t stream) {
+  MOE_CUDA_REQUIRE(gate_up && gate_up_stride >= 2 * k, "gate_up null or its stride below 2 k");
+  GemvIn in;
+  in.xf = gate_up;
+  in.stride = gate_up_stride;
+  return gemv_dispatch<In::silu>(w, row_scale, in, y, tokens, n_out, k, accumulate, gate_logits, gate_stride,
+                                 stream);
+}
+
+constexpr int kQuantThreads = 256;
+
+// A block per row: the row's largest |w| sets the scale, then every weight is
+// rounded (to nearest, ties to even) in units of it. An all-zero row gets
+// scale 0 and zeros.
+__global__ void __launch_bounds__(kQuantThreads)
+    quantize_rows_kernel(const __nv_bfloat16* __restrict__ w, int k, int8_t* __restrict__ q,
+                         float* __restrict__ row_scale) {
+  __shared__ float red[kQuantThreads / 32];
+  detail::allow_next_grid();
+  detail::wait_prior_grid();
+  const size_t base = size_t(blockIdx.x) * k;
+  float m = 0.f;
+  for (int i = threadIdx.x; i < k; i += kQuantThreads) m = fmaxf(m, fabsf(__bfloat162float(w[base + i])));
+  m = detail::warp_max(m);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+  __syncthreads();
+  m = 0.f;
+#pragma unroll
+  for (int i = 0; i < kQuantThreads / 32; ++i) m = fmaxf(m, red[i]);
+  const float scale = m / 127.f;
+  if (threadIdx.x == 0) row_scale[blockIdx.x] = scale;
+  for (int i = threadIdx.x; i < k; i += kQuantThreads) {
+    const float v = scale > 0.f ? rintf(__bfloat162float(w[base + i]) / scale) : 0.f;
+    q[base + i] = int8_t(fminf(fmaxf(v, -127.f), 127.f));
+  }
+}
+
+// out[r, i] = bf16(row_scale[r] * q[r, i]); a thread per 8 weights when
+// rows are whole 8-byte runs, else a thread per weight.
+__global__ void dequantize_rows_kernel(const int8_t* __restrict__ q, const float* __restrict__ row_scale, int k,
+                                       size_t count, bool runs, __nv_bfloat16* __restrict__ out) {
+  detail::allow_next_grid();
+  detail::wait_prior_grid();
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  if (runs) {
+    const int kr = k / 8;
+    for (size_t c = size_t(blockIdx.x) * blockDim.x + threadIdx.x; c < count; c += stride) {
+      const float s = row_scale[c / kr];
+      const uint2 v = reinterpret_cast<const uint2*>(q)[c];
+      const uint32_t words[2] = {v.x, v.y};
+      __nv_bfloat162 b[4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float lo = float(int8_t(words[j] >> (16 * e)));
+          const float hi = float(int8_t(words[j] >> (16 * e + 8)));
+          b[2 * j + e] = __floats2bfloat162_rn(s * lo, s * hi);
+        }
+      uint4 u;
+      memcpy(&u, b, 16);
+      reinterpret_cast<uint4*>(out)[c] = u;
+    }
+  } else {
+    for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride)
+      out[i] = __float2bfloat16_rn(row_scale[i / k] * float(q[i]));
+  }
+}
+
+}  // namespace
+
+Status dense_gemv_bf16(const __nv_bfloat16* w, const __nv_bfloat16* x, float* y, int tokens, int n_out, int k,
+                       bool accumulate, const float* gate_logits, int gate_stride, cudaStream_t stream) {
+  return gemv_bf16_in(w, nullptr, x, y, tokens, n_out, k, accumulate, gate_logits, gate_stride, stream);
+}
+
+Status dense_gemv_bf16_rmsnorm(const __nv_bfloat16* w, const float* x_f32, const __nv_bfloat16* norm_w, float eps,
+                               __nv_bfloat16* xn_out, float* y, int tokens, int n_out, int k, bool accumulate,
+                               const float* gate_logits, int gate_stride, cudaStream_t stream) {
+  return gemv_rmsnorm_in(w, nullptr, x_f32, norm_w, eps, xn_out, y, tokens, n_out, k, accumulate, gate_logits,
+                         gate_stride, stream);
 }
 
 Status dense_gemv_bf16_silu(const __nv_bfloat16* w, const float* gate_up, int gate_up_stride, float* y, int tokens,
                             int n_out, int k, bool accumulate, const float* gate_logits, int gate_stride,
                             cudaStream_t stream) {
-  MOE_CUDA_REQUIRE(gate_up && gate_up_stride >= 2 * k, "gate_up null or its stride below 2 k");
-  GemvIn in;
-  in.xf = gate_up;
-  in.stride = gate_up_stride;
-  return gemv_dispatch<In::silu>(w, in, y, tokens, n_out, k, accumulate, gate_logits, gate_stride, stream);
+  return gemv_silu_in(w, nullptr, gate_up, gate_up_stride, y, tokens, n_out, k, accumulate, gate_logits,
+                      gate_stride, stream);
+}
+
+Status dense_gemv_i8(const int8_t* w, const float* row_scale, const __nv_bfloat16* x, float* y, int tokens,
+                     int n_out, int k, bool accumulate, const float* gate_logits, int gate_stride,
+                     cudaStream_t stream) {
+  return gemv_bf16_in(w, row_scale, x, y, tokens, n_out, k, accumulate, gate_logits, gate_stride, stream);
+}
+
+Status dense_gemv_i8_rmsnorm(const int8_t* w, const float* row_scale, const float* x_f32,
+                             const __nv_bfloat16* norm_w, float eps, __nv_bfloat16* xn_out, float* y, int tokens,
+                             int n_out, int k, bool accumulate, const float* gate_logits, int gate_stride,
+                             cudaStream_t stream) {
+  return gemv_rmsnorm_in(w, row_scale, x_f32, norm_w, eps, xn_out, y, tokens, n_out, k, accumulate, gate_logits,
+                         gate_stride, stream);
+}
+
+Status dense_gemv_i8_silu(const int8_t* w, const float* row_scale, const float* gate_up, int gate_up_stride,
+                          float* y, int tokens, int n_out, int k, bool accumulate, const float* gate_logits,
+                          int gate_stride, cudaStream_t stream) {
+  return gemv_silu_in(w, row_scale, gate_up, gate_up_stride, y, tokens, n_out, k, accumulate, gate_logits,
+                      gate_stride, stream);
+}
+
+Status quantize_rows_i8(const __nv_bfloat16* w, int n_out, int k, int8_t* q, float* row_scale,
+                        cudaStream_t stream) {
+  MOE_CUDA_REQUIRE(w && q && row_scale, "null pointer");
+  MOE_CUDA_REQUIRE(n_out > 0 && k > 0, "shape must be positive");
+  quantize_rows_kernel<<<n_out, kQuantThreads, 0, stream>>>(w, k, q, row_scale);
+  MOE_CUDA_LAUNCHED();
+  return {};
+}
+
+Status dequantize_rows_i8(const int8_t* q, const float* row_scale, int n_out, int k, __nv_bfloat16* out,
+                          cudaStream_t stream) {
+  MOE_CUDA_REQUIRE(q && row_scale && out, "null pointer");
+  MOE_CUDA_REQUIRE(n_out > 0 && k > 0, "shape must be positive");
+  const bool runs = k % 8 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0 &&
+                    reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const size_t count = size_t(n_out) * k / (runs ? 8 : 1);
+  const int threads = 256;
+  const int blocks = int(std::min<size_t>((count + threads - 1) / threads, 65536));
+  dequantize_rows_kernel<<<blocks, threads, 0, stream>>>(q, row_scale, k, count, runs, out);
+  MOE_CUDA_LAUNCHED();
+  return {};
 }
 
 Result<CublasLtMatmul*> CublasLtMatmul::create(size_t workspace_bytes) {

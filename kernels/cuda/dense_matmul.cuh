@@ -3,6 +3,9 @@
 // (CPU twin: matmul_bf16 in kernels/cpu/matmul.h).
 //  - dense_gemv_bf16: decode batches (<= 8 tokens), a warp per two output
 //    rows streaming W once for all tokens.
+//  - dense_gemv_i8: the same with INT8 weights and a scale per row;
+//    quantize_rows_i8 / dequantize_rows_i8 convert (dequantised weights feed
+//    the prefill path).
 //  - CublasLtMatmul: everything larger (prefill), through cuBLASLt.
 
 #include <cublasLt.h>
@@ -36,6 +39,31 @@ Status dense_gemv_bf16_rmsnorm(const __nv_bfloat16* w, const float* x_f32, const
 Status dense_gemv_bf16_silu(const __nv_bfloat16* w, const float* gate_up, int gate_up_stride, float* y, int tokens,
                             int n_out, int k, bool accumulate, const float* gate_logits, int gate_stride,
                             cudaStream_t stream);
+
+// INT8 weights with one f32 scale per output row (symmetric: W[n, i] ~=
+// row_scale[n] * q[n, i], q in [-127, 127]), half the bytes of bf16. The
+// same GEMVs as above, with each row's sum scaled before the gate and the
+// accumulate. w: [n_out, k] int8, 16-byte aligned, k a multiple of 16.
+Status dense_gemv_i8(const int8_t* w, const float* row_scale, const __nv_bfloat16* x, float* y, int tokens,
+                     int n_out, int k, bool accumulate, const float* gate_logits, int gate_stride,
+                     cudaStream_t stream);
+Status dense_gemv_i8_rmsnorm(const int8_t* w, const float* row_scale, const float* x_f32,
+                             const __nv_bfloat16* norm_w, float eps, __nv_bfloat16* xn_out, float* y, int tokens,
+                             int n_out, int k, bool accumulate, const float* gate_logits, int gate_stride,
+                             cudaStream_t stream);
+Status dense_gemv_i8_silu(const int8_t* w, const float* row_scale, const float* gate_up, int gate_up_stride,
+                          float* y, int tokens, int n_out, int k, bool accumulate, const float* gate_logits,
+                          int gate_stride, cudaStream_t stream);
+
+// Quantises bf16 w [n_out, k] (load time): row_scale[n] = max_i |w[n, i]| /
+// 127 (f32), q[n, i] = w[n, i] / row_scale[n] rounded to nearest (ties to
+// even) and clamped to [-127, 127]; an all-zero row gets scale 0. Any shape.
+Status quantize_rows_i8(const __nv_bfloat16* w, int n_out, int k, int8_t* q, float* row_scale,
+                        cudaStream_t stream);
+// out[n, i] = bf16(row_scale[n] * q[n, i]) (for the cuBLASLt prefill path).
+// Any shape; fastest with k % 8 == 0, q 8-byte and out 16-byte aligned.
+Status dequantize_rows_i8(const int8_t* q, const float* row_scale, int n_out, int k, __nv_bfloat16* out,
+                          cudaStream_t stream);
 
 // Owns a cuBLASLt handle and a workspace; one per device and user. The
 // algorithm for each shape is chosen once and kept. Not thread-safe.

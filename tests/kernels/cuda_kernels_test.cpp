@@ -844,3 +844,222 @@ TEST_CASE("cuda embedding_gather and gated_add", "[cuda][activation]") {
   REQUIRE_OK(moe::cuda::gated_add(db.p, dy.p, dg.p, 2, rows, hidden, nullptr));
   CHECK(rel_err(db.get(), ref) < 1e-6);
 }
+
+namespace {
+
+// The INT8 row rule on the host: scale = max |w| / 127, q = w / scale rounded
+// to nearest (ties to even), clamped to [-127, 127]; an all-zero row gets 0.
+void quantize_rows_host(const std::vector<float>& w, int n_out, int k, std::vector<int8_t>& q,
+                        std::vector<float>& scale) {
+  q.assign(size_t(n_out) * k, 0);
+  scale.assign(n_out, 0.f);
+  for (int n = 0; n < n_out; ++n) {
+    const float* row = w.data() + size_t(n) * k;
+    float m = 0.f;
+    for (int i = 0; i < k; ++i) m = std::max(m, std::fabs(row[i]));
+    const float s = m / 127.f;
+    scale[n] = s;
+    for (int i = 0; i < k; ++i) {
+      const float v = s > 0.f ? std::nearbyint(row[i] / s) : 0.f;
+      q[size_t(n) * k + i] = int8_t(std::min(std::max(v, -127.f), 127.f));
+    }
+  }
+}
+
+std::vector<float> dequantize_rows_host(const std::vector<int8_t>& q, const std::vector<float>& scale, int k) {
+  std::vector<float> w(q.size());
+  for (size_t i = 0; i < q.size(); ++i) w[i] = scale[i / k] * float(q[i]);
+  return w;
+}
+
+// y0 + sigmoid(gate[t * stride]) * r (gated), or r.
+std::vector<float> gated_ref(const std::vector<float>& r, const std::vector<float>& y0, const float* gate,
+                             int stride, bool accumulate, int tokens, int n_out) {
+  std::vector<float> o(r.size());
+  for (int t = 0; t < tokens; ++t)
+    for (int n = 0; n < n_out; ++n) {
+      const size_t i = size_t(t) * n_out + n;
+      const float v = gate ? moe::cpu::sigmoid(gate[size_t(t) * stride]) * r[i] : r[i];
+      o[i] = accumulate ? y0[i] + v : v;
+    }
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("cuda int8 row quantisation (quantize_rows_i8, dequantize_rows_i8) follows the host rule",
+          "[cuda][dense][int8]") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(30);
+  // k 1000 dequantises 8 weights a thread; k 13 one at a time.
+  for (auto [n_out, k] : {std::pair{37, 1000}, std::pair{5, 13}, std::pair{3, 48}}) {
+    INFO("n_out " << n_out << ", k " << k);
+    auto w = round_bf16(randn(size_t(n_out) * k, rng, 0.05f));
+    for (int i = 0; i < k; ++i) w[size_t(1) * k + i] = 0.f;  // an all-zero row
+    w[size_t(2) * k + k / 2] = 3.f;                            // an outlier sets its row's scale
+    std::vector<int8_t> qh;
+    std::vector<float> sh;
+    quantize_rows_host(w, n_out, k, qh, sh);
+    Dev<bf16> dw(to_bf16(w));
+    Dev<int8_t> dq(w.size());
+    Dev<float> ds(n_out);
+    REQUIRE_OK(moe::cuda::quantize_rows_i8(dw.p, n_out, k, dq.p, ds.p, nullptr));
+    const auto q = dq.get();
+    const auto s = ds.get();
+    CHECK(s == sh);
+    CHECK(q == qh);
+    CHECK(s[1] == 0.f);
+    CHECK(s[2] == 3.f / 127.f);
+
+    Dev<bf16> dout(w.size());
+    REQUIRE_OK(moe::cuda::dequantize_rows_i8(dq.p, ds.p, n_out, k, dout.p, nullptr));
+    const auto out = as_float(dout.get());
+    const auto deq = dequantize_rows_host(q, s, k);  // f32 scale * q
+    size_t bad_f32 = 0, bad_bf16 = 0, not_exact = 0;
+    for (size_t i = 0; i < w.size(); ++i) {
+      const float sc = s[i / k];
+      // Rounding to nearest leaves at most half a step (plus the f32
+      // division's rounding).
+      if (std::fabs(deq[i] - w[i]) > 0.5f * sc * (1.f + 1e-5f)) ++bad_f32;
+      // The bf16 output adds its own rounding (at most 2^-8 relative).
+      if (std::fabs(out[i] - w[i]) > 0.5f * sc * (1.f + 1e-5f) + std::ldexp(std::fabs(deq[i]), -8)) ++bad_bf16;
+      if (out[i] != from_bf16(to_bf16(deq[i]))) ++not_exact;
+    }
+    CHECK(bad_f32 == 0);
+    CHECK(bad_bf16 == 0);
+    CHECK(not_exact == 0);
+  }
+  // The scalar dequantiser also serves a misaligned output.
+  {
+    const int n_out = 4, k = 16;
+    const auto w = round_bf16(randn(size_t(n_out) * k, rng));
+    std::vector<int8_t> qh;
+    std::vector<float> sh;
+    quantize_rows_host(w, n_out, k, qh, sh);
+    Dev<int8_t> dq(qh);
+    Dev<float> ds(sh);
+    Dev<bf16> dout(w.size() + 1);
+    REQUIRE_OK(moe::cuda::dequantize_rows_i8(dq.p, ds.p, n_out, k, dout.p + 1, nullptr));
+    const auto out = as_float(dout.get());
+    const auto deq = dequantize_rows_host(qh, sh, k);
+    for (size_t i = 0; i < w.size(); ++i) REQUIRE(out[i + 1] == from_bf16(to_bf16(deq[i])));
+  }
+  Dev<bf16> dw(16);
+  Dev<int8_t> dq(16);
+  Dev<float> ds(1);
+  CHECK_FALSE(moe::cuda::quantize_rows_i8(dw.p, 0, 16, dq.p, ds.p, nullptr).ok());
+  CHECK_FALSE(moe::cuda::quantize_rows_i8(dw.p, 1, 16, nullptr, ds.p, nullptr).ok());
+  CHECK_FALSE(moe::cuda::dequantize_rows_i8(dq.p, nullptr, 1, 16, dw.p, nullptr).ok());
+  CHECK_FALSE(moe::cuda::dequantize_rows_i8(dq.p, ds.p, 1, 0, dw.p, nullptr).ok());
+}
+
+TEST_CASE("cuda int8 dense GEMVs (bf16, rmsnorm and silu inputs) match the CPU", "[cuda][dense][int8]") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(31);
+  // Against the dequantised weights (f32 scale * q) the only difference is
+  // f32 summation order: 1e-5. Against the original bf16 weights the INT8
+  // rounding shows: each weight moves by up to half a step of max|row| / 127,
+  // about 0.7% of the weights' RMS for these Gaussian rows, hence 1.5e-2.
+  constexpr double kTight = 1e-5, kLoose = 1.5e-2;
+  // k = 16 m: one run, 37 runs (a partial second half-round), 133 runs
+  // (three rounds, the last partial); n_out not a multiple of 16.
+  for (auto [n_out, k] : {std::pair{77, 2128}, std::pair{5, 16}, std::pair{130, 592}}) {
+    INFO("n_out " << n_out << ", k " << k);
+    const auto w = round_bf16(randn(size_t(n_out) * k, rng, 0.05f));
+    const auto wbits = bf16_bits(w);
+    Dev<bf16> dwb(to_bf16(w));
+    Dev<int8_t> dq(w.size());
+    Dev<float> ds(n_out);
+    REQUIRE_OK(moe::cuda::quantize_rows_i8(dwb.p, n_out, k, dq.p, ds.p, nullptr));
+    const auto wdq = dequantize_rows_host(dq.get(), ds.get(), k);
+
+    for (int tokens = 1; tokens <= moe::cuda::kGemvMaxTokens; ++tokens) {
+      const auto x = round_bf16(randn(size_t(tokens) * k, rng));
+      const auto y0 = randn(size_t(tokens) * n_out, rng);
+      const auto gate = randn(size_t(tokens) * 2, rng);
+      std::vector<float> ref(y0.size()), ref16(y0.size());
+      moe::cpu::matmul_f32(x.data(), wdq.data(), nullptr, ref.data(), tokens, k, n_out, nullptr);
+      moe::cpu::matmul_bf16(x.data(), wbits.data(), nullptr, ref16.data(), tokens, k, n_out, nullptr);
+      Dev<bf16> dx(to_bf16(x));
+      Dev<float> dy(y0.size()), dg(gate);
+      for (int mode = 0; mode < 4; ++mode) {
+        const bool accumulate = mode & 1, gated = mode & 2;
+        INFO("tokens " << tokens << ", accumulate " << accumulate << ", gate " << gated);
+        dy.put(y0);
+        REQUIRE_OK(moe::cuda::dense_gemv_i8(dq.p, ds.p, dx.p, dy.p, tokens, n_out, k, accumulate,
+                                            gated ? dg.p : nullptr, 2, nullptr));
+        const auto y = dy.get();
+        const float* g = gated ? gate.data() : nullptr;
+        CHECK(rel_err(y, gated_ref(ref, y0, g, 2, accumulate, tokens, n_out)) < kTight);
+        // Only the freshly written part: accumulating onto y0 would hide it.
+        if (!accumulate) CHECK(rel_err(y, gated_ref(ref16, y0, g, 2, false, tokens, n_out)) < kLoose);
+      }
+    }
+
+    // RMSNorm input: the kernel's own normed input (xn_out) gives the tight
+    // reference; the CPU's RMSNorm differs only by bf16 rounding flips.
+    for (int tokens : {1, 4, 8}) {
+      INFO("rmsnorm input, tokens " << tokens);
+      const auto res = randn(size_t(tokens) * k, rng, 2.f);
+      const auto nw = round_bf16(randn(k, rng));
+      const auto y0 = randn(size_t(tokens) * n_out, rng);
+      const auto gate = randn(tokens, rng);
+      std::vector<float> xn(res.size());
+      moe::cpu::rmsnorm(res.data(), nw.data(), xn.data(), tokens, k, 1e-6f);
+      const auto xnb = round_bf16(xn);
+      Dev<float> dres(res), dy(y0.size()), dg(gate);
+      Dev<bf16> dnw(to_bf16(nw)), dxn(res.size());
+      REQUIRE_OK(moe::cuda::dense_gemv_i8_rmsnorm(dq.p, ds.p, dres.p, dnw.p, 1e-6f, dxn.p, dy.p, tokens, n_out, k,
+                                                  false, nullptr, 0, nullptr));
+      const auto xg = as_float(dxn.get());
+      CHECK(rel_err(xg, xnb) < 2e-3);
+      std::vector<float> ref(y0.size()), ref16(y0.size());
+      moe::cpu::matmul_f32(xg.data(), wdq.data(), nullptr, ref.data(), tokens, k, n_out, nullptr);
+      moe::cpu::matmul_bf16(xnb.data(), wbits.data(), nullptr, ref16.data(), tokens, k, n_out, nullptr);
+      CHECK(rel_err(dy.get(), ref) < kTight);
+      CHECK(rel_err(dy.get(), ref16) < kLoose);
+      // Gated accumulate, without the normed-input copy.
+      dy.put(y0);
+      REQUIRE_OK(moe::cuda::dense_gemv_i8_rmsnorm(dq.p, ds.p, dres.p, dnw.p, 1e-6f, nullptr, dy.p, tokens, n_out,
+                                                  k, true, dg.p, 1, nullptr));
+      CHECK(rel_err(dy.get(), gated_ref(ref, y0, gate.data(), 1, true, tokens, n_out)) < kTight);
+    }
+
+    // SiLU(gate) * up input: the CPU makes it, so bf16 rounding flips set the
+    // tight bound (as for the bf16 GEMV).
+    for (int tokens : {1, 3, 8}) {
+      INFO("silu input, tokens " << tokens);
+      const int stride = 2 * k + 3;
+      const auto gu = randn(size_t(tokens) * stride, rng);
+      const auto y0 = randn(size_t(tokens) * n_out, rng);
+      const auto gate = randn(tokens, rng);
+      std::vector<float> h(size_t(tokens) * k);
+      for (int t = 0; t < tokens; ++t)
+        moe::cpu::silu_mul(gu.data() + size_t(t) * stride, gu.data() + size_t(t) * stride + k,
+                           h.data() + size_t(t) * k, k);
+      const auto hb = round_bf16(h);
+      std::vector<float> ref(y0.size()), ref16(y0.size());
+      moe::cpu::matmul_f32(hb.data(), wdq.data(), nullptr, ref.data(), tokens, k, n_out, nullptr);
+      moe::cpu::matmul_bf16(hb.data(), wbits.data(), nullptr, ref16.data(), tokens, k, n_out, nullptr);
+      Dev<float> dgu(gu), dy(y0.size()), dg(gate);
+      REQUIRE_OK(moe::cuda::dense_gemv_i8_silu(dq.p, ds.p, dgu.p, stride, dy.p, tokens, n_out, k, false, nullptr,
+                                               0, nullptr));
+      CHECK(rel_err(dy.get(), ref) < 2e-3);
+      CHECK(rel_err(dy.get(), ref16) < kLoose);
+      dy.put(y0);
+      REQUIRE_OK(moe::cuda::dense_gemv_i8_silu(dq.p, ds.p, dgu.p, stride, dy.p, tokens, n_out, k, true, dg.p, 1,
+                                               nullptr));
+      CHECK(rel_err(dy.get(), gated_ref(ref, y0, gate.data(), 1, true, tokens, n_out)) < 2e-3);
+    }
+  }
+
+  // Refusals: k not a multiple of 16, no scales, too many tokens, a
+  // misaligned weight pointer.
+  Dev<int8_t> dq(64 * 24);
+  Dev<float> ds(64), dy(8 * 64);
+  Dev<bf16> dx(9 * 32);
+  CHECK_FALSE(moe::cuda::dense_gemv_i8(dq.p, ds.p, dx.p, dy.p, 1, 64, 24, false, nullptr, 0, nullptr).ok());
+  CHECK_FALSE(moe::cuda::dense_gemv_i8(dq.p, nullptr, dx.p, dy.p, 1, 64, 16, false, nullptr, 0, nullptr).ok());
+  CHECK_FALSE(moe::cuda::dense_gemv_i8(dq.p, ds.p, dx.p, dy.p, 9, 64, 16, false, nullptr, 0, nullptr).ok());
+  CHECK_FALSE(moe::cuda::dense_gemv_i8(dq.p + 8, ds.p, dx.p, dy.p, 1, 64, 16, false, nullptr, 0, nullptr).ok());
+}
