@@ -157,6 +157,12 @@ __global__ void __launch_bounds__(kThreads)
   load(cur, lane);
   detail::wait_prior_grid();
   stage_input<T, MODE>(in, k, xs);
+  // Scales wait in shared memory, sparing registers in the main loop.
+  __shared__ float scale_s[kWarps][kRowsPerWarp];
+  if constexpr (kScaled) {
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) scale_s[threadIdx.x >> 5][r] = scale[r];
+  }
   __syncthreads();
   if (!active) return;
   float acc[kRowsPerWarp][T];
@@ -208,7 +214,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int t = 0; t < T; ++t) {
         float v = acc[r][t];
-        if constexpr (kScaled) v *= scale[r];
+        if constexpr (kScaled) v *= scale_s[threadIdx.x >> 5][r];
         if (gate) v *= detail::sigmoid(gate[size_t(t) * gate_stride]);
         float* o = y + size_t(t) * n_out + row0 + r;
         *o = accumulate ? *o + v : v;
