@@ -129,6 +129,48 @@ std::string GatewayMetrics::render(const SchedulerStats& stats, bool ready) cons
     render_scalar(out, "moe_gateway_warm_hints_sent_total", "counter",
                   "warm_hints frames sent to workers before prefills.", static_cast<double>(stats.warm_hints_sent));
   }
+  if (!stats.workers.empty()) {
+    // Worker names come from socket file names: escaped as label values.
+    auto label = [](const std::string& v) {
+      std::string o;
+      for (char c : v) {
+        if (c == '\\' || c == '"') o += '\\';
+        if (c == '\n') {
+          o += "\\n";
+          continue;
+        }
+        o += c;
+      }
+      return o;
+    };
+    struct Series {
+      const char* name;
+      const char* type;
+      const char* help;
+      double (*get)(const WorkerStats&);
+    };
+    const Series series[] = {
+        {"moe_gateway_worker_ready", "gauge", "1 while the worker is connected and said hello.",
+         [](const WorkerStats& w) { return w.ready ? 1.0 : 0.0; }},
+        {"moe_gateway_worker_sequences_running", "gauge", "Sequences admitted on the worker.",
+         [](const WorkerStats& w) { return double(w.running); }},
+        {"moe_gateway_worker_sequences_waiting", "gauge", "Sequences given to the worker, not yet admitted.",
+         [](const WorkerStats& w) { return double(w.waiting); }},
+        {"moe_gateway_worker_sequences_assigned_total", "counter", "Sequences given to the worker.",
+         [](const WorkerStats& w) { return double(w.assigned); }},
+        {"moe_gateway_worker_steps_total", "counter", "Steps sent to the worker.",
+         [](const WorkerStats& w) { return double(w.steps); }},
+    };
+    for (const Series& m : series) {
+      out += std::string("# HELP ") + m.name + " " + m.help + "\n# TYPE " + m.name + " " + m.type + "\n";
+      for (const WorkerStats& w : stats.workers) {
+        out += std::string(m.name) + "{worker=\"" + label(w.name) + "\",fallback=\"" + (w.fallback ? "1" : "0") +
+               "\"} ";
+        append_number(out, m.get(w));
+        out += '\n';
+      }
+    }
+  }
   if (stats.steps_with_usage > 0) {
     render_scalar(out, "moe_gateway_steps_with_usage_total", "counter", "Worker steps that reported expert usage.",
                   static_cast<double>(stats.steps_with_usage));

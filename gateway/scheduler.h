@@ -50,6 +50,17 @@ class SequenceObserver {
   virtual void on_finished(FinishReason reason, const std::string& error_message) = 0;
 };
 
+// One worker as the scheduler sees it (several serve at once).
+struct WorkerStats {
+  std::string name;         // its socket file's stem
+  bool ready = false;
+  bool fallback = false;
+  int running = 0;          // sequences admitted there
+  int waiting = 0;          // given to it, not yet admitted
+  uint64_t assigned = 0;    // sequences ever given to it
+  uint64_t steps = 0;       // steps sent to it
+};
+
 struct SchedulerStats {
   int waiting = 0;        // submitted, not yet admitted
   int running = 0;        // admitted (prefilling or decoding)
@@ -68,6 +79,7 @@ struct SchedulerStats {
   uint64_t warm_hints_sent = 0;        // warm_hints frames sent before prefills
   uint64_t steps_with_usage = 0;       // step replies that carried expert usage
   uint64_t step_experts = 0;           // distinct (layer, expert) pairs those steps used, summed
+  std::vector<WorkerStats> workers;    // per worker, in the order configured (may be empty)
 };
 
 class Scheduler {

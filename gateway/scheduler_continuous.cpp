@@ -79,6 +79,8 @@ SchedulerStats ContinuousScheduler::stats() const {
       s.kv_blocks_total += w.policy.limits().kv_blocks_total;
       if (w.fallback) s.degraded = true;
     }
+    s.workers.push_back({w.name, w.link->ready(), w.fallback, w.policy.running(), w.policy.waiting(), w.assigned,
+                         w.steps_sent});
   }
   if (PromptExpertPredictor* p = opts_.predictor) {
     const PredictionStats ps = p->stats();

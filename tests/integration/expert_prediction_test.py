@@ -222,6 +222,13 @@ def main():
         served = [names[i + 1] for i, v in enumerate(names[:-1]) if v == "worker"][before:]
         print(f"RESULT gateway C spread 8 streams: w1 {served.count('w1')}, w2 {served.count('w2')}")
         check(served.count("w1") > 0 and served.count("w2") > 0, "both workers served gateway C's streams")
+        text = http.client.HTTPConnection("127.0.0.1", g, timeout=10)
+        text.request("GET", "/metrics")
+        body = text.getresponse().read().decode()
+        assigned = {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'^moe_gateway_worker_sequences_assigned_total\{worker="(\w+)",fallback="0"\} (\S+)$', body, re.M)}
+        check(assigned.get("w1", 0) + assigned.get("w2", 0) == 8 and min(assigned.values()) > 0,
+              f"/metrics counts the sequences given to each worker ({assigned})")
         _, pc = post(g, "/debug/experts", {"prompt": SIMILAR_X})
         check(sorted(w["worker"] for w in pc["workers"]) == ["w1", "w2"],
               f"/debug/experts scores both workers' resident sets ({pc['workers']})")
