@@ -4,9 +4,9 @@
 //
 // PromptEmbedder: the mean of the model's own input-embedding rows
 // (`model.embed_tokens.weight`, read from the mapped checkpoint, never
-// copied) over the prompt's token ids, minus the mean row of the whole table.
-// Without the centring every prompt's mean points roughly the same way and
-// random hyperplanes through the origin would put them all in one bucket.
+// copied) over the prompt's token ids, minus the mean row of the whole table,
+// so that hyperplanes through the origin cut between prompts rather than all
+// on one side of an offset every row shares.
 //
 // LshHasher: `bits` random hyperplanes (normal entries from a seeded
 // generator); bit i of the bucket says on which side of plane i the vector

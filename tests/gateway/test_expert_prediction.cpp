@@ -83,7 +83,7 @@ TEST_CASE("similar prompts share LSH buckets far more often than unrelated ones"
                                << "; mean Hamming distance: similar " << similar_d << ", unrelated " << random_d);
   CHECK(similar_same > 2 * random_same + 10);
   CHECK(similar_d * 3 < random_d);
-  // Unrelated prompts spread over many buckets (the centring works).
+  // Unrelated prompts spread over many buckets.
   std::set<uint32_t> distinct;
   for (const auto& x : w) distinct.insert(lsh.bucket(emb.value()->embed(x)));
   CHECK(distinct.size() > w.size() / 4);
