@@ -373,8 +373,28 @@ void ContinuousScheduler::kick() {
     requeue(fb.policy.take_all());
   }
   assign_queued();
+  rebalance();
   for (size_t i = 0; i < workers_.size(); ++i)
     if (!workers_[i].in_flight && serving(i)) step(i);
+}
+
+void ContinuousScheduler::rebalance() {
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    Worker& idle = workers_[i];
+    if (!serving(i) || idle.in_flight || idle.policy.running() + idle.policy.waiting() > 0) continue;
+    size_t busiest = i;
+    for (size_t j = 0; j < workers_.size(); ++j)
+      if (j != i && serving(j) && workers_[j].policy.waiting() > (busiest == i ? 0 : workers_[busiest].policy.waiting()))
+        busiest = j;
+    if (busiest == i) continue;
+    // The younger half: what would wait longest where it is. At least one.
+    const size_t n = (size_t(workers_[busiest].policy.waiting()) + 1) / 2;
+    for (SequenceState& s : workers_[busiest].policy.take_waiting(n)) {
+      owner_[s.id] = i;
+      ++idle.taken_over;
+      idle.policy.add_resumed(std::move(s), false);
+    }
+  }
 }
 
 void ContinuousScheduler::step(size_t w) {

@@ -8,7 +8,9 @@
 // a shared queue until some worker is ready; then it goes to the worker whose
 // resident experts best cover its predicted experts, weighed against the
 // worker's load (gateway/worker_choice.h; without predictions or resident
-// sets the lighter worker wins) and stays there. The fallback worker serves
+// sets the lighter worker wins) and stays there, unless it is still waiting
+// for admission when another worker runs out of work: an idle worker takes
+// the younger half of the busiest worker's queue. The fallback worker serves
 // only while none of the others is ready. When a worker goes down, every
 // sequence it held goes back to the front of the shared queue and is
 // recomputed on another (the same restarted, the others, or the fallback),
@@ -76,6 +78,7 @@ class ContinuousScheduler final : public Scheduler {
   // Per worker, in the order given (tests, logs).
   uint64_t steps_sent(size_t worker) const { return workers_[worker].steps_sent; }
   uint64_t sequences_assigned(size_t worker) const { return workers_[worker].assigned; }
+  uint64_t sequences_taken_over(size_t worker) const { return workers_[worker].taken_over; }
   size_t workers() const { return workers_.size(); }
   bool worker_ready(size_t worker) const { return workers_[worker].link->ready(); }
 
@@ -90,6 +93,7 @@ class ContinuousScheduler final : public Scheduler {
     StepPlan in_flight_plan;
     uint64_t steps_sent = 0;
     uint64_t assigned = 0;
+    uint64_t taken_over = 0;  // sequences moved here from another worker's queue
   };
 
   void on_ready(size_t w, const protocol::Hello& h);
@@ -98,6 +102,7 @@ class ContinuousScheduler final : public Scheduler {
   void request_kick();  // plans on the next loop turn (never inside a caller's call)
   void kick();
   void assign_queued();
+  void rebalance();  // an idle worker takes half the queue of the busiest one
   void step(size_t w);
   void finish_step(size_t w, const std::vector<ChunkResult>& results);
   void dispatch(std::vector<SequenceUpdate>& updates);

@@ -287,6 +287,18 @@ std::vector<SequenceState> BatchPolicy::take_all() {
   return out;
 }
 
+std::vector<SequenceState> BatchPolicy::take_waiting(size_t n) {
+  n = std::min(n, waiting_.size());
+  std::vector<SequenceState> out;
+  for (auto it = waiting_.end() - long(n); it != waiting_.end(); ++it) {
+    Seq& s = seqs_.at(*it);
+    out.push_back({*it, std::move(s.req), std::move(s.generated), std::move(s.hints)});
+    seqs_.erase(*it);
+  }
+  waiting_.erase(waiting_.end() - long(n), waiting_.end());
+  return out;
+}
+
 void BatchPolicy::add_resumed(SequenceState st, bool front) {
   Seq s;
   s.context = st.req.prompt;

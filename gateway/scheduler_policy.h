@@ -119,6 +119,9 @@ class BatchPolicy {
   // queue in order. The caller releases the admitted ones on the worker if it
   // still holds their KV (running_ids() before the call).
   std::vector<SequenceState> take_all();
+  // Removes up to `n` sequences from the back of the queue (the youngest; none
+  // holds KV on the worker), oldest of them first.
+  std::vector<SequenceState> take_waiting(size_t n);
   // Queues a sequence moved from another worker: it is recomputed from its
   // prompt plus `generated`, whose tokens are not reported again.
   void add_resumed(SequenceState s, bool front);

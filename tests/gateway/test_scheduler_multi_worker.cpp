@@ -75,7 +75,7 @@ struct TwoWorkers {
   std::vector<std::unique_ptr<WorkerSupervisor>> sups;
   std::unique_ptr<ContinuousScheduler> sched;
 
-  explicit TwoWorkers(ContinuousSchedulerOptions o) {
+  explicit TwoWorkers(ContinuousSchedulerOptions o, std::vector<std::string> extra = {}) {
     uv_loop_init(&loop);
     std::vector<std::string> sockets;
     for (const char* name : {"a.sock", "b.sock"}) {
@@ -83,6 +83,7 @@ struct TwoWorkers {
       so.worker_bin = MOE_WORKER_BIN;
       so.model_path = kFixture;
       so.extra_args = {"--threads", "1"};
+      so.extra_args.insert(so.extra_args.end(), extra.begin(), extra.end());
       so.socket_name = name;
       auto s = WorkerSupervisor::start(&loop, so);
       REQUIRE(s.ok());
@@ -234,4 +235,35 @@ TEST_CASE("a request goes to the worker whose resident experts match its predict
   CHECK(st.prediction_requests == 2);
   CHECK(st.predicted_experts == 8);
   CHECK(st.warm_hints_sent == 2);
+}
+
+TEST_CASE("an idle worker takes over half the queue of a busy one", "[scheduler][worker][multi]") {
+  PredictorOptions po;
+  po.experts_per_layer = 2;
+  auto pred = PromptExpertPredictor::open(kFixture, po);
+  REQUIRE(pred.ok());
+  PromptExpertPredictor& p = *pred.value();
+  auto reqs = fixture_requests(8);
+  std::vector<float> u(2 * 16, 0.0f);
+  for (int l = 0; l < 2; ++l) u[size_t(l * 16)] = u[size_t(l * 16 + 1)] = 5;
+  p.learn(p.bucket_of(reqs[0].prompt), u);
+  ContinuousSchedulerOptions o;
+  o.predictor = &p;
+  o.report_expert_usage = true;
+  o.choice.load_weight = 0;  // the match alone decides: every copy goes to worker a
+  o.resident_sets = [] { return std::map<std::string, std::string>{{"a", "0:0 0:1 1:0 1:1"}, {"b", ""}}; };
+  // Two KV blocks of 16 tokens: one sequence at a time per worker.
+  TwoWorkers rig(o, {"--kv-blocks", "2"});
+  std::vector<Collector> run(6);
+  for (auto& c : run) rig.sched->submit(reqs[0], &c);
+  rig.run_until([&] { return all_done(run); });
+  REQUIRE(all_done(run));
+  CHECK(rig.sched->sequences_assigned(0) == 6);
+  CHECK(rig.sched->sequences_assigned(1) == 0);
+  CHECK(rig.sched->sequences_taken_over(1) >= 3);
+  CHECK(rig.sched->steps_sent(1) > 0);
+  for (const auto& c : run) {
+    CHECK(c.reason == FinishReason::length);
+    CHECK(c.tokens == run[0].tokens);
+  }
 }
