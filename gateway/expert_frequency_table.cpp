@@ -18,7 +18,8 @@ bool to_int(std::string_view s, long long* out) {
 
 }  // namespace
 
-Result<std::vector<float>> parse_routing_layers(const std::string& text, int n_layers, int n_experts) {
+Result<std::vector<float>> parse_routing_layers(const std::string& text, int n_layers,
+                                                int n_experts) {
   std::vector<float> out(size_t(n_layers) * size_t(n_experts), 0.0f);
   std::string_view rest(text);
   while (!rest.empty()) {
@@ -28,7 +29,8 @@ Result<std::vector<float>> parse_routing_layers(const std::string& text, int n_l
     if (item.empty()) continue;
     const size_t colon = item.find(':');
     long long layer = 0;
-    if (colon == std::string_view::npos || !to_int(item.substr(0, colon), &layer) || layer < 0 || layer >= n_layers)
+    if (colon == std::string_view::npos || !to_int(item.substr(0, colon), &layer) || layer < 0 ||
+        layer >= n_layers)
       return make_error("bad layer in '" + std::string(item) + "'");
     std::string_view pairs = item.substr(colon + 1);
     while (!pairs.empty()) {
@@ -37,8 +39,8 @@ Result<std::vector<float>> parse_routing_layers(const std::string& text, int n_l
       pairs = comma == std::string_view::npos ? std::string_view() : pairs.substr(comma + 1);
       const size_t eq = pair.find('=');
       long long expert = 0, tokens = 0;
-      if (eq == std::string_view::npos || !to_int(pair.substr(0, eq), &expert) || !to_int(pair.substr(eq + 1), &tokens) ||
-          expert < 0 || expert >= n_experts || tokens < 0)
+      if (eq == std::string_view::npos || !to_int(pair.substr(0, eq), &expert) ||
+          !to_int(pair.substr(eq + 1), &tokens) || expert < 0 || expert >= n_experts || tokens < 0)
         return make_error("bad expert=tokens '" + std::string(pair) + "'");
       out[size_t(layer) * size_t(n_experts) + size_t(expert)] += float(tokens);
     }
@@ -114,7 +116,8 @@ ExpertFrequencyTable::Estimate ExpertFrequencyTable::estimate(uint32_t bucket) c
       const int d = hamming(b, bucket);
       const double w = decayed(r);
       if (w < prm_.min_weight || d > prm_.nearest_max_distance) continue;
-      if (d < best_d || (d == best_d && w > best_w) || (d == best_d && w == best_w && b < est.bucket)) {
+      if (d < best_d || (d == best_d && w > best_w) ||
+          (d == best_d && w == best_w && b < est.bucket)) {
         best_d = d;
         best_w = w;
         row = &r;
@@ -151,7 +154,8 @@ ExpertFrequencyTable::Estimate ExpertFrequencyTable::estimate(uint32_t bucket) c
   return est;
 }
 
-std::vector<std::vector<int>> ExpertFrequencyTable::top_experts(const Estimate& e, int n_experts, int n) {
+std::vector<std::vector<int>> ExpertFrequencyTable::top_experts(const Estimate& e, int n_experts,
+                                                                int n) {
   std::vector<std::vector<int>> out;
   if (e.p.empty() || n_experts <= 0) return out;
   const size_t layers = e.p.size() / size_t(n_experts);
@@ -161,7 +165,8 @@ std::vector<std::vector<int>> ExpertFrequencyTable::top_experts(const Estimate& 
     std::iota(idx.begin(), idx.end(), 0);
     const float* p = e.p.data() + l * size_t(n_experts);
     std::stable_sort(idx.begin(), idx.end(), [p](int a, int b) { return p[a] > p[b]; });
-    for (int k = 0; k < std::min(n, n_experts) && p[idx[size_t(k)]] > 0; ++k) out[l].push_back(idx[size_t(k)]);
+    for (int k = 0; k < std::min(n, n_experts) && p[idx[size_t(k)]] > 0; ++k)
+      out[l].push_back(idx[size_t(k)]);
   }
   return out;
 }

@@ -23,15 +23,17 @@
 namespace moe::gw {
 
 struct FrequencyTableParams {
-  double half_life = 500;           // summaries after which a learned one weighs half
-  double prior_summaries = 0.5;     // the global row's weight, in summaries, inside a bucket's estimate
-  int nearest_max_distance = 4;     // farthest Hamming distance the nearest-bucket fallback goes
-  double min_weight = 0.05;         // a bucket lighter than this (decayed) counts as unseen
+  double half_life = 500;  // summaries after which a learned one weighs half
+  double prior_summaries =
+      0.5;  // the global row's weight, in summaries, inside a bucket's estimate
+  int nearest_max_distance = 4;  // farthest Hamming distance the nearest-bucket fallback goes
+  double min_weight = 0.05;      // a bucket lighter than this (decayed) counts as unseen
 };
 
 // "0:3=5,7=2 1:4=1" (per MoE layer, expert=tokens) → tokens per
 // [layer * n_experts + expert]. Layers or experts out of range are errors.
-Result<std::vector<float>> parse_routing_layers(const std::string& text, int n_layers, int n_experts);
+Result<std::vector<float>> parse_routing_layers(const std::string& text, int n_layers,
+                                                int n_experts);
 
 class ExpertFrequencyTable {
  public:
@@ -46,9 +48,10 @@ class ExpertFrequencyTable {
   enum class Source { bucket, nearest, global, none };
   struct Estimate {
     Source source = Source::none;
-    uint32_t bucket = 0;   // the row used (source bucket or nearest)
-    int distance = 0;      // Hamming distance to it
-    std::vector<float> p;  // [layer * n_experts + expert]: estimated share, each layer sums to 1 (zeros: none)
+    uint32_t bucket = 0;  // the row used (source bucket or nearest)
+    int distance = 0;     // Hamming distance to it
+    std::vector<float>
+        p;  // [layer * n_experts + expert]: estimated share, each layer sums to 1 (zeros: none)
   };
   // The estimate for `bucket`: its own row when known, else the nearest
   // known one within nearest_max_distance, else the global row.

@@ -8,16 +8,20 @@ namespace moe::gw {
 
 const char* source_name(ExpertFrequencyTable::Source s) {
   switch (s) {
-    case ExpertFrequencyTable::Source::bucket: return "bucket";
-    case ExpertFrequencyTable::Source::nearest: return "nearest";
-    case ExpertFrequencyTable::Source::global: return "global";
-    case ExpertFrequencyTable::Source::none: break;
+    case ExpertFrequencyTable::Source::bucket:
+      return "bucket";
+    case ExpertFrequencyTable::Source::nearest:
+      return "nearest";
+    case ExpertFrequencyTable::Source::global:
+      return "global";
+    case ExpertFrequencyTable::Source::none:
+      break;
   }
   return "none";
 }
 
-Result<std::unique_ptr<PromptExpertPredictor>> PromptExpertPredictor::open(const std::string& model_path,
-                                                                           PredictorOptions opts) {
+Result<std::unique_ptr<PromptExpertPredictor>> PromptExpertPredictor::open(
+    const std::string& model_path, PredictorOptions opts) {
   auto files = ModelFiles::open(model_path);
   if (!files.ok()) return make_error(files.error());
   const ModelDesc& d = files.value()->desc();
@@ -25,11 +29,12 @@ Result<std::unique_ptr<PromptExpertPredictor>> PromptExpertPredictor::open(const
     return make_error(model_path + " has no MoE layers: nothing to predict");
   auto emb = PromptEmbedder::open(model_path);
   if (!emb.ok()) return make_error(emb.error());
-  return std::make_unique<PromptExpertPredictor>(std::move(emb.value()), d.n_moe_layers(), d.moe.n_experts, opts);
+  return std::make_unique<PromptExpertPredictor>(std::move(emb.value()), d.n_moe_layers(),
+                                                 d.moe.n_experts, opts);
 }
 
-PromptExpertPredictor::PromptExpertPredictor(std::unique_ptr<PromptEmbedder> embedder, int n_moe_layers,
-                                             int n_experts, PredictorOptions opts)
+PromptExpertPredictor::PromptExpertPredictor(std::unique_ptr<PromptEmbedder> embedder,
+                                             int n_moe_layers, int n_experts, PredictorOptions opts)
     : embedder_(std::move(embedder)),
       hasher_(embedder_->dim(), opts.lsh_bits, opts.lsh_seed),
       opts_(opts),

@@ -40,16 +40,17 @@ struct ExpertPrediction {
   ExpertFrequencyTable::Source source = ExpertFrequencyTable::Source::none;
   uint32_t from_bucket = 0;  // the table row used
   int distance = 0;          // Hamming distance to it
-  std::vector<std::vector<int>> experts;  // [moe layer][rank], best first; empty: nothing learned yet
-  std::vector<float> p;                   // [layer * n_experts + expert]: estimated share of tokens
-  ExpertSet set;                          // `experts` as a set
+  std::vector<std::vector<int>>
+      experts;           // [moe layer][rank], best first; empty: nothing learned yet
+  std::vector<float> p;  // [layer * n_experts + expert]: estimated share of tokens
+  ExpertSet set;         // `experts` as a set
   bool known() const { return !set.empty(); }
 };
 
 struct PredictionStats {
-  uint64_t requests_scored = 0;   // finished requests whose prediction was checked
-  uint64_t predicted = 0;         // experts predicted for them
-  uint64_t hits = 0;              // of those, used by at least one of the request's tokens
+  uint64_t requests_scored = 0;  // finished requests whose prediction was checked
+  uint64_t predicted = 0;        // experts predicted for them
+  uint64_t hits = 0;             // of those, used by at least one of the request's tokens
   uint64_t summaries_learned = 0;
   uint64_t summaries_foreign = 0;  // made under other LSH settings, or without a bucket
   uint64_t summaries_bad = 0;      // did not parse
@@ -61,7 +62,8 @@ const char* source_name(ExpertFrequencyTable::Source s);
 class PromptExpertPredictor {
  public:
   // The model's embedding table and layout from `model_path`.
-  static Result<std::unique_ptr<PromptExpertPredictor>> open(const std::string& model_path, PredictorOptions opts);
+  static Result<std::unique_ptr<PromptExpertPredictor>> open(const std::string& model_path,
+                                                             PredictorOptions opts);
   PromptExpertPredictor(std::unique_ptr<PromptEmbedder> embedder, int n_moe_layers, int n_experts,
                         PredictorOptions opts);
 
@@ -73,7 +75,9 @@ class PromptExpertPredictor {
   ExpertPrediction predict(std::span<const int32_t> tokens) const;
   ExpertPrediction predict_bucket(uint32_t bucket) const;
 
-  uint64_t tag_of(uint32_t bucket) const { return (uint64_t(1) << 63) | (uint64_t(scheme_) << 32) | bucket; }
+  uint64_t tag_of(uint32_t bucket) const {
+    return (uint64_t(1) << 63) | (uint64_t(scheme_) << 32) | bucket;
+  }
   // The bucket of a tag made under this predictor's settings.
   bool bucket_of_tag(uint64_t tag, uint32_t* bucket) const;
 

@@ -28,7 +28,8 @@ class ExpertSet {
   }
   size_t overlap(const ExpertSet& o) const {
     size_t n = 0;
-    for (size_t i = 0; i < words_.size() && i < o.words_.size(); ++i) n += size_t(std::popcount(words_[i] & o.words_[i]));
+    for (size_t i = 0; i < words_.size() && i < o.words_.size(); ++i)
+      n += size_t(std::popcount(words_[i] & o.words_[i]));
     return n;
   }
   void merge(const ExpertSet& o) {

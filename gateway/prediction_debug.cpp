@@ -12,7 +12,8 @@ HttpResponse expert_prediction_response(const std::string& body, const TextCodec
   using json = nlohmann::json;
   json in = json::parse(body, nullptr, false);
   if (in.is_discarded() || !in.is_object())
-    return api_error_response(ApiError{400, "The body is not a JSON object.", "invalid_request_error", "", "invalid_json"});
+    return api_error_response(ApiError{400, "The body is not a JSON object.",
+                                       "invalid_request_error", "", "invalid_json"});
   std::vector<int32_t> tokens;
   if (in.contains("prompt") && in["prompt"].is_string()) {
     tokens = codec.encode(in["prompt"].get<std::string>());
@@ -22,7 +23,8 @@ HttpResponse expert_prediction_response(const std::string& body, const TextCodec
     tokens = std::move(t.value());
   } else {
     return api_error_response(ApiError{400, "Give 'prompt' (a string) or 'messages' (an array).",
-                                       "invalid_request_error", "prompt", "missing_required_parameter"});
+                                       "invalid_request_error", "prompt",
+                                       "missing_required_parameter"});
   }
   const ExpertPrediction pred = predictor.predict(tokens);
   const size_t E = size_t(predictor.n_experts());
@@ -38,7 +40,8 @@ HttpResponse expert_prediction_response(const std::string& body, const TextCodec
   json workers = json::array();
   for (const auto& [name, text] : resident) {
     const ExpertSet set = parse_resident_set(text, predictor.n_layers(), predictor.n_experts());
-    workers.push_back({{"worker", name}, {"resident", set.count()}, {"match", prediction_match(pred, set, E)}});
+    workers.push_back(
+        {{"worker", name}, {"resident", set.count()}, {"match", prediction_match(pred, set, E)}});
   }
   const PredictionStats st = predictor.stats();
   json out = {{"prompt_tokens", tokens.size()},

@@ -19,7 +19,8 @@ Result<std::unique_ptr<PromptEmbedder>> PromptEmbedder::open(const std::string& 
   if (t->shape.size() != 2 || t->shape[0] <= 0 || t->shape[1] <= 0)
     return make_error(std::string(kEmbedName) + " is not a [vocab, hidden] matrix");
   if (t->dtype != DType::f32 && t->dtype != DType::f16 && t->dtype != DType::bf16)
-    return make_error(std::string(kEmbedName) + " has dtype " + dtype_name(t->dtype) + ", not a float type");
+    return make_error(std::string(kEmbedName) + " has dtype " + dtype_name(t->dtype) +
+                      ", not a float type");
   std::unique_ptr<PromptEmbedder> e(new PromptEmbedder());
   e->files_ = std::move(files.value());
   e->view_ = t;
@@ -76,11 +77,13 @@ void PromptEmbedder::compute_center() {
   std::vector<uint16_t> half(view_ ? size_t(dim_) : 0);
   for (int64_t r0 = 0; r0 < vocab_; r0 += 256) {
     std::fill(block.begin(), block.end(), 0.0f);
-    for (int64_t r = r0; r < std::min<int64_t>(vocab_, r0 + 256); ++r) add_row(r, block.data(), half.data());
+    for (int64_t r = r0; r < std::min<int64_t>(vocab_, r0 + 256); ++r)
+      add_row(r, block.data(), half.data());
     for (int c = 0; c < dim_; ++c) sum[size_t(c)] += block[size_t(c)];
   }
   center_.resize(size_t(dim_));
-  for (int c = 0; c < dim_; ++c) center_[size_t(c)] = vocab_ > 0 ? float(sum[size_t(c)] / vocab_) : 0.0f;
+  for (int c = 0; c < dim_; ++c)
+    center_[size_t(c)] = vocab_ > 0 ? float(sum[size_t(c)] / vocab_) : 0.0f;
 }
 
 std::vector<float> PromptEmbedder::embed(std::span<const int32_t> tokens) const {

@@ -25,8 +25,9 @@ double prediction_match(const ExpertPrediction& pred, const ExpertSet& resident,
   return all > 0 ? held / all : 1.0;
 }
 
-int choose_worker(const ExpertPrediction& pred, size_t n_experts, const std::vector<WorkerCandidate>& workers,
-                  const WorkerChoiceParams& params, std::vector<WorkerScore>* scores) {
+int choose_worker(const ExpertPrediction& pred, size_t n_experts,
+                  const std::vector<WorkerCandidate>& workers, const WorkerChoiceParams& params,
+                  std::vector<WorkerScore>* scores) {
   int best = -1;
   double best_score = 0, best_load = 0;
   if (scores) scores->assign(workers.size(), {});
@@ -38,7 +39,8 @@ int choose_worker(const ExpertPrediction& pred, size_t n_experts, const std::vec
     if (scores) (*scores)[i] = s;
     if (!w.ready) continue;
     const double eps = 1e-9;
-    if (best < 0 || s.score > best_score + eps || (s.score > best_score - eps && w.load < best_load)) {
+    if (best < 0 || s.score > best_score + eps ||
+        (s.score > best_score - eps && w.load < best_load)) {
       best = int(i);
       best_score = s.score;
       best_load = w.load;
@@ -59,7 +61,8 @@ ExpertSet parse_resident_set(const std::string& text, int n_layers, int n_expert
     if (colon != std::string_view::npos) {
       auto r1 = std::from_chars(item.data(), item.data() + colon, l);
       auto r2 = std::from_chars(item.data() + colon + 1, item.data() + item.size(), e);
-      if (r1.ec == std::errc() && r2.ec == std::errc() && l >= 0 && l < n_layers && e >= 0 && e < n_experts)
+      if (r1.ec == std::errc() && r2.ec == std::errc() && l >= 0 && l < n_layers && e >= 0 &&
+          e < n_experts)
         set.add(size_t(l) * size_t(n_experts) + size_t(e));
     }
     i = end + 1;

@@ -45,8 +45,10 @@ double prediction_match(const ExpertPrediction& pred, const ExpertSet& resident,
 
 // Index of the chosen worker, or -1 when none is ready; `scores` (optional)
 // gets every worker's figures, in order.
-int choose_worker(const ExpertPrediction& pred, size_t n_experts, const std::vector<WorkerCandidate>& workers,
-                  const WorkerChoiceParams& params = {}, std::vector<WorkerScore>* scores = nullptr);
+int choose_worker(const ExpertPrediction& pred, size_t n_experts,
+                  const std::vector<WorkerCandidate>& workers,
+                  const WorkerChoiceParams& params = {},
+                  std::vector<WorkerScore>* scores = nullptr);
 
 // "3:17 3:20" (the resident stream's text) as a set; malformed pairs and
 // pairs out of range are skipped.

@@ -49,7 +49,8 @@ struct Prompt {
 struct Scores {
   double precision = 0, coverage = 0, used = 0;
   int n = 0;
-  void add(const std::vector<std::vector<int>>& pred, const std::vector<float>& usage, int E, int N) {
+  void add(const std::vector<std::vector<int>>& pred, const std::vector<float>& usage, int E,
+           int N) {
     const int L = int(pred.size());
     for (int l = 0; l < L; ++l) {
       const float* u = usage.data() + size_t(l) * size_t(E);
@@ -71,7 +72,8 @@ struct Scores {
     }
   }
   void print(const char* name) const {
-    std::printf("    %-10s precision %.3f  coverage %.3f  used %.3f\n", name, precision / n, coverage / n, used / n);
+    std::printf("    %-10s precision %.3f  coverage %.3f  used %.3f\n", name, precision / n,
+                coverage / n, used / n);
   }
 };
 
@@ -91,28 +93,41 @@ int main(int argc, char** argv) {
   std::vector<int> bits_list = {8, 12, 14, 16}, n_list = {4, 8};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
-    if (a == "--model") model = v;
-    else if (a == "--text") text = v;
-    else if (a == "--window") window = std::atoi(v.c_str());
-    else if (a == "--decode") decode = std::atoi(v.c_str());
-    else if (a == "--max-prompts") max_prompts = std::atoi(v.c_str());
-    else if (a == "--block") block = std::atoi(v.c_str());
-    else if (a == "--threads") threads = std::atoi(v.c_str());
-    else if (a == "--split") split = v;
-    else if (a == "--prior") prior = std::atof(v.c_str());
-    else if (a == "--near") near = std::atoi(v.c_str());
+    if (a == "--model")
+      model = v;
+    else if (a == "--text")
+      text = v;
+    else if (a == "--window")
+      window = std::atoi(v.c_str());
+    else if (a == "--decode")
+      decode = std::atoi(v.c_str());
+    else if (a == "--max-prompts")
+      max_prompts = std::atoi(v.c_str());
+    else if (a == "--block")
+      block = std::atoi(v.c_str());
+    else if (a == "--threads")
+      threads = std::atoi(v.c_str());
+    else if (a == "--split")
+      split = v;
+    else if (a == "--prior")
+      prior = std::atof(v.c_str());
+    else if (a == "--near")
+      near = std::atoi(v.c_str());
     else {
-      std::fprintf(stderr,
-                   "usage: moe-bench-expert-prediction [--model DIR] [--text FILE] [--window N] [--decode N]\n"
-                   "       [--max-prompts N] [--block N] [--threads N] [--split interleaved|blocked|both]\n"
-                   "       [--prior SUMMARIES] [--near HAMMING]\n");
+      std::fprintf(
+          stderr,
+          "usage: moe-bench-expert-prediction [--model DIR] [--text FILE] [--window N] [--decode "
+          "N]\n"
+          "       [--max-prompts N] [--block N] [--threads N] [--split interleaved|blocked|both]\n"
+          "       [--prior SUMMARIES] [--near HAMMING]\n");
       return 2;
     }
   }
   auto codec = load_model_text_codec(model);
   auto files = ModelFiles::open(model);
   if (!codec.ok() || !files.ok()) {
-    std::fprintf(stderr, "cannot open %s: %s\n", model.c_str(), codec.ok() ? files.error().c_str() : codec.error().c_str());
+    std::fprintf(stderr, "cannot open %s: %s\n", model.c_str(),
+                 codec.ok() ? files.error().c_str() : codec.error().c_str());
     return 1;
   }
   EngineOptions eo;
@@ -125,11 +140,15 @@ int main(int argc, char** argv) {
   const int L = files.value()->desc().n_moe_layers(), E = files.value()->desc().moe.n_experts;
   const std::vector<int32_t> all = codec.value()->encode(read_file(text));
   std::vector<Prompt> prompts;
-  for (size_t at = 0; at + size_t(window) <= all.size() && int(prompts.size()) < max_prompts; at += size_t(window))
-    prompts.push_back({std::vector<int32_t>(all.begin() + long(at), all.begin() + long(at) + window), {}});
-  std::printf("model %s, text %s: %zu tokens, %zu prompts of %d tokens, %d decoded each; %d MoE layers x %d experts, top-%d\n",
-              model.c_str(), text.c_str(), all.size(), prompts.size(), window, decode, L, E,
-              files.value()->desc().moe.top_k);
+  for (size_t at = 0; at + size_t(window) <= all.size() && int(prompts.size()) < max_prompts;
+       at += size_t(window))
+    prompts.push_back(
+        {std::vector<int32_t>(all.begin() + long(at), all.begin() + long(at) + window), {}});
+  std::printf(
+      "model %s, text %s: %zu tokens, %zu prompts of %d tokens, %d decoded each; %d MoE layers x "
+      "%d experts, top-%d\n",
+      model.c_str(), text.c_str(), all.size(), prompts.size(), window, decode, L, E,
+      files.value()->desc().moe.top_k);
 
   // Expert use of every prompt: prefill and greedy decode, 8 at a time.
   const auto t0 = std::chrono::steady_clock::now();
@@ -153,7 +172,8 @@ int main(int argc, char** argv) {
       }
       for (size_t k = 0; k < out->size(); ++k) {
         auto& u = prompts[b + k].usage;
-        for (size_t x = 0; x < (*out)[k].expert_counts.size() && x < u.size(); ++x) u[x] += (*out)[k].expert_counts[x];
+        for (size_t x = 0; x < (*out)[k].expert_counts.size() && x < u.size(); ++x)
+          u[x] += (*out)[k].expert_counts[x];
         in[k].start_pos += int32_t(in[k].tokens.size());
         in[k].tokens = {(*out)[k].token};
       }
@@ -161,11 +181,14 @@ int main(int argc, char** argv) {
     }
     for (size_t i = b; i < e; ++i) engine.value()->release(i + 1);
   }
-  std::printf("engine: %.1f s\n", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  std::printf("engine: %.1f s\n",
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 
   for (const std::string& how : {std::string("interleaved"), std::string("blocked")}) {
     if (split != "both" && split != how) continue;
-    auto is_train = [&](size_t i) { return how == "interleaved" ? i % 2 == 0 : (i / size_t(block)) % 2 == 0; };
+    auto is_train = [&](size_t i) {
+      return how == "interleaved" ? i % 2 == 0 : (i / size_t(block)) % 2 == 0;
+    };
     for (int bits : bits_list) {
       PredictorOptions po;
       po.lsh_bits = bits;
@@ -184,8 +207,8 @@ int main(int argc, char** argv) {
           pred.value()->learn(pred.value()->bucket_of(prompts[i].tokens), prompts[i].usage);
           ++trained;
         }
-      std::printf("\nsplit %s, %d-bit LSH: trained on %zu prompts, %zu buckets\n", how.c_str(), bits, trained,
-                  pred.value()->stats().buckets);
+      std::printf("\nsplit %s, %d-bit LSH: trained on %zu prompts, %zu buckets\n", how.c_str(),
+                  bits, trained, pred.value()->stats().buckets);
       int sources[4] = {0, 0, 0, 0};
       for (int N : n_list) {
         Scores hashed, global, neighbour;
@@ -214,7 +237,8 @@ int main(int argc, char** argv) {
         global.print("global");
         if (how == "interleaved") neighbour.print("neighbour");
       }
-      std::printf("  test prompts by source: bucket %d, nearest %d, global %d\n", sources[0], sources[1], sources[2]);
+      std::printf("  test prompts by source: bucket %d, nearest %d, global %d\n", sources[0],
+                  sources[1], sources[2]);
       // What one prediction costs the gateway's loop (embedding, hash, estimate, top-N).
       const auto p0 = std::chrono::steady_clock::now();
       size_t predicted = 0, known = 0;
@@ -223,9 +247,10 @@ int main(int argc, char** argv) {
           known += pred.value()->predict(q.tokens).known();
           ++predicted;
         }
-      const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - p0).count();
-      std::printf("  predict(): %.1f us per %d-token prompt (%zu of %zu known)\n", us / double(predicted), window, known,
-                  predicted);
+      const double us =
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - p0).count();
+      std::printf("  predict(): %.1f us per %d-token prompt (%zu of %zu known)\n",
+                  us / double(predicted), window, known, predicted);
     }
   }
   return 0;

@@ -1,13 +1,12 @@
 // Expert prediction's parts: the prompt embedding and its LSH bucket (on the
 // demo model's real embedding table and tokenizer), the decaying
 // bucket → expert table, and the predictor's tags, learning and scoring.
-#include <catch2/catch.hpp>
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <fstream>
-#include <set>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -24,7 +23,8 @@ namespace {
 const std::string kDemo = std::string(MOE_TEST_DATA) + "/../../models/demo-moe";
 
 // Windows of `len` tokens from the demo model's eval text, `step` apart.
-std::vector<std::vector<int32_t>> eval_windows(const TextCodec& codec, int len, int step, int count) {
+std::vector<std::vector<int32_t>> eval_windows(const TextCodec& codec, int len, int step,
+                                               int count) {
   std::ifstream f(kDemo + "/eval.txt");
   std::stringstream ss;
   ss << f.rdbuf();
@@ -36,7 +36,8 @@ std::vector<std::vector<int32_t>> eval_windows(const TextCodec& codec, int len, 
 }
 
 // Usage with `tokens` spread over `experts` in every layer.
-std::vector<float> usage(int layers, int n_experts, const std::vector<int>& experts, float tokens = 10) {
+std::vector<float> usage(int layers, int n_experts, const std::vector<int>& experts,
+                         float tokens = 10) {
   std::vector<float> u(size_t(layers) * size_t(n_experts), 0.0f);
   for (int l = 0; l < layers; ++l)
     for (int e : experts) u[size_t(l) * size_t(n_experts) + size_t(e)] = tokens;
@@ -50,7 +51,8 @@ std::vector<int> sorted(std::vector<int> v) {
 
 }  // namespace
 
-TEST_CASE("similar prompts share LSH buckets far more often than unrelated ones", "[prediction][lsh]") {
+TEST_CASE("similar prompts share LSH buckets far more often than unrelated ones",
+          "[prediction][lsh]") {
   auto codec = load_model_text_codec(kDemo);
   REQUIRE(codec.ok());
   auto emb = PromptEmbedder::open(kDemo);
@@ -68,7 +70,8 @@ TEST_CASE("similar prompts share LSH buckets far more often than unrelated ones"
   for (int i = 0; i < n; ++i) {
     const std::vector<int32_t> a(w[size_t(i)].begin(), w[size_t(i)].begin() + 64);
     const std::vector<int32_t> shifted(w[size_t(i)].begin() + 4, w[size_t(i)].end());
-    const std::vector<int32_t> other(w[size_t(i + 40) % w.size()].begin(), w[size_t(i + 40) % w.size()].begin() + 64);
+    const std::vector<int32_t> other(w[size_t(i + 40) % w.size()].begin(),
+                                     w[size_t(i + 40) % w.size()].begin() + 64);
     const uint32_t ba = lsh.bucket(emb.value()->embed(a));
     const uint32_t bs = lsh.bucket(emb.value()->embed(shifted));
     const uint32_t bo = lsh.bucket(emb.value()->embed(other));
@@ -79,8 +82,9 @@ TEST_CASE("similar prompts share LSH buckets far more often than unrelated ones"
   }
   similar_d /= n;
   random_d /= n;
-  INFO("same bucket: similar " << similar_same << "/" << n << ", unrelated " << random_same << "/" << n
-                               << "; mean Hamming distance: similar " << similar_d << ", unrelated " << random_d);
+  INFO("same bucket: similar " << similar_same << "/" << n << ", unrelated " << random_same << "/"
+                               << n << "; mean Hamming distance: similar " << similar_d
+                               << ", unrelated " << random_d);
   CHECK(similar_same > 2 * random_same + 10);
   CHECK(similar_d * 3 < random_d);
   // Unrelated prompts spread over many buckets.
@@ -98,11 +102,13 @@ TEST_CASE("the LSH is deterministic by seed and the embedding is centred", "[pre
   const std::vector<int32_t> all = {0, 1, 2, 3, 4, 5, 6, 7};
   for (float v : e.embed(all)) CHECK(v == Approx(0.0f).margin(1e-6));  // the mean row is removed
   CHECK(e.embed(std::vector<int32_t>{}) == std::vector<float>(dim, 0.0f));
-  CHECK(e.embed(std::vector<int32_t>{-1, 99}) == std::vector<float>(dim, 0.0f));  // out of range: skipped
+  CHECK(e.embed(std::vector<int32_t>{-1, 99}) ==
+        std::vector<float>(dim, 0.0f));  // out of range: skipped
   // A prompt longer than kMaxTokens is sampled evenly across its length: a
   // first half of one token and a second half of another give their mean.
   std::vector<int32_t> longp;
-  for (size_t i = 0; i < 10 * PromptEmbedder::kMaxTokens; ++i) longp.push_back(i < 5 * PromptEmbedder::kMaxTokens ? 0 : 1);
+  for (size_t i = 0; i < 10 * PromptEmbedder::kMaxTokens; ++i)
+    longp.push_back(i < 5 * PromptEmbedder::kMaxTokens ? 0 : 1);
   const auto lm = e.embed(longp), pm = e.embed(std::vector<int32_t>{0, 1});
   for (int c = 0; c < dim; ++c) CHECK(lm[size_t(c)] == Approx(pm[size_t(c)]).margin(1e-5));
 
@@ -131,8 +137,8 @@ TEST_CASE("routing summaries parse into tokens per layer and expert", "[predicti
   CHECK(u.value()[7] == 2);
   CHECK(u.value()[8] == 1);
   CHECK(parse_routing_layers("", 2, 8).ok());
-  CHECK_FALSE(parse_routing_layers("2:0=1", 2, 8).ok());   // layer out of range
-  CHECK_FALSE(parse_routing_layers("0:8=1", 2, 8).ok());   // expert out of range
+  CHECK_FALSE(parse_routing_layers("2:0=1", 2, 8).ok());  // layer out of range
+  CHECK_FALSE(parse_routing_layers("0:8=1", 2, 8).ok());  // expert out of range
   CHECK_FALSE(parse_routing_layers("0:1", 2, 8).ok());
   CHECK_FALSE(parse_routing_layers("x:1=1", 2, 8).ok());
 }
@@ -150,9 +156,11 @@ TEST_CASE("a bucket predicts its own experts; unseen buckets use the nearest, th
 
   auto own = t.estimate(0b0000);
   CHECK(own.source == ExpertFrequencyTable::Source::bucket);
-  for (const auto& layer : ExpertFrequencyTable::top_experts(own, 16, 2)) CHECK(sorted(layer) == std::vector<int>{0, 1});
+  for (const auto& layer : ExpertFrequencyTable::top_experts(own, 16, 2))
+    CHECK(sorted(layer) == std::vector<int>{0, 1});
   auto other = t.estimate(0b1111);
-  for (const auto& layer : ExpertFrequencyTable::top_experts(other, 16, 2)) CHECK(sorted(layer) == std::vector<int>{9, 10});
+  for (const auto& layer : ExpertFrequencyTable::top_experts(other, 16, 2))
+    CHECK(sorted(layer) == std::vector<int>{9, 10});
   // Each layer's estimate sums to 1.
   double sum = 0;
   for (int e = 0; e < 16; ++e) sum += own.p[size_t(e)];
@@ -162,7 +170,8 @@ TEST_CASE("a bucket predicts its own experts; unseen buckets use the nearest, th
   CHECK(near.source == ExpertFrequencyTable::Source::nearest);
   CHECK(near.bucket == 0b1111);
   CHECK(near.distance == 1);
-  for (const auto& layer : ExpertFrequencyTable::top_experts(near, 16, 2)) CHECK(sorted(layer) == std::vector<int>{9, 10});
+  for (const auto& layer : ExpertFrequencyTable::top_experts(near, 16, 2))
+    CHECK(sorted(layer) == std::vector<int>{9, 10});
 
   auto far = t.estimate(0b1100000);  // distance 2 from 0000 (the limit), 6 from 1111
   CHECK(far.source == ExpertFrequencyTable::Source::nearest);
@@ -170,10 +179,12 @@ TEST_CASE("a bucket predicts its own experts; unseen buckets use the nearest, th
   CHECK(far.distance == 2);
   auto none = t.estimate(0xff00);  // 8 bits from both: the global row, where {0,1} weigh most
   CHECK(none.source == ExpertFrequencyTable::Source::global);
-  for (const auto& layer : ExpertFrequencyTable::top_experts(none, 16, 2)) CHECK(sorted(layer) == std::vector<int>{0, 1});
+  for (const auto& layer : ExpertFrequencyTable::top_experts(none, 16, 2))
+    CHECK(sorted(layer) == std::vector<int>{0, 1});
 }
 
-TEST_CASE("the table decays: a learned summary weighs half after half_life more", "[prediction][table]") {
+TEST_CASE("the table decays: a learned summary weighs half after half_life more",
+          "[prediction][table]") {
   FrequencyTableParams prm;
   prm.half_life = 10;
   ExpertFrequencyTable t(1, 8, prm);

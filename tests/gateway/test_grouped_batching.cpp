@@ -3,7 +3,6 @@
 // go first; none is passed over more than grouping_max_skips times; without
 // predictions the order stays first come first served.
 #include <catch2/catch.hpp>
-
 #include <string>
 #include <vector>
 
@@ -46,8 +45,8 @@ std::string picture(const StepPlan& p) {
   std::string s;
   for (const auto& c : p.chunks) {
     if (!s.empty()) s += ' ';
-    s += std::to_string(c.seq_id) + ":" + std::to_string(c.start_pos) + "+" + std::to_string(c.tokens.size()) +
-         (c.sample ? "s" : "");
+    s += std::to_string(c.seq_id) + ":" + std::to_string(c.start_pos) + "+" +
+         std::to_string(c.tokens.size()) + (c.sample ? "s" : "");
   }
   return s;
 }
@@ -66,7 +65,8 @@ std::vector<ChunkResult> answer(const StepPlan& p) {
 
 }  // namespace
 
-TEST_CASE("admission picks the waiting request that shares the step's experts", "[scheduler][grouping]") {
+TEST_CASE("admission picks the waiting request that shares the step's experts",
+          "[scheduler][grouping]") {
   for (bool grouped : {true, false}) {
     BatchPolicy p(limits(8, grouped));
     p.add(1, req(4, 5), hints({0, 1, 2}, 11));
@@ -82,7 +82,8 @@ TEST_CASE("admission picks the waiting request that shares the step's experts", 
   }
 }
 
-TEST_CASE("decoding sequences' experts steer which prefill chunk fills the budget", "[scheduler][grouping]") {
+TEST_CASE("decoding sequences' experts steer which prefill chunk fills the budget",
+          "[scheduler][grouping]") {
   BatchPolicy p(limits(9, true));
   p.add(1, req(1, 50), hints({5, 6}));
   StepPlan s = p.plan();
@@ -100,7 +101,8 @@ TEST_CASE("decoding sequences' experts steer which prefill chunk fills the budge
   CHECK(picture(s) == "1:2+1s 3:8+4s 2:0+4");
 }
 
-TEST_CASE("a request passed over grouping_max_skips times goes next: no starvation", "[scheduler][grouping]") {
+TEST_CASE("a request passed over grouping_max_skips times goes next: no starvation",
+          "[scheduler][grouping]") {
   for (int max_skips : {0, 1, 2, 5}) {
     BatchPolicy p(limits(5, true, max_skips));
     // 1 decodes forever with experts {0}; every step a new request sharing
@@ -126,7 +128,8 @@ TEST_CASE("a request passed over grouping_max_skips times goes next: no starvati
   }
 }
 
-TEST_CASE("without predictions grouped batching keeps first come first served", "[scheduler][grouping]") {
+TEST_CASE("without predictions grouped batching keeps first come first served",
+          "[scheduler][grouping]") {
   BatchPolicy a(limits(6, true)), b(limits(6, false));
   for (uint64_t id = 1; id <= 5; ++id) {
     a.add(id, req(3, 2));

@@ -2,8 +2,9 @@
 // sequences are spread over the workers and give the tokens of a one-worker
 // run; a worker killed mid-generation costs no token; and with a prediction
 // a request goes to the worker whose resident experts match it.
-#include <catch2/catch.hpp>
+#include <uv.h>
 
+#include <catch2/catch.hpp>
 #include <csignal>
 #include <cstring>
 #include <functional>
@@ -11,8 +12,6 @@
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <uv.h>
 
 #include "gateway/expert_prediction.h"
 #include "gateway/scheduler_continuous.h"
@@ -102,7 +101,8 @@ struct TwoWorkers {
   }
   bool both_ready() const { return sched->worker_ready(0) && sched->worker_ready(1); }
   template <typename F, typename T = void (*)()>
-  void run_until(F done, T tick = [] {}) {
+  void run_until(
+      F done, T tick = [] {}) {
     struct Ctx {
       F* done;
       T* tick;
@@ -111,11 +111,14 @@ struct TwoWorkers {
     uv_timer_t t;
     uv_timer_init(&loop, &t);
     t.data = &ctx;
-    uv_timer_start(&t, [](uv_timer_t* h) {
-      auto* c = static_cast<Ctx*>(h->data);
-      (*c->tick)();
-      if ((*c->done)() || uv_now(h->loop) > c->deadline) uv_stop(h->loop);
-    }, 2, 2);
+    uv_timer_start(
+        &t,
+        [](uv_timer_t* h) {
+          auto* c = static_cast<Ctx*>(h->data);
+          (*c->tick)();
+          if ((*c->done)() || uv_now(h->loop) > c->deadline) uv_stop(h->loop);
+        },
+        2, 2);
     uv_run(&loop, UV_RUN_DEFAULT);
     uv_close(reinterpret_cast<uv_handle_t*>(&t), nullptr);
     uv_run(&loop, UV_RUN_NOWAIT);
@@ -251,7 +254,9 @@ TEST_CASE("an idle worker takes over half the queue of a busy one", "[scheduler]
   o.predictor = &p;
   o.report_expert_usage = true;
   o.choice.load_weight = 0;  // the match alone decides: every copy goes to worker a
-  o.resident_sets = [] { return std::map<std::string, std::string>{{"a", "0:0 0:1 1:0 1:1"}, {"b", ""}}; };
+  o.resident_sets = [] {
+    return std::map<std::string, std::string>{{"a", "0:0 0:1 1:0 1:1"}, {"b", ""}};
+  };
   // Two KV blocks of 16 tokens: one sequence at a time per worker.
   TwoWorkers rig(o, {"--kv-blocks", "2"});
   std::vector<Collector> run(6);

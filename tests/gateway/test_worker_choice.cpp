@@ -23,13 +23,15 @@ ExpertPrediction prediction(int layers) {
   return p;
 }
 
-WorkerCandidate worker(const std::string& name, const std::string& resident, double load, bool ready = true) {
+WorkerCandidate worker(const std::string& name, const std::string& resident, double load,
+                       bool ready = true) {
   return {name, ready, parse_resident_set(resident, 2, 8), load};
 }
 
 }  // namespace
 
-TEST_CASE("the resident stream's text parses into a set, garbage skipped", "[prediction][workers]") {
+TEST_CASE("the resident stream's text parses into a set, garbage skipped",
+          "[prediction][workers]") {
   const ExpertSet s = parse_resident_set("0:0 0:1 1:7 x:1 1:8 2:0 1:", 2, 8);
   CHECK(s.count() == 3);
   CHECK(s.has(0));
@@ -43,7 +45,8 @@ TEST_CASE("match weighs resident experts by their predicted share", "[prediction
   CHECK(prediction_match(p, parse_resident_set("0:0 1:0", 2, 8), 8) == Approx(0.75));
   CHECK(prediction_match(p, parse_resident_set("0:1 1:1 1:5", 2, 8), 8) == Approx(0.25));
   CHECK(prediction_match(p, ExpertSet(16), 8) == Approx(0.0));
-  CHECK(prediction_match(ExpertPrediction{}, ExpertSet(16), 8) == 1.0);  // nothing predicted: any worker fits
+  CHECK(prediction_match(ExpertPrediction{}, ExpertSet(16), 8) ==
+        1.0);  // nothing predicted: any worker fits
 }
 
 TEST_CASE("the worker holding the predicted experts wins unless its load outweighs the match",
@@ -51,20 +54,24 @@ TEST_CASE("the worker holding the predicted experts wins unless its load outweig
   const ExpertPrediction p = prediction(2);
   std::vector<WorkerScore> scores;
   // Equal load: the better match.
-  CHECK(choose_worker(p, 8, {worker("a", "0:5", 0.2), worker("b", "0:0 1:0 0:1 1:1", 0.2)}, {}, &scores) == 1);
+  CHECK(choose_worker(p, 8, {worker("a", "0:5", 0.2), worker("b", "0:0 1:0 0:1 1:1", 0.2)}, {},
+                      &scores) == 1);
   CHECK(scores[0].match == Approx(0.0));
   CHECK(scores[1].score == Approx(0.8));
   // b holds everything but is busy: 1 - 0.9 < 0.75 - 0.1 on a.
-  CHECK(choose_worker(p, 8, {worker("a", "0:0 1:0", 0.1), worker("b", "0:0 1:0 0:1 1:1", 0.9)}) == 0);
+  CHECK(choose_worker(p, 8, {worker("a", "0:0 1:0", 0.1), worker("b", "0:0 1:0 0:1 1:1", 0.9)}) ==
+        0);
   // A lighter load weight lets the match decide.
   WorkerChoiceParams light;
   light.load_weight = 0.1;
-  CHECK(choose_worker(p, 8, {worker("a", "0:0 1:0", 0.1), worker("b", "0:0 1:0 0:1 1:1", 0.9)}, light) == 1);
+  CHECK(choose_worker(p, 8, {worker("a", "0:0 1:0", 0.1), worker("b", "0:0 1:0 0:1 1:1", 0.9)},
+                      light) == 1);
   // Ties go to the lighter worker, then the earlier one.
   CHECK(choose_worker(p, 8, {worker("a", "", 0.5), worker("b", "", 0.5)}) == 0);
   CHECK(choose_worker(ExpertPrediction{}, 8, {worker("a", "", 0.5), worker("b", "", 0.2)}) == 1);
   // Never a worker that is not ready; none ready: -1.
-  CHECK(choose_worker(p, 8, {worker("a", "0:0 1:0 0:1 1:1", 0.0, false), worker("b", "", 0.9)}) == 1);
+  CHECK(choose_worker(p, 8, {worker("a", "0:0 1:0 0:1 1:1", 0.0, false), worker("b", "", 0.9)}) ==
+        1);
   CHECK(choose_worker(p, 8, {worker("a", "", 0.0, false)}) == -1);
   CHECK(worker_load(2, 8, 50, 100) == Approx(0.5));
   CHECK(worker_load(8, 8, 0, 100) == Approx(1.0));
