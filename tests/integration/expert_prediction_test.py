@@ -9,7 +9,8 @@ workers on the demo model and real gateways (docs/expert-prediction.md):
   4. a second gateway, started afterwards with its own worker, learns the
      first one's traffic from the routing stream: same prediction, and its
      first request is predicted well; it keeps learning live;
-  5. one gateway drives both workers at once.
+  5. one gateway drives both workers at once;
+  6. with --predict off nothing of it is on.
 """
 import http.client
 import json
@@ -232,9 +233,25 @@ def main():
         _, pc = post(g, "/debug/experts", {"prompt": SIMILAR_X})
         check(sorted(w["worker"] for w in pc["workers"]) == ["w1", "w2"],
               f"/debug/experts scores both workers' resident sets ({pc['workers']})")
+
+        # 6. --predict off: no endpoint, no prediction metrics, no bucket on the wire.
+        c.procs["gateway-c"].terminate()
+        c.procs["gateway-c"].wait(timeout=10)
+        d = c.start_gateway([w1], name="gateway-d", extra=("--predict", "off"))
+        st, _ = post(d, "/debug/experts", {"prompt": SIMILAR_X})
+        check(st == 404, f"--predict off: /debug/experts is 404 ({st})")
+        before = len(summaries(c))
+        st, _, _ = h.complete(d, SIMILAR_X, 4)
+        end = time.time() + 10
+        while time.time() < end and len(summaries(c)) <= before:
+            time.sleep(0.05)
+        last = summaries(c)[-1]
+        md = metrics(d)
+        check(st == 200 and last[0] == 0 and not any(k.startswith("moe_gateway_predict") for k in md),
+              f"--predict off: the request runs, its summary has no bucket ({last[0]}), no prediction metrics")
     finally:
         if failures:
-            for n in ("gateway-a", "gateway-b", "gateway-c", "w1", "w2"):
+            for n in ("gateway-a", "gateway-b", "gateway-c", "gateway-d", "w1", "w2"):
                 print(f"--- {n} log ---\n" + c.log(n)[-3000:])
         c.close()
     print(f"RESULT wall {time.time() - t0:.1f} s")
