@@ -7,11 +7,12 @@
 //              / Σ p(e) over predicted experts          (1 when nothing is predicted)
 //   score(w) = match(w) − load_weight · load(w)
 //
-// `load` is in [0, 1] (busy share of the worker: running sequences over its
-// batch limit, or KV blocks used over total, whichever is larger). A worker
-// that is not ready is never chosen. Ties go to the lighter load, then to the
-// earlier worker. Pure functions: the gateway's multi-worker scheduler (not
-// built yet: see the doc) is meant to call this per admitted request.
+// `load` is in [0, 1]: ContinuousScheduler gives the KV blocks the worker's
+// admitted and queued sequences need over its total; worker_load() is the
+// same from a worker's reported figures. A worker that is not ready is never
+// chosen. Ties go to the lighter load, then to the earlier worker. Pure
+// functions: ContinuousScheduler calls choose_worker for each sequence it
+// gives to a worker.
 
 #include <cstddef>
 #include <string>
