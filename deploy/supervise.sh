@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Runs moe-serve under supervisord in the foreground: Redis, the worker
-# (BACKEND, cpu by default), the CPU fallback worker (by default the same
-# model), and the gateway with --worker,
+# (BACKEND: cuda when a GPU is visible and moe-worker was built with CUDA,
+# else cpu), the CPU fallback worker (by default the same model), and the
+# gateway with --worker,
 # --fallback-worker and --redis. Every program is restarted when it exits.
 #
 # Usage: deploy/supervise.sh [MODEL]   (default: the demo model)
 # Env: BUILD_DIR (build), HOST (127.0.0.1), PORT (8080), REDIS_PORT (6390),
 #      MOE_STATE_DIR (BUILD_DIR/supervise: sockets, Redis data, logs/),
 #      FALLBACK_MODEL (the main model; it must share its tokenizer),
-#      BACKEND (cpu; cuda once moe-worker has that backend).
+#      BACKEND (cuda | cpu; default as above), WORKER_ARGS (more moe-worker
+#      options for the main worker, e.g. "--vram-budget 10GiB").
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD_DIR:-build}
@@ -29,11 +31,16 @@ export MOE_MODEL=$(cd "$(dirname "$model")" && pwd)/$(basename "$model")
 # (on the CPU); give FALLBACK_MODEL for a smaller one of the same vocabulary.
 export MOE_FALLBACK_MODEL=${FALLBACK_MODEL:-$MOE_MODEL}
 export MOE_HOST=${HOST:-127.0.0.1} MOE_PORT=${PORT:-8080} MOE_REDIS_PORT=${REDIS_PORT:-6390}
-# moe-worker has only its CPU backend so far (the CUDA kernels and the island
-# arena are built and benchmarked on their own, not yet behind the worker's
-# Backend interface): a GPU machine runs the main worker on the CPU too until
-# BACKEND=cuda can be given.
-BACKEND=${BACKEND:-cpu}
+# The main worker runs on the GPU when there is one and this moe-worker can
+# use it (a binary built without the CUDA toolkit says so in its --help).
+if [ -z "${BACKEND:-}" ]; then
+  BACKEND=cpu
+  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 &&
+     "$build/gpu_worker/moe-worker" --help | grep -q "cuda backend: built"; then
+    BACKEND=cuda
+  fi
+fi
+export MOE_WORKER_ARGS=${WORKER_ARGS:-}
 export MOE_BACKEND=$BACKEND
 echo "supervise: $MOE_MODEL on $MOE_BACKEND, fallback $MOE_FALLBACK_MODEL on cpu, http://$MOE_HOST:$MOE_PORT," \
      "Redis on 127.0.0.1:$MOE_REDIS_PORT, logs in $MOE_LOG_DIR" >&2

@@ -72,6 +72,7 @@ struct CudaBackendOptions {
   int max_step_tokens = 512;    // tokens per forward pass
   std::string policy = "ours";  // expert eviction: lru | lfu | ours
   bool prefetch = true;         // under a budget: prefetch the next layer's predicted experts
+  std::string dense_weights = "auto";  // bf16 | int8 | auto
 };
 
 // True when this binary was built with the CUDA backend.

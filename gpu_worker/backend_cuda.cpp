@@ -145,6 +145,7 @@ Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string& model_path
   eo.max_step_tokens = opts.max_step_tokens;
   eo.policy = opts.policy;
   eo.prefetch = opts.prefetch;
+  eo.dense_weights = opts.dense_weights;
   auto engine = CudaEngine::create(files.value(), eo);
   if (!engine.ok()) return make_error(engine.error());
   const std::string id = model_id_from_path(model_path);

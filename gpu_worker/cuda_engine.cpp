@@ -82,6 +82,19 @@ void append_bf16_rows(const Linear& L, std::vector<uint16_t>& out) {
   }
 }
 
+// Symmetric INT8 per row: q = round(w / scale), scale = max|row| / 127.
+void quantize_rows_i8_host(const uint16_t* w, int rows, int cols, int8_t* q, float* scale) {
+  for (int r = 0; r < rows; ++r) {
+    const uint16_t* row = w + size_t(r) * cols;
+    float mx = 0.f;
+    for (int c = 0; c < cols; ++c) mx = std::max(mx, std::abs(bf16_to_f32(row[c])));
+    const float sc = mx > 0.f ? mx / 127.f : 1.f;
+    scale[r] = sc;
+    for (int c = 0; c < cols; ++c)
+      q[size_t(r) * cols + c] = int8_t(std::lrintf(std::clamp(bf16_to_f32(row[c]) / sc, -127.f, 127.f)));
+  }
+}
+
 std::vector<uint16_t> bf16_of(const std::vector<float>& v) {
   std::vector<uint16_t> out(v.size());
   for (size_t i = 0; i < v.size(); ++i) out[i] = f32_to_bf16(v[i]);
@@ -89,6 +102,26 @@ std::vector<uint16_t> bf16_of(const std::vector<float>& v) {
 }
 
 }  // namespace
+
+// One dense matrix [rows, cols] on the device: bf16, or INT8 with one f32
+// scale per row (w ~ scale[row] * q).
+struct DenseW {
+  const __nv_bfloat16* w = nullptr;
+  const int8_t* q = nullptr;
+  const float* scale = nullptr;
+  int rows = 0, cols = 0;
+  explicit operator bool() const { return w || q; }
+  size_t elems() const { return size_t(rows) * size_t(cols); }
+  // Rows [r0, r0 + n) as a matrix of their own.
+  DenseW slice(int r0, int n) const {
+    DenseW d = *this;
+    if (w) d.w = w + size_t(r0) * cols;
+    if (q) d.q = q + size_t(r0) * cols;
+    if (scale) d.scale = scale + r0;
+    d.rows = n;
+    return d;
+  }
+};
 
 struct CudaEngine::Impl {
   // ---- Model
@@ -108,18 +141,23 @@ struct CudaEngine::Impl {
   std::vector<uint8_t*> quantised;  // experts quantised at load (freed at the end)
 
   struct DevLayer {
-    bf16 *in_norm = nullptr, *post_norm = nullptr, *qkv_w = nullptr, *qkv_b = nullptr;
-    bf16 *q_norm = nullptr, *k_norm = nullptr, *o_w = nullptr;
+    bf16 *in_norm = nullptr, *post_norm = nullptr, *qkv_b = nullptr;
+    bf16 *q_norm = nullptr, *k_norm = nullptr;
+    DenseW qkv_w, o_w;
     int moe_index = -1;  // -1: dense MLP
-    bf16* router_w = nullptr;
-    bf16 *mlp_gu_w = nullptr, *mlp_down_w = nullptr;  // shared expert or dense MLP
+    DenseW router_w;
+    DenseW mlp_gu_w, mlp_down_w;  // shared expert or dense MLP
     int mlp_inter = 0, mlp_rows = 0;                  // rows: gate | up | (gate logit) | (router), padded
     int router_row = -1;                              // >= 0: the router's rows inside mlp_gu_w
     bool mlp_gated = false;                           // Qwen2-MoE: sigmoid gate logit at row 2*inter
     bf16 *k_pool = nullptr, *v_pool = nullptr;
   };
   std::vector<DevLayer> layers;
-  bf16 *embed = nullptr, *final_norm = nullptr, *lm_head = nullptr;
+  bf16 *embed = nullptr, *final_norm = nullptr;
+  DenseW lm_head;
+  bool int8_dense = false;        // non-expert matrices in INT8 (embedding stays bf16)
+  bf16* dequant = nullptr;        // prefill: an INT8 matrix back in bf16 for cuBLASLt
+  size_t dequant_elems = 0;       // the largest such matrix
 
   // ---- Device memory
   IslandPlan plan;
@@ -210,6 +248,12 @@ struct CudaEngine::Impl {
   Status expert_source(ExpertHostSource& src);
   Status forward(const PassPack& pk, int n, int s);
   Status moe_layer(const DevLayer& L, int n, bool logits_ready);
+  // y[n, W.rows] (+)= x W^T, bf16 or INT8 weights; GEMV up to 8 rows of x,
+  // cuBLASLt above (an INT8 matrix is first turned back into bf16).
+  Status project(const DenseW& W, const bf16* x, float* y, int n, bool acc);
+  Status gemv(const DenseW& W, const bf16* x, float* y, int n, bool acc, const float* gate, int gate_stride);
+  Status gemv_rmsnorm(const DenseW& W, const float* xf, const bf16* norm_w, bf16* xn_out, float* y, int n);
+  Status gemv_silu(const DenseW& W, const float* gu_in, int stride, float* y, int n, const float* gate);
   Status bind_experts(int ml, int n);
   Status release_experts(int ml);
   std::vector<std::vector<int>> bound;  // [Lm] experts pinned for the layer's kernels
@@ -219,6 +263,7 @@ struct CudaEngine::Impl {
 
 Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
   const ModelWeights& w = *host_weights;
+  lm_head = DenseW{};
   std::vector<uint16_t> buf;
   auto put = [&](bf16** dst, const std::vector<uint16_t>& data) -> Status {
     *dst = c.take<bf16>(data.size());
@@ -228,19 +273,47 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
   };
   // The same sizes in the measuring pass, without converting anything.
   auto reserve = [&](bf16** dst, size_t elems) { *dst = c.take<bf16>(elems); };
-  auto linear_parts = [&](bf16** dst, const std::vector<const Linear*>& parts, size_t pad_rows) -> Status {
-    size_t elems = pad_rows * size_t(parts.front()->in);
-    for (const Linear* p : parts) elems += size_t(p->out) * p->in;
+  // A dense matrix made of `parts` stacked by rows (+ pad_rows zero rows),
+  // bf16 or INT8 per row.
+  auto linear_parts = [&](DenseW* dst, const std::vector<const Linear*>& parts, size_t pad_rows) -> Status {
+    const int cols = parts.front()->in;
+    int rows = int(pad_rows);
+    for (const Linear* p : parts) rows += p->out;
+    dst->rows = rows;
+    dst->cols = cols;
+    // The INT8 GEMV reads 16-byte runs of a row: a width not a multiple of
+    // 16 keeps that matrix in bf16.
+    if (int8_dense && cols % 16 == 0) {
+      dequant_elems = std::max(dequant_elems, dst->elems());
+      auto* qd = c.take<int8_t>(dst->elems());
+      auto* sd = c.take<float>(size_t(rows));
+      dst->q = qd;
+      dst->scale = sd;
+      if (!upload) return {};
+      buf.clear();
+      for (const Linear* p : parts) append_bf16_rows(*p, buf);
+      buf.resize(dst->elems(), 0);
+      std::vector<int8_t> qh(dst->elems());
+      std::vector<float> sh(static_cast<size_t>(rows));
+      quantize_rows_i8_host(buf.data(), rows, cols, qh.data(), sh.data());
+      MOE_CUDA_TRY(cudaMemcpy(qd, qh.data(), qh.size(), cudaMemcpyHostToDevice));
+      MOE_CUDA_TRY(cudaMemcpy(sd, sh.data(), sh.size() * 4, cudaMemcpyHostToDevice));
+      return {};
+    }
+    bf16* wd = nullptr;
     if (!upload) {
-      reserve(dst, elems);
+      reserve(&wd, dst->elems());
+      dst->w = wd;
       return {};
     }
     buf.clear();
     for (const Linear* p : parts) append_bf16_rows(*p, buf);
-    buf.resize(elems, 0);
-    return put(dst, buf);
+    buf.resize(dst->elems(), 0);
+    Status st = put(&wd, buf);
+    dst->w = wd;
+    return st;
   };
-  auto linear = [&](bf16** dst, std::initializer_list<const Linear*> parts, size_t pad_rows) -> Status {
+  auto linear = [&](DenseW* dst, std::initializer_list<const Linear*> parts, size_t pad_rows) -> Status {
     return linear_parts(dst, std::vector<const Linear*>(parts), pad_rows);
   };
   auto vec = [&](bf16** dst, const std::vector<float>& v) -> Status {
@@ -295,18 +368,28 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
       }
       L.mlp_rows = int(align_up(size_t(rows), 8));
       if (Status s = linear_parts(&L.mlp_gu_w, parts, size_t(L.mlp_rows - rows)); !s) return s;
-      if (L.router_row >= 0) L.router_w = L.mlp_gu_w + size_t(L.router_row) * H;
+      if (L.router_row >= 0) L.router_w = L.mlp_gu_w.slice(L.router_row, E);
       if (Status s = linear(&L.mlp_down_w, {&mlp->down}, 0); !s) return s;
     } else if (L.moe_index >= 0) {
       if (Status s = linear(&L.router_w, {&lw.router}, 0); !s) return s;
     }
   }
-  if (Status s = linear(&embed, {&w.embed}, 0); !s) return s;
+  // The embedding is gathered by row, never multiplied: it stays bf16.
+  {
+    const bool was = int8_dense;
+    int8_dense = false;
+    DenseW e;
+    if (Status s = linear(&e, {&w.embed}, 0); !s) return s;
+    embed = const_cast<bf16*>(e.w);
+    int8_dense = was;
+    if (d.tie_embeddings && !int8_dense) lm_head = e;
+  }
   if (Status s = vec(&final_norm, w.final_norm); !s) return s;
-  if (d.tie_embeddings)
-    lm_head = embed;
-  else if (Status s = linear(&lm_head, {&w.lm_head}, 0); !s)
-    return s;
+  if (!lm_head) {
+    const size_t before = dequant_elems;  // lm_head runs as GEMVs only
+    if (Status s = linear(&lm_head, {d.tie_embeddings ? &w.embed : &w.lm_head}, 0); !s) return s;
+    dequant_elems = before;
+  }
   return {};
 }
 
@@ -335,6 +418,7 @@ void CudaEngine::Impl::carve_workspace(Carver& c) {
   sampled = c.take<int32_t>(kMaxSampleRows);
   inv_freq = c.take<float>(size_t(d.head_dim / 2));
   pack_dev = c.take<uint8_t>(pack_bytes);
+  dequant = int8_dense ? c.take<bf16>(dequant_elems) : nullptr;
 }
 
 Status CudaEngine::Impl::expert_source(ExpertHostSource& src) {
@@ -438,35 +522,61 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   m.pack_bytes = m.pack_layout(m.T, kMaxSampleRows, m.T).bytes;
 
   // Measure the fixed parts, plan the arena, then carve and fill it.
-  Carver measure_w, measure_ws;
-  if (Status s = m.carve_weights(measure_w, false); !s) return make_error(s.error());
-  m.carve_workspace(measure_ws);
   size_t free_b = 0, total_b = 0;
   MOE_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
-  IslandPlanRequest req;
-  req.budget_bytes = opts.vram_budget ? opts.vram_budget : (free_b > kDefaultMargin ? free_b - kDefaultMargin : 0);
-  if (req.budget_bytes > free_b)
-    return make_error("--vram-budget " + format_bytes(req.budget_bytes) + " exceeds the device's free memory (" +
+  const size_t budget = opts.vram_budget ? opts.vram_budget : (free_b > kDefaultMargin ? free_b - kDefaultMargin : 0);
+  if (budget > free_b)
+    return make_error("--vram-budget " + format_bytes(budget) + " exceeds the device's free memory (" +
                       format_bytes(free_b) + ")");
-  req.nonexpert_bytes = measure_w.used;
-  req.workspace_bytes = measure_ws.used;
-  req.kv_bytes_per_block = size_t(2) * d.n_layers * kBlockTokens * d.n_kv_heads * d.head_dim * 2;
-  req.kv_blocks_min = std::max(opts.kv_blocks_min, 1);
-  req.kv_blocks_wanted = std::max(opts.kv_blocks, opts.kv_blocks_min);
-  req.expert_blob_bytes = m.Lm > 0 ? m.layout.blob_bytes : kAlign;
-  req.n_total_experts = int64_t(m.Lm) * m.E;
-  req.min_islands = m.Lm > 0 ? m.E : 0;  // a prompt may route to every expert of a layer at once
-  auto plan = plan_islands(req);
-  if (!plan) return make_error(plan.error());
-  if (opts.kv_blocks == 0) {
-    // Unasked, KV takes what the experts leave, up to 8 GiB.
-    const size_t left = req.budget_bytes - plan->arena_bytes;
-    const int64_t extra = int64_t(std::min(left, size_t(8) << 30) / plan->kv_block_stride);
-    if (extra > 0) {
-      req.kv_blocks_wanted = plan->kv_blocks + extra;
-      plan = plan_islands(req);
-      if (!plan) return make_error(plan.error());
+  if (opts.dense_weights != "auto" && opts.dense_weights != "bf16" && opts.dense_weights != "int8")
+    return make_error("dense weights must be auto, bf16 or int8, not '" + opts.dense_weights + "'");
+  auto plan_for = [&](bool int8) -> Result<IslandPlan> {
+    m.int8_dense = int8;
+    m.dequant_elems = 0;
+    Carver measure_w, measure_ws;
+    if (Status s = m.carve_weights(measure_w, false); !s) return make_error(s.error());
+    m.carve_workspace(measure_ws);
+    IslandPlanRequest req;
+    req.budget_bytes = budget;
+    req.nonexpert_bytes = measure_w.used;
+    req.workspace_bytes = measure_ws.used;
+    req.kv_bytes_per_block = size_t(2) * d.n_layers * kBlockTokens * d.n_kv_heads * d.head_dim * 2;
+    req.kv_blocks_min = std::max(opts.kv_blocks_min, 1);
+    req.kv_blocks_wanted = std::max(opts.kv_blocks, opts.kv_blocks_min);
+    req.expert_blob_bytes = m.Lm > 0 ? m.layout.blob_bytes : kAlign;
+    req.n_total_experts = int64_t(m.Lm) * m.E;
+    req.min_islands = m.Lm > 0 ? m.E : 0;  // a prompt may route to every expert of a layer at once
+    auto plan = plan_islands(req);
+    if (!plan) return make_error(plan.error());
+    if (opts.kv_blocks == 0) {
+      // Unasked, KV takes what the experts leave, up to 8 GiB.
+      const size_t left = req.budget_bytes - plan->arena_bytes;
+      const int64_t extra = int64_t(std::min(left, size_t(8) << 30) / plan->kv_block_stride);
+      if (extra > 0) {
+        req.kv_blocks_wanted = plan->kv_blocks + extra;
+        plan = plan_islands(req);
+      }
     }
+    return plan;
+  };
+  // auto: bf16 when every expert fits beside it, else INT8 (more islands).
+  Result<IslandPlan> plan = make_error("no plan");
+  if (opts.dense_weights == "int8") {
+    plan = plan_for(true);
+  } else {
+    plan = plan_for(false);
+    const bool all_fit = plan && plan->n_islands >= int64_t(m.Lm) * m.E;
+    if (opts.dense_weights == "auto" && !all_fit) {
+      auto p8 = plan_for(true);
+      if (p8 || !plan) plan = std::move(p8);
+      else m.int8_dense = false;
+    }
+  }
+  if (!plan) return make_error(plan.error());
+  if (!m.int8_dense) {
+    // plan_for(false) may not have been the last measurement: restore its state.
+    auto p = plan_for(false);
+    if (!p) return make_error(p.error());
   }
   m.plan = *plan;
   m.kv_blocks = int(std::min<int64_t>(m.plan.kv_blocks, INT32_MAX));
@@ -543,7 +653,8 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   }
   if (Status s = m.arena->synchronize(); !s) return make_error(s.error());
   MOE_CUDA_TRY(cudaStreamSynchronize(m.st));
-  std::fprintf(stderr, "moe-worker: cuda backend on %s; %s; experts %s\n", dev->c_str(), m.plan.describe().c_str(),
+  std::fprintf(stderr, "moe-worker: cuda backend on %s; %s; dense weights %s; experts %s\n", dev->c_str(),
+               m.plan.describe().c_str(), m.int8_dense ? "int8" : "bf16",
                m.all_resident ? "all resident" : "under the budget (islands < experts)");
   return Result<std::unique_ptr<CudaEngine>>(std::move(eng));
 }
@@ -592,6 +703,37 @@ Status CudaEngine::Impl::release_experts(int ml) {
   return {};
 }
 
+Status CudaEngine::Impl::gemv(const DenseW& W, const bf16* xin, float* y, int n, bool acc, const float* gate,
+                              int gate_stride) {
+  if (W.q) return cuda::dense_gemv_i8(W.q, W.scale, xin, y, n, W.rows, W.cols, acc, gate, gate_stride, st);
+  return cuda::dense_gemv_bf16(W.w, xin, y, n, W.rows, W.cols, acc, gate, gate_stride, st);
+}
+
+Status CudaEngine::Impl::gemv_rmsnorm(const DenseW& W, const float* xf, const bf16* norm_w, bf16* xn_out, float* y,
+                                      int n) {
+  if (W.q)
+    return cuda::dense_gemv_i8_rmsnorm(W.q, W.scale, xf, norm_w, d.rms_eps, xn_out, y, n, W.rows, W.cols, false,
+                                       nullptr, 0, st);
+  return cuda::dense_gemv_bf16_rmsnorm(W.w, xf, norm_w, d.rms_eps, xn_out, y, n, W.rows, W.cols, false, nullptr, 0, st);
+}
+
+Status CudaEngine::Impl::gemv_silu(const DenseW& W, const float* gu_in, int stride, float* y, int n,
+                                   const float* gate) {
+  if (W.q)
+    return cuda::dense_gemv_i8_silu(W.q, W.scale, gu_in, stride, y, n, W.rows, W.cols, true, gate, stride, st);
+  return cuda::dense_gemv_bf16_silu(W.w, gu_in, stride, y, n, W.rows, W.cols, true, gate, stride, st);
+}
+
+Status CudaEngine::Impl::project(const DenseW& W, const bf16* xin, float* y, int n, bool acc) {
+  if (n <= cuda::kGemvMaxTokens) return gemv(W, xin, y, n, acc, nullptr, 0);
+  const bf16* w = W.w;
+  if (W.q) {
+    if (Status s = cuda::dequantize_rows_i8(W.q, W.scale, W.rows, W.cols, dequant, st); !s) return s;
+    w = dequant;
+  }
+  return mm->matmul(xin, w, y, true, n, W.rows, W.cols, acc ? 1.f : 0.f, st);
+}
+
 Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready) {
   const int ml = L.moe_index;
   const bool small = n <= cuda::kGemvMaxTokens;
@@ -599,14 +741,8 @@ Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready) 
   // made by the fused norm + GEMV, or computed here from xn.
   const float* logits = L.router_row >= 0 ? gu + L.router_row : router_logits;
   const int stride = L.router_row >= 0 ? gu_stride : E;
-  if (!logits_ready) {
-    if (small) {
-      if (Status s = cuda::dense_gemv_bf16(L.router_w, xn, router_logits, n, E, H, false, nullptr, 0, st); !s)
-        return s;
-    } else if (Status s = mm->matmul(xn, L.router_w, router_logits, true, n, E, H, 0.f, st); !s) {
-      return s;
-    }
-  }
+  if (!logits_ready)
+    if (Status s = project(L.router_w, xn, router_logits, n, false); !s) return s;
   int32_t* ids = route_ids + size_t(ml) * n * K;
   if (Status s = cuda::router_topk(logits, n, E, K, d.moe.norm_topk_prob, d.moe.routed_scaling, ids, route_w, st, stride);
       !s)
@@ -643,20 +779,14 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
   const auto* seq_of_token = reinterpret_cast<const int32_t*>(pack_dev + pk.seq_of_token);
   const auto* tables = reinterpret_cast<const int32_t*>(pack_dev + pk.tables);
   const float eps = d.rms_eps;
-  auto dense = [&](const bf16* w, const bf16* in, float* out, int n_out, int k, bool acc) -> Status {
-    if (small) return cuda::dense_gemv_bf16(w, in, out, n, n_out, k, acc, nullptr, 0, st);
-    return mm->matmul(in, w, out, true, n, n_out, k, acc ? 1.f : 0.f, st);
-  };
   if (Status e = cuda::embedding_gather(embed, V, H, tokens, n, x, st); !e) return e;
   for (const DevLayer& L : layers) {
     cuda::PagedKvPool kv{L.k_pool, L.v_pool, tables, max_blocks, kBlockTokens, d.n_kv_heads, d.head_dim};
     if (fuse) {
-      if (Status e = cuda::dense_gemv_bf16_rmsnorm(L.qkv_w, x, L.in_norm, eps, nullptr, qkv, n, W, H, false, nullptr, 0, st);
-          !e)
-        return e;
+      if (Status e = gemv_rmsnorm(L.qkv_w, x, L.in_norm, nullptr, qkv, n); !e) return e;
     } else {
       if (Status e = cuda::rmsnorm(x, L.in_norm, xn, n, H, eps, st); !e) return e;
-      if (Status e = dense(L.qkv_w, xn, qkv, W, H, false); !e) return e;
+      if (Status e = project(L.qkv_w, xn, qkv, n, false); !e) return e;
     }
     cuda::QkvRopeArgs ra;
     ra.qkv = qkv;
@@ -682,22 +812,19 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
     aa.scale = 1.f / std::sqrt(float(d.head_dim));
     aa.out = attn;
     if (Status e = cuda::paged_attention(aa, kv, st); !e) return e;
-    if (Status e = dense(L.o_w, attn, x, H, QD, true); !e) return e;
+    if (Status e = project(L.o_w, attn, x, n, true); !e) return e;
     // The normed state xn and the first projection after attention: the
     // shared expert's / dense MLP's gate|up (with the router's rows when the
     // layer has both), or the router alone. Small batches norm inside the GEMV.
     bool logits_ready = false;
     if (fuse && (L.mlp_gu_w || L.moe_index >= 0)) {
-      const bf16* w = L.mlp_gu_w ? L.mlp_gu_w : L.router_w;
-      float* y = L.mlp_gu_w ? gu : router_logits;
-      const int rows = L.mlp_gu_w ? L.mlp_rows : E;
-      if (Status e = cuda::dense_gemv_bf16_rmsnorm(w, x, L.post_norm, eps, xn, y, n, rows, H, false, nullptr, 0, st); !e)
-        return e;
+      const DenseW& w = L.mlp_gu_w ? L.mlp_gu_w : L.router_w;
+      if (Status e = gemv_rmsnorm(w, x, L.post_norm, xn, L.mlp_gu_w ? gu : router_logits, n); !e) return e;
       logits_ready = true;
     } else {
       if (Status e = cuda::rmsnorm(x, L.post_norm, xn, n, H, eps, st); !e) return e;
       if (L.mlp_gu_w) {
-        if (Status e = dense(L.mlp_gu_w, xn, gu, L.mlp_rows, H, false); !e) return e;
+        if (Status e = project(L.mlp_gu_w, xn, gu, n, false); !e) return e;
         logits_ready = L.router_row >= 0;
       }
     }
@@ -708,16 +835,15 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
       const int I = L.mlp_inter;
       const float* gate = L.mlp_gated ? gu + 2 * I : nullptr;
       if (fuse) {
-        if (Status e = cuda::dense_gemv_bf16_silu(L.mlp_down_w, gu, gu_stride, x, n, H, I, true, gate, gu_stride, st); !e)
-          return e;
+        if (Status e = gemv_silu(L.mlp_down_w, gu, gu_stride, x, n, gate); !e) return e;
       } else {
         if (Status e = cuda::silu_mul_fused(gu, mh, n, I, st, gu_stride); !e) return e;
         if (small) {
-          if (Status e = cuda::dense_gemv_bf16(L.mlp_down_w, mh, x, n, H, I, true, gate, gu_stride, st); !e) return e;
+          if (Status e = gemv(L.mlp_down_w, mh, x, n, true, gate, gu_stride); !e) return e;
         } else if (gate) {
-          if (Status e = mm->matmul(mh, L.mlp_down_w, tmp, true, n, H, I, 0.f, st); !e) return e;
+          if (Status e = project(L.mlp_down_w, mh, tmp, n, false); !e) return e;
           if (Status e = cuda::gated_add(x, tmp, gate, gu_stride, n, H, st); !e) return e;
-        } else if (Status e = mm->matmul(mh, L.mlp_down_w, x, true, n, H, I, 1.f, st); !e) {
+        } else if (Status e = project(L.mlp_down_w, mh, x, n, true); !e) {
           return e;
         }
       }
@@ -727,9 +853,15 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
   const auto* rows = reinterpret_cast<const int32_t*>(pack_dev + pk.sample_rows);
   if (Status e = cuda::gather_rows_f32(x, rows, s, H, xs, st); !e) return e;
   if (Status e = cuda::rmsnorm(xs, final_norm, xsn, s, H, eps, st); !e) return e;
-  if (s <= cuda::kGemvMaxTokens) {
-    if (Status e = cuda::dense_gemv_bf16(lm_head, xsn, logits, s, V, H, false, nullptr, 0, st); !e) return e;
-  } else if (Status e = mm->matmul(xsn, lm_head, logits, true, s, V, H, 0.f, st); !e) {
+  if (lm_head.q) {
+    // The INT8 vocabulary projection is too large to turn back into bf16:
+    // GEMVs of up to 8 rows.
+    for (int r0 = 0; r0 < s; r0 += cuda::kGemvMaxTokens)
+      if (Status e = gemv(lm_head, xsn + size_t(r0) * H, logits + size_t(r0) * V,
+                          std::min(cuda::kGemvMaxTokens, s - r0), false, nullptr, 0);
+          !e)
+        return e;
+  } else if (Status e = project(lm_head, xsn, logits, s, false); !e) {
     return e;
   }
   return cuda::sample_tokens(logits, s, V, reinterpret_cast<const cuda::SampleRowParams*>(pack_dev + pk.params),
@@ -1007,6 +1139,7 @@ CudaExpertStats CudaEngine::expert_stats() const {
   if (m.map) s.residency = m.map->stats();
   s.islands_total = m.plan.n_islands;
   s.all_resident = m.all_resident;
+  s.int8_dense = m.int8_dense;
   return s;
 }
 

@@ -33,6 +33,9 @@ struct CudaEngineOptions {
   bool prefetch = true;         // budget mode: hint the next layer's predicted experts
   bool graphs = true;           // resident mode: replay decode steps as CUDA graphs
   int q4_group = 64;            // quantising a checkpoint whose experts are not INT4 yet
+  // Non-expert matrices: bf16, int8 (one scale per row; the embedding stays
+  // bf16), or auto: bf16 when every expert fits beside it, else int8.
+  std::string dense_weights = "auto";
 };
 
 // What the experts cost and where they are (the worker's stats reply).
@@ -40,6 +43,7 @@ struct CudaExpertStats {
   ResidencyStats residency;
   int64_t islands_total = 0;
   bool all_resident = false;
+  bool int8_dense = false;  // non-expert matrices in INT8
 };
 
 class CudaEngine {

@@ -38,6 +38,7 @@ int main(int argc, char** argv) {
   }
   if (cl->help) {
     std::printf("moe-worker %s\n%s", MOE_VERSION, moe::worker::worker_usage().c_str());
+    std::printf("cuda backend: %s\n", moe::worker::cuda_backend_built() ? "built" : "not built (no CUDA toolkit at build time)");
     return 0;
   }
   if (cl->version) {
@@ -68,6 +69,7 @@ int main(int argc, char** argv) {
     co.max_step_tokens = o.max_step_tokens;
     co.policy = o.expert_policy;
     co.prefetch = o.prefetch;
+    co.dense_weights = o.dense_weights;
     backend = moe::worker::make_cuda_backend(o.model_path, co);
   } else {
     moe::worker::CpuBackendOptions bo;
@@ -109,8 +111,18 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "moe-worker %s: %s on %s, %u KV blocks of %u tokens, listening on %s\n", MOE_VERSION,
                hello.model_id.c_str(), hello.backend.c_str(), hello.kv_blocks_total, hello.kv_block_tokens,
                o.socket_path.c_str());
-  if (auto st = server.run(pipe_fds[0]); !st.ok()) {
-    std::fprintf(stderr, "moe-worker: %s\n", st.error().c_str());
+  const moe::Status run = server.run(pipe_fds[0]);
+  // One line that says what this worker did (operators, benchmarks).
+  moe::protocol::StatsReply st;
+  (*backend)->fill_expert_stats(st);
+  std::fprintf(stderr,
+               "moe-worker: served %llu steps, %llu tokens (%llu sampled); experts: %llu hits, %llu misses, "
+               "%.1f MB copied, %u of %u islands in use\n",
+               (unsigned long long)server.steps(), (unsigned long long)server.tokens(),
+               (unsigned long long)server.sampled_tokens(), (unsigned long long)st.expert_hits,
+               (unsigned long long)st.expert_misses, double(st.bytes_copied) / 1e6, st.islands_used, st.islands_total);
+  if (!run.ok()) {
+    std::fprintf(stderr, "moe-worker: %s\n", run.error().c_str());
     return 1;
   }
   return 0;

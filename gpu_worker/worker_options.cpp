@@ -49,7 +49,7 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
     }
     static const char* const kValued[] = {"--model", "--socket", "--backend", "--threads", "--kv-blocks",
                                           "--max-frame-bytes", "--vram-budget", "--redis",
-                                          "--max-step-tokens", "--expert-policy", "--prefetch"};
+                                          "--max-step-tokens", "--expert-policy", "--prefetch", "--dense-weights"};
     bool known = false;
     for (const char* k : kValued) known = known || name == k;
     if (!known) return make_error("unknown option '" + a + "' (see --help)");
@@ -86,6 +86,10 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
       if (value != "lru" && value != "lfu" && value != "ours")
         return make_error("option --expert-policy takes lru, lfu or ours, got '" + value + "'");
       o.expert_policy = value;
+    } else if (name == "--dense-weights") {
+      if (value != "auto" && value != "bf16" && value != "int8")
+        return make_error("option --dense-weights takes auto, bf16 or int8, got '" + value + "'");
+      o.dense_weights = value;
     } else if (name == "--prefetch") {
       if (value != "on" && value != "off") return make_error("option --prefetch takes on or off, got '" + value + "'");
       o.prefetch = value == "on";
@@ -112,6 +116,8 @@ std::string worker_usage() {
          "  --max-step-tokens N     tokens per forward pass; larger steps run as several (cuda, default 512)\n"
          "  --expert-policy P       expert eviction under a budget: lru, lfu or ours (cuda, default ours)\n"
          "  --prefetch on|off       copy the next layer's predicted experts ahead (cuda, default on)\n"
+         "  --dense-weights W       non-expert matrices: bf16, int8 (per-row scales), or auto (default):\n"
+         "                          bf16 when every expert fits the budget beside it, else int8 (cuda)\n"
          "  --redis URL             Redis for warm-expert state and events (redis://HOST:PORT)\n"
          "  --help, --version\n";
 }

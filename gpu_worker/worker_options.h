@@ -22,6 +22,7 @@ struct WorkerOptions {
   int max_step_tokens = 512;           // --max-step-tokens (cuda: tokens per forward pass)
   std::string expert_policy = "ours";  // --expert-policy lru|lfu|ours (cuda)
   bool prefetch = true;                // --prefetch on|off (cuda, under a budget)
+  std::string dense_weights = "auto";  // --dense-weights auto|bf16|int8 (cuda)
 };
 
 struct WorkerCommandLine {

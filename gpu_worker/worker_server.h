@@ -51,6 +51,11 @@ class WorkerServer {
   // gateway sends shutdown; the reply of a step in flight is written first.
   Status run(int stop_fd);
 
+  // Work served so far (the exit summary).
+  uint64_t steps() const { return steps_; }
+  uint64_t tokens() const { return tokens_; }
+  uint64_t sampled_tokens() const { return sampled_tokens_; }
+
  private:
   void accept_client();
   void drop_client();

@@ -6,7 +6,7 @@
 // exactly as the worker runs them (host inputs, sampling, outputs back).
 //   moe-bench-engine [--shape qwen15|qwen3|all] [--vram-budget 12GiB[,8GiB]]
 //                    [--steps N] [--prompt N] [--policy P] [--prefetch on|off]
-//                    [--json PATH]
+//                    [--dense-weights auto|bf16|int8] [--json PATH]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -33,6 +33,7 @@ struct Options {
   int steps = 128, context = 128, prompt = 512;
   std::string policy = "ours";
   bool prefetch = true;
+  std::string dense_weights = "auto";
   std::string json;
 };
 
@@ -61,7 +62,7 @@ SeqInput greedy(uint64_t id, std::vector<int32_t> toks, int start) {
 }
 
 struct Row {
-  std::string shape, mode, phase;
+  std::string shape, mode, phase, dense = "bf16";
   int batch = 0;
   double tok_s = 0, peak_mib = 0, hit_rate = 1, pcie_mb_per_token = 0;
 };
@@ -128,7 +129,7 @@ int usage() {
   std::fprintf(stderr,
                "usage: moe-bench-engine [--shape qwen15|qwen3|all] [--vram-budget 12GiB[,8GiB...]] [--steps N]\n"
                "                        [--context N] [--prompt N] [--policy lru|lfu|ours] [--prefetch on|off]\n"
-               "                        [--json PATH]\n");
+               "                        [--dense-weights auto|bf16|int8] [--json PATH]\n");
   return 2;
 }
 
@@ -145,6 +146,7 @@ int main(int argc, char** argv) {
     else if (a == "--prompt") o.prompt = std::atoi(val().c_str());
     else if (a == "--policy") o.policy = val();
     else if (a == "--prefetch") o.prefetch = val() == "on";
+    else if (a == "--dense-weights") o.dense_weights = val();
     else if (a == "--json") o.json = val();
     else if (a == "--vram-budget") {
       std::string v = val();
@@ -190,15 +192,18 @@ int main(int argc, char** argv) {
       eo.kv_blocks = 1024;
       eo.policy = o.policy;
       eo.prefetch = o.prefetch;
+      eo.dense_weights = o.dense_weights;
       const auto t1 = Clock::now();
       auto e = CudaEngine::create((*model)->files, eo);
       if (!e) {
         std::fprintf(stderr, "moe-bench-engine: %s\n", e.error().c_str());
         return 1;
       }
-      const std::string mode = gib == 0 ? "resident" : "budget-" + std::to_string(int(gib)) + "GiB";
-      std::printf("  %s: engine ready in %.1f s, %lld islands\n", mode.c_str(),
-                  std::chrono::duration<double>(Clock::now() - t1).count(), (long long)(*e)->plan().n_islands);
+      const std::string mode = gib == 0 ? std::string("resident") : "budget-" + std::to_string(int(gib)) + "GiB";
+      const std::string dense = (*e)->expert_stats().int8_dense ? "int8" : "bf16";
+      std::printf("  %s: engine ready in %.1f s, %lld islands, dense weights %s\n", mode.c_str(),
+                  std::chrono::duration<double>(Clock::now() - t1).count(), (long long)(*e)->plan().n_islands,
+                  (*e)->expert_stats().int8_dense ? "int8" : "bf16");
       std::vector<int> batches = gib == 0 ? std::vector<int>{1, 8} : std::vector<int>{1};
       for (int b : batches) {
         auto r = decode(**e, b, o);
@@ -208,6 +213,7 @@ int main(int argc, char** argv) {
         }
         r->shape = s.name;
         r->mode = mode;
+        r->dense = dense;
         r->peak_mib = used_mib();
         rows.push_back(*r);
       }
@@ -218,18 +224,20 @@ int main(int argc, char** argv) {
       }
       p->shape = s.name;
       p->mode = mode;
+      p->dense = dense;
       p->peak_mib = used_mib();
       rows.push_back(*p);
     }
   }
-  std::printf("\n| shape | mode | phase | batch | tok/s | hit rate | PCIe MB/token | GPU MiB in use |\n|---|---|---|---|---|---|---|---|\n");
+  std::printf("\n| shape | mode | dense weights | phase | batch | tok/s | hit rate | PCIe MB/token | GPU MiB in use |\n"
+              "|---|---|---|---|---|---|---|---|---|\n");
   for (const Row& r : rows)
-    std::printf("| %s | %s | %s | %d | %.0f | %.3f | %.1f | %.0f |\n", r.shape.c_str(), r.mode.c_str(), r.phase.c_str(),
-                r.batch, r.tok_s, r.hit_rate, r.pcie_mb_per_token, r.peak_mib);
+    std::printf("| %s | %s | %s | %s | %d | %.0f | %.3f | %.1f | %.0f |\n", r.shape.c_str(), r.mode.c_str(),
+                r.dense.c_str(), r.phase.c_str(), r.batch, r.tok_s, r.hit_rate, r.pcie_mb_per_token, r.peak_mib);
   if (!o.json.empty()) {
     nlohmann::json j = nlohmann::json::array();
     for (const Row& r : rows)
-      j.push_back({{"shape", r.shape}, {"mode", r.mode}, {"phase", r.phase}, {"batch", r.batch},
+      j.push_back({{"shape", r.shape}, {"mode", r.mode}, {"dense_weights", r.dense}, {"phase", r.phase}, {"batch", r.batch},
                    {"ours_tok_s", r.tok_s}, {"hit_rate", r.hit_rate}, {"pcie_mb_per_token", r.pcie_mb_per_token},
                    {"gpu_mib_in_use", r.peak_mib}});
     std::ofstream(o.json) << j.dump(1) << "\n";
