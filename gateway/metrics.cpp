@@ -171,6 +171,20 @@ std::string GatewayMetrics::render(const SchedulerStats& stats, bool ready) cons
       }
     }
   }
+  out += "# HELP moe_gateway_worker_pressure_total Pressure frames the workers sent, by level.\n"
+         "# TYPE moe_gateway_worker_pressure_total counter\n";
+  static const char* const kLevels[3] = {"warn", "evict", "break"};
+  for (int i = 0; i < 3; ++i)
+    out += std::string("moe_gateway_worker_pressure_total{level=\"") + kLevels[i] + "\"} " +
+           std::to_string(stats.worker_pressure[i]) + "\n";
+  if (stats.worker_expert_hits + stats.worker_expert_misses > 0) {
+    render_scalar(out, "moe_gateway_worker_expert_hits_total", "counter",
+                  "Routed experts the worker found resident, as its step replies count them.",
+                  static_cast<double>(stats.worker_expert_hits));
+    render_scalar(out, "moe_gateway_worker_expert_misses_total", "counter",
+                  "Routed experts the worker had to copy in first (misses of its islands).",
+                  static_cast<double>(stats.worker_expert_misses));
+  }
   if (stats.steps_with_usage > 0) {
     render_scalar(out, "moe_gateway_steps_with_usage_total", "counter", "Worker steps that reported expert usage.",
                   static_cast<double>(stats.steps_with_usage));

@@ -79,6 +79,9 @@ struct SchedulerStats {
   uint64_t warm_hints_sent = 0;        // warm_hints frames sent before prefills
   uint64_t steps_with_usage = 0;       // step replies that carried expert usage
   uint64_t step_experts = 0;           // distinct (layer, expert) pairs those steps used, summed
+  uint64_t worker_expert_hits = 0;     // step replies' expert_hits, summed (experts found resident)
+  uint64_t worker_expert_misses = 0;   // step replies' expert_misses, summed (experts copied in)
+  uint64_t worker_pressure[3] = {0, 0, 0};  // pressure frames received: warn, evict, break
   std::vector<WorkerStats> workers;    // per worker, in the order configured (may be empty)
 };
 

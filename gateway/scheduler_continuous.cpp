@@ -95,6 +95,9 @@ SchedulerStats ContinuousScheduler::stats() const {
   }
   s.steps_with_usage = steps_with_usage_;
   s.step_experts = step_experts_;
+  s.worker_expert_hits = worker_expert_hits_;
+  for (int i = 0; i < 3; ++i) s.worker_pressure[i] = pressure_frames_[i];
+  s.worker_expert_misses = worker_expert_misses_;
   return s;
 }
 
@@ -220,6 +223,21 @@ void ContinuousScheduler::on_down(size_t w) {
 
 void ContinuousScheduler::on_frame(size_t w, const pr::Frame& f) {
   Worker& wk = workers_[w];
+  if (pr::Command(f.command) == pr::Command::pressure) {
+    auto p = pr::decode_pressure(f.payload);
+    if (!p.ok()) return;
+    const int level = int(p->level);
+    if (level >= 0 && level < 3) ++pressure_frames_[level];
+    std::fprintf(stderr, "moe-gateway: worker %s says %s: %s\n", wk.name.c_str(), pr::pressure_level_name(p->level),
+                 p->detail.c_str());
+    if (p->level == pr::PressureLevel::break_) {
+      // It is about to exit: move its sequences now rather than at the hang-up.
+      wk.link->drop("the worker said break: " + p->detail);
+      return;
+    }
+    wk.pressure = std::max(wk.pressure, level + 1);
+    return;
+  }
   if (!wk.in_flight || f.request_id != wk.in_flight_request) {
     if (pr::Command(f.command) == pr::Command::error) {
       auto e = pr::decode_error(f.payload);
@@ -240,6 +258,14 @@ void ContinuousScheduler::on_frame(size_t w, const pr::Frame& f) {
       if (!touched.empty()) {
         ++steps_with_usage_;
         step_experts_ += uint64_t(std::count(touched.begin(), touched.end(), uint8_t(1)));
+      }
+      // The worker's own count of experts found resident or copied in.
+      worker_expert_hits_ += reply->expert_hits;
+      worker_expert_misses_ += reply->expert_misses;
+      const double kv_total = double(reply->kv_blocks_free) + double(reply->kv_blocks_used);
+      if (wk.pressure && kv_total > 0 && reply->kv_blocks_free >= 0.2 * kv_total) {
+        wk.pressure = 0;
+        request_kick();
       }
       for (const pr::StepResult& r : reply->results) {
         ChunkResult c;
@@ -305,8 +331,10 @@ void ContinuousScheduler::dispatch(std::vector<SequenceUpdate>& updates) {
 
 void ContinuousScheduler::assign_queued() {
   std::vector<size_t> candidates;
-  for (size_t i = 0; i < workers_.size(); ++i)
-    if (serving(i)) candidates.push_back(i);
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    if (workers_[i].pressure && workers_[i].policy.demand_blocks() == 0) workers_[i].pressure = 0;
+    if (serving(i) && !workers_[i].pressure) candidates.push_back(i);  // KV pressure: admit nothing new
+  }
   if (candidates.empty() || queued_.empty()) return;
 
   // Each worker as the choice sees it: its resident experts (from Redis) and

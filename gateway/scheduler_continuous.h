@@ -94,6 +94,10 @@ class ContinuousScheduler final : public Scheduler {
     uint64_t steps_sent = 0;
     uint64_t assigned = 0;
     uint64_t taken_over = 0;  // sequences moved here from another worker's queue
+    // The worker's last pressure: 0 none, 1 warn, 2 evict. Under pressure it
+    // is given no new sequences; a step reply with 20 % of its KV free (or
+    // an empty queue) clears it.
+    int pressure = 0;
   };
 
   void on_ready(size_t w, const protocol::Hello& h);
@@ -130,6 +134,8 @@ class ContinuousScheduler final : public Scheduler {
   uint64_t warm_hints_sent_ = 0;
   uint64_t steps_with_usage_ = 0;
   uint64_t step_experts_ = 0;
+  uint64_t worker_expert_hits_ = 0, worker_expert_misses_ = 0;
+  uint64_t pressure_frames_[3] = {0, 0, 0};  // warn, evict, break frames received
 };
 
 }  // namespace moe::gw

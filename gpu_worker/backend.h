@@ -34,6 +34,10 @@ class Backend {
   // Makes `experts` resident, in order, while free islands last (never
   // evicting); returns how many became or already were resident.
   virtual size_t warm(const std::vector<protocol::ExpertRef>& /*experts*/) { return 0; }
+  // A gateway's warm hints for a coming prompt: like warm, but the hinted
+  // experts may displace cold residents (not those in use, nor other
+  // predictions), so that their copies start before the prompt's step.
+  virtual void hint(const std::vector<protocol::ExpertRef>& experts) { warm(experts); }
   // The resident experts now, ordered by (layer, expert).
   virtual std::vector<protocol::ExpertRef> resident() const { return {}; }
   // Changes whenever the resident set changes (publish after a change).
@@ -56,6 +60,10 @@ class Backend {
   }
   // The expert counters of the stats reply (hits, misses, bytes, islands).
   virtual void fill_expert_stats(protocol::StatsReply& /*r*/) const {}
+  // Non-empty once the backend can no longer compute (a sticky device
+  // error): the worker then says `break` and exits for supervision to
+  // restart it, leaving the step unanswered so that the gateway reruns it.
+  virtual std::string broken() const { return {}; }
 };
 
 struct CpuBackendOptions {

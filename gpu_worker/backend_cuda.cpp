@@ -38,6 +38,7 @@ class CudaBackend final : public Backend {
     const auto t1 = std::chrono::steady_clock::now();
     if (!t.inputs.empty()) {
       auto out = engine_->step(std::span<const SeqInput>(t.inputs));
+      if (!out.ok() && broken_.empty()) broken_ = engine_->device_error();
       fill_step_results(t, out, req.report_expert_usage, seq_length);
       if (out.ok())
         for (const SeqOutput& o : *out) live_.insert(o.seq_id);
@@ -76,6 +77,11 @@ class CudaBackend final : public Backend {
     std::vector<ExpertKey> keys;
     for (const auto& e : experts) keys.push_back({e.layer, e.expert});
     return engine_->warm(keys);
+  }
+  void hint(const std::vector<protocol::ExpertRef>& experts) override {
+    std::vector<ExpertKey> keys;
+    for (const auto& e : experts) keys.push_back({e.layer, e.expert});
+    engine_->warm(keys, /*may_evict=*/true);
   }
   std::vector<protocol::ExpertRef> resident() const override {
     std::vector<protocol::ExpertRef> out;
@@ -117,6 +123,7 @@ class CudaBackend final : public Backend {
                                                        : "expert in use or out of range";
     return r;
   }
+  std::string broken() const override { return broken_; }
   void fill_expert_stats(protocol::StatsReply& r) const override {
     const CudaExpertStats s = engine_->expert_stats();
     r.expert_hits = s.residency.hits;
@@ -130,6 +137,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<CudaEngine> engine_;
   std::string model_id_;
   std::unordered_set<uint64_t> live_;
+  std::string broken_;  // a sticky device error seen after a failed step
 };
 
 }  // namespace

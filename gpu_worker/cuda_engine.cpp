@@ -1080,7 +1080,7 @@ const IslandPlan& CudaEngine::plan() const { return impl_->plan; }
 
 // ---------------------------------------------------------------- experts
 
-size_t CudaEngine::warm(std::span<const ExpertKey> experts) {
+size_t CudaEngine::warm(std::span<const ExpertKey> experts, bool may_evict) {
   Impl& m = *impl_;
   if (!m.map) return 0;
   size_t resident = 0;
@@ -1088,7 +1088,8 @@ size_t CudaEngine::warm(std::span<const ExpertKey> experts) {
     if (k.layer < 0 || k.layer >= m.Lm || k.expert < 0 || k.expert >= m.E) continue;
     const int e = k.expert;
     if (m.map->lookup(k) < 0) {
-      if (Status s = m.arena->prefetch(*m.map, k.layer, std::span<const int>(&e, 1), HintPriority::warm); !s) {
+      const HintPriority pr = may_evict ? HintPriority::prefetch : HintPriority::warm;
+      if (Status s = m.arena->prefetch(*m.map, k.layer, std::span<const int>(&e, 1), pr); !s) {
         std::fprintf(stderr, "moe-worker: warming expert %d/%d failed: %s\n", k.layer, k.expert, s.error().c_str());
         continue;
       }
@@ -1131,6 +1132,13 @@ uint64_t CudaEngine::residency_version() const {
   const Impl& m = *impl_;
   // Misses and prefetches change the resident set too.
   return m.residency_version + (m.map ? m.map->stats().misses + m.map->stats().prefetches : 0);
+}
+
+std::string CudaEngine::device_error() const {
+  // A sticky error poisons the context: every later call returns it.
+  const cudaError_t e = cudaStreamSynchronize(impl_->st);
+  if (e == cudaSuccess) return {};
+  return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
 }
 
 CudaExpertStats CudaEngine::expert_stats() const {

@@ -73,14 +73,19 @@ class CudaEngine {
   const IslandPlan& plan() const;
 
   // ---- Experts
-  // Makes experts resident into free islands only (warm hints, re-warm,
-  // load_expert); returns how many of `experts` are resident afterwards.
-  size_t warm(std::span<const ExpertKey> experts);
+  // Makes experts resident into free islands only (re-warm, load_expert);
+  // with may_evict (a gateway's warm hints) they may displace residents
+  // that are neither in use nor predicted. Returns how many of `experts`
+  // are resident (or on their way) afterwards.
+  size_t warm(std::span<const ExpertKey> experts, bool may_evict = false);
   // Drops unpinned residents; returns the ones that could not be dropped.
   std::vector<ExpertKey> unload(std::span<const ExpertKey> experts);
   std::vector<ExpertKey> resident() const;  // ordered by (layer, expert)
   uint64_t residency_version() const;
   CudaExpertStats expert_stats() const;
+  // After a failed step: the device's sticky error ("" when the device is
+  // still usable and the failure was the step's own, e.g. a bad input).
+  std::string device_error() const;
 
   struct Impl;
 

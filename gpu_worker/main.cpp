@@ -125,5 +125,5 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "moe-worker: %s\n", run.error().c_str());
     return 1;
   }
-  return 0;
+  return server.exit_code();
 }

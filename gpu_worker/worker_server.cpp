@@ -176,6 +176,23 @@ void WorkerServer::read_client() {
   }
 }
 
+void WorkerServer::report_kv_pressure() {
+  // KV pressure after a step or a release: warn below 10 % free (stop
+  // admitting), evict below 3 % (shrink batches); said once per rise, again
+  // after the pool was back above 20 % free.
+  const int total = backend_->kv_blocks_total(), free = backend_->kv_blocks_free();
+  if (total <= 0) return;
+  const double f = double(free) / double(total);
+  int level = f < 0.03 ? 2 : f < 0.10 ? 1 : 0;
+  if (f >= 0.20) kv_pressure_said_ = 0;
+  if (level <= kv_pressure_said_) return;
+  kv_pressure_said_ = level;
+  pr::Pressure p;
+  p.level = level == 2 ? pr::PressureLevel::evict : pr::PressureLevel::warn;
+  p.detail = "KV cache " + std::to_string(free) + " of " + std::to_string(total) + " blocks free";
+  queue(pr::make_frame(0, p).value());
+}
+
 void WorkerServer::handle_frame(const pr::Frame& f) {
   const auto cmd = pr::Command(f.command);
   if (cmd == pr::Command::error || cmd == pr::Command::pong) return;  // never answered
@@ -212,6 +229,16 @@ void WorkerServer::handle_frame(const pr::Frame& f) {
   }
   if (auto* s = std::get_if<pr::StepRequest>(&*msg)) {
     pr::StepReply reply = backend_->step(*s);
+    if (const std::string why = backend_->broken(); !why.empty()) {
+      pr::Pressure p;
+      p.level = pr::PressureLevel::break_;
+      p.detail = why;
+      queue(pr::make_frame(0, p).value());
+      std::fprintf(stderr, "moe-worker: the backend is broken (%s); exiting for a restart\n", why.c_str());
+      exit_requested_ = true;
+      exit_code_ = 3;
+      return;
+    }
     if (opts_.hooks) opts_.hooks->after_step(*s, reply);
     ++steps_;
     for (size_t i = 0; i < reply.results.size(); ++i) {
@@ -227,12 +254,14 @@ void WorkerServer::handle_frame(const pr::Frame& f) {
       return;
     }
     queue(std::move(frame.value()));
+    report_kv_pressure();
   } else if (auto* rel = std::get_if<pr::ReleaseSequences>(&*msg)) {
     for (uint64_t id : rel->seq_ids) {
       backend_->release(id);
       client_seqs_.erase(id);
       if (opts_.hooks) opts_.hooks->released(id);
     }
+    report_kv_pressure();  // the pool may be roomy again
   } else if (auto* sr = std::get_if<pr::StatsRequest>(&*msg)) {
     pr::StatsReply r;
     r.kv_blocks_free = uint32_t(backend_->kv_blocks_free());
@@ -256,7 +285,7 @@ void WorkerServer::handle_frame(const pr::Frame& f) {
   } else if (auto* wh = std::get_if<pr::WarmHints>(&*msg)) {
     std::vector<pr::ExpertRef> experts;
     for (const pr::ExpertHint& h : wh->hints) experts.push_back({h.layer, h.expert});
-    backend_->warm(experts);
+    backend_->hint(experts);
   } else {
     queue_error(f.request_id, f.command, ErrorCode::invalid_argument,
                 std::string(pr::command_name(f.command)) + " is not a request a worker takes");

@@ -55,6 +55,8 @@ class WorkerServer {
   uint64_t steps() const { return steps_; }
   uint64_t tokens() const { return tokens_; }
   uint64_t sampled_tokens() const { return sampled_tokens_; }
+  // The process exit status run() asks for: 0, or 3 when the backend broke.
+  int exit_code() const { return exit_code_; }
 
  private:
   void accept_client();
@@ -62,6 +64,7 @@ class WorkerServer {
   void read_client();
   void handle_frame(const protocol::Frame& f);
   void queue(std::vector<uint8_t> bytes);
+  void report_kv_pressure();
   void queue_error(uint64_t request_id, uint8_t command, protocol::ErrorCode code, const std::string& msg);
   bool flush_some();     // false when the client is gone
   void flush_blocking();  // before closing
@@ -79,6 +82,8 @@ class WorkerServer {
   std::unordered_set<uint64_t> client_seqs_;  // sequences the current gateway holds
   uint64_t started_ms_ = 0;
   uint64_t steps_ = 0, tokens_ = 0, sampled_tokens_ = 0;
+  int kv_pressure_said_ = 0;  // 0 none, 1 warn, 2 evict: the last level sent since the pool was roomy
+  int exit_code_ = 0;
 };
 
 }  // namespace moe::worker

@@ -290,6 +290,41 @@ TEST_CASE("moe-worker answers hello with its capabilities and decodes the refere
   CHECK(stats.kv_blocks_free == h.kv_blocks_total);
 }
 
+TEST_CASE("moe-worker says KV pressure: warn below 10 % free, evict below 3 %, again after relief", "[worker]") {
+  WorkerProcess w({"--kv-blocks", "40"});
+  Client c(w.socket);
+  REQUIRE(c.hello().kv_blocks_total == 40);
+  auto expect_pressure = [&](pr::PressureLevel level, const std::string& free_text) {
+    auto ev = c.next();
+    REQUIRE(ev.status == pr::DecodeStatus::frame);
+    REQUIRE(ev.frame.command == uint8_t(pr::Command::pressure));
+    CHECK(ev.frame.request_id == 0);  // unsolicited
+    const pr::Pressure p = pr::decode_pressure(ev.frame.payload).value();
+    CHECK(p.level == level);
+    CHECK(p.detail.find(free_text) != std::string::npos);
+  };
+  auto fill = [&](uint64_t first_id, uint64_t request) {
+    // 12 + 12 + 13 blocks of 16 tokens: 3 of 40 free (7.5 %).
+    pr::StepRequest req;
+    for (int i = 0; i < 3; ++i)
+      req.sequences.push_back(greedy(first_id + uint64_t(i), std::vector<int32_t>(i == 2 ? 208 : 192, 5), 0));
+    const pr::StepReply r = c.step(request, req);
+    for (const auto& res : r.results) REQUIRE(res.error == pr::ErrorCode::none);
+  };
+  fill(1, 10);
+  expect_pressure(pr::PressureLevel::warn, "3 of 40");
+  // Two more blocks: 1 free (2.5 %).
+  pr::StepRequest more;
+  more.sequences.push_back(greedy(4, std::vector<int32_t>(32, 5), 0));
+  REQUIRE(c.step(11, more).results.at(0).error == pr::ErrorCode::none);
+  expect_pressure(pr::PressureLevel::evict, "1 of 40");
+  // Released, the pool is roomy again; filling it again warns again (and
+  // nothing was said in between: the next frame is that warning).
+  c.send(12, pr::ReleaseSequences{{1, 2, 3, 4}});
+  fill(5, 13);
+  expect_pressure(pr::PressureLevel::warn, "3 of 40");
+}
+
 TEST_CASE("moe-worker answers bad frames with error frames and keeps serving", "[worker]") {
   WorkerProcess w({"--max-frame-bytes", "4096"});
   Client c(w.socket);
