@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""The peer on the same GPU and the same shapes: transformers, bf16, random
+weights, greedy `generate`. Decode tokens/s at batch 1 and 8 after a
+128-token prompt, and a 512-token prefill, for the Qwen1.5-MoE-A2.7B and
+Qwen3-30B-A3B shapes that moe-bench-engine measures; then, given that
+benchmark's JSON, one table of ratios.
+
+  transformers_peer.py [--shape qwen15|qwen3|all] [--new-tokens 48]
+                       [--ours gpu-engine.json] [--json OUT]
+
+Runs where torch and transformers are installed (the GPU machine).
+"""
+import argparse
+import json
+import sys
+import time
+
+
+SHAPES = {
+    "Qwen1.5-MoE-A2.7B": dict(
+        kind="qwen2_moe", hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+        moe_intermediate_size=1408, shared_expert_intermediate_size=5632, intermediate_size=5632, num_experts=60,
+        num_experts_per_tok=4, norm_topk_prob=False, vocab_size=151936, rope_theta=1e6),
+    "Qwen3-30B-A3B": dict(
+        kind="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, moe_intermediate_size=768, intermediate_size=6144, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, vocab_size=151936, rope_theta=1e6),
+}
+
+
+def build(name):
+    import torch
+    import transformers
+    spec = dict(SHAPES[name])
+    kind = spec.pop("kind")
+    cfg_cls = transformers.Qwen2MoeConfig if kind == "qwen2_moe" else transformers.Qwen3MoeConfig
+    cfg = cfg_cls(**spec, max_position_embeddings=4096, torch_dtype="bfloat16")
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    model.eval()
+    impl = "default"
+    # The fastest experts implementation this transformers offers, when it has a switch.
+    for setter in ("set_experts_implementation",):
+        if hasattr(model, setter):
+            try:
+                getattr(model, setter)("grouped_mm")
+                impl = "grouped_mm"
+            except Exception as e:  # noqa: BLE001 - reported, the default is kept
+                impl = "default (grouped_mm refused: %s)" % e
+    return model, impl
+
+
+def timed_generate(model, batch, prompt_len, new_tokens):
+    import torch
+    ids = torch.randint(0, 150000, (batch, prompt_len), device="cuda")
+    attn = torch.ones_like(ids)
+    model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=4, do_sample=False, min_new_tokens=4)
+    torch.cuda.synchronize()
+    t0 = time.time()
+    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=new_tokens, do_sample=False,
+                         min_new_tokens=new_tokens)
+    torch.cuda.synchronize()
+    dt = time.time() - t0
+    return batch * (out.shape[1] - prompt_len) / dt
+
+
+def timed_prefill(model, n):
+    import torch
+    ids = torch.randint(0, 150000, (1, n), device="cuda")
+    with torch.no_grad():
+        model(ids)
+        torch.cuda.synchronize()
+        runs = []
+        for _ in range(3):
+            t0 = time.time()
+            model(ids)
+            torch.cuda.synchronize()
+            runs.append(time.time() - t0)
+    return n / sorted(runs)[1]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="all")
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--ours", default="")
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        print("SKIPPED: torch/transformers not installed (%s)" % e)
+        return 0
+    names = [n for n in SHAPES if a.shape == "all" or (a.shape == "qwen15") == n.startswith("Qwen1.5")]
+    rows = []
+    for name in names:
+        model, impl = build(name)
+        print("%s: transformers %s, experts %s" % (name, transformers.__version__, impl), flush=True)
+        for b in (1, 8):
+            tps = timed_generate(model, b, 128, a.new_tokens)
+            rows.append({"shape": name, "mode": "resident", "phase": "decode", "batch": b, "transformers_tok_s": tps})
+            print("  decode b%d: %.1f tok/s" % (b, tps), flush=True)
+        tps = timed_prefill(model, 512)
+        rows.append({"shape": name, "mode": "resident", "phase": "prefill", "batch": 512, "transformers_tok_s": tps})
+        print("  prefill 512: %.0f tok/s" % tps, flush=True)
+        del model
+        torch.cuda.empty_cache()
+    if a.ours:
+        ours = json.load(open(a.ours))
+        ours = ours["rows"] if isinstance(ours, dict) else ours
+        print("\n| shape | phase | batch | ours (dense) | transformers | ours / transformers |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            for o in ours:
+                if (o["shape"], o["mode"], o["phase"], o["batch"]) == (r["shape"], r["mode"], r["phase"], r["batch"]):
+                    r.setdefault("ours", {})[o.get("dense_weights", "bf16")] = o["ours_tok_s"]
+            for dense, v in sorted(r.get("ours", {}).items()):
+                print("| %s | %s | %d | %.0f (%s) | %.1f | %.1fx |" % (r["shape"], r["phase"], r["batch"], v, dense,
+                                                                   r["transformers_tok_s"],
+                                                                   v / r["transformers_tok_s"]))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
