@@ -51,9 +51,9 @@ void CpuEngine::release(uint64_t seq_id) {
   seqs_.erase(it);
 }
 
-Result<std::vector<SeqOutput>> CpuEngine::step(std::span<const SeqInput> inputs) {
-  const ModelDesc& d = desc();
-  // Validate everything before touching any state.
+Status check_step_inputs(std::span<const SeqInput> inputs, int vocab, int max_context, int block_tokens,
+                         int free_blocks, const std::function<std::optional<HeldSequence>(uint64_t)>& held) {
+  auto blocks_for = [block_tokens](int tokens) { return (tokens + block_tokens - 1) / block_tokens; };
   std::unordered_set<uint64_t> ids;
   int need = 0, freed = 0;
   for (const SeqInput& in : inputs) {
@@ -61,18 +61,17 @@ Result<std::vector<SeqOutput>> CpuEngine::step(std::span<const SeqInput> inputs)
     if (!ids.insert(in.seq_id).second) return make_error(who + " appears twice in one step");
     if (in.tokens.empty()) return make_error(who + ": no tokens");
     for (int32_t t : in.tokens)
-      if (t < 0 || t >= d.vocab_size)
-        return make_error(who + ": token id " + std::to_string(t) + " out of range");
-    auto it = seqs_.find(in.seq_id);
-    const int have = it == seqs_.end() ? 0 : it->second.length;
+      if (t < 0 || t >= vocab) return make_error(who + ": token id " + std::to_string(t) + " out of range");
+    const std::optional<HeldSequence> h = held(in.seq_id);
+    const int have = h ? h->length : 0;
     if (in.start_pos != 0 && in.start_pos != have)
-      return make_error(who + ": start_pos " + std::to_string(in.start_pos) +
-                        " but the sequence holds " + std::to_string(have) + " tokens");
+      return make_error(who + ": start_pos " + std::to_string(in.start_pos) + " but the sequence holds " +
+                        std::to_string(have) + " tokens");
     const int end = in.start_pos + int(in.tokens.size());
-    if (end > max_context_)
+    if (end > max_context)
       return make_error(who + ": " + std::to_string(end) + " tokens exceed the context of " +
-                        std::to_string(max_context_));
-    const int owned = it == seqs_.end() ? 0 : int(it->second.blocks.size());
+                        std::to_string(max_context));
+    const int owned = h ? h->blocks : 0;
     if (in.start_pos == 0) {
       freed += owned;
       need += blocks_for(end);
@@ -80,9 +79,22 @@ Result<std::vector<SeqOutput>> CpuEngine::step(std::span<const SeqInput> inputs)
       need += std::max(0, blocks_for(end) - owned);
     }
   }
-  if (need > kv_->blocks_free() + freed)
+  if (need > free_blocks + freed)
     return make_error("KV cache full: the step needs " + std::to_string(need) + " blocks, " +
-                      std::to_string(kv_->blocks_free() + freed) + " free");
+                      std::to_string(free_blocks + freed) + " free");
+  return {};
+}
+
+Result<std::vector<SeqOutput>> CpuEngine::step(std::span<const SeqInput> inputs) {
+  const ModelDesc& d = desc();
+  // Validate everything before touching any state.
+  const Status checked = check_step_inputs(inputs, d.vocab_size, max_context_, kv_->block_tokens(), kv_->blocks_free(),
+                                           [this](uint64_t id) -> std::optional<HeldSequence> {
+                                             auto it = seqs_.find(id);
+                                             if (it == seqs_.end()) return std::nullopt;
+                                             return HeldSequence{it->second.length, int(it->second.blocks.size())};
+                                           });
+  if (!checked.ok()) return make_error(checked.error());
 
   Batch b;
   std::vector<size_t> logit_of(inputs.size(), SIZE_MAX);

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -58,6 +59,20 @@ struct EngineOptions {
   // many bytes as f32; larger models read bf16 in place.
   size_t f32_weights_max_bytes = size_t(4) << 30;
 };
+
+// What an engine holds of a sequence, for check_step_inputs.
+struct HeldSequence {
+  int length = 0;  // tokens in the KV cache
+  int blocks = 0;  // KV blocks owned
+};
+
+// The checks every engine's step makes before it touches any state: ids
+// distinct, tokens present and in the vocabulary, start_pos 0 or the held
+// length, the context, and enough free KV blocks (counting those a restart
+// at 0 gives back). `held` returns the engine's view of a sequence, or
+// nullopt when it has none.
+Status check_step_inputs(std::span<const SeqInput> inputs, int vocab, int max_context, int block_tokens,
+                         int free_blocks, const std::function<std::optional<HeldSequence>(uint64_t)>& held);
 
 class CpuEngine {
  public:

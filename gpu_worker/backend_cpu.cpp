@@ -1,6 +1,5 @@
 // The CPU backend: protocol steps onto moe::CpuEngine.
 #include <algorithm>
-#include <chrono>
 #include <span>
 #include <unordered_set>
 
@@ -27,42 +26,16 @@ class CpuBackend final : public Backend {
     return std::max<int64_t>(1, int64_t(moe_layers) * experts / 4);
   }
 
-  protocol::Hello describe() const override {
-    protocol::Hello h = model_hello(engine_->desc());
-    h.model_id = model_id_;
-    h.backend = "cpu";
-    h.instance = "moe-worker";
-    h.kv_blocks_total = uint32_t(engine_->kv_blocks_total());
-    h.kv_block_tokens = uint32_t(engine_->kv_block_tokens());
-    h.max_context = uint32_t(engine_->max_context());
-    return h;
-  }
+  protocol::Hello describe() const override { return engine_hello(*engine_, model_id_, "cpu"); }
 
   protocol::StepReply step(const protocol::StepRequest& req) override {
-    const auto t0 = std::chrono::steady_clock::now();
-    auto seq_length = [this](uint64_t id) { return engine_->seq_length(id); };
-    EngineLimits lim{engine_->desc().vocab_size, engine_->max_context(), engine_->kv_block_tokens(),
-                     engine_->kv_blocks_free(), seq_length};
-    TranslatedStep t = translate_step(req, lim);
-    const auto t1 = std::chrono::steady_clock::now();
-    if (!t.inputs.empty()) {
-      auto out = engine_->step(std::span<const SeqInput>(t.inputs));
-      fill_step_results(t, out, req.report_expert_usage, seq_length);
-      if (out.ok())
-        for (const SeqOutput& o : *out) {
-          touch_experts(o.expert_counts);
-          live_.insert(o.seq_id);
-        }
-    } else {
-      fill_step_results(t, std::vector<SeqOutput>{}, req.report_expert_usage, seq_length);
-    }
-    protocol::StepReply& reply = t.reply;
-    const auto t2 = std::chrono::steady_clock::now();
-    reply.timing.compute_us = uint32_t(std::chrono::duration_cast<std::chrono::microseconds>(t2 - t1).count());
-    reply.timing.total_us = uint32_t(std::chrono::duration_cast<std::chrono::microseconds>(t2 - t0).count());
-    reply.kv_blocks_free = uint32_t(engine_->kv_blocks_free());
-    reply.kv_blocks_used = uint32_t(engine_->kv_blocks_total() - engine_->kv_blocks_free());
-    return std::move(reply);
+    return run_engine_step(*engine_, req, [this](const Result<std::vector<SeqOutput>>& out) {
+      if (!out.ok()) return;
+      for (const SeqOutput& o : *out) {
+        touch_experts(o.expert_counts);
+        live_.insert(o.seq_id);
+      }
+    });
   }
 
   void release(uint64_t seq_id) override {

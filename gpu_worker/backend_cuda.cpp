@@ -17,36 +17,17 @@ class CudaBackend final : public Backend {
   CudaBackend(std::unique_ptr<CudaEngine> engine, std::string model_id)
       : engine_(std::move(engine)), model_id_(std::move(model_id)) {}
 
-  protocol::Hello describe() const override {
-    protocol::Hello h = model_hello(engine_->desc());
-    h.model_id = model_id_;
-    h.backend = "cuda";
-    h.instance = "moe-worker";
-    h.kv_blocks_total = uint32_t(engine_->kv_blocks_total());
-    h.kv_block_tokens = uint32_t(engine_->kv_block_tokens());
-    h.max_context = uint32_t(engine_->max_context());
-    return h;
-  }
+  protocol::Hello describe() const override { return engine_hello(*engine_, model_id_, "cuda"); }
 
   protocol::StepReply step(const protocol::StepRequest& req) override {
-    const auto t0 = std::chrono::steady_clock::now();
-    auto seq_length = [this](uint64_t id) { return engine_->seq_length(id); };
-    EngineLimits lim{engine_->desc().vocab_size, engine_->max_context(), engine_->kv_block_tokens(),
-                     engine_->kv_blocks_free(), seq_length};
-    TranslatedStep t = translate_step(req, lim);
     const CudaExpertStats before = engine_->expert_stats();
-    const auto t1 = std::chrono::steady_clock::now();
-    if (!t.inputs.empty()) {
-      auto out = engine_->step(std::span<const SeqInput>(t.inputs));
-      if (!out.ok() && broken_.empty()) broken_ = engine_->device_error();
-      fill_step_results(t, out, req.report_expert_usage, seq_length);
-      if (out.ok())
-        for (const SeqOutput& o : *out) live_.insert(o.seq_id);
-    } else {
-      fill_step_results(t, std::vector<SeqOutput>{}, req.report_expert_usage, seq_length);
-    }
-    protocol::StepReply& reply = t.reply;
-    const auto t2 = std::chrono::steady_clock::now();
+    protocol::StepReply reply = run_engine_step(*engine_, req, [this](const Result<std::vector<SeqOutput>>& out) {
+      if (!out.ok()) {
+        if (broken_.empty()) broken_ = engine_->device_error();
+        return;
+      }
+      for (const SeqOutput& o : *out) live_.insert(o.seq_id);
+    });
     const CudaExpertStats after = engine_->expert_stats();
     if (after.all_resident) {
       // Every routed expert was resident: each use is a hit.
@@ -58,11 +39,7 @@ class CudaBackend final : public Backend {
       reply.expert_hits = uint32_t(after.residency.hits - before.residency.hits);
       reply.expert_misses = uint32_t(after.residency.misses - before.residency.misses);
     }
-    reply.timing.compute_us = uint32_t(std::chrono::duration_cast<std::chrono::microseconds>(t2 - t1).count());
-    reply.timing.total_us = uint32_t(std::chrono::duration_cast<std::chrono::microseconds>(t2 - t0).count());
-    reply.kv_blocks_free = uint32_t(engine_->kv_blocks_free());
-    reply.kv_blocks_used = uint32_t(engine_->kv_blocks_total() - engine_->kv_blocks_free());
-    return std::move(reply);
+    return reply;
   }
 
   void release(uint64_t seq_id) override {

@@ -875,36 +875,13 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
   const ModelDesc& d = m.d;
   auto blocks_for = [](int tokens) { return (tokens + kBlockTokens - 1) / kBlockTokens; };
   // Check everything first: a refused step changes nothing.
-  {
-    std::unordered_set<uint64_t> ids;
-    int need = 0, freed = 0;
-    for (const SeqInput& in : inputs) {
-      const std::string who = "sequence " + std::to_string(in.seq_id);
-      if (!ids.insert(in.seq_id).second) return make_error(who + " appears twice in one step");
-      if (in.tokens.empty()) return make_error(who + ": no tokens");
-      for (int32_t t : in.tokens)
-        if (t < 0 || t >= d.vocab_size) return make_error(who + ": token id " + std::to_string(t) + " out of range");
-      auto it = m.seqs.find(in.seq_id);
-      const int have = it == m.seqs.end() ? 0 : it->second.length;
-      if (in.start_pos != 0 && in.start_pos != have)
-        return make_error(who + ": start_pos " + std::to_string(in.start_pos) + " but the sequence holds " +
-                          std::to_string(have) + " tokens");
-      const int end = in.start_pos + int(in.tokens.size());
-      if (end > m.max_context)
-        return make_error(who + ": " + std::to_string(end) + " tokens exceed the context of " +
-                          std::to_string(m.max_context));
-      const int owned = it == m.seqs.end() ? 0 : int(it->second.blocks.size());
-      if (in.start_pos == 0) {
-        freed += owned;
-        need += blocks_for(end);
-      } else {
-        need += std::max(0, blocks_for(end) - owned);
-      }
-    }
-    if (need > int(m.free_blocks.size()) + freed)
-      return make_error("KV cache full: the step needs " + std::to_string(need) + " blocks, " +
-                        std::to_string(int(m.free_blocks.size()) + freed) + " free");
-  }
+  const Status checked = check_step_inputs(inputs, d.vocab_size, m.max_context, kBlockTokens, int(m.free_blocks.size()),
+                                           [&m](uint64_t id) -> std::optional<HeldSequence> {
+                                             auto it = m.seqs.find(id);
+                                             if (it == m.seqs.end()) return std::nullopt;
+                                             return HeldSequence{it->second.length, int(it->second.blocks.size())};
+                                           });
+  if (!checked.ok()) return make_error(checked.error());
   for (const SeqInput& in : inputs) {
     if (in.start_pos == 0) release(in.seq_id);
     Impl::Sequence& s = m.seqs[in.seq_id];

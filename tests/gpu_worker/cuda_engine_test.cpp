@@ -22,18 +22,11 @@
 #include "kernels/cuda/cuda_check.cuh"
 #include "model/model_files.h"
 #include "model/packed_model.h"
+#include "tests/cuda_skip.h"
 
 namespace fs = std::filesystem;
 using namespace moe;
 
-#define SKIP_WITHOUT_GPU()                  \
-  do {                                      \
-    if (!moe::cuda::device_present()) {     \
-      std::puts("SKIPPED: no CUDA device"); \
-      WARN("SKIPPED: no CUDA device");      \
-      return;                               \
-    }                                       \
-  } while (0)
 
 namespace {
 

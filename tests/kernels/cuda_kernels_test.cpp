@@ -32,19 +32,12 @@
 #include "kernels/cuda/router.cuh"
 #include "kernels/cuda/sampling.cuh"
 #include "model/int4.h"
+#include "tests/cuda_skip.h"
 
 namespace {
 
 using bf16 = __nv_bfloat16;
 
-#define SKIP_WITHOUT_GPU()                      \
-  do {                                          \
-    if (!moe::cuda::device_present()) {         \
-      std::puts("SKIPPED: no CUDA device");     \
-      WARN("SKIPPED: no CUDA device");          \
-      return;                                   \
-    }                                           \
-  } while (0)
 
 #define REQUIRE_OK(expr)       \
   do {                         \
