@@ -1,0 +1,89 @@
+// Whether the host should compute a missed expert instead of copying it to
+// the GPU (the CUDA issue's question for small batches): the time the CPU
+// engine's INT4 matvecs take for one token through one expert of the
+// Qwen3-30B-A3B and Qwen1.5-MoE-A2.7B shapes, on one core and on every core
+// at once (distinct experts per thread, as a layer's misses would be), set
+// against the copy: blob bytes / the link's measured bandwidth.
+//   cpu_expert_bench [--link-gbs 52.3] [--seconds 2]
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/cpu/activation.h"
+#include "model/int4.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Shape {
+  const char* name;
+  int hidden, inter;
+};
+
+// One expert for one token: gate, up, SiLU product, down.
+void run_expert(const uint8_t* blob, const moe::ExpertLayout& L, const float* x, float* g, float* u, float* y) {
+  moe::q4_matvec(blob, L.gate, x, g);
+  moe::q4_matvec(blob, L.up, x, u);
+  for (int i = 0; i < L.inter; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  moe::q4_matvec(blob, L.down, g, y);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  double link_gbs = 52.3;  // moe-bench-gpu --copy-test on the H200's PCIe Gen5 x16
+  double seconds = 2;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--link-gbs")) link_gbs = std::atof(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--seconds")) seconds = std::atof(argv[i + 1]);
+  }
+  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+  std::printf("cpu_expert_bench: %d cores, link %.1f GB/s\n\n", cores, link_gbs);
+  std::printf("| shape | blob MB | copy us | CPU us/expert (1 core) | CPU experts/ms (%d cores) | link experts/ms | both together |\n",
+              cores);
+  std::printf("|---|---|---|---|---|---|---|\n");
+  for (const Shape s : {Shape{"Qwen3-30B-A3B", 2048, 768}, Shape{"Qwen1.5-MoE-A2.7B", 2048, 1408}}) {
+    const moe::ExpertLayout L = moe::expert_layout(s.hidden, s.inter, 64);
+    // Enough distinct experts that they do not stay in the caches.
+    const int n_blobs = std::max(64, 4 * cores);
+    std::vector<uint8_t> blobs(size_t(n_blobs) * L.blob_bytes);
+    std::mt19937 rng(1);
+    for (auto& b : blobs) b = uint8_t(rng());
+    for (int e = 0; e < n_blobs; ++e)
+      for (const moe::Q4MatrixLayout* m : {&L.gate, &L.up, &L.down}) {
+        auto* params = reinterpret_cast<uint16_t*>(blobs.data() + size_t(e) * L.blob_bytes + m->params_offset);
+        for (size_t i = 0; i < m->params_bytes() / 4; ++i) params[2 * i] = 0x1400, params[2 * i + 1] = 0x9000;
+      }
+    auto measure = [&](int threads) {
+      std::atomic<long> done{0};
+      std::atomic<bool> stop{false};
+      std::vector<std::thread> pool;
+      for (int t = 0; t < threads; ++t)
+        pool.emplace_back([&, t] {
+          std::vector<float> x(size_t(s.hidden), 0.5f), g(size_t(s.inter)), u(size_t(s.inter)), y(size_t(s.hidden));
+          long n = 0;
+          for (int e = t; !stop.load(std::memory_order_relaxed); e = (e + threads) % n_blobs, ++n)
+            run_expert(blobs.data() + size_t(e) * L.blob_bytes, L, x.data(), g.data(), u.data(), y.data());
+          done += n;
+        });
+      const auto t0 = Clock::now();
+      std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+      stop = true;
+      for (auto& th : pool) th.join();
+      return double(done) / std::chrono::duration<double, std::milli>(Clock::now() - t0).count();  // experts/ms
+    };
+    const double one = measure(1), all = measure(cores);
+    const double copy_us = double(L.blob_bytes) / (link_gbs * 1e3);
+    std::printf("| %s | %.2f | %.1f | %.0f | %.1f | %.1f | %.1f |\n", s.name, L.blob_bytes / 1e6, copy_us, 1000.0 / one,
+                all, 1000.0 / copy_us, all + 1000.0 / copy_us);
+  }
+  return 0;
+}
