@@ -52,18 +52,20 @@ class CpuBackend final : public Backend {
   size_t warm(const std::vector<protocol::ExpertRef>& experts) override {
     size_t resident = 0;
     for (const protocol::ExpertRef& e : experts) {
-      if (e.layer >= residency_.n_layers() || e.expert >= residency_.n_experts()) continue;
+      const int ml = moe_index_of_layer(engine_->desc(), e.layer);
+      if (ml < 0 || e.expert >= residency_.n_experts()) continue;
       const int expert = e.expert;
-      const auto placed = residency_.hint(e.layer, std::span<const int>(&expert, 1), HintPriority::warm);
+      const auto placed = residency_.hint(ml, std::span<const int>(&expert, 1), HintPriority::warm);
       if (!placed.empty()) ++residency_version_;
-      if (residency_.lookup({e.layer, e.expert}) >= 0) ++resident;
+      if (residency_.lookup({ml, e.expert}) >= 0) ++resident;
     }
     return resident;
   }
   std::vector<protocol::ExpertRef> resident() const override {
     std::vector<protocol::ExpertRef> out;
     for (int64_t i = 0; i < residency_.n_islands(); ++i)
-      if (auto k = residency_.resident(i)) out.push_back({uint16_t(k->layer), uint16_t(k->expert)});
+      if (auto k = residency_.resident(i))
+        out.push_back({uint16_t(model_layer_of_moe_index(engine_->desc(), k->layer)), uint16_t(k->expert)});
     std::sort(out.begin(), out.end(),
               [](const auto& a, const auto& b) { return a.layer != b.layer ? a.layer < b.layer : a.expert < b.expert; });
     return out;

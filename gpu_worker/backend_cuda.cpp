@@ -50,19 +50,14 @@ class CudaBackend final : public Backend {
   int kv_blocks_free() const override { return engine_->kv_blocks_free(); }
   int sequences_active() const override { return int(live_.size()); }
 
-  size_t warm(const std::vector<protocol::ExpertRef>& experts) override {
-    std::vector<ExpertKey> keys;
-    for (const auto& e : experts) keys.push_back({e.layer, e.expert});
-    return engine_->warm(keys);
-  }
+  size_t warm(const std::vector<protocol::ExpertRef>& experts) override { return engine_->warm(keys_of(experts)); }
   void hint(const std::vector<protocol::ExpertRef>& experts) override {
-    std::vector<ExpertKey> keys;
-    for (const auto& e : experts) keys.push_back({e.layer, e.expert});
-    engine_->warm(keys, /*may_evict=*/true);
+    engine_->warm(keys_of(experts), /*may_evict=*/true);
   }
   std::vector<protocol::ExpertRef> resident() const override {
     std::vector<protocol::ExpertRef> out;
-    for (const ExpertKey& k : engine_->resident()) out.push_back({uint16_t(k.layer), uint16_t(k.expert)});
+    for (const ExpertKey& k : engine_->resident())
+      out.push_back({uint16_t(model_layer_of_moe_index(engine_->desc(), k.layer)), uint16_t(k.expert)});
     return out;
   }
   uint64_t residency_version() const override { return engine_->residency_version(); }
@@ -72,8 +67,9 @@ class CudaBackend final : public Backend {
     const uint64_t bytes0 = engine_->expert_stats().residency.bytes_copied;
     protocol::LoadExpertReply r;
     r.layer = req.layer;
+    const int ml = moe_index_of_layer(engine_->desc(), req.layer);
     for (uint16_t e : req.experts) {
-      const ExpertKey k{req.layer, e};
+      const ExpertKey k{ml, e};
       if (engine_->warm(std::span<const ExpertKey>(&k, 1)) == 1)
         r.resident.push_back(e);
       else
@@ -89,7 +85,8 @@ class CudaBackend final : public Backend {
     protocol::UnloadExpertReply r;
     r.layer = req.layer;
     std::vector<ExpertKey> keys;
-    for (uint16_t e : req.experts) keys.push_back({req.layer, e});
+    const int ml = moe_index_of_layer(engine_->desc(), req.layer);
+    for (uint16_t e : req.experts) keys.push_back({ml, e});
     const std::vector<ExpertKey> failed = engine_->unload(keys);
     for (const ExpertKey& k : keys) {
       const bool f = std::any_of(failed.begin(), failed.end(), [&](const ExpertKey& x) { return x == k; });
@@ -111,6 +108,14 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // Wire references name model layers; the engine's map counts MoE layers
+  // (a layer without experts maps to -1, which the engine skips).
+  std::vector<ExpertKey> keys_of(const std::vector<protocol::ExpertRef>& experts) const {
+    std::vector<ExpertKey> keys;
+    for (const auto& e : experts) keys.push_back({moe_index_of_layer(engine_->desc(), e.layer), e.expert});
+    return keys;
+  }
+
   std::unique_ptr<CudaEngine> engine_;
   std::string model_id_;
   std::unordered_set<uint64_t> live_;

@@ -20,6 +20,17 @@ protocol::Hello model_hello(const ModelDesc& d) {
   return h;
 }
 
+int moe_index_of_layer(const ModelDesc& d, int model_layer) {
+  if (model_layer < 0 || model_layer >= d.n_layers) return -1;
+  return d.moe_layer_index(model_layer);
+}
+
+int model_layer_of_moe_index(const ModelDesc& d, int moe_index) {
+  for (int l = 0; l < d.n_layers; ++l)
+    if (d.moe_layer_index(l) == moe_index) return l;
+  return -1;
+}
+
 std::string model_id_from_path(const std::string& model_path) {
   std::filesystem::path p(model_path);
   std::string id = p.filename().string();

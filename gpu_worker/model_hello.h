@@ -12,6 +12,12 @@ namespace moe::worker {
 
 protocol::Hello model_hello(const ModelDesc& d);
 
+// Expert references on the wire name the model's layer (docs/protocol.md);
+// residency maps count MoE layers. -1 when the layer has no experts / the
+// index is out of range.
+int moe_index_of_layer(const ModelDesc& d, int model_layer);
+int model_layer_of_moe_index(const ModelDesc& d, int moe_index);
+
 // The model id a worker announces: the folder's or the packed file's name.
 std::string model_id_from_path(const std::string& model_path);
 
