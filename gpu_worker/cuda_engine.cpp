@@ -541,8 +541,9 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     req.nonexpert_bytes = measure_w.used;
     req.workspace_bytes = measure_ws.used;
     req.kv_bytes_per_block = size_t(2) * d.n_layers * kBlockTokens * d.n_kv_heads * d.head_dim * 2;
-    req.kv_blocks_min = std::max(opts.kv_blocks_min, 1);
-    req.kv_blocks_wanted = std::max(opts.kv_blocks, opts.kv_blocks_min);
+    // Blocks the operator asked for are exactly what the pool gets.
+    req.kv_blocks_min = opts.kv_blocks > 0 ? opts.kv_blocks : std::max(opts.kv_blocks_min, 1);
+    req.kv_blocks_wanted = req.kv_blocks_min;
     req.expert_blob_bytes = m.Lm > 0 ? m.layout.blob_bytes : kAlign;
     req.n_total_experts = int64_t(m.Lm) * m.E;
     req.min_islands = m.Lm > 0 ? m.E : 0;  // a prompt may route to every expert of a layer at once

@@ -25,8 +25,8 @@ namespace moe {
 
 struct CudaEngineOptions {
   size_t vram_budget = 0;     // 0: free device memory less a margin
-  int kv_blocks = 0;          // 0: as many as fit after the experts (at least kv_blocks_min)
-  int kv_blocks_min = 64;     // the worker refuses to start with fewer
+  int kv_blocks = 0;          // exactly this many; 0: what the experts leave (at least kv_blocks_min, up to 8 GiB)
+  int kv_blocks_min = 64;     // with kv_blocks 0: the worker refuses to start with fewer
   int max_step_tokens = 512;  // tokens per forward pass (larger steps run as several)
   int max_context = 0;        // 0: the model's max_position (capped at 32768)
   std::string policy = "ours";  // eviction: lru | lfu | ours
