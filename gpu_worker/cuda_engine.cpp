@@ -45,7 +45,6 @@ using bf16 = __nv_bfloat16;
 
 constexpr int kBlockTokens = 16;
 constexpr int kMaxSampleRows = 64;  // sampled rows per forward pass
-constexpr int kFuseMaxTokens = 4;   // norm / SiLU folded into GEMVs up to this batch
 constexpr size_t kAlign = 256;
 constexpr size_t kDefaultMargin = size_t(512) << 20;  // free memory the default budget leaves
 
@@ -483,6 +482,8 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     return make_error("the cuda backend has no group-limited expert selection (" + d.moe.topk_method + ")");
   if (opts.max_step_tokens < 1 || opts.max_step_tokens > 8192)
     return make_error("max_step_tokens must be in [1, 8192]");
+  if (opts.fuse_max_tokens < 0 || opts.fuse_max_tokens > cuda::kGemvMaxTokens)
+    return make_error("fuse_max_tokens must be in [0, 8]");
 
   std::unique_ptr<CudaEngine> eng(new CudaEngine());
   eng->impl_ = std::make_unique<Impl>();
@@ -774,7 +775,7 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
   // Up to this many tokens RMSNorm and SiLU are folded into the GEMVs'
   // staging (fewer launches); above, every block re-reading the f32 inputs
   // costs more than the launches saved (docs/cuda.md).
-  const bool fuse = n <= kFuseMaxTokens;
+  const bool fuse = n <= opts.fuse_max_tokens;
   const auto* tokens = reinterpret_cast<const int32_t*>(pack_dev + pk.tokens);
   const auto* positions = reinterpret_cast<const int32_t*>(pack_dev + pk.positions);
   const auto* seq_of_token = reinterpret_cast<const int32_t*>(pack_dev + pk.seq_of_token);

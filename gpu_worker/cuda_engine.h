@@ -32,6 +32,7 @@ struct CudaEngineOptions {
   std::string policy = "ours";  // eviction: lru | lfu | ours
   bool prefetch = true;         // budget mode: hint the next layer's predicted experts
   bool graphs = true;           // resident mode: replay decode steps as CUDA graphs
+  int fuse_max_tokens = 4;      // up to this many tokens RMSNorm / SiLU are folded into the GEMVs (0..8)
   int q4_group = 64;            // quantising a checkpoint whose experts are not INT4 yet
   // Non-expert matrices: bf16, int8 (one scale per row; the embedding stays
   // bf16), or auto: bf16 when every expert fits beside it, else int8.

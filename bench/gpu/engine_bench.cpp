@@ -34,6 +34,7 @@ struct Options {
   std::string policy = "ours";
   bool prefetch = true;
   std::string dense_weights = "auto";
+  int fuse_max_tokens = 4;
   std::string json;
 };
 
@@ -129,7 +130,7 @@ int usage() {
   std::fprintf(stderr,
                "usage: moe-bench-engine [--shape qwen15|qwen3|all] [--vram-budget 12GiB[,8GiB...]] [--steps N]\n"
                "                        [--context N] [--prompt N] [--policy lru|lfu|ours] [--prefetch on|off]\n"
-               "                        [--dense-weights auto|bf16|int8] [--json PATH]\n");
+               "                        [--dense-weights auto|bf16|int8] [--fuse-max-tokens N] [--json PATH]\n");
   return 2;
 }
 
@@ -147,6 +148,7 @@ int main(int argc, char** argv) {
     else if (a == "--policy") o.policy = val();
     else if (a == "--prefetch") o.prefetch = val() == "on";
     else if (a == "--dense-weights") o.dense_weights = val();
+    else if (a == "--fuse-max-tokens") o.fuse_max_tokens = std::atoi(val().c_str());
     else if (a == "--json") o.json = val();
     else if (a == "--vram-budget") {
       std::string v = val();
@@ -193,6 +195,7 @@ int main(int argc, char** argv) {
       eo.policy = o.policy;
       eo.prefetch = o.prefetch;
       eo.dense_weights = o.dense_weights;
+      eo.fuse_max_tokens = o.fuse_max_tokens;
       const auto t1 = Clock::now();
       auto e = CudaEngine::create((*model)->files, eo);
       if (!e) {
