@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -275,6 +276,7 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
   // A dense matrix made of `parts` stacked by rows (+ pad_rows zero rows),
   // bf16 or INT8 per row.
   auto linear_parts = [&](DenseW* dst, const std::vector<const Linear*>& parts, size_t pad_rows) -> Status {
+    *dst = DenseW{};  // nothing of an earlier measuring pass (other dtype) survives
     const int cols = parts.front()->in;
     int rows = int(pad_rows);
     for (const Linear* p : parts) rows += p->out;
@@ -570,16 +572,13 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     const bool all_fit = plan && plan->n_islands >= int64_t(m.Lm) * m.E;
     if (opts.dense_weights == "auto" && !all_fit) {
       auto p8 = plan_for(true);
+      // Back to bf16: its plan stands; the upload carve measures nothing
+      // INT8-only (the dequant buffer) once int8_dense is off again.
       if (p8 || !plan) plan = std::move(p8);
       else m.int8_dense = false;
     }
   }
   if (!plan) return make_error(plan.error());
-  if (!m.int8_dense) {
-    // plan_for(false) may not have been the last measurement: restore its state.
-    auto p = plan_for(false);
-    if (!p) return make_error(p.error());
-  }
   m.plan = *plan;
   m.kv_blocks = int(std::min<int64_t>(m.plan.kv_blocks, INT32_MAX));
   m.all_resident = m.Lm == 0 || m.plan.n_islands >= int64_t(m.Lm) * m.E;
@@ -688,8 +687,8 @@ Status CudaEngine::Impl::bind_experts(int ml, int n) {
   // The next MoE layer's likely experts, copied while this one computes.
   std::vector<int> guess;
   for (int t = 0; t < n; ++t) {
-    std::span<const int32_t> r(ids + size_t(t) * K, size_t(K));
-    std::vector<int> row(r.begin(), r.end());
+    static_assert(std::is_same_v<int32_t, int>, "the predictor reads the ids in place");
+    const std::span<const int> row(ids + size_t(t) * K, size_t(K));
     predictor->observe(ml, row);
     for (int e : predictor->predict_next(ml, row))
       if (std::find(guess.begin(), guess.end(), e) == guess.end()) guess.push_back(e);

@@ -68,6 +68,14 @@ struct Row {
   double tok_s = 0, peak_mib = 0, hit_rate = 1, pcie_mb_per_token = 0;
 };
 
+// Hit rate and PCIe bytes per token between two snapshots of the counters.
+void expert_figures(Row& row, const CudaExpertStats& s0, const CudaExpertStats& s1, double tokens) {
+  const double hits = double(s1.residency.hits - s0.residency.hits);
+  const double miss = double(s1.residency.misses - s0.residency.misses);
+  row.hit_rate = s1.all_resident ? 1.0 : (hits + miss > 0 ? hits / (hits + miss) : 0);
+  row.pcie_mb_per_token = double(s1.residency.bytes_copied - s0.residency.bytes_copied) / 1e6 / tokens;
+}
+
 // Decode: `batch` sequences after a `context`-token prompt each; the median
 // step time of `steps` steps (after 8 warm-up steps).
 Result<Row> decode(CudaEngine& e, int batch, const Options& o) {
@@ -95,9 +103,7 @@ Result<Row> decode(CudaEngine& e, int batch, const Options& o) {
   row.phase = "decode";
   row.batch = batch;
   row.tok_s = batch * 1000.0 / ms[ms.size() / 2];
-  const double hits = double(s1.residency.hits - s0.residency.hits), miss = double(s1.residency.misses - s0.residency.misses);
-  row.hit_rate = s1.all_resident ? 1.0 : (hits + miss > 0 ? hits / (hits + miss) : 0);
-  row.pcie_mb_per_token = double(s1.residency.bytes_copied - s0.residency.bytes_copied) / 1e6 / (double(o.steps) * batch);
+  expert_figures(row, s0, s1, double(o.steps) * batch);
   return row;
 }
 
@@ -120,9 +126,7 @@ Result<Row> prefill(CudaEngine& e, const Options& o) {
   row.phase = "prefill";
   row.batch = o.prompt;
   row.tok_s = o.prompt * 1000.0 / ms[ms.size() / 2];
-  const double hits = double(s1.residency.hits - s0.residency.hits), miss = double(s1.residency.misses - s0.residency.misses);
-  row.hit_rate = s1.all_resident ? 1.0 : (hits + miss > 0 ? hits / (hits + miss) : 0);
-  row.pcie_mb_per_token = double(s1.residency.bytes_copied - s0.residency.bytes_copied) / 1e6 / (6.0 * o.prompt);
+  expert_figures(row, s0, s1, 6.0 * o.prompt);
   return row;
 }
 
