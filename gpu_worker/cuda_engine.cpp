@@ -247,7 +247,8 @@ struct CudaEngine::Impl {
   void carve_workspace(Carver& c);
   Status expert_source(ExpertHostSource& src);
   Status forward(const PassPack& pk, int n, int s);
-  Status moe_layer(const DevLayer& L, int n, bool logits_ready);
+  // positions / seq_of_token: the pass's, on the device (uniform routing draws from them)
+  Status moe_layer(const DevLayer& L, int n, bool logits_ready, const int32_t* positions, const int32_t* seq_of_token);
   // y[n, W.rows] (+)= x W^T, bf16 or INT8 weights; GEMV up to 8 rows of x,
   // cuBLASLt above (an INT8 matrix is first turned back into bf16).
   Status project(const DenseW& W, const bf16* x, float* y, int n, bool acc);
@@ -735,7 +736,8 @@ Status CudaEngine::Impl::project(const DenseW& W, const bf16* xin, float* y, int
   return mm->matmul(xin, w, y, true, n, W.rows, W.cols, acc ? 1.f : 0.f, st);
 }
 
-Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready) {
+Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, const int32_t* positions,
+                                   const int32_t* seq_of_token) {
   const int ml = L.moe_index;
   const bool small = n <= cuda::kGemvMaxTokens;
   // The router's logits: inside the shared projection's output, already
@@ -748,6 +750,9 @@ Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready) 
   if (Status s = cuda::router_topk(logits, n, E, K, d.moe.norm_topk_prob, d.moe.routed_scaling, ids, route_w, st, stride);
       !s)
     return s;
+  if (opts.uniform_routing_seed != 0)
+    if (Status s = cuda::uniform_route(ids, n, E, K, positions, seq_of_token, ml, opts.uniform_routing_seed, st); !s)
+      return s;
   if (!all_resident)
     if (Status s = bind_experts(ml, n); !s) return s;
   cuda::Q4ExpertArgs a;
@@ -830,7 +835,7 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
       }
     }
     if (L.moe_index >= 0)
-      if (Status e = moe_layer(L, n, logits_ready); !e) return e;
+      if (Status e = moe_layer(L, n, logits_ready, positions, seq_of_token); !e) return e;
     if (L.mlp_gu_w) {
       // SiLU(gate) * up, then down (scaled by the shared expert's gate), added to the residual.
       const int I = L.mlp_inter;

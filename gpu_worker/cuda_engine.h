@@ -37,6 +37,11 @@ struct CudaEngineOptions {
   // Non-expert matrices: bf16, int8 (one scale per row; the embedding stays
   // bf16), or auto: bf16 when every expert fits beside it, else int8.
   std::string dense_weights = "auto";
+  // Benchmarks: 0, the router picks the experts; else every token's experts
+  // are drawn uniformly (distinct, the router's weights kept) from this seed,
+  // the layer, the position and the sequence: the uniform routing that the
+  // offload targets are stated for, which random router weights do not give.
+  uint64_t uniform_routing_seed = 0;
 };
 
 // What the experts cost and where they are (the worker's stats reply).

@@ -4,7 +4,12 @@
 // 1 and 8 after a 128-token prompt, and a 512-token prefill, all experts
 // resident or under a --vram-budget. Steps go through CudaEngine::step
 // exactly as the worker runs them (host inputs, sampling, outputs back).
+// Routing: "router" is what the random router weights pick (concentrated:
+// a few experts take most tokens); "uniform" draws every token's experts
+// uniformly (CudaEngineOptions::uniform_routing_seed), the load the offload
+// targets are stated for. GPU memory is the process's, from nvidia-smi.
 //   moe-bench-engine [--shape qwen15|qwen3|all] [--vram-budget 12GiB[,8GiB]]
+//                    [--routing router|uniform|router,uniform]
 //                    [--steps N] [--prompt N] [--policy P] [--prefetch on|off]
 //                    [--dense-weights auto|bf16|int8] [--json PATH]
 #include <cuda_runtime.h>
@@ -15,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -35,13 +41,40 @@ struct Options {
   bool prefetch = true;
   std::string dense_weights = "auto";
   int fuse_max_tokens = 4;
+  std::vector<std::string> routings = {"router"};
   std::string json;
 };
 
+// The GPU memory this process holds, as nvidia-smi reports it (context
+// included); the device's used memory when nvidia-smi cannot say.
 double used_mib() {
+  const std::string cmd = "nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null";
+  if (FILE* f = popen(cmd.c_str(), "r")) {
+    char line[256];
+    double mib = -1;
+    while (std::fgets(line, sizeof line, f)) {
+      long pid = 0;
+      double m = 0;
+      if (std::sscanf(line, "%ld, %lf", &pid, &m) == 2 && pid == long(getpid())) mib = m;
+    }
+    pclose(f);
+    if (mib >= 0) return mib;
+  }
   size_t f = 0, t = 0;
   cudaMemGetInfo(&f, &t);
   return double(t - f) / (1 << 20);
+}
+
+std::vector<std::string> split_list(const std::string& v) {
+  std::vector<std::string> out;
+  size_t p = 0;
+  while (p <= v.size()) {
+    const size_t c = v.find(',', p);
+    out.push_back(v.substr(p, c == std::string::npos ? std::string::npos : c - p));
+    if (c == std::string::npos) break;
+    p = c + 1;
+  }
+  return out;
 }
 
 std::vector<int32_t> tokens(int n, uint64_t seed, int vocab) {
@@ -63,7 +96,7 @@ SeqInput greedy(uint64_t id, std::vector<int32_t> toks, int start) {
 }
 
 struct Row {
-  std::string shape, mode, phase, dense = "bf16";
+  std::string shape, mode, phase, dense = "bf16", routing = "router";
   int batch = 0;
   double tok_s = 0, peak_mib = 0, hit_rate = 1, pcie_mb_per_token = 0;
 };
@@ -134,7 +167,8 @@ int usage() {
   std::fprintf(stderr,
                "usage: moe-bench-engine [--shape qwen15|qwen3|all] [--vram-budget 12GiB[,8GiB...]] [--steps N]\n"
                "                        [--context N] [--prompt N] [--policy lru|lfu|ours] [--prefetch on|off]\n"
-               "                        [--dense-weights auto|bf16|int8] [--fuse-max-tokens N] [--json PATH]\n");
+               "                        [--dense-weights auto|bf16|int8] [--fuse-max-tokens N]\n"
+               "                        [--routing router|uniform|router,uniform] [--json PATH]\n");
   return 2;
 }
 
@@ -154,15 +188,15 @@ int main(int argc, char** argv) {
     else if (a == "--dense-weights") o.dense_weights = val();
     else if (a == "--fuse-max-tokens") o.fuse_max_tokens = std::atoi(val().c_str());
     else if (a == "--json") o.json = val();
-    else if (a == "--vram-budget") {
-      std::string v = val();
-      size_t p = 0;
-      while (p < v.size()) {
-        const size_t c = v.find(',', p);
-        o.budgets_gib.push_back(std::atof(v.substr(p, c - p).c_str()));
-        if (c == std::string::npos) break;
-        p = c + 1;
-      }
+    else if (a == "--routing") {
+      o.routings = split_list(val());
+      for (const auto& r : o.routings)
+        if (r != "router" && r != "uniform") {
+          std::fprintf(stderr, "moe-bench-engine: --routing takes router and/or uniform, not '%s'\n", r.c_str());
+          return usage();
+        }
+    } else if (a == "--vram-budget") {
+      for (const auto& b : split_list(val())) o.budgets_gib.push_back(std::atof(b.c_str()));
     } else if (a == "--help" || a == "-h") {
       usage();
       return 0;
@@ -192,61 +226,68 @@ int main(int argc, char** argv) {
                 std::chrono::duration<double>(Clock::now() - t0).count(), (*model)->expert_bytes / double(1 << 30));
     std::vector<double> modes = {0};
     for (double b : o.budgets_gib) modes.push_back(b);
-    for (double gib : modes) {
-      CudaEngineOptions eo;
-      eo.vram_budget = size_t(gib * double(1ull << 30));
-      eo.kv_blocks = 256;  // 4,096 tokens: the runs below need at most 8 x 264
-      eo.policy = o.policy;
-      eo.prefetch = o.prefetch;
-      eo.dense_weights = o.dense_weights;
-      eo.fuse_max_tokens = o.fuse_max_tokens;
-      const auto t1 = Clock::now();
-      auto e = CudaEngine::create((*model)->files, eo);
-      if (!e) {
-        std::fprintf(stderr, "moe-bench-engine: %s\n", e.error().c_str());
-        return 1;
-      }
-      const std::string mode = gib == 0 ? std::string("resident") : "budget-" + std::to_string(int(gib)) + "GiB";
-      const std::string dense = (*e)->expert_stats().int8_dense ? "int8" : "bf16";
-      std::printf("  %s: engine ready in %.1f s, %lld islands, dense weights %s\n", mode.c_str(),
-                  std::chrono::duration<double>(Clock::now() - t1).count(), (long long)(*e)->plan().n_islands,
-                  (*e)->expert_stats().int8_dense ? "int8" : "bf16");
-      std::vector<int> batches = gib == 0 ? std::vector<int>{1, 8} : std::vector<int>{1};
-      for (int b : batches) {
-        auto r = decode(**e, b, o);
-        if (!r) {
-          std::fprintf(stderr, "moe-bench-engine: %s\n", r.error().c_str());
+    for (double gib : modes)
+      for (const std::string& routing : o.routings) {
+        CudaEngineOptions eo;
+        eo.vram_budget = size_t(gib * double(1ull << 30));
+        eo.kv_blocks = 256;  // 4,096 tokens: the runs below need at most 8 x 264
+        eo.policy = o.policy;
+        eo.prefetch = o.prefetch;
+        eo.dense_weights = o.dense_weights;
+        eo.fuse_max_tokens = o.fuse_max_tokens;
+        eo.uniform_routing_seed = routing == "uniform" ? 0x5eed : 0;
+        const auto t1 = Clock::now();
+        auto e = CudaEngine::create((*model)->files, eo);
+        if (!e) {
+          std::fprintf(stderr, "moe-bench-engine: %s\n", e.error().c_str());
           return 1;
         }
-        r->shape = s.name;
-        r->mode = mode;
-        r->dense = dense;
-        r->peak_mib = used_mib();
-        rows.push_back(*r);
+        const std::string mode = gib == 0 ? std::string("resident") : "budget-" + std::to_string(int(gib)) + "GiB";
+        const std::string dense = (*e)->expert_stats().int8_dense ? "int8" : "bf16";
+        std::printf("  %s, %s routing: engine ready in %.1f s, %lld islands, dense weights %s\n", mode.c_str(),
+                    routing.c_str(), std::chrono::duration<double>(Clock::now() - t1).count(),
+                    (long long)(*e)->plan().n_islands, dense.c_str());
+        std::fflush(stdout);
+        auto keep = [&](Row r) {
+          r.shape = s.name;
+          r.mode = mode;
+          r.dense = dense;
+          r.routing = routing;
+          r.peak_mib = used_mib();
+          std::printf("    %s b%d: %.1f tok/s, hit %.3f, %.1f MB/token over PCIe, %.0f MiB\n", r.phase.c_str(), r.batch,
+                      r.tok_s, r.hit_rate, r.pcie_mb_per_token, r.peak_mib);
+          std::fflush(stdout);
+          rows.push_back(r);
+        };
+        std::vector<int> batches = gib == 0 ? std::vector<int>{1, 8} : std::vector<int>{1};
+        for (int b : batches) {
+          auto r = decode(**e, b, o);
+          if (!r) {
+            std::fprintf(stderr, "moe-bench-engine: %s\n", r.error().c_str());
+            return 1;
+          }
+          keep(*r);
+        }
+        auto p = prefill(**e, o);
+        if (!p) {
+          std::fprintf(stderr, "moe-bench-engine: %s\n", p.error().c_str());
+          return 1;
+        }
+        keep(*p);
       }
-      auto p = prefill(**e, o);
-      if (!p) {
-        std::fprintf(stderr, "moe-bench-engine: %s\n", p.error().c_str());
-        return 1;
-      }
-      p->shape = s.name;
-      p->mode = mode;
-      p->dense = dense;
-      p->peak_mib = used_mib();
-      rows.push_back(*p);
-    }
   }
-  std::printf("\n| shape | mode | dense weights | phase | batch | tok/s | hit rate | PCIe MB/token | GPU MiB in use |\n"
-              "|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("\n| shape | mode | routing | dense weights | phase | batch | tok/s | hit rate | PCIe MB/token | GPU MiB |\n"
+              "|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Row& r : rows)
-    std::printf("| %s | %s | %s | %s | %d | %.0f | %.3f | %.1f | %.0f |\n", r.shape.c_str(), r.mode.c_str(),
-                r.dense.c_str(), r.phase.c_str(), r.batch, r.tok_s, r.hit_rate, r.pcie_mb_per_token, r.peak_mib);
+    std::printf("| %s | %s | %s | %s | %s | %d | %.0f | %.3f | %.1f | %.0f |\n", r.shape.c_str(), r.mode.c_str(),
+                r.routing.c_str(), r.dense.c_str(), r.phase.c_str(), r.batch, r.tok_s, r.hit_rate,
+                r.pcie_mb_per_token, r.peak_mib);
   if (!o.json.empty()) {
     nlohmann::json j = nlohmann::json::array();
     for (const Row& r : rows)
-      j.push_back({{"shape", r.shape}, {"mode", r.mode}, {"dense_weights", r.dense}, {"phase", r.phase}, {"batch", r.batch},
-                   {"ours_tok_s", r.tok_s}, {"hit_rate", r.hit_rate}, {"pcie_mb_per_token", r.pcie_mb_per_token},
-                   {"gpu_mib_in_use", r.peak_mib}});
+      j.push_back({{"shape", r.shape}, {"mode", r.mode}, {"routing", r.routing}, {"dense_weights", r.dense},
+                   {"phase", r.phase}, {"batch", r.batch}, {"ours_tok_s", r.tok_s}, {"hit_rate", r.hit_rate},
+                   {"pcie_mb_per_token", r.pcie_mb_per_token}, {"peak_gpu_mib", r.peak_mib}});
     std::ofstream(o.json) << j.dump(1) << "\n";
   }
   return 0;

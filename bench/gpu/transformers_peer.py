@@ -3,15 +3,20 @@
 weights, greedy `generate`. Decode tokens/s at batch 1 and 8 after a
 128-token prompt, and a 512-token prefill, for the Qwen1.5-MoE-A2.7B and
 Qwen3-30B-A3B shapes that moe-bench-engine measures; then, given that
-benchmark's JSON, one table of ratios.
+benchmark's JSON (one file or several, comma-separated), one table of
+ratios and targets, and with --summary the machine-readable summary
+(bench/results/gpu-latest.json): {"date", "gpu", "commit", "rows": [...]}.
 
   transformers_peer.py [--shape qwen15|qwen3|all] [--new-tokens 48]
-                       [--ours gpu-engine.json] [--json OUT]
+                       [--ours a.json[,b.json]] [--json OUT] [--summary OUT]
+                       [--commit REV]
 
 Runs where torch and transformers are installed (the GPU machine).
 """
 import argparse
+import datetime
 import json
+import subprocess
 import sys
 import time
 
@@ -25,6 +30,19 @@ SHAPES = {
         kind="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
         head_dim=128, moe_intermediate_size=768, intermediate_size=6144, num_experts=128, num_experts_per_tok=8,
         norm_topk_prob=True, vocab_size=151936, rope_theta=1e6),
+}
+
+
+# What each row must reach (the issue's targets; llama.cpp Q4_K_M on this
+# machine is the engine to beat). Key: (shape, mode, phase, batch).
+TARGETS = {
+    ("Qwen1.5-MoE-A2.7B", "resident", "decode", 1): 520,
+    ("Qwen1.5-MoE-A2.7B", "resident", "decode", 8): 1670,
+    ("Qwen1.5-MoE-A2.7B", "resident", "prefill", 512): 14100,
+    ("Qwen1.5-MoE-A2.7B", "budget-6GiB", "decode", 1): 215,
+    ("Qwen3-30B-A3B", "resident", "decode", 1): 380,
+    ("Qwen3-30B-A3B", "budget-12GiB", "decode", 1): 130,
+    ("Qwen3-30B-A3B", "budget-12GiB", "prefill", 512): 2800,
 }
 
 
@@ -85,7 +103,15 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--ours", default="")
     ap.add_argument("--json", default="")
+    ap.add_argument("--summary", default="")
+    ap.add_argument("--commit", default="")
     a = ap.parse_args()
+    if not a.commit:
+        try:
+            a.commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                      check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            a.commit = "unknown"
     try:
         import torch
         import transformers
@@ -107,18 +133,34 @@ def main():
         del model
         torch.cuda.empty_cache()
     if a.ours:
-        ours = json.load(open(a.ours))
-        ours = ours["rows"] if isinstance(ours, dict) else ours
-        print("\n| shape | phase | batch | ours (dense) | transformers | ours / transformers |")
-        print("|---|---|---|---|---|---|")
-        for r in rows:
-            for o in ours:
-                if (o["shape"], o["mode"], o["phase"], o["batch"]) == (r["shape"], r["mode"], r["phase"], r["batch"]):
-                    r.setdefault("ours", {})[o.get("dense_weights", "bf16")] = o["ours_tok_s"]
-            for dense, v in sorted(r.get("ours", {}).items()):
-                print("| %s | %s | %d | %.0f (%s) | %.1f | %.1fx |" % (r["shape"], r["phase"], r["batch"], v, dense,
-                                                                   r["transformers_tok_s"],
-                                                                   v / r["transformers_tok_s"]))
+        ours = []
+        for path in a.ours.split(","):
+            o = json.load(open(path))
+            ours += o["rows"] if isinstance(o, dict) else o
+        peer = {(r["shape"], r["mode"], r["phase"], r["batch"]): r["transformers_tok_s"] for r in rows}
+        print("\n| shape | mode | routing | phase | batch | ours (dense) | transformers | ours / transformers "
+              "| target | hit rate | PCIe MB/token | GPU MiB |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        summary = []
+        for o in ours:
+            key = (o["shape"], o["mode"], o["phase"], o["batch"])
+            tf = peer.get(key)
+            target = TARGETS.get(key)
+            row = dict(o)
+            row["transformers_tok_s"] = tf
+            row["target_tok_s"] = target
+            summary.append(row)
+            print("| %s | %s | %s | %s | %d | %.0f (%s) | %s | %s | %s | %.3f | %.1f | %.0f |" % (
+                o["shape"], o["mode"], o.get("routing", "router"), o["phase"], o["batch"], o["ours_tok_s"],
+                o.get("dense_weights", "bf16"), "%.1f" % tf if tf else "-",
+                "%.1fx" % (o["ours_tok_s"] / tf) if tf else "-",
+                ("%d %s" % (target, "met" if o["ours_tok_s"] >= target else "not met")) if target else "-",
+                o.get("hit_rate", 1.0), o.get("pcie_mb_per_token", 0.0), o.get("peak_gpu_mib", 0.0)))
+        if a.summary:
+            gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "unknown"
+            with open(a.summary, "w") as f:
+                json.dump({"date": datetime.date.today().isoformat(), "gpu": gpu, "commit": a.commit,
+                           "transformers": transformers.__version__, "rows": summary}, f, indent=1)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -66,41 +66,58 @@ __device__ __forceinline__ void load4(const __nv_bfloat16* p, float v[4]) {
 }
 
 // Eight threads stage one chunk, four inputs each; the chunk's max and sum
-// come from shuffles within the eight. Every lane of a warp runs the same
-// number of rounds (shuffles need the whole warp).
-template <typename XT>
-__device__ void stage_fast(const XT* __restrict__ x, int K, uint4* xs, float2* stats) {
-  const int nchunks = K / 32, items = nchunks * 8;
+// come from shuffles within the eight. `nvec` vectors of nchunks chunks lie
+// one after another in x (a token's top_k down inputs, or one vector);
+// vector k is staged at base + k * per. The loads of up to kStageBatch rounds
+// are issued before any is used, so staging costs one memory latency, not
+// one per round (BATCH: the rounds the caller expects, which sets the
+// registers it costs). Every lane of a warp runs the same number of rounds
+// (shuffles need the whole warp).
+template <int kStageBatch, typename XT>
+__device__ void stage_fast(const XT* __restrict__ x, int nchunks, int nvec, uint8_t* base, size_t per) {
+  const int items = nvec * nchunks * 8;
   const int rounds = (items + blockDim.x - 1) / blockDim.x;
-  for (int r = 0; r < rounds; ++r) {
-    const int i = r * blockDim.x + threadIdx.x;
-    const bool on = i < items;
-    const int c = i >> 3, sub = i & 7;
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (on) load4(x + c * 32 + sub * 4, v);
-    float m = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-    float sm = (v[0] + v[1]) + (v[2] + v[3]);
+  for (int r0 = 0; r0 < rounds; r0 += kStageBatch) {
+    float v[kStageBatch][4];
 #pragma unroll
-    for (int o = 1; o < 8; o <<= 1) {
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-      sm += __shfl_xor_sync(0xffffffffu, sm, o);
+    for (int j = 0; j < kStageBatch; ++j) {
+      const int i = (r0 + j) * blockDim.x + threadIdx.x;
+      v[j][0] = v[j][1] = v[j][2] = v[j][3] = 0.f;
+      if (r0 + j < rounds && i < items) load4(x + size_t(i >> 3) * 32 + (i & 7) * 4, v[j]);
     }
-    const float inv = m > 0.f ? 1.f / m : 0.f;
-    // Word q = subs 2q (inputs 0..3) and 2q+1 (inputs 4..7): swap with the
-    // partner, then the even sub writes (x0,x4) (x1,x5), the odd (x2,x6) (x3,x7).
-    float w[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) w[j] = __shfl_xor_sync(0xffffffffu, v[j], 1);
-    if (on) {
-      const bool odd = sub & 1;
-      // even: (v0, w0) (v1, w1); odd: (w2, v2) (w3, v3)
-      const float l0 = odd ? w[2] : v[0], h0 = odd ? v[2] : w[0];
-      const float l1 = odd ? w[3] : v[1], h1 = odd ? v[3] : w[1];
-      uint2 u;
-      u.x = as_u32(__floats2half2_rn(l0 * inv, h0 * inv));
-      u.y = as_u32(__floats2half2_rn(l1 * inv, h1 * inv));
-      reinterpret_cast<uint2*>(xs + (sub >> 1) * nchunks + c)[odd] = u;
-      if (sub == 0) stats[c] = make_float2(m, sm);
+    for (int j = 0; j < kStageBatch; ++j) {
+      if (r0 + j >= rounds) break;  // uniform across the block
+      const int i = (r0 + j) * blockDim.x + threadIdx.x;
+      const bool on = i < items;
+      const int g = i >> 3, sub = i & 7;
+      float m = fmaxf(fmaxf(fabsf(v[j][0]), fabsf(v[j][1])), fmaxf(fabsf(v[j][2]), fabsf(v[j][3])));
+      float sm = (v[j][0] + v[j][1]) + (v[j][2] + v[j][3]);
+#pragma unroll
+      for (int o = 1; o < 8; o <<= 1) {
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        sm += __shfl_xor_sync(0xffffffffu, sm, o);
+      }
+      const float inv = m > 0.f ? 1.f / m : 0.f;
+      // Word q = subs 2q (inputs 0..3) and 2q+1 (inputs 4..7): swap with the
+      // partner, then the even sub writes (x0,x4) (x1,x5), the odd (x2,x6) (x3,x7).
+      float w[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) w[q] = __shfl_xor_sync(0xffffffffu, v[j][q], 1);
+      if (on) {
+        const int k = g / nchunks, c = g - k * nchunks;
+        uint8_t* vb = base + size_t(k) * per;
+        uint4* xs = reinterpret_cast<uint4*>(vb);
+        const bool odd = sub & 1;
+        // even: (v0, w0) (v1, w1); odd: (w2, v2) (w3, v3)
+        const float l0 = odd ? w[2] : v[j][0], h0 = odd ? v[j][2] : w[0];
+        const float l1 = odd ? w[3] : v[j][1], h1 = odd ? v[j][3] : w[1];
+        uint2 u;
+        u.x = as_u32(__floats2half2_rn(l0 * inv, h0 * inv));
+        u.y = as_u32(__floats2half2_rn(l1 * inv, h1 * inv));
+        reinterpret_cast<uint2*>(xs + (sub >> 1) * nchunks + c)[odd] = u;
+        if (sub == 0) reinterpret_cast<float2*>(vb + size_t(nchunks) * 64)[c] = make_float2(m, sm);
+      }
     }
   }
 }
@@ -237,7 +254,7 @@ __global__ void __launch_bounds__(kThreads) q4_rows_kernel(RowsParams p) {
       }
     }
     detail::wait_prior_grid();  // x comes from the previous kernel; the weights did not
-    stage_fast(x, K, xs, stats);
+    stage_fast<CPL>(x, nchunks, 1, reinterpret_cast<uint8_t*>(smem), 0);  // K <= CPL * 1024: CPL rounds
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -296,13 +313,12 @@ __global__ void __launch_bounds__(kThreads) q4_down_kernel(DownParams p) {
   const int32_t* ids = p.expert_ids + size_t(t) * p.top_k;
   const float* wts = p.weights + size_t(t) * p.top_k;
   auto stage_all = [&]() {
-    for (int k = 0; k < p.top_k; ++k) {
-      uint8_t* base = reinterpret_cast<uint8_t*>(smem) + k * per;
-      const float* hk = p.h + (size_t(t) * p.top_k + k) * K;
-      if constexpr (FAST)
-        stage_fast(hk, K, reinterpret_cast<uint4*>(base), reinterpret_cast<float2*>(base + size_t(nchunks) * 64));
-      else
-        stage_generic(hk, K, reinterpret_cast<float*>(base));
+    if constexpr (FAST) {
+      stage_fast<4>(p.h + size_t(t) * p.top_k * K, nchunks, p.top_k, reinterpret_cast<uint8_t*>(smem), per);
+    } else {
+      for (int k = 0; k < p.top_k; ++k)
+        stage_generic(p.h + (size_t(t) * p.top_k + k) * K, K,
+                      reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(smem) + k * per));
     }
     __syncthreads();
   };
@@ -356,6 +372,85 @@ __global__ void __launch_bounds__(kThreads) q4_down_kernel(DownParams p) {
       *o = p.accumulate ? *o + v : v;
     }
   }
+}
+
+// The down projection with a warp's lanes spread over (expert slot, chunk)
+// pairs rather than over one expert's chunks: a row of K = 768 has only 24
+// chunks, so a warp per (row, expert) leaves a quarter of its lanes idle and
+// walks the experts one after another. Here item i = lane + 32 j of a warp is
+// slot k = i / nchunks, chunk c = i % nchunks, all IPL items' weights are
+// loaded before the token's top_k inputs are staged (one latency for both),
+// and each lane sums its items weighted by their route weights.
+// grid: (ceil(hidden / kWarps), tokens); a warp owns one output row.
+// Requires the fast layout and top_k * nchunks <= 32 * IPL.
+template <int IPL>
+__global__ void __launch_bounds__(kThreads) q4_down_flat_kernel(DownParams p) {
+  detail::allow_next_grid();
+  detail::wait_prior_grid();
+  extern __shared__ uint4 smem[];
+  const int t = blockIdx.y;
+  const int K = p.m.cols;
+  const int nchunks = K / 32;
+  const size_t per = staged_bytes(K, true);
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const int rows = p.m.rows;
+  const int total = p.top_k * nchunks;
+  const int32_t* ids = p.expert_ids + size_t(t) * p.top_k;
+  const float* wts = p.weights + size_t(t) * p.top_k;
+  uint4 w[IPL];
+  half2 sb[IPL];
+  float rw[IPL];
+  unsigned valid = 0;
+#pragma unroll
+  for (int j = 0; j < IPL; ++j) {
+    const int i = lane + 32 * j;
+    rw[j] = 0.f;
+    if (i < total && row < rows) {
+      const int k = i / nchunks, c = i - k * nchunks;
+      const int e = ids[k];
+      if (e >= 0 && e < p.n_experts) {
+        const uint8_t* blob = p.blobs[e];
+        const uint4* codes =
+            reinterpret_cast<const uint4*>(blob + p.m.codes_offset + size_t(row) * (K / 2));
+        const half2* params = reinterpret_cast<const half2*>(blob + p.m.params_offset) +
+                              size_t(row) * (K / p.m.group);
+        w[j] = __ldg(codes + c);
+        sb[j] = params[c >> p.group_shift];
+        rw[j] = wts[k];
+        valid |= 1u << j;
+      }
+    }
+  }
+  // top_k * nchunks <= 32 * IPL chunks, 8 items each: IPL rounds of kThreads
+  stage_fast<IPL>(p.h + size_t(t) * p.top_k * K, nchunks, p.top_k, reinterpret_cast<uint8_t*>(smem), per);
+  __syncthreads();
+  float acc = 0.f;
+#pragma unroll
+  for (int j = 0; j < IPL; ++j) {
+    if (!(valid >> j & 1u)) continue;
+    const int i = lane + 32 * j;
+    const int k = i / nchunks, c = i - k * nchunks;
+    const uint8_t* base = reinterpret_cast<const uint8_t*>(smem) + size_t(k) * per;
+    const float d = chunk_dot(w[j], reinterpret_cast<const uint4*>(base), nchunks, c);
+    const float2 st = reinterpret_cast<const float2*>(base + size_t(nchunks) * 64)[c];
+    const float2 f = __half22float2(sb[j]);
+    acc = fmaf(rw[j], fmaf(f.x * st.x, d, f.y * st.y), acc);
+  }
+  const float v = warp_sum(acc);
+  if (lane == 0 && row < rows) {
+    float* o = p.out + size_t(t) * rows + row;
+    *o = p.accumulate ? *o + v : v;
+  }
+}
+
+// Items per lane of the flat down kernel for top_k * nchunks pairs; 0 when
+// there are more than 8 a lane.
+int down_flat_items(int pairs) {
+  const int need = (pairs + 31) / 32;
+  for (int ipl : {1, 2, 4, 6, 8})
+    if (need <= ipl) return ipl;
+  return 0;
 }
 
 bool fast_ok(const Q4MatrixLayout& m) {
@@ -501,7 +596,23 @@ Status q4_expert_down(const Q4ExpertArgs& a, const float* h, float* out, bool ac
   MOE_CUDA_REQUIRE(smem <= 200 * 1024, "top_k * inter too large for one block's shared memory");
   Status st;
   cudaError_t lerr = cudaSuccess;
-  if (fast) {
+  const int flat = fast ? down_flat_items(a.top_k * (K / 32)) : 0;
+  if (flat > 0) {
+    p.group_shift = log2_int(p.m.group / 32);
+    auto launch = [&](auto ipl) {
+      auto kern = q4_down_flat_kernel<decltype(ipl)::value>;
+      st = set_smem(kern, smem);
+      const dim3 grid((p.m.rows + kWarps - 1) / kWarps, a.tokens);
+      if (st.ok()) lerr = detail::launch_pdl(kern, grid, dim3(kThreads), smem, stream, p);
+    };
+    switch (flat) {
+      case 1: launch(std::integral_constant<int, 1>{}); break;
+      case 2: launch(std::integral_constant<int, 2>{}); break;
+      case 4: launch(std::integral_constant<int, 4>{}); break;
+      case 6: launch(std::integral_constant<int, 6>{}); break;
+      default: launch(std::integral_constant<int, 8>{}); break;
+    }
+  } else if (fast) {
     p.group_shift = log2_int(p.m.group / 32);
     // Two rows a warp halve the staging work per row, once there are enough
     // blocks to fill the GPU without it.

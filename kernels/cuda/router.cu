@@ -69,6 +69,37 @@ __global__ void router_kernel(const float* logits, int stride, int tokens, int n
   }
 }
 
+__device__ __forceinline__ uint64_t mix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// One thread per token; a drawn expert already taken moves to the next free
+// index (k <= n, so one is always free).
+__global__ void uniform_route_kernel(int32_t* ids, int tokens, int n, int k, const int32_t* positions,
+                                     const int32_t* seq_of_token, int layer, uint64_t seed) {
+  detail::allow_next_grid();
+  detail::wait_prior_grid();
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= tokens) return;
+  uint64_t h = mix64(seed ^ mix64(uint64_t(layer) << 40 ^ uint64_t(uint32_t(positions[t])) << 8 ^
+                                  uint64_t(uint32_t(seq_of_token[t]))));
+  int32_t* row = ids + size_t(t) * k;
+  for (int j = 0; j < k; ++j) {
+    h = mix64(h);
+    int e = int(h % uint64_t(n));
+    for (bool taken = true; taken;) {
+      taken = false;
+      for (int i = 0; i < j; ++i)
+        if (row[i] == e) taken = true;
+      if (taken) e = (e + 1) % n;
+    }
+    row[j] = e;
+  }
+}
+
 }  // namespace
 
 Status router_topk(const float* logits, int tokens, int n_experts, int top_k, bool renormalize, float scale,
@@ -79,6 +110,16 @@ Status router_topk(const float* logits, int tokens, int n_experts, int top_k, bo
   MOE_CUDA_REQUIRE(logits_stride == 0 || logits_stride >= n_experts, "logits_stride must be >= n_experts");
   const size_t smem = size_t(kWarps) * n_experts * sizeof(float);
   MOE_CUDA_TRY(detail::launch_pdl(router_kernel, dim3((tokens + kWarps - 1) / kWarps), dim3(kWarps * 32), smem, stream, logits, logits_stride ? logits_stride : n_experts, tokens, n_experts, top_k, renormalize, scale, ids, weights));
+  MOE_CUDA_LAUNCHED();
+  return {};
+}
+
+Status uniform_route(int32_t* ids, int tokens, int n_experts, int top_k, const int32_t* positions,
+                     const int32_t* seq_of_token, int layer, uint64_t seed, cudaStream_t stream) {
+  MOE_CUDA_REQUIRE(ids && positions && seq_of_token, "null pointer");
+  MOE_CUDA_REQUIRE(tokens > 0 && top_k > 0 && top_k <= n_experts, "top_k must be in [1, n_experts]");
+  MOE_CUDA_TRY(detail::launch_pdl(uniform_route_kernel, dim3((tokens + 127) / 128), dim3(128), 0, stream, ids, tokens,
+                                  n_experts, top_k, positions, seq_of_token, layer, seed));
   MOE_CUDA_LAUNCHED();
   return {};
 }

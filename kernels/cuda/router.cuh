@@ -18,4 +18,12 @@ namespace moe::cuda {
 Status router_topk(const float* logits, int tokens, int n_experts, int top_k, bool renormalize, float scale,
                    int32_t* ids, float* weights, cudaStream_t stream, int logits_stride = 0);
 
+// Benchmarks only: replaces each token's expert ids with top_k distinct
+// experts drawn uniformly from a hash of (seed, layer, positions[t],
+// seq_of_token[t]), keeping the router's weights. Deterministic, and it
+// reads its inputs from device memory, so a captured graph replays it.
+// This is the "uniform routing" load the offload targets are stated for.
+Status uniform_route(int32_t* ids, int tokens, int n_experts, int top_k, const int32_t* positions,
+                     const int32_t* seq_of_token, int layer, uint64_t seed, cudaStream_t stream);
+
 }  // namespace moe::cuda

@@ -217,7 +217,12 @@ MoeData make_moe(const MoeCase& c, std::mt19937& rng) {
 
 TEST_CASE("cuda decode expert kernels (gate/up + SiLU, weighted down) match the CPU", "[cuda][q4]") {
   SKIP_WITHOUT_GPU();
-  const MoeCase cases[] = {{256, 192, 64, 3, 4, 6}, {2048, 768, 64, 2, 8, 9}, {200, 130, 64, 3, 5, 4}};
+  // Qwen3-like (down: 8 slots x 24 chunks, 6 a lane), Qwen1.5-like at 8
+  // tokens (4 x 44, 6 a lane), one item a lane, an odd chunk count with
+  // group 32, more pairs than the flat down kernel takes (8 x 40), and a
+  // shape outside the fast layout.
+  const MoeCase cases[] = {{256, 192, 64, 3, 4, 6},    {2048, 768, 64, 2, 8, 9}, {2048, 1408, 64, 8, 4, 12},
+                           {96, 224, 32, 3, 3, 5},     {512, 1280, 64, 2, 8, 9}, {200, 130, 64, 3, 5, 4}};
   std::mt19937 rng(12);
   for (const auto& c : cases) {
     INFO("hidden " << c.hidden << " inter " << c.inter << " top_k " << c.top_k);
@@ -370,6 +375,45 @@ TEST_CASE("cuda router softmax + top-k matches the CPU", "[cuda][router]") {
     CHECK(did.get() == ids);
     CHECK(rel_err(dw.get(), w) < 1e-5);
   }
+}
+
+TEST_CASE("cuda uniform routing draws distinct experts evenly and deterministically", "[cuda][router]") {
+  SKIP_WITHOUT_GPU();
+  const int n = 128, k = 8, tokens = 4096;
+  std::vector<int32_t> pos(tokens), seq(tokens);
+  for (int t = 0; t < tokens; ++t) pos[size_t(t)] = t / 8, seq[size_t(t)] = t % 8;
+  Dev<int32_t> dpos(pos), dseq(seq), did(size_t(tokens) * k);
+  auto draw = [&](int layer, uint64_t seed) {
+    REQUIRE_OK(moe::cuda::uniform_route(did.p, tokens, n, k, dpos.p, dseq.p, layer, seed, nullptr));
+    return did.get();
+  };
+  const auto a = draw(3, 7), b = draw(3, 7), c = draw(4, 7), d = draw(3, 8);
+  CHECK(a == b);  // a function of (seed, layer, position, sequence) only
+  CHECK(a != c);
+  CHECK(a != d);
+  std::vector<int> count(n, 0);
+  for (int t = 0; t < tokens; ++t) {
+    std::vector<int32_t> row(a.begin() + t * k, a.begin() + (t + 1) * k);
+    for (int32_t e : row) {
+      REQUIRE(e >= 0);
+      REQUIRE(e < n);
+      ++count[size_t(e)];
+    }
+    std::sort(row.begin(), row.end());
+    REQUIRE(std::adjacent_find(row.begin(), row.end()) == row.end());
+  }
+  // 32,768 draws over 128 experts: 256 expected each; a chi-square with 127
+  // degrees of freedom stays below 200 with probability > 0.9999.
+  double chi2 = 0;
+  for (int v : count) chi2 += (v - 256.0) * (v - 256.0) / 256.0;
+  CHECK(chi2 < 200);
+  // k = n: every expert once.
+  const std::vector<int32_t> one_pos = {5}, one_seq = {0};
+  Dev<int32_t> p1(one_pos), s1(one_seq), all{size_t(n)};
+  REQUIRE_OK(moe::cuda::uniform_route(all.p, 1, n, n, p1.p, s1.p, 0, 1, nullptr));
+  auto ids = all.get();
+  std::sort(ids.begin(), ids.end());
+  for (int i = 0; i < n; ++i) CHECK(ids[size_t(i)] == i);
 }
 
 TEST_CASE("cuda qkv_rope_store (bias, per-head norm, RoPE, paged store) matches the CPU", "[cuda][rope]") {
