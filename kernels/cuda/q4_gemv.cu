@@ -381,9 +381,10 @@ __global__ void __launch_bounds__(kThreads) q4_down_kernel(DownParams p) {
 // slot k = i / nchunks, chunk c = i % nchunks, all IPL items' weights are
 // loaded before the token's top_k inputs are staged (one latency for both),
 // and each lane sums its items weighted by their route weights.
-// grid: (ceil(hidden / kWarps), tokens); a warp owns one output row.
+// grid: (ceil(hidden / (kWarps * R)), tokens); a warp owns R output rows
+// (2 halve the staging per row once enough blocks fill the GPU without it).
 // Requires the fast layout and top_k * nchunks <= 32 * IPL.
-template <int IPL>
+template <int IPL, int R>
 __global__ void __launch_bounds__(kThreads) q4_down_flat_kernel(DownParams p) {
   detail::allow_next_grid();
   detail::wait_prior_grid();
@@ -393,30 +394,32 @@ __global__ void __launch_bounds__(kThreads) q4_down_flat_kernel(DownParams p) {
   const int nchunks = K / 32;
   const size_t per = staged_bytes(K, true);
   const int lane = threadIdx.x & 31;
-  const int row = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const int row0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * R;
   const int rows = p.m.rows;
   const int total = p.top_k * nchunks;
   const int32_t* ids = p.expert_ids + size_t(t) * p.top_k;
   const float* wts = p.weights + size_t(t) * p.top_k;
-  uint4 w[IPL];
-  half2 sb[IPL];
+  uint4 w[IPL][R];
+  half2 sb[IPL][R];
   float rw[IPL];
   unsigned valid = 0;
 #pragma unroll
   for (int j = 0; j < IPL; ++j) {
     const int i = lane + 32 * j;
     rw[j] = 0.f;
-    if (i < total && row < rows) {
+    if (i < total) {
       const int k = i / nchunks, c = i - k * nchunks;
       const int e = ids[k];
       if (e >= 0 && e < p.n_experts) {
         const uint8_t* blob = p.blobs[e];
-        const uint4* codes =
-            reinterpret_cast<const uint4*>(blob + p.m.codes_offset + size_t(row) * (K / 2));
-        const half2* params = reinterpret_cast<const half2*>(blob + p.m.params_offset) +
-                              size_t(row) * (K / p.m.group);
-        w[j] = __ldg(codes + c);
-        sb[j] = params[c >> p.group_shift];
+        const uint4* codes = reinterpret_cast<const uint4*>(blob + p.m.codes_offset) + c;
+        const half2* params = reinterpret_cast<const half2*>(blob + p.m.params_offset) + (c >> p.group_shift);
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          if (row0 + r < rows) {
+            w[j][r] = __ldg(codes + size_t(row0 + r) * (K / 32));
+            sb[j][r] = params[size_t(row0 + r) * (K / p.m.group)];
+          }
         rw[j] = wts[k];
         valid |= 1u << j;
       }
@@ -425,22 +428,31 @@ __global__ void __launch_bounds__(kThreads) q4_down_flat_kernel(DownParams p) {
   // top_k * nchunks <= 32 * IPL chunks, 8 items each: IPL rounds of kThreads
   stage_fast<IPL>(p.h + size_t(t) * p.top_k * K, nchunks, p.top_k, reinterpret_cast<uint8_t*>(smem), per);
   __syncthreads();
-  float acc = 0.f;
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
 #pragma unroll
   for (int j = 0; j < IPL; ++j) {
     if (!(valid >> j & 1u)) continue;
     const int i = lane + 32 * j;
     const int k = i / nchunks, c = i - k * nchunks;
     const uint8_t* base = reinterpret_cast<const uint8_t*>(smem) + size_t(k) * per;
-    const float d = chunk_dot(w[j], reinterpret_cast<const uint4*>(base), nchunks, c);
     const float2 st = reinterpret_cast<const float2*>(base + size_t(nchunks) * 64)[c];
-    const float2 f = __half22float2(sb[j]);
-    acc = fmaf(rw[j], fmaf(f.x * st.x, d, f.y * st.y), acc);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (row0 + r >= rows) break;
+      const float d = chunk_dot(w[j][r], reinterpret_cast<const uint4*>(base), nchunks, c);
+      const float2 f = __half22float2(sb[j][r]);
+      acc[r] = fmaf(rw[j], fmaf(f.x * st.x, d, f.y * st.y), acc[r]);
+    }
   }
-  const float v = warp_sum(acc);
-  if (lane == 0 && row < rows) {
-    float* o = p.out + size_t(t) * rows + row;
-    *o = p.accumulate ? *o + v : v;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float v = warp_sum(acc[r]);
+    if (lane == 0 && row0 + r < rows) {
+      float* o = p.out + size_t(t) * rows + row0 + r;
+      *o = p.accumulate ? *o + v : v;
+    }
   }
 }
 
@@ -597,27 +609,40 @@ Status q4_expert_down(const Q4ExpertArgs& a, const float* h, float* out, bool ac
   Status st;
   cudaError_t lerr = cudaSuccess;
   const int flat = fast ? down_flat_items(a.top_k * (K / 32)) : 0;
-  if (flat > 0) {
+  // Two rows a warp halve the staging work per row, once there are enough
+  // blocks to fill the GPU without it.
+  const int blocks_r1 = (p.m.rows + kWarps - 1) / kWarps * a.tokens;
+  const bool two = blocks_r1 >= 4 * 132 && K / 32 <= 64;
+#ifdef MOE_DOWN_WARP_AT_BATCH
+  const bool use_flat = flat > 0 && !two;
+#else
+  const bool use_flat = flat > 0 && flat <= (two ? 6 : 8);
+#endif
+  if (use_flat) {
     p.group_shift = log2_int(p.m.group / 32);
-    auto launch = [&](auto ipl) {
-      auto kern = q4_down_flat_kernel<decltype(ipl)::value>;
+    auto launch = [&](auto ipl, auto rr) {
+      constexpr int R = decltype(rr)::value;
+      auto kern = q4_down_flat_kernel<decltype(ipl)::value, R>;
       st = set_smem(kern, smem);
-      const dim3 grid((p.m.rows + kWarps - 1) / kWarps, a.tokens);
+      const dim3 grid((p.m.rows + kWarps * R - 1) / (kWarps * R), a.tokens);
       if (st.ok()) lerr = detail::launch_pdl(kern, grid, dim3(kThreads), smem, stream, p);
     };
+    auto with_r = [&](auto ipl) {
+      if (two) {
+        if constexpr (decltype(ipl)::value <= 6) launch(ipl, std::integral_constant<int, 2>{});
+      } else {
+        launch(ipl, std::integral_constant<int, 1>{});
+      }
+    };
     switch (flat) {
-      case 1: launch(std::integral_constant<int, 1>{}); break;
-      case 2: launch(std::integral_constant<int, 2>{}); break;
-      case 4: launch(std::integral_constant<int, 4>{}); break;
-      case 6: launch(std::integral_constant<int, 6>{}); break;
-      default: launch(std::integral_constant<int, 8>{}); break;
+      case 1: with_r(std::integral_constant<int, 1>{}); break;
+      case 2: with_r(std::integral_constant<int, 2>{}); break;
+      case 4: with_r(std::integral_constant<int, 4>{}); break;
+      case 6: with_r(std::integral_constant<int, 6>{}); break;
+      default: with_r(std::integral_constant<int, 8>{}); break;
     }
   } else if (fast) {
     p.group_shift = log2_int(p.m.group / 32);
-    // Two rows a warp halve the staging work per row, once there are enough
-    // blocks to fill the GPU without it.
-    const int blocks_r1 = (p.m.rows + kWarps - 1) / kWarps * a.tokens;
-    const bool two = blocks_r1 >= 4 * 132 && K / 32 <= 64;
     with_cpl(K / 32, [&](auto cpl) {
       constexpr int C = decltype(cpl)::value;
       auto launch = [&](auto rr) {
