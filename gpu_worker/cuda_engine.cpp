@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <numeric>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -156,6 +157,8 @@ struct CudaEngine::Impl {
   bf16 *embed = nullptr, *final_norm = nullptr;
   DenseW lm_head;
   bool int8_dense = false;        // non-expert matrices in INT8 (embedding stays bf16)
+  bool embed_host = false;        // the embedding lies in mapped pinned host memory, not the arena
+  bf16* embed_host_buf = nullptr; // its cudaHostAlloc'ed rows then
   bf16* dequant = nullptr;        // prefill: an INT8 matrix back in bf16 for cuBLASLt
   size_t dequant_elems = 0;       // the largest such matrix
 
@@ -235,6 +238,7 @@ struct CudaEngine::Impl {
     arena.reset();
     mm.reset();
     if (pack_host) (void)cudaFreeHost(pack_host);
+    if (embed_host_buf) (void)cudaFreeHost(embed_host_buf);
     if (tables_host) (void)cudaFreeHost(tables_host);
     if (ids_host) (void)cudaFreeHost(ids_host);
     if (sampled_host) (void)cudaFreeHost(sampled_host);
@@ -376,8 +380,23 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
       if (Status s = linear(&L.router_w, {&lw.router}, 0); !s) return s;
     }
   }
-  // The embedding is gathered by row, never multiplied: it stays bf16.
-  {
+  // The embedding is gathered by row, never multiplied: it stays bf16. Under
+  // a budget it may stay in host memory (embed_host): a step reads one row a
+  // token over the link (4 KiB at hidden 2048), and its GiB or so of rows
+  // become islands. Not when a bf16 lm_head shares it.
+  if (embed_host) {
+    if (upload) {
+      const size_t bytes = size_t(w.embed.out) * w.embed.in * 2;
+      if (!embed_host_buf)
+        MOE_CUDA_TRY(cudaHostAlloc(reinterpret_cast<void**>(&embed_host_buf), bytes, cudaHostAllocMapped));
+      buf.clear();
+      append_bf16_rows(w.embed, buf);
+      std::memcpy(embed_host_buf, buf.data(), bytes);
+      void* dp = nullptr;
+      MOE_CUDA_TRY(cudaHostGetDevicePointer(&dp, embed_host_buf, 0));
+      embed = static_cast<bf16*>(dp);
+    }
+  } else {
     const bool was = int8_dense;
     int8_dense = false;
     DenseW e;
@@ -579,6 +598,14 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
       else m.int8_dense = false;
     }
   }
+  // Under a budget, the embedding in host memory leaves its bytes to islands.
+  const bool embed_may_leave = !(d.tie_embeddings && !m.int8_dense);
+  if (plan && opts.host_embedding && embed_may_leave && m.Lm > 0 && plan->n_islands < int64_t(m.Lm) * m.E) {
+    m.embed_host = true;
+    auto ph = plan_for(m.int8_dense);
+    if (ph && ph->n_islands > plan->n_islands) plan = std::move(ph);
+    else m.embed_host = false;
+  }
   if (!plan) return make_error(plan.error());
   m.plan = *plan;
   m.kv_blocks = int(std::min<int64_t>(m.plan.kv_blocks, INT32_MAX));
@@ -655,8 +682,9 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   }
   if (Status s = m.arena->synchronize(); !s) return make_error(s.error());
   MOE_CUDA_TRY(cudaStreamSynchronize(m.st));
-  std::fprintf(stderr, "moe-worker: cuda backend on %s; %s; dense weights %s; experts %s\n", dev->c_str(),
+  std::fprintf(stderr, "moe-worker: cuda backend on %s; %s; dense weights %s%s; experts %s\n", dev->c_str(),
                m.plan.describe().c_str(), m.int8_dense ? "int8" : "bf16",
+               m.embed_host ? ", embedding in host memory" : "",
                m.all_resident ? "all resident" : "under the budget (islands < experts)");
   return Result<std::unique_ptr<CudaEngine>>(std::move(eng));
 }
@@ -685,6 +713,15 @@ Status CudaEngine::Impl::bind_experts(int ml, int n) {
   MOE_CUDA_TRY(cudaMemcpyAsync(blob_tables + size_t(ml) * E, table, size_t(E) * sizeof(void*), cudaMemcpyHostToDevice,
                                st));
   if (!opts.prefetch) return {};
+  // A pass this large uses (nearly) every expert of a layer whatever the
+  // routing: an expert is left out with chance (1 - 1/E)^(nK) < e^-4 once
+  // nK >= 4E (a prompt). Queue all of the next layer's experts behind this
+  // layer's misses, so the link keeps moving while this layer computes.
+  if (size_t(n) * K >= 4 * size_t(E)) {
+    std::vector<int> all(static_cast<size_t>(E));
+    std::iota(all.begin(), all.end(), 0);
+    return arena->prefetch(*map, (ml + 1) % Lm, all, HintPriority::prefetch);
+  }
   // The next MoE layer's likely experts, copied while this one computes.
   std::vector<int> guess;
   for (int t = 0; t < n; ++t) {
@@ -1131,6 +1168,7 @@ CudaExpertStats CudaEngine::expert_stats() const {
   s.islands_total = m.plan.n_islands;
   s.all_resident = m.all_resident;
   s.int8_dense = m.int8_dense;
+  s.host_embedding = m.embed_host;
   return s;
 }
 

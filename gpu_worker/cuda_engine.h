@@ -37,6 +37,10 @@ struct CudaEngineOptions {
   // Non-expert matrices: bf16, int8 (one scale per row; the embedding stays
   // bf16), or auto: bf16 when every expert fits beside it, else int8.
   std::string dense_weights = "auto";
+  // Under a budget (not every expert fits), keep the embedding in mapped
+  // pinned host memory: a step reads one row per token over the link, and
+  // its bytes become islands. Not done when a bf16 lm_head shares it.
+  bool host_embedding = true;
   // Benchmarks: 0, the router picks the experts; else every token's experts
   // are drawn uniformly (distinct, the router's weights kept) from this seed,
   // the layer, the position and the sequence: the uniform routing that the
@@ -49,7 +53,8 @@ struct CudaExpertStats {
   ResidencyStats residency;
   int64_t islands_total = 0;
   bool all_resident = false;
-  bool int8_dense = false;  // non-expert matrices in INT8
+  bool int8_dense = false;      // non-expert matrices in INT8
+  bool host_embedding = false;  // the embedding in host memory (under a budget)
 };
 
 class CudaEngine {

@@ -230,7 +230,10 @@ int main(int argc, char** argv) {
       for (const std::string& routing : o.routings) {
         CudaEngineOptions eo;
         eo.vram_budget = size_t(gib * double(1ull << 30));
-        eo.kv_blocks = 256;  // 4,096 tokens: the runs below need at most 8 x 264
+        // KV: 4,096 tokens resident (decode at batch 8 needs 8 x 264); under a
+        // budget the runs are batch 1 and one 512-token prompt, so 1,024
+        // tokens, and the rest of the budget goes to islands.
+        eo.kv_blocks = gib == 0 ? 256 : 64;
         eo.policy = o.policy;
         eo.prefetch = o.prefetch;
         eo.dense_weights = o.dense_weights;
@@ -243,7 +246,8 @@ int main(int argc, char** argv) {
           return 1;
         }
         const std::string mode = gib == 0 ? std::string("resident") : "budget-" + std::to_string(int(gib)) + "GiB";
-        const std::string dense = (*e)->expert_stats().int8_dense ? "int8" : "bf16";
+        const std::string dense = std::string((*e)->expert_stats().int8_dense ? "int8" : "bf16") +
+                                  ((*e)->expert_stats().host_embedding ? ", embedding on host" : "");
         std::printf("  %s, %s routing: engine ready in %.1f s, %lld islands, dense weights %s\n", mode.c_str(),
                     routing.c_str(), std::chrono::duration<double>(Clock::now() - t1).count(),
                     (long long)(*e)->plan().n_islands, dense.c_str());

@@ -293,16 +293,31 @@ TEST_CASE("cuda engine: under a budget of fewer islands than experts the output 
   const int E = full->desc().moe.n_experts;
   const int64_t total = int64_t(full->desc().n_moe_layers()) * E;
   REQUIRE(p.n_islands == total);
-  for (const std::string policy : {"lru", "ours"}) {
-    for (const bool prefetch : {false, true}) {
+  // The last run keeps the embedding in host memory (rows read over the
+  // link): the same bytes, so the same outputs, and its room becomes islands.
+  struct Run {
+    std::string policy;
+    bool prefetch, host_embedding;
+  };
+  for (const Run run : {Run{"lru", false, false}, Run{"lru", true, false}, Run{"ours", false, false},
+                        Run{"ours", true, false}, Run{"ours", true, true}}) {
+    {
+      const std::string& policy = run.policy;
+      const bool prefetch = run.prefetch;
       CudaEngineOptions o;
       o.policy = policy;
       o.prefetch = prefetch;
+      o.host_embedding = run.host_embedding;
       o.dense_weights = "bf16";  // the same weights as `full`: only the islands differ
       // Room for a layer's experts and a third more: half the model's experts miss.
-      const int64_t islands = E + E / 3;
+      int64_t islands = E + E / 3;
       o.vram_budget = p.arena_bytes - size_t(total - islands) * p.island_stride;
       auto small = cuda_engine(path, o);
+      REQUIRE(small->expert_stats().host_embedding == run.host_embedding);
+      if (run.host_embedding) {
+        REQUIRE(small->plan().n_islands > islands);
+        islands = small->plan().n_islands;
+      }
       REQUIRE(small->plan().n_islands == islands);
       const int V = full->desc().vocab_size;
       std::vector<SeqInput> step = {input(1, prompt(30, V, 1), 0), input(2, prompt(9, V, 2), 0)};
@@ -325,9 +340,10 @@ TEST_CASE("cuda engine: under a budget of fewer islands than experts the output 
         small->release(id);
       }
       const CudaExpertStats st = small->expert_stats();
-      std::printf("cuda engine budget %s prefetch %s: %lld islands of %lld experts, hits %llu misses %llu "
+      std::printf("cuda engine budget %s prefetch %s%s: %lld islands of %lld experts, hits %llu misses %llu "
                   "prefetched %llu used %llu, %.1f MB copied\n",
-                  policy.c_str(), prefetch ? "on" : "off", (long long)islands, (long long)total,
+                  policy.c_str(), prefetch ? "on" : "off", run.host_embedding ? ", embedding on host" : "",
+                  (long long)islands, (long long)total,
                   (unsigned long long)st.residency.hits, (unsigned long long)st.residency.misses,
                   (unsigned long long)st.residency.prefetches, (unsigned long long)st.residency.prefetch_used,
                   st.residency.bytes_copied / 1e6);
@@ -356,6 +372,7 @@ TEST_CASE("cuda engine: a budget too small is refused saying what would fit; war
   const int64_t total = int64_t(full->desc().n_moe_layers()) * E;
   CudaEngineOptions o;
   o.dense_weights = "bf16";
+  o.host_embedding = false;  // exactly 2E islands
   o.vram_budget = p.arena_bytes - size_t(total - 2 * E) * p.island_stride;
   auto small = cuda_engine(path, o);
   CHECK(small->resident().empty());
