@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <thread>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -17,6 +18,7 @@
 #include "engine/weights.h"
 #include "gpu_worker/eviction_policy.h"
 #include "gpu_worker/expert_predictor.h"
+#include "gpu_worker/host_experts.h"
 #include "gpu_worker/island_arena.h"
 #include "engine/forward.h"
 #include "kernels/cpu/sampling.h"
@@ -190,6 +192,20 @@ struct CudaEngine::Impl {
   int32_t* sampled_host = nullptr;        // [kMaxSampleRows]
   float* logits_host = nullptr;           // [kMaxSampleRows, V]
 
+  // ---- Misses split between the link and the host (budget mode, decode)
+  std::unique_ptr<HostExperts> host_x;   // null: every miss is copied
+  double link_us = 0;                    // one expert over the link (measured at start)
+  double host_us_token = 0;              // one expert-token on the host (measured at start)
+  static constexpr double kHostFixedUs = 25;  // state down, sum up, two fork-joins
+  bf16* xn_host = nullptr;               // [8, H] pinned: the layer's expert input
+  float* rw_host = nullptr;              // [8, K] pinned: route weights
+  float* hsum_host = nullptr;            // [8, H] pinned: the host experts' sum
+  int32_t* split_ids_host = nullptr;     // [8, K] pinned: ids with the host's pairs as -1
+  float* hsum = nullptr;                 // [8, H] device (workspace)
+  int32_t* split_ids = nullptr;          // [8, K] device (workspace)
+  std::vector<HostPair> host_pairs;      // this layer's, when bind_experts split it
+  uint64_t host_experts_served = 0, host_expert_tokens = 0;
+
   // ---- Sequences and KV blocks
   struct Sequence {
     std::vector<int32_t> blocks;
@@ -243,6 +259,9 @@ struct CudaEngine::Impl {
     if (ids_host) (void)cudaFreeHost(ids_host);
     if (sampled_host) (void)cudaFreeHost(sampled_host);
     if (logits_host) (void)cudaFreeHost(logits_host);
+    for (void* p : {static_cast<void*>(xn_host), static_cast<void*>(rw_host), static_cast<void*>(hsum_host),
+                    static_cast<void*>(split_ids_host)})
+      if (p) (void)cudaFreeHost(p);
     if (st) (void)cudaStreamDestroy(st);
     for (uint8_t* p : quantised) std::free(p);
   }
@@ -261,6 +280,7 @@ struct CudaEngine::Impl {
   Status gemv_silu(const DenseW& W, const float* gu_in, int stride, float* y, int n, const float* gate);
   Status bind_experts(int ml, int n);
   Status release_experts(int ml);
+  Status start_host_experts();
   std::vector<std::vector<int>> bound;  // [Lm] experts pinned for the layer's kernels
 };
 
@@ -428,6 +448,8 @@ void CudaEngine::Impl::carve_workspace(Carver& c) {
     h = c.take<float>(h_rows * size_t(layout.inter));
     blob_tables = c.take<const uint8_t*>(size_t(Lm) * E);
     if (grouped_ok) grouped_ws = c.take<uint8_t>(grouped_ws_bytes);
+    hsum = c.take<float>(size_t(cuda::kGemvMaxTokens) * H);
+    split_ids = c.take<int32_t>(size_t(cuda::kGemvMaxTokens) * K);
   }
   if (mlp_inter_max > 0) {
     gu = c.take<float>(size_t(T) * gu_stride);
@@ -666,6 +688,9 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     m.map = std::make_unique<ResidencyMap>(m.Lm, m.E, m.plan.n_islands, m.layout.blob_bytes, std::move(pol));
     m.predictor = std::make_unique<ExpertPredictor>(m.Lm, m.E);
     m.bound.resize(size_t(m.Lm));
+    if (!m.all_resident && opts.host_experts) {
+      if (Status s = m.start_host_experts(); !s) return make_error(s.error());
+    }
     if (m.all_resident) {
       // Every expert into its island now; the pointer tables never change.
       for (int ml = 0; ml < m.Lm; ++ml)
@@ -698,11 +723,37 @@ Status CudaEngine::Impl::bind_experts(int ml, int n) {
   const int32_t* ids_dev = route_ids + size_t(ml) * n * K;
   int32_t* ids = ids_host + size_t(ml) * n * K;
   MOE_CUDA_TRY(cudaMemcpyAsync(ids, ids_dev, size_t(n) * K * 4, cudaMemcpyDeviceToHost, st));
+  const bool may_split = host_x && n <= cuda::kGemvMaxTokens;
+  if (may_split) {  // what the host needs to compute experts itself, in the same wait
+    MOE_CUDA_TRY(cudaMemcpyAsync(xn_host, xn, size_t(n) * H * sizeof(bf16), cudaMemcpyDeviceToHost, st));
+    MOE_CUDA_TRY(cudaMemcpyAsync(rw_host, route_w, size_t(n) * K * 4, cudaMemcpyDeviceToHost, st));
+  }
   MOE_CUDA_TRY(cudaStreamSynchronize(st));
   std::vector<int>& used = bound[size_t(ml)];
   used.clear();
   for (int i = 0; i < n * K; ++i)
     if (ids[i] >= 0 && ids[i] < E && std::find(used.begin(), used.end(), ids[i]) == used.end()) used.push_back(ids[i]);
+  host_pairs.clear();
+  if (may_split) {
+    // Misses (neither resident nor on their way) split between the link and
+    // the host so that both finish about together.
+    std::vector<MissCost> misses;
+    for (int e : used)
+      if (map->lookup({ml, e}) < 0) misses.push_back({e, int(std::count(ids, ids + size_t(n) * K, e))});
+    const std::vector<int> on_host =
+        misses.size() < 2 ? std::vector<int>{} : plan_split(misses, link_us, host_us_token, kHostFixedUs);
+    if (!on_host.empty()) {
+      for (int i = 0; i < n * K; ++i) {
+        const bool host = std::find(on_host.begin(), on_host.end(), ids[i]) != on_host.end();
+        split_ids_host[i] = host ? -1 : ids[i];
+        if (host) host_pairs.push_back({i / K, arena->host_blob({ml, ids[i]}), rw_host[i]});
+      }
+      MOE_CUDA_TRY(cudaMemcpyAsync(split_ids, split_ids_host, size_t(n) * K * 4, cudaMemcpyHostToDevice, st));
+      std::erase_if(used, [&](int e) { return std::find(on_host.begin(), on_host.end(), e) != on_host.end(); });
+      host_experts_served += on_host.size();
+      host_expert_tokens += host_pairs.size();
+    }
+  }
   const uint8_t** table = tables_host + size_t(ml) * E;
   for (int e : used) {
     auto p = arena->request(*map, ml, e, st);
@@ -733,6 +784,43 @@ Status CudaEngine::Impl::bind_experts(int ml, int n) {
   }
   if (guess.empty()) return {};
   return arena->prefetch(*map, (ml + 1) % Lm, guess, HintPriority::prefetch);
+}
+
+// Under a budget: a pool for misses computed on the host, and the two rates
+// the split weighs, measured here (this machine's link and cores, not a
+// guess). Islands are still empty, so island 0 takes the timing copies.
+Status CudaEngine::Impl::start_host_experts() {
+  const int hw = int(std::thread::hardware_concurrency());
+  const int threads = opts.host_threads > 0 ? opts.host_threads : hw;
+  if (threads < 2) return {};  // one core: it has the step to drive
+  host_x = std::make_unique<HostExperts>(layout, threads);
+  MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&xn_host), size_t(cuda::kGemvMaxTokens) * H * sizeof(bf16)));
+  MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&rw_host), size_t(cuda::kGemvMaxTokens) * K * 4));
+  MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&hsum_host), size_t(cuda::kGemvMaxTokens) * H * 4));
+  MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&split_ids_host), size_t(cuda::kGemvMaxTokens) * K * 4));
+  const uint8_t* blob = arena->host_blob({0, 0});
+  host_us_token = host_x->measure_us(blob);
+  cudaEvent_t a = nullptr, b = nullptr;
+  MOE_CUDA_TRY(cudaEventCreate(&a));
+  MOE_CUDA_TRY(cudaEventCreate(&b));
+  float best = 1e30f;
+  for (int i = 0; i < 4; ++i) {
+    MOE_CUDA_TRY(cudaEventRecord(a, st));
+    MOE_CUDA_TRY(cudaMemcpyAsync(arena->island(0), blob, layout.blob_bytes, cudaMemcpyHostToDevice, st));
+    MOE_CUDA_TRY(cudaEventRecord(b, st));
+    MOE_CUDA_TRY(cudaEventSynchronize(b));
+    float ms = 0;
+    MOE_CUDA_TRY(cudaEventElapsedTime(&ms, a, b));
+    best = std::min(best, ms);
+  }
+  (void)cudaEventDestroy(a);
+  (void)cudaEventDestroy(b);
+  link_us = opts.host_link_us > 0 ? opts.host_link_us : double(best) * 1000.0;
+  std::fprintf(stderr,
+               "moe-worker: misses split between the link (%.0f us an expert) and %d host threads (%.0f us an "
+               "expert-token)\n",
+               link_us, host_x->threads(), host_us_token);
+  return {};
 }
 
 Status CudaEngine::Impl::release_experts(int ml) {
@@ -796,7 +884,7 @@ Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, 
   a.layout = layout;
   a.blobs = blob_tables + size_t(ml) * E;
   a.n_experts = E;
-  a.expert_ids = ids;
+  a.expert_ids = host_pairs.empty() ? ids : split_ids;  // the host's pairs as -1: skipped
   a.route_weights = route_w;
   a.tokens = n;
   a.top_k = K;
@@ -805,6 +893,12 @@ Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, 
     if (Status s = cuda::q4_expert_down(a, h, x, true, st); !s) return s;
   } else if (Status s = cuda::q4_grouped_moe(a, xn, x, grouped_ws, grouped_ws_bytes, st); !s) {
     return s;
+  }
+  if (!host_pairs.empty()) {
+    // The GPU works on the hits and the copied misses meanwhile.
+    host_x->run(reinterpret_cast<const uint16_t*>(xn_host), n, host_pairs, hsum_host);
+    MOE_CUDA_TRY(cudaMemcpyAsync(hsum, hsum_host, size_t(n) * H * 4, cudaMemcpyHostToDevice, st));
+    if (Status s = cuda::add_inplace(x, hsum, int64_t(n) * H, st); !s) return s;
   }
   if (!all_resident)
     if (Status s = release_experts(ml); !s) return s;
@@ -1169,6 +1263,8 @@ CudaExpertStats CudaEngine::expert_stats() const {
   s.all_resident = m.all_resident;
   s.int8_dense = m.int8_dense;
   s.host_embedding = m.embed_host;
+  s.host_experts_served = m.host_experts_served;
+  s.host_expert_tokens = m.host_expert_tokens;
   return s;
 }
 

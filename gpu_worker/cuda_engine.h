@@ -41,6 +41,12 @@ struct CudaEngineOptions {
   // pinned host memory: a step reads one row per token over the link, and
   // its bytes become islands. Not done when a bf16 lm_head shares it.
   bool host_embedding = true;
+  // Under a budget, a decode step's misses are split between the link and
+  // the host's cores (computed there from the pinned blob) when both
+  // together finish sooner; host_threads 0 means every hardware thread.
+  bool host_experts = true;
+  int host_threads = 0;
+  double host_link_us = 0;  // one expert over the link, µs; 0: measured at start (tests force a split with it)
   // Benchmarks: 0, the router picks the experts; else every token's experts
   // are drawn uniformly (distinct, the router's weights kept) from this seed,
   // the layer, the position and the sequence: the uniform routing that the
@@ -55,6 +61,8 @@ struct CudaExpertStats {
   bool all_resident = false;
   bool int8_dense = false;      // non-expert matrices in INT8
   bool host_embedding = false;  // the embedding in host memory (under a budget)
+  uint64_t host_experts_served = 0;  // (layer, expert) misses computed on the host instead of copied
+  uint64_t host_expert_tokens = 0;   // their (token, expert) pairs
 };
 
 class CudaEngine {

@@ -75,13 +75,15 @@ class IslandArena {
   // The work enqueued on `compute` so far is the last reader of the expert's
   // island for now: records that, and unpins it in the map.
   [[nodiscard]] Status release(ResidencyMap& map, int layer, int expert, GpuStream compute);
+  // The pinned host copy of an expert's blob (what a copy reads; the host
+  // computes a miss from it when the engine splits misses).
+  const uint8_t* host_blob(ExpertKey k) const;
   // Waits until every copy enqueued so far has finished.
   [[nodiscard]] Status synchronize();
 
  private:
   IslandArena() = default;
   Status copy_into(const Placement& p);
-  const uint8_t* host_blob(ExpertKey k) const;
 
   IslandPlan plan_;
   int n_experts_ = 0;

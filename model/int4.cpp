@@ -145,11 +145,11 @@ void q4_dequantize_row(const uint8_t* blob, const Q4MatrixLayout& m, int row, fl
 namespace {
 
 // Portable path: works for any group size.
-void matvec_rows_portable(const uint8_t* blob, const Q4MatrixLayout& m, const float* x,
+void matvec_rows_portable(int r0, int r1, const uint8_t* blob, const Q4MatrixLayout& m, const float* x,
                           const float* x_sums, float* y) {
   const int groups = m.cols / m.group;
   std::vector<float> q(static_cast<size_t>(m.cols));  // [cols]: one row's codes as floats
-  for (int r = 0; r < m.rows; ++r) {
+  for (int r = r0; r < r1; ++r) {
     unpack_codes(blob + m.codes_offset + size_t(r) * size_t(m.cols / 2), m.cols, q.data());
     const uint8_t* params = blob + m.params_offset + size_t(r) * size_t(groups) * 4;
     float acc = 0.0f;
@@ -168,12 +168,12 @@ void matvec_rows_portable(const uint8_t* blob, const Q4MatrixLayout& m, const fl
 // nibbles are split and re-interleaved in registers, widened to floats and
 // multiplied with x; each group's partial sums are scaled in vector form so
 // only one horizontal sum is paid per row.
-void matvec_rows_avx2(const uint8_t* blob, const Q4MatrixLayout& m, const float* x,
+void matvec_rows_avx2(int r0, int r1, const uint8_t* blob, const Q4MatrixLayout& m, const float* x,
                       const float* x_sums, float* y) {
   const int groups = m.cols / m.group;
   const int chunks = m.group / 32;  // 32 inputs per chunk
   const __m128i low_nibble = _mm_set1_epi8(0x0f);
-  for (int r = 0; r < m.rows; ++r) {
+  for (int r = r0; r < r1; ++r) {
     const uint8_t* codes = blob + m.codes_offset + size_t(r) * size_t(m.cols / 2);
     const uint16_t* params =
         reinterpret_cast<const uint16_t*>(blob + m.params_offset + size_t(r) * size_t(groups) * 4);
@@ -214,6 +214,11 @@ void matvec_rows_avx2(const uint8_t* blob, const Q4MatrixLayout& m, const float*
 }  // namespace
 
 void q4_matvec(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, float* y) {
+  q4_matvec_rows(blob, m, x, 0, m.rows, y);
+}
+
+void q4_matvec_rows(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, int row_begin, int row_end,
+                    float* y) {
   // Per group, sum_j (q_j s + b) x_j = s (q . x) + b sum(x): the sums of x are
   // shared by every row, so each weight costs one multiply-add.
   const int groups = m.cols / m.group;
@@ -224,9 +229,9 @@ void q4_matvec(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, flo
     x_sums[size_t(g)] = s;
   }
 #ifdef MOE_Q4_AVX2
-  if (m.group % 32 == 0) return matvec_rows_avx2(blob, m, x, x_sums.data(), y);
+  if (m.group % 32 == 0) return matvec_rows_avx2(row_begin, row_end, blob, m, x, x_sums.data(), y);
 #endif
-  matvec_rows_portable(blob, m, x, x_sums.data(), y);
+  matvec_rows_portable(row_begin, row_end, blob, m, x, x_sums.data(), y);
 }
 
 }  // namespace moe

@@ -42,5 +42,9 @@ void q4_dequantize_row(const uint8_t* blob, const Q4MatrixLayout& m, int row, fl
 
 // y[rows] = W x[cols] straight from the codes (the CPU engine's expert matvec).
 void q4_matvec(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, float* y);
+// Rows [row_begin, row_end) of the same: y[r] for r in the range (a slice
+// of the rows per thread).
+void q4_matvec_rows(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, int row_begin, int row_end,
+                    float* y);
 
 }  // namespace moe

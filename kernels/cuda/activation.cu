@@ -33,6 +33,13 @@ __global__ void gated_add_kernel(float* x, const float* y, const float* g, int g
     x[i] += detail::sigmoid(g[(i / n) * gs]) * y[i];
 }
 
+__global__ void add_kernel(float* x, const float* y, int64_t n) {
+  detail::allow_next_grid();
+  detail::wait_prior_grid();
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    x[i] += y[i];
+}
+
 int blocks_for(int64_t n) { return int(std::min<int64_t>((n + 255) / 256, 4096)); }
 
 }  // namespace
@@ -59,6 +66,13 @@ Status gated_add(float* x, const float* y, const float* gate_logits, int gate_st
                  cudaStream_t stream) {
   MOE_CUDA_REQUIRE(x && y && gate_logits && rows > 0 && n > 0, "null pointer or empty");
   MOE_CUDA_TRY(detail::launch_pdl(gated_add_kernel, dim3(blocks_for(int64_t(rows) * n)), dim3(256), 0, stream, x, y, gate_logits, gate_stride, rows, n));
+  MOE_CUDA_LAUNCHED();
+  return {};
+}
+
+Status add_inplace(float* x, const float* y, int64_t n, cudaStream_t stream) {
+  MOE_CUDA_REQUIRE(x && y && n > 0, "null pointer or empty");
+  MOE_CUDA_TRY(detail::launch_pdl(add_kernel, dim3(blocks_for(n)), dim3(256), 0, stream, x, y, n));
   MOE_CUDA_LAUNCHED();
   return {};
 }

@@ -25,4 +25,8 @@ Status silu_mul_fused(const float* gate_up, __nv_bfloat16* out, int rows, int in
 Status gated_add(float* x, const float* y, const float* gate_logits, int gate_stride, int rows, int n,
                  cudaStream_t stream);
 
+// x[i] += y[i] for i < n (experts computed on the host, added to the
+// residual stream).
+Status add_inplace(float* x, const float* y, int64_t n, cudaStream_t stream);
+
 }  // namespace moe::cuda
