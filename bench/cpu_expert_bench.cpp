@@ -3,8 +3,12 @@
 // engine's INT4 matvecs take for one token through one expert of the
 // Qwen3-30B-A3B and Qwen1.5-MoE-A2.7B shapes, on one core and on every core
 // at once (distinct experts per thread, as a layer's misses would be), set
-// against the copy: blob bytes / the link's measured bandwidth.
+// against the copy: blob bytes / the link's measured bandwidth. Then the
+// latency that matters to the CUDA engine's miss split: ONE expert-token
+// with its rows spread over a thread pool (gpu_worker/host_experts.h), with
+// f32 and with int8 inputs, at 1, 2, 4, ... threads.
 //   cpu_expert_bench [--link-gbs 52.3] [--seconds 2]
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -12,12 +16,15 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "gpu_worker/host_experts.h"
 #include "kernels/cpu/activation.h"
 #include "model/int4.h"
+#include "model/safetensors.h"
 
 namespace {
 
@@ -50,6 +57,12 @@ int main(int argc, char** argv) {
   std::printf("| shape | blob MB | copy us | CPU us/expert (1 core) | CPU experts/ms (%d cores) | link experts/ms | both together |\n",
               cores);
   std::printf("|---|---|---|---|---|---|---|\n");
+  struct SplitInput {
+    Shape shape;
+    std::vector<uint8_t> blobs;
+    int n_blobs;
+  };
+  std::vector<SplitInput> split_rows;
   for (const Shape s : {Shape{"Qwen3-30B-A3B", 2048, 768}, Shape{"Qwen1.5-MoE-A2.7B", 2048, 1408}}) {
     const moe::ExpertLayout L = moe::expert_layout(s.hidden, s.inter, 64);
     // Enough distinct experts that they do not stay in the caches.
@@ -84,6 +97,38 @@ int main(int argc, char** argv) {
     const double copy_us = double(L.blob_bytes) / (link_gbs * 1e3);
     std::printf("| %s | %.2f | %.1f | %.0f | %.1f | %.1f | %.1f |\n", s.name, L.blob_bytes / 1e6, copy_us, 1000.0 / one,
                 all, 1000.0 / copy_us, all + 1000.0 / copy_us);
+    std::fflush(stdout);
+    split_rows.push_back({s, blobs, n_blobs});
+  }
+  // One expert-token split over a pool: the host side of the engine's split.
+  std::printf("\n| shape | inputs | threads | us per expert-token (median) | GB/s of weights |\n|---|---|---|---|---|\n");
+  for (const SplitInput& si : split_rows) {
+    const moe::ExpertLayout L = moe::expert_layout(si.shape.hidden, si.shape.inter, 64);
+    std::vector<uint16_t> x(size_t(L.hidden));
+    std::mt19937 rng(3);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (auto& v : x) v = moe::f32_to_bf16(nd(rng));
+    std::vector<float> y(size_t(L.hidden));
+    for (const bool int8 : {false, true})
+      for (int threads = 1; threads <= cores; threads *= 2) {
+        moe::HostExperts hx(L, threads, int8);
+        std::vector<double> us;
+        for (int i = 0; i < 200; ++i) {
+          // A distinct blob each time, as misses are: nothing stays cached.
+          const moe::HostPair pair{0, si.blobs.data() + size_t(i % si.n_blobs) * L.blob_bytes, 1.f};
+          const auto t0 = Clock::now();
+          hx.run(x.data(), 1, std::span<const moe::HostPair>(&pair, 1), y.data());
+          if (i >= 8) us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+          // a decode layer's gap between host calls, so the pool's spin ends as it would
+          std::this_thread::sleep_for(std::chrono::microseconds(150));
+        }
+        std::sort(us.begin(), us.end());
+        const double med = us[us.size() / 2];
+        std::printf("| %s | %s | %d | %.0f | %.1f |\n", si.shape.name, int8 ? "int8" : "f32", threads, med,
+                    L.blob_bytes / (med * 1e3));
+        std::fflush(stdout);
+        if (threads < cores && threads * 2 > cores) threads = cores / 2;  // end on every core
+      }
   }
   return 0;
 }

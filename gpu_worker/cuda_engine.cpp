@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
 #include <thread>
 #include <cmath>
@@ -171,6 +172,7 @@ struct CudaEngine::Impl {
   std::unique_ptr<ExpertPredictor> predictor;
   std::unique_ptr<cuda::CublasLtMatmul> mm;
   cudaStream_t st = nullptr;
+  cudaEvent_t routes_ready = nullptr;  // budget mode: a layer's routes are on the host
   bool all_resident = false;
   uint64_t residency_version = 0;
 
@@ -262,6 +264,7 @@ struct CudaEngine::Impl {
     for (void* p : {static_cast<void*>(xn_host), static_cast<void*>(rw_host), static_cast<void*>(hsum_host),
                     static_cast<void*>(split_ids_host)})
       if (p) (void)cudaFreeHost(p);
+    if (routes_ready) (void)cudaEventDestroy(routes_ready);
     if (st) (void)cudaStreamDestroy(st);
     for (uint8_t* p : quantised) std::free(p);
   }
@@ -270,15 +273,22 @@ struct CudaEngine::Impl {
   void carve_workspace(Carver& c);
   Status expert_source(ExpertHostSource& src);
   Status forward(const PassPack& pk, int n, int s);
-  // positions / seq_of_token: the pass's, on the device (uniform routing draws from them)
-  Status moe_layer(const DevLayer& L, int n, bool logits_ready, const int32_t* positions, const int32_t* seq_of_token);
+  // positions / seq_of_token: the pass's, on the device (uniform routing
+  // draws from them); the layer's shared expert runs inside (see forward).
+  Status moe_layer(const DevLayer& L, int n, bool logits_ready, const int32_t* positions, const int32_t* seq_of_token,
+                   bool fuse);
+  // The shared expert or dense MLP from gu (its gate|up), added to x.
+  Status mlp(const DevLayer& L, int n, bool fuse);
   // y[n, W.rows] (+)= x W^T, bf16 or INT8 weights; GEMV up to 8 rows of x,
   // cuBLASLt above (an INT8 matrix is first turned back into bf16).
   Status project(const DenseW& W, const bf16* x, float* y, int n, bool acc);
   Status gemv(const DenseW& W, const bf16* x, float* y, int n, bool acc, const float* gate, int gate_stride);
   Status gemv_rmsnorm(const DenseW& W, const float* xf, const bf16* norm_w, bf16* xn_out, float* y, int n);
   Status gemv_silu(const DenseW& W, const float* gu_in, int stride, float* y, int n, const float* gate);
-  Status bind_experts(int ml, int n);
+  // Reads the layer's routes, makes its experts resident (or leaves misses
+  // to the host); `meanwhile` enqueues GPU work that does not depend on the
+  // routed experts while the host waits for the routes.
+  Status bind_experts(int ml, int n, const std::function<Status()>& meanwhile);
   Status release_experts(int ml);
   Status start_host_experts();
   std::vector<std::vector<int>> bound;  // [Lm] experts pinned for the layer's kernels
@@ -411,7 +421,7 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
         MOE_CUDA_TRY(cudaHostAlloc(reinterpret_cast<void**>(&embed_host_buf), bytes, cudaHostAllocMapped));
       buf.clear();
       append_bf16_rows(w.embed, buf);
-      std::memcpy(embed_host_buf, buf.data(), bytes);
+      std::memcpy(static_cast<void*>(embed_host_buf), buf.data(), bytes);
       void* dp = nullptr;
       MOE_CUDA_TRY(cudaHostGetDevicePointer(&dp, embed_host_buf, 0));
       embed = static_cast<bf16*>(dp);
@@ -648,6 +658,7 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   if (!arena) return make_error(arena.error());
   m.arena = std::move(*arena);
   MOE_CUDA_TRY(cudaStreamCreateWithFlags(&m.st, cudaStreamNonBlocking));
+  MOE_CUDA_TRY(cudaEventCreateWithFlags(&m.routes_ready, cudaEventDisableTiming));
 
   Carver cw{m.arena->region(m.plan.nonexpert)};
   if (Status s = m.carve_weights(cw, true); !s) return make_error(s.error());
@@ -718,7 +729,7 @@ CudaEngine::~CudaEngine() = default;
 
 // ---------------------------------------------------------------- the forward pass
 
-Status CudaEngine::Impl::bind_experts(int ml, int n) {
+Status CudaEngine::Impl::bind_experts(int ml, int n, const std::function<Status()>& meanwhile) {
   // The host needs the layer's routes to know what to fetch.
   const int32_t* ids_dev = route_ids + size_t(ml) * n * K;
   int32_t* ids = ids_host + size_t(ml) * n * K;
@@ -728,7 +739,9 @@ Status CudaEngine::Impl::bind_experts(int ml, int n) {
     MOE_CUDA_TRY(cudaMemcpyAsync(xn_host, xn, size_t(n) * H * sizeof(bf16), cudaMemcpyDeviceToHost, st));
     MOE_CUDA_TRY(cudaMemcpyAsync(rw_host, route_w, size_t(n) * K * 4, cudaMemcpyDeviceToHost, st));
   }
-  MOE_CUDA_TRY(cudaStreamSynchronize(st));
+  MOE_CUDA_TRY(cudaEventRecord(routes_ready, st));
+  if (Status s = meanwhile(); !s) return s;
+  MOE_CUDA_TRY(cudaEventSynchronize(routes_ready));
   std::vector<int>& used = bound[size_t(ml)];
   used.clear();
   for (int i = 0; i < n * K; ++i)
@@ -861,8 +874,23 @@ Status CudaEngine::Impl::project(const DenseW& W, const bf16* xin, float* y, int
   return mm->matmul(xin, w, y, true, n, W.rows, W.cols, acc ? 1.f : 0.f, st);
 }
 
+Status CudaEngine::Impl::mlp(const DevLayer& L, int n, bool fuse) {
+  // SiLU(gate) * up, then down (scaled by the shared expert's gate), added to the residual.
+  const bool small = n <= cuda::kGemvMaxTokens;
+  const int I = L.mlp_inter;
+  const float* gate = L.mlp_gated ? gu + 2 * I : nullptr;
+  if (fuse) return gemv_silu(L.mlp_down_w, gu, gu_stride, x, n, gate);
+  if (Status e = cuda::silu_mul_fused(gu, mh, n, I, st, gu_stride); !e) return e;
+  if (small) return gemv(L.mlp_down_w, mh, x, n, true, gate, gu_stride);
+  if (gate) {
+    if (Status e = project(L.mlp_down_w, mh, tmp, n, false); !e) return e;
+    return cuda::gated_add(x, tmp, gate, gu_stride, n, H, st);
+  }
+  return project(L.mlp_down_w, mh, x, n, true);
+}
+
 Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, const int32_t* positions,
-                                   const int32_t* seq_of_token) {
+                                   const int32_t* seq_of_token, bool fuse) {
   const int ml = L.moe_index;
   const bool small = n <= cuda::kGemvMaxTokens;
   // The router's logits: inside the shared projection's output, already
@@ -878,8 +906,12 @@ Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, 
   if (opts.uniform_routing_seed != 0)
     if (Status s = cuda::uniform_route(ids, n, E, K, positions, seq_of_token, ml, opts.uniform_routing_seed, st); !s)
       return s;
-  if (!all_resident)
-    if (Status s = bind_experts(ml, n); !s) return s;
+  auto shared = [&]() -> Status { return L.mlp_gu_w ? mlp(L, n, fuse) : Status{}; };
+  if (!all_resident) {
+    if (Status s = bind_experts(ml, n, shared); !s) return s;
+  } else if (Status s = shared(); !s) {
+    return s;
+  }
   cuda::Q4ExpertArgs a;
   a.layout = layout;
   a.blobs = blob_tables + size_t(ml) * E;
@@ -906,7 +938,6 @@ Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, 
 }
 
 Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
-  const bool small = n <= cuda::kGemvMaxTokens;
   // Up to this many tokens RMSNorm and SiLU are folded into the GEMVs'
   // staging (fewer launches); above, every block re-reading the f32 inputs
   // costs more than the launches saved (docs/cuda.md).
@@ -965,25 +996,13 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
         logits_ready = L.router_row >= 0;
       }
     }
-    if (L.moe_index >= 0)
-      if (Status e = moe_layer(L, n, logits_ready, positions, seq_of_token); !e) return e;
-    if (L.mlp_gu_w) {
-      // SiLU(gate) * up, then down (scaled by the shared expert's gate), added to the residual.
-      const int I = L.mlp_inter;
-      const float* gate = L.mlp_gated ? gu + 2 * I : nullptr;
-      if (fuse) {
-        if (Status e = gemv_silu(L.mlp_down_w, gu, gu_stride, x, n, gate); !e) return e;
-      } else {
-        if (Status e = cuda::silu_mul_fused(gu, mh, n, I, st, gu_stride); !e) return e;
-        if (small) {
-          if (Status e = gemv(L.mlp_down_w, mh, x, n, true, gate, gu_stride); !e) return e;
-        } else if (gate) {
-          if (Status e = project(L.mlp_down_w, mh, tmp, n, false); !e) return e;
-          if (Status e = cuda::gated_add(x, tmp, gate, gu_stride, n, H, st); !e) return e;
-        } else if (Status e = project(L.mlp_down_w, mh, x, n, true); !e) {
-          return e;
-        }
-      }
+    if (L.moe_index >= 0) {
+      // The shared expert runs between the router and the routed experts:
+      // under a budget it overlaps the host's wait for the routes and the
+      // misses' copies.
+      if (Status e = moe_layer(L, n, logits_ready, positions, seq_of_token, fuse); !e) return e;
+    } else if (L.mlp_gu_w) {
+      if (Status e = mlp(L, n, fuse); !e) return e;
     }
   }
   if (s == 0) return {};

@@ -28,7 +28,8 @@ std::vector<int> plan_split(std::span<const MissCost> misses, double link_us, do
   return host;
 }
 
-HostExperts::HostExperts(const ExpertLayout& layout, int threads) : layout_(layout), pool_(threads) {}
+HostExperts::HostExperts(const ExpertLayout& layout, int threads, bool int8_inputs)
+    : layout_(layout), int8_(int8_inputs), pool_(threads) {}
 
 namespace {
 // Rows per task: about two tasks a thread, a multiple of 8.
@@ -45,6 +46,15 @@ void HostExperts::run(const uint16_t* x_bf16, int n_tokens, std::span<const Host
   if (P == 0) return;
   x_.resize(size_t(n_tokens) * H);
   for (size_t i = 0; i < x_.size(); ++i) x_[i] = bf16_to_f32(x_bf16[i]);
+  if (int8_) {
+    xq_.resize(size_t(n_tokens));
+    std::vector<char> done(size_t(n_tokens), 0);
+    for (const HostPair& hp : pairs)  // only the tokens some pair reads
+      if (!done[size_t(hp.token)]) {
+        done[size_t(hp.token)] = 1;
+        q8_quantize(x_.data() + size_t(hp.token) * H, H, q8_block(layout_.gate), &xq_[size_t(hp.token)]);
+      }
+  }
   h_.resize(size_t(P) * I);
   g_.resize(size_t(P) * std::max(I, H));
   const int want = 2 * pool_.size();
@@ -57,12 +67,21 @@ void HostExperts::run(const uint16_t* x_bf16, int n_tokens, std::span<const Host
     const float* x = x_.data() + size_t(hp.token) * H;
     float* g = g_.data() + size_t(p) * I;
     float* h = h_.data() + size_t(p) * I;
-    q4_matvec_rows(hp.blob, layout_.gate, x, r0, r1, g);
-    q4_matvec_rows(hp.blob, layout_.up, x, r0, r1, h);
+    if (int8_) {
+      q4_matvec_rows_q8(hp.blob, layout_.gate, xq_[size_t(hp.token)], r0, r1, g);
+      q4_matvec_rows_q8(hp.blob, layout_.up, xq_[size_t(hp.token)], r0, r1, h);
+    } else {
+      q4_matvec_rows(hp.blob, layout_.gate, x, r0, r1, g);
+      q4_matvec_rows(hp.blob, layout_.up, x, r0, r1, h);
+    }
     cpu::silu_mul(g + r0, h + r0, h + r0, r1 - r0);
   });
   // down rows: each task owns rows [r0, r1) of every token's output, so the
   // weighted sum over that token's pairs needs no atomics.
+  if (int8_) {
+    hq_.resize(size_t(P));
+    for (int p = 0; p < P; ++p) q8_quantize(h_.data() + size_t(p) * I, I, q8_block(layout_.down), &hq_[size_t(p)]);
+  }
   const int rh = rows_per_task(H, want);
   const int chunks_h = (H + rh - 1) / rh;
   pool_.parallel_for(chunks_h, [&](int64_t task) {
@@ -70,7 +89,8 @@ void HostExperts::run(const uint16_t* x_bf16, int n_tokens, std::span<const Host
     for (int p = 0; p < P; ++p) {
       const HostPair& hp = pairs[size_t(p)];
       float* d = g_.data() + size_t(p) * std::max(I, H);  // the gate rows are spent: reuse
-      q4_matvec_rows(hp.blob, layout_.down, h_.data() + size_t(p) * I, r0, r1, d);
+      if (int8_) q4_matvec_rows_q8(hp.blob, layout_.down, hq_[size_t(p)], r0, r1, d);
+      else q4_matvec_rows(hp.blob, layout_.down, h_.data() + size_t(p) * I, r0, r1, d);
       float* out = y + size_t(hp.token) * H;
       for (int r = r0; r < r1; ++r) out[r] += hp.weight * d[r];
     }

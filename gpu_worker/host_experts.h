@@ -47,7 +47,10 @@ std::vector<int> plan_split(std::span<const MissCost> misses, double link_us, do
 class HostExperts {
  public:
   // threads: the pool's size including the caller (0: every hardware thread).
-  HostExperts(const ExpertLayout& layout, int threads);
+  // int8_inputs: x and the SiLU product are quantised per group to int8 and
+  // the matvecs run on integer dot products (q4_matvec_rows_q8), else the
+  // CPU engine's f32 matvec.
+  HostExperts(const ExpertLayout& layout, int threads, bool int8_inputs = true);
 
   const ExpertLayout& layout() const { return layout_; }
   int threads() const { return pool_.size(); }
@@ -63,7 +66,10 @@ class HostExperts {
 
  private:
   ExpertLayout layout_;
+  bool int8_;
   cpu::ThreadPool pool_;
+  std::vector<Q8Input> xq_;  // [tokens]
+  std::vector<Q8Input> hq_;  // [pairs]
   std::vector<float> x_;   // [tokens, hidden] f32
   std::vector<float> h_;   // [pairs, inter]: silu(gate x) * up x
   std::vector<float> g_;   // [pairs, inter]: up rows land here before the product

@@ -234,4 +234,87 @@ void q4_matvec_rows(const uint8_t* blob, const Q4MatrixLayout& m, const float* x
   matvec_rows_portable(row_begin, row_end, blob, m, x, x_sums.data(), y);
 }
 
+int q8_block(const Q4MatrixLayout& m) { return std::min(32, m.group); }
+
+void q8_quantize(const float* x, int cols, int block, Q8Input* out) {
+  const int blocks = cols / block;
+  out->block = block;
+  out->q.resize(size_t(cols));
+  out->scale.resize(size_t(blocks));
+  out->sum.resize(size_t(blocks));
+  for (int g = 0; g < blocks; ++g) {
+    const float* xg = x + size_t(g) * block;
+    float mx = 0.f, sum = 0.f;
+    for (int j = 0; j < block; ++j) {
+      mx = std::max(mx, std::fabs(xg[j]));
+      sum += xg[j];
+    }
+    const float inv = mx > 0.f ? 127.f / mx : 0.f;
+    for (int j = 0; j < block; ++j) out->q[size_t(g) * block + j] = int8_t(std::lrint(xg[j] * inv));
+    out->scale[size_t(g)] = mx / 127.f;
+    out->sum[size_t(g)] = sum;
+  }
+}
+
+void q4_matvec_rows_q8(const uint8_t* blob, const Q4MatrixLayout& m, const Q8Input& xq, int row_begin, int row_end,
+                       float* y) {
+  const int groups = m.cols / m.group;
+  const int bpg = m.group / xq.block;  // blocks per group
+#ifdef MOE_Q4_AVX2
+  if (m.group % 32 == 0) {
+    const __m128i low_nibble = _mm_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = row_begin; r < row_end; ++r) {
+      const uint8_t* codes = blob + m.codes_offset + size_t(r) * size_t(m.cols / 2);
+      const uint16_t* params =
+          reinterpret_cast<const uint16_t*>(blob + m.params_offset + size_t(r) * size_t(groups) * 4);
+      __m256 acc = _mm256_setzero_ps();
+      float bias_acc = 0.f;
+      for (int g = 0; g < groups; ++g) {
+        const float scale = _cvtsh_ss(params[2 * g]);
+        const float bias = _cvtsh_ss(params[2 * g + 1]);
+        const uint8_t* c = codes + size_t(g) * size_t(m.group / 2);
+        for (int b = 0; b < bpg; ++b) {
+          const int blk = g * bpg + b;
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * b));
+          const __m128i lo = _mm_and_si128(v, low_nibble);
+          const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), low_nibble);
+          // inputs 0..15 | 16..31 of the block, in order
+          const __m256i q = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + size_t(blk) * 32));
+          const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
+          acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(scale * xq.scale[size_t(blk)]), acc);
+          bias_acc += bias * xq.sum[size_t(blk)];
+        }
+      }
+      __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+      s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+      y[r] = _mm_cvtss_f32(s4) + bias_acc;
+    }
+    return;
+  }
+#endif
+  for (int r = row_begin; r < row_end; ++r) {
+    const uint8_t* codes = blob + m.codes_offset + size_t(r) * size_t(m.cols / 2);
+    const uint8_t* params = blob + m.params_offset + size_t(r) * size_t(groups) * 4;
+    float acc = 0.f;
+    for (int g = 0; g < groups; ++g) {
+      float scale, bias;
+      load_params(params + size_t(g) * 4, &scale, &bias);
+      for (int b = 0; b < bpg; ++b) {
+        const int blk = g * bpg + b;
+        int32_t isum = 0;
+        for (int j = 0; j < xq.block; j += 2) {
+          const size_t at = size_t(blk) * xq.block + j;
+          const uint8_t byte = codes[at / 2];
+          isum += int32_t(byte & 15) * xq.q[at] + int32_t(byte >> 4) * xq.q[at + 1];
+        }
+        acc += scale * xq.scale[size_t(blk)] * float(isum) + bias * xq.sum[size_t(blk)];
+      }
+    }
+    y[r] = acc;
+  }
+}
+
 }  // namespace moe

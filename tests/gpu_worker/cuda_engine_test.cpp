@@ -299,7 +299,7 @@ TEST_CASE("cuda engine: under a budget of fewer islands than experts the output 
     std::string policy;
     bool prefetch, host_embedding;
   };
-  for (const Run run : {Run{"lru", false, false}, Run{"lru", true, false}, Run{"ours", false, false},
+  for (const Run& run : {Run{"lru", false, false}, Run{"lru", true, false}, Run{"ours", false, false},
                         Run{"ours", true, false}, Run{"ours", true, true}}) {
     {
       const std::string& policy = run.policy;

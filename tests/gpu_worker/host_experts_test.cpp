@@ -69,9 +69,15 @@ TEST_CASE("host experts match the CPU engine's matvecs, for any thread count", "
       for (int i = 0; i < L.hidden; ++i) ref[size_t(p.token) * L.hidden + i] += p.weight * d[size_t(i)];
     }
   }
+  // f32 inputs: the CPU engine's own matvec, so the sums agree to rounding.
+  // int8 inputs: each matvec's inputs move by up to half a step of 1/127 of
+  // their block's max, about 0.6 % of a unit input each; through gate/up,
+  // the SiLU product (heavy-tailed: coarse steps) and down that is ~1-2 % of
+  // the largest output at worst over these 768.
+  for (const bool int8 : {false, true})
   for (int threads : {1, 4}) {
-    INFO("threads " << threads);
-    HostExperts hx(L, threads);
+    INFO("threads " << threads << " int8 inputs " << int8);
+    HostExperts hx(L, threads, int8);
     std::vector<float> y(ref.size(), 123.f);
     hx.run(x.data(), tokens, pairs, y.data());
     double err = 0, norm = 0;
@@ -80,7 +86,7 @@ TEST_CASE("host experts match the CPU engine's matvecs, for any thread count", "
       norm = std::max(norm, double(std::abs(ref[i])));
     }
     CHECK(norm > 0.01);
-    CHECK(err <= 1e-5 * norm);
+    CHECK(err <= (int8 ? 3e-2 : 1e-5) * norm);
     for (int i = 0; i < L.hidden; ++i) CHECK(y[size_t(L.hidden) + i] == 0.f);
     CHECK(hx.measure_us(blobs[2].data(), 3) > 0);
   }

@@ -218,6 +218,47 @@ TEST_CASE("q4_matvec equals dequantise-then-dot", "[int4]") {
       }
 }
 
+TEST_CASE("q4_matvec_rows_q8 agrees with q4_matvec within int8 input rounding, row slices included", "[int4]") {
+  uint32_t seed = 300;
+  // K 6 and 48 take the portable loop (groups of 2 and 16); the rest AVX2,
+  // with int8 blocks of 32 inside groups of 32 to 128.
+  for (int k : {256, 96, 6, 48})
+    for (int g : {32, 64, 128}) {
+      const int n = 19;
+      INFO("K " << k << " G " << g);
+      const Q4MatrixLayout m = single_matrix(n, k, g);
+      const auto w = random_matrix(n, k, seed++);
+      std::vector<float> x(static_cast<size_t>(k));
+      std::mt19937 rng(seed++);
+      std::normal_distribution<float> dist(0.0f, 1.0f);
+      for (auto& v : x) v = dist(rng);
+      std::vector<uint8_t> blob(m.params_offset + m.params_bytes());
+      q4_quantize_matrix(w.data(), m, blob.data());
+      std::vector<float> want(static_cast<size_t>(n)), got(static_cast<size_t>(n), -7.f);
+      q4_matvec(blob.data(), m, x.data(), want.data());
+      Q8Input xq;
+      q8_quantize(x.data(), k, q8_block(m), &xq);
+      q4_matvec_rows_q8(blob.data(), m, xq, 0, 5, got.data());
+      q4_matvec_rows_q8(blob.data(), m, xq, 5, n, got.data());
+      std::vector<float> row(static_cast<size_t>(k));
+      for (int r = 0; r < n; ++r) {
+        // Each input moves by at most half a step of its group's int8 grid.
+        q4_dequantize_row(blob.data(), m, r, row.data());
+        // The bias term uses the exact sum: only q * scale = w' - bias meets
+        // the rounded inputs.
+        double bound = 0;
+        for (int c = 0; c < k; ++c) {
+          const int gi = c / m.group;
+          uint16_t sb[2];
+          std::memcpy(sb, blob.data() + m.params_offset + (size_t(r) * (k / m.group) + gi) * 4, 4);
+          const double qs = std::fabs(double(row[size_t(c)]) - f16_to_f32(sb[1]));
+          bound += qs * xq.scale[size_t(c / xq.block)] * 0.5;
+        }
+        REQUIRE(std::fabs(got[size_t(r)] - want[size_t(r)]) <= bound * 1.01 + 1e-5);
+      }
+    }
+}
+
 TEST_CASE("an expert blob holds its three matrices without overlap", "[int4]") {
   const ExpertLayout e = expert_layout(64, 96, 64);
   const auto gate = random_matrix(96, 64, 1), up = random_matrix(96, 64, 2),
