@@ -136,6 +136,8 @@ Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string& model_path
   eo.policy = opts.policy;
   eo.prefetch = opts.prefetch;
   eo.dense_weights = opts.dense_weights;
+  eo.host_experts = opts.host_experts;
+  eo.host_threads = opts.host_threads;
   auto engine = CudaEngine::create(files.value(), eo);
   if (!engine.ok()) return make_error(engine.error());
   const std::string id = model_id_from_path(model_path);

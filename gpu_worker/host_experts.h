@@ -50,7 +50,10 @@ class HostExperts {
   // int8_inputs: x and the SiLU product are quantised per group to int8 and
   // the matvecs run on integer dot products (q4_matvec_rows_q8), else the
   // CPU engine's f32 matvec.
-  HostExperts(const ExpertLayout& layout, int threads, bool int8_inputs = true);
+  // On the H200 machine's 16 cores int8 inputs were no faster (both ~3 GB/s
+  // a core, bench/results/cpu-host-experts-2026-11-29.txt) and are less
+  // exact, so the engine uses f32.
+  HostExperts(const ExpertLayout& layout, int threads, bool int8_inputs = false);
 
   const ExpertLayout& layout() const { return layout_; }
   int threads() const { return pool_.size(); }
@@ -61,8 +64,8 @@ class HostExperts {
   void run(const uint16_t* x_bf16, int n_tokens, std::span<const HostPair> pairs, float* y);
 
   // Microseconds one single-token expert takes here (median of `reps` runs
-  // of `blob`): the host side of plan_split.
-  double measure_us(const uint8_t* blob, int reps = 5);
+  // of `blob`, after warm-up runs): the host side of plan_split.
+  double measure_us(const uint8_t* blob, int reps = 9);
 
  private:
   ExpertLayout layout_;

@@ -70,6 +70,8 @@ int main(int argc, char** argv) {
     co.policy = o.expert_policy;
     co.prefetch = o.prefetch;
     co.dense_weights = o.dense_weights;
+    co.host_experts = o.host_experts;
+    co.host_threads = o.threads;
     backend = moe::worker::make_cuda_backend(o.model_path, co);
   } else {
     moe::worker::CpuBackendOptions bo;

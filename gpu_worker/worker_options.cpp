@@ -49,7 +49,8 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
     }
     static const char* const kValued[] = {"--model", "--socket", "--backend", "--threads", "--kv-blocks",
                                           "--max-frame-bytes", "--vram-budget", "--redis",
-                                          "--max-step-tokens", "--expert-policy", "--prefetch", "--dense-weights"};
+                                          "--max-step-tokens", "--expert-policy", "--prefetch", "--dense-weights",
+                                          "--host-experts"};
     bool known = false;
     for (const char* k : kValued) known = known || name == k;
     if (!known) return make_error("unknown option '" + a + "' (see --help)");
@@ -93,6 +94,10 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
     } else if (name == "--prefetch") {
       if (value != "on" && value != "off") return make_error("option --prefetch takes on or off, got '" + value + "'");
       o.prefetch = value == "on";
+    } else if (name == "--host-experts") {
+      if (value != "on" && value != "off")
+        return make_error("option --host-experts takes on or off, got '" + value + "'");
+      o.host_experts = value == "on";
     }
   }
   if (!cl.help && !cl.version) {
@@ -108,7 +113,8 @@ std::string worker_usage() {
          "  --model DIR|FILE        checkpoint folder or packed model file\n"
          "  --socket PATH           Unix socket to listen on (parent made 0700, socket 0600)\n"
          "  --backend cpu|cuda      compute backend (default cpu)\n"
-         "  --threads N             CPU threads (default: all cores)\n"
+         "  --threads N             CPU threads (default: all cores); with cuda, the threads that\n"
+         "                          compute missed experts on the host\n"
          "  --kv-blocks N           KV cache blocks (default: the backend's budget)\n"
          "  --max-frame-bytes N     largest frame accepted (default 64M)\n"
          "  --vram-budget SIZE      device memory to use, e.g. 12GiB (cuda; default: free memory less 512 MiB);\n"
@@ -118,6 +124,8 @@ std::string worker_usage() {
          "  --prefetch on|off       copy the next layer's predicted experts ahead (cuda, default on)\n"
          "  --dense-weights W       non-expert matrices: bf16, int8 (per-row scales), or auto (default):\n"
          "                          bf16 when every expert fits the budget beside it, else int8 (cuda)\n"
+         "  --host-experts on|off   under a budget, split a decode step's missed experts between the link\n"
+         "                          and the host's cores by their measured speeds (cuda, default on)\n"
          "  --redis URL             Redis for warm-expert state and events (redis://HOST:PORT)\n"
          "  --help, --version\n";
 }
