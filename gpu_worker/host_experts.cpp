@@ -97,16 +97,16 @@ void HostExperts::run(const uint16_t* x_bf16, int n_tokens, std::span<const Host
   });
 }
 
-double HostExperts::measure_us(const uint8_t* blob, int reps) {
+double HostExperts::measure_us(std::span<const uint8_t* const> blobs, int reps) {
   std::vector<uint16_t> x(size_t(layout_.hidden));
   std::mt19937 rng(1);
   std::normal_distribution<float> nd(0.f, 1.f);
   for (auto& v : x) v = f32_to_bf16(nd(rng));
   std::vector<float> y(size_t(layout_.hidden));
-  const HostPair pair{0, blob, 1.f};
   std::vector<double> us;
   constexpr int kWarm = 3;  // fresh threads, first touches of the blob
   for (int i = 0; i < reps + kWarm; ++i) {
+    const HostPair pair{0, blobs[size_t(i) % blobs.size()], 1.f};
     const auto t0 = std::chrono::steady_clock::now();
     run(x.data(), 1, std::span<const HostPair>(&pair, 1), y.data());
     if (i >= kWarm) us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());

@@ -63,9 +63,11 @@ class HostExperts {
   // y no pair names are zero.
   void run(const uint16_t* x_bf16, int n_tokens, std::span<const HostPair> pairs, float* y);
 
-  // Microseconds one single-token expert takes here (median of `reps` runs
-  // of `blob`, after warm-up runs): the host side of plan_split.
-  double measure_us(const uint8_t* blob, int reps = 9);
+  // Microseconds one single-token expert takes here: the median of `reps`
+  // runs after warm-up, going round `blobs` (distinct experts, so that a
+  // run reads memory, as a miss does, not the cache the last run filled).
+  // The host side of plan_split.
+  double measure_us(std::span<const uint8_t* const> blobs, int reps = 9);
 
  private:
   ExpertLayout layout_;
