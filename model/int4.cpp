@@ -163,7 +163,33 @@ void matvec_rows_portable(int r0, int r1, const uint8_t* blob, const Q4MatrixLay
   }
 }
 
+// Row r's codes and its (scale, bias) half pairs.
+const uint8_t* row_codes(const uint8_t* blob, const Q4MatrixLayout& m, int r) {
+  return blob + m.codes_offset + size_t(r) * size_t(m.cols / 2);
+}
+const uint16_t* row_params(const uint8_t* blob, const Q4MatrixLayout& m, int r) {
+  return reinterpret_cast<const uint16_t*>(blob + m.params_offset + size_t(r) * size_t(m.cols / m.group) * 4);
+}
+
 #ifdef MOE_Q4_AVX2
+// The 32 codes of 16 bytes as bytes in input order: inputs 0..15 in *q0,
+// 16..31 in *q1.
+inline void unpack32(const uint8_t* c, __m128i* q0, __m128i* q1) {
+  const __m128i low_nibble = _mm_set1_epi8(0x0f);
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+  const __m128i lo = _mm_and_si128(b, low_nibble);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low_nibble);
+  *q0 = _mm_unpacklo_epi8(lo, hi);
+  *q1 = _mm_unpackhi_epi8(lo, hi);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 // AVX2 path for groups that are a multiple of 32 inputs (16 code bytes): the
 // nibbles are split and re-interleaved in registers, widened to floats and
 // multiplied with x; each group's partial sums are scaled in vector form so
@@ -172,11 +198,9 @@ void matvec_rows_avx2(int r0, int r1, const uint8_t* blob, const Q4MatrixLayout&
                       const float* x_sums, float* y) {
   const int groups = m.cols / m.group;
   const int chunks = m.group / 32;  // 32 inputs per chunk
-  const __m128i low_nibble = _mm_set1_epi8(0x0f);
   for (int r = r0; r < r1; ++r) {
-    const uint8_t* codes = blob + m.codes_offset + size_t(r) * size_t(m.cols / 2);
-    const uint16_t* params =
-        reinterpret_cast<const uint16_t*>(blob + m.params_offset + size_t(r) * size_t(groups) * 4);
+    const uint8_t* codes = row_codes(blob, m, r);
+    const uint16_t* params = row_params(blob, m, r);
     __m256 acc = _mm256_setzero_ps();
     float bias_acc = 0.0f;
     for (int g = 0; g < groups; ++g) {
@@ -184,11 +208,8 @@ void matvec_rows_avx2(int r0, int r1, const uint8_t* blob, const Q4MatrixLayout&
       const uint8_t* c = codes + size_t(g) * size_t(m.group / 2);
       const float* xg = x + size_t(g) * size_t(m.group);
       for (int i = 0; i < chunks; ++i) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * i));
-        const __m128i lo = _mm_and_si128(b, low_nibble);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low_nibble);
-        const __m128i q0 = _mm_unpacklo_epi8(lo, hi);  // inputs 0..15 of the chunk, in order
-        const __m128i q1 = _mm_unpackhi_epi8(lo, hi);  // inputs 16..31
+        __m128i q0, q1;
+        unpack32(c + 16 * i, &q0, &q1);
         const float* xc = xg + 32 * i;
         p0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q0)), _mm256_loadu_ps(xc), p0);
         p1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q0, 8))),
@@ -203,10 +224,7 @@ void matvec_rows_avx2(int r0, int r1, const uint8_t* blob, const Q4MatrixLayout&
       acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_add_ps(p0, p1), acc);
       bias_acc += bias * x_sums[g];
     }
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    y[r] = _mm_cvtss_f32(s) + bias_acc;
+    y[r] = hsum(acc) + bias_acc;
   }
 }
 #endif
@@ -262,12 +280,10 @@ void q4_matvec_rows_q8(const uint8_t* blob, const Q4MatrixLayout& m, const Q8Inp
   const int bpg = m.group / xq.block;  // blocks per group
 #ifdef MOE_Q4_AVX2
   if (m.group % 32 == 0) {
-    const __m128i low_nibble = _mm_set1_epi8(0x0f);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = row_begin; r < row_end; ++r) {
-      const uint8_t* codes = blob + m.codes_offset + size_t(r) * size_t(m.cols / 2);
-      const uint16_t* params =
-          reinterpret_cast<const uint16_t*>(blob + m.params_offset + size_t(r) * size_t(groups) * 4);
+      const uint8_t* codes = row_codes(blob, m, r);
+      const uint16_t* params = row_params(blob, m, r);
       __m256 acc = _mm256_setzero_ps();
       float bias_acc = 0.f;
       for (int g = 0; g < groups; ++g) {
@@ -276,21 +292,16 @@ void q4_matvec_rows_q8(const uint8_t* blob, const Q4MatrixLayout& m, const Q8Inp
         const uint8_t* c = codes + size_t(g) * size_t(m.group / 2);
         for (int b = 0; b < bpg; ++b) {
           const int blk = g * bpg + b;
-          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * b));
-          const __m128i lo = _mm_and_si128(v, low_nibble);
-          const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), low_nibble);
-          // inputs 0..15 | 16..31 of the block, in order
-          const __m256i q = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+          __m128i q0, q1;
+          unpack32(c + 16 * b, &q0, &q1);
+          const __m256i q = _mm256_set_m128i(q1, q0);  // the block's 32 codes in input order
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + size_t(blk) * 32));
           const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
           acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(scale * xq.scale[size_t(blk)]), acc);
           bias_acc += bias * xq.sum[size_t(blk)];
         }
       }
-      __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-      s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-      s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-      y[r] = _mm_cvtss_f32(s4) + bias_acc;
+      y[r] = hsum(acc) + bias_acc;
     }
     return;
   }

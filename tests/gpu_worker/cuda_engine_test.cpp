@@ -72,6 +72,27 @@ std::unique_ptr<CudaEngine> cuda_engine(const std::string& path, CudaEngineOptio
   return std::move(*e);
 }
 
+// A model with every expert resident, and the budgets that leave fewer
+// islands (the same dense dtype, the embedding in the arena).
+struct Resident {
+  std::unique_ptr<CudaEngine> engine;
+  IslandPlan plan;
+  int E = 0;
+  int64_t total = 0;  // experts of all MoE layers
+  size_t budget_for(int64_t islands) const {
+    return plan.arena_bytes - size_t(total - islands) * plan.island_stride;
+  }
+};
+
+Resident resident(const std::string& path) {
+  Resident r;
+  r.engine = cuda_engine(path);
+  r.plan = r.engine->plan();
+  r.E = r.engine->desc().moe.n_experts;
+  r.total = int64_t(r.engine->desc().n_moe_layers()) * r.E;
+  return r;
+}
+
 std::unique_ptr<CpuEngine> cpu_engine(const std::string& path) {
   EngineOptions o;
   o.threads = 2;
@@ -229,16 +250,15 @@ TEST_CASE("cuda engine: INT8 dense weights stay close to the CPU engine", "[cuda
 TEST_CASE("cuda engine: auto dense weights pick INT8 only when bf16 leaves experts out", "[cuda][engine]") {
   SKIP_WITHOUT_GPU();
   const std::string path = packed("demo-moe");
-  auto full = cuda_engine(path);
-  CHECK_FALSE(full->expert_stats().int8_dense);  // everything fits: bf16
-  const IslandPlan p = full->plan();
-  const int64_t total = int64_t(full->desc().n_moe_layers()) * full->desc().moe.n_experts;
+  const Resident full = resident(path);
+  CHECK_FALSE(full.engine->expert_stats().int8_dense);  // everything fits: bf16
+  const int64_t half = full.total - full.total / 2;
   CudaEngineOptions o;
-  o.vram_budget = p.arena_bytes - size_t(total / 2) * p.island_stride;
+  o.vram_budget = full.budget_for(half);
   auto tight = cuda_engine(path, o);
   CHECK(tight->expert_stats().int8_dense);
   // INT8 frees room: more islands than bf16 would leave.
-  CHECK(tight->plan().n_islands > total - total / 2);
+  CHECK(tight->plan().n_islands > half);
 }
 
 TEST_CASE("cuda engine: DeepSeek-V2 (MLA) is refused with a message", "[cuda][engine]") {
@@ -288,11 +308,11 @@ TEST_CASE("cuda engine: a step cut into passes equals one pass; decode graphs eq
 TEST_CASE("cuda engine: under a budget of fewer islands than experts the output is unchanged", "[cuda][engine]") {
   SKIP_WITHOUT_GPU();
   const std::string path = packed("demo-moe");
-  auto full = cuda_engine(path);
-  const IslandPlan p = full->plan();
-  const int E = full->desc().moe.n_experts;
-  const int64_t total = int64_t(full->desc().n_moe_layers()) * E;
-  REQUIRE(p.n_islands == total);
+  const Resident r = resident(path);
+  const auto& full = r.engine;
+  const int E = r.E;
+  const int64_t total = r.total;
+  REQUIRE(r.plan.n_islands == total);
   // The last run keeps the embedding in host memory (rows read over the
   // link): the same bytes, so the same outputs, and its room becomes islands.
   struct Run {
@@ -312,7 +332,7 @@ TEST_CASE("cuda engine: under a budget of fewer islands than experts the output 
       o.dense_weights = "bf16";  // the same weights as `full`: only the islands differ
       // Room for a layer's experts and a third more: half the model's experts miss.
       int64_t islands = E + E / 3;
-      o.vram_budget = p.arena_bytes - size_t(total - islands) * p.island_stride;
+      o.vram_budget = r.budget_for(islands);
       auto small = cuda_engine(path, o);
       REQUIRE(small->expert_stats().host_embedding == run.host_embedding);
       if (run.host_embedding) {
@@ -359,17 +379,15 @@ TEST_CASE("cuda engine: under a budget of fewer islands than experts the output 
 TEST_CASE("cuda engine: misses computed on the host as well as copied match the resident run", "[cuda][engine]") {
   SKIP_WITHOUT_GPU();
   const std::string path = packed("demo-moe");
-  auto full = cuda_engine(path);
-  const IslandPlan p = full->plan();
-  const int E = full->desc().moe.n_experts;
-  const int64_t total = int64_t(full->desc().n_moe_layers()) * E;
+  const Resident r = resident(path);
+  const auto& full = r.engine;
   CudaEngineOptions o;
   o.dense_weights = "bf16";
   o.host_embedding = false;
   o.host_experts = true;
   o.host_threads = 4;
   o.host_link_us = 1e6;  // a link this slow: the host takes every miss of a layer with two or more
-  o.vram_budget = p.arena_bytes - size_t(total - (E + E / 3)) * p.island_stride;
+  o.vram_budget = r.budget_for(r.E + r.E / 3);
   auto small = cuda_engine(path, o);
   const int V = full->desc().vocab_size;
   std::vector<SeqInput> step = {input(1, prompt(30, V, 1), 0), input(2, prompt(9, V, 2), 0)};
@@ -415,14 +433,13 @@ TEST_CASE("cuda engine: a budget too small is refused saying what would fit; war
   REQUIRE_FALSE(e.ok());
   CHECK(e.error().find("would fit") != std::string::npos);
 
-  auto full = cuda_engine(path);
-  const IslandPlan p = full->plan();
-  const int E = full->desc().moe.n_experts;
-  const int64_t total = int64_t(full->desc().n_moe_layers()) * E;
+  const Resident r = resident(path);
+  const auto& full = r.engine;
+  const int E = r.E;
   CudaEngineOptions o;
   o.dense_weights = "bf16";
   o.host_embedding = false;  // exactly 2E islands
-  o.vram_budget = p.arena_bytes - size_t(total - 2 * E) * p.island_stride;
+  o.vram_budget = r.budget_for(2 * E);
   auto small = cuda_engine(path, o);
   CHECK(small->resident().empty());
   std::vector<ExpertKey> want;

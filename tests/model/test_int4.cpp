@@ -189,20 +189,40 @@ TEST_CASE("constant groups dequantise to their value exactly", "[int4]") {
   check_round_trip(w, m, blob.data());
 }
 
+namespace {
+
+// A random n x k matrix quantised with group g, and a random input.
+struct MatvecCase {
+  Q4MatrixLayout m;
+  std::vector<float> x;
+  std::vector<uint8_t> blob;
+};
+
+MatvecCase matvec_case(int n, int k, int g, uint32_t& seed) {
+  MatvecCase c;
+  c.m = single_matrix(n, k, g);
+  const auto w = random_matrix(n, k, seed++);
+  c.x.resize(static_cast<size_t>(k));
+  std::mt19937 rng(seed++);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (auto& v : c.x) v = dist(rng);
+  c.blob.resize(c.m.params_offset + c.m.params_bytes());
+  q4_quantize_matrix(w.data(), c.m, c.blob.data());
+  return c;
+}
+
+}  // namespace
+
 TEST_CASE("q4_matvec equals dequantise-then-dot", "[int4]") {
   uint32_t seed = 100;
   for (int k : {64, 96, 32, 6})
     for (int n : {1, 7, 33})
       for (int g : {32, 64, 128}) {
         INFO("K " << k << " N " << n << " G " << g);
-        const Q4MatrixLayout m = single_matrix(n, k, g);
-        const auto w = random_matrix(n, k, seed++);
-        std::vector<float> x(static_cast<size_t>(k));
-        std::mt19937 rng(seed++);
-        std::normal_distribution<float> dist(0.0f, 1.0f);
-        for (auto& v : x) v = dist(rng);
-        std::vector<uint8_t> blob(m.params_offset + m.params_bytes());
-        q4_quantize_matrix(w.data(), m, blob.data());
+        const MatvecCase mc = matvec_case(n, k, g, seed);
+        const Q4MatrixLayout& m = mc.m;
+        const std::vector<float>& x = mc.x;
+        const std::vector<uint8_t>& blob = mc.blob;
         std::vector<float> y(static_cast<size_t>(n));
         q4_matvec(blob.data(), m, x.data(), y.data());
         std::vector<float> row(static_cast<size_t>(k));
@@ -226,14 +246,10 @@ TEST_CASE("q4_matvec_rows_q8 agrees with q4_matvec within int8 input rounding, r
     for (int g : {32, 64, 128}) {
       const int n = 19;
       INFO("K " << k << " G " << g);
-      const Q4MatrixLayout m = single_matrix(n, k, g);
-      const auto w = random_matrix(n, k, seed++);
-      std::vector<float> x(static_cast<size_t>(k));
-      std::mt19937 rng(seed++);
-      std::normal_distribution<float> dist(0.0f, 1.0f);
-      for (auto& v : x) v = dist(rng);
-      std::vector<uint8_t> blob(m.params_offset + m.params_bytes());
-      q4_quantize_matrix(w.data(), m, blob.data());
+      const MatvecCase mc = matvec_case(n, k, g, seed);
+      const Q4MatrixLayout& m = mc.m;
+      const std::vector<float>& x = mc.x;
+      const std::vector<uint8_t>& blob = mc.blob;
       std::vector<float> want(static_cast<size_t>(n)), got(static_cast<size_t>(n), -7.f);
       q4_matvec(blob.data(), m, x.data(), want.data());
       Q8Input xq;
