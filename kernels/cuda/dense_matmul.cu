@@ -238,6 +238,134 @@ Status launch_gemv(const W* w, const float* row_scale, const GemvIn& in, float* 
   return {};
 }
 
+// Batched decode with INT8 weights on tensor cores. The FMA kernel above
+// spends ~14 instructions a weight at 8 tokens (8 FMAs, the unpack, the
+// inputs' conversion); here mma.sync m16n8k16 (bf16 in, f32 accumulate)
+// takes a 16-row tile of weights as A and the tokens as B's 8 columns, so a
+// weight costs its conversion to bf16 (exact: |q| <= 128) and 1/128 of an
+// instruction. A block owns 16 rows; its 8 warps split K in 64-input chunks
+// (chunk c to warp c mod 8) and add their tiles in shared memory at the end.
+//
+// The k order inside an mma is free as long as A and B agree: lane (g, t)
+// of mma j takes inputs c*64 + 16t + 4j + {0,1,2,3}, which are one 32-bit
+// word of its 16-byte run of weights (rows g and g+8) and two bf16 pairs of
+// token g's staged input. Its A registers are (row g, inputs 0-1), (row
+// g+8, 0-1), (row g, 2-3), (row g+8, 2-3) of those four and its B registers
+// (inputs 0-1), (2-3) of token g: the fragment layout of m16n8k16 with
+// logical k {2t, 2t+1, 2t+8, 2t+9} mapped onto them.
+constexpr int kMmaWarps = 8;
+constexpr int kMmaGroup = 4;  // chunks whose weights a warp loads together
+
+__device__ __forceinline__ uint32_t i8pair_to_bf16x2(uint32_t word, int half) {
+  const uint32_t biased = word ^ 0x80808080u;
+  const float lo = __uint_as_float(__byte_perm(biased, 0x4B000000u, 0x7440u + 2 * half)) - 8388736.f;
+  const float hi = __uint_as_float(__byte_perm(biased, 0x4B000000u, 0x7441u + 2 * half)) - 8388736.f;
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  uint32_t u;
+  memcpy(&u, &b, 4);
+  return u;
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+template <int T>
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    gemv_i8_mma_kernel(const int8_t* __restrict__ w, const __nv_bfloat16* __restrict__ x, float* y, int n_out,
+                       int k, bool accumulate, const float* gate, int gate_stride,
+                       const float* __restrict__ row_scale) {
+  extern __shared__ uint4 xs[];  // [T, k/8 + 1]: a padded row spreads the tokens over the banks
+  __shared__ float part[kMmaWarps][16][8];
+  detail::allow_next_grid();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int row0 = blockIdx.x * 16;
+  const int kc = k / 8, runs = k / 16, chunks = k / 64;
+  const uint4* wa = reinterpret_cast<const uint4*>(w) + size_t(min(row0 + g, n_out - 1)) * runs + t4;
+  const uint4* wb = reinterpret_cast<const uint4*>(w) + size_t(min(row0 + g + 8, n_out - 1)) * runs + t4;
+  uint4 pa[kMmaGroup], pb[kMmaGroup];
+  auto load = [&](int c0) {
+#pragma unroll
+    for (int i = 0; i < kMmaGroup; ++i) {
+      const int c = c0 + i * kMmaWarps;
+      if (c < chunks) {
+        pa[i] = __ldcs(wa + size_t(c) * 4);
+        pb[i] = __ldcs(wb + size_t(c) * 4);
+      }
+    }
+  };
+  load(warp);  // weights before the wait: nothing writes them
+  detail::wait_prior_grid();
+  const uint4* xg = reinterpret_cast<const uint4*>(x);
+  for (int i = threadIdx.x; i < T * kc; i += kMmaWarps * 32) {
+    const int t = i / kc;
+    xs[t * (kc + 1) + (i - t * kc)] = xg[i];
+  }
+  __syncthreads();
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int c0 = warp; c0 < chunks; c0 += kMmaWarps * kMmaGroup) {
+    if (c0 != warp) load(c0);
+#pragma unroll
+    for (int i = 0; i < kMmaGroup; ++i) {
+      const int c = c0 + i * kMmaWarps;
+      if (c >= chunks) break;
+      uint4 x0 = make_uint4(0, 0, 0, 0), x1 = x0;
+      if (g < T) {
+        const uint4* xr = xs + g * (kc + 1) + c * 8 + 2 * t4;
+        x0 = xr[0];
+        x1 = xr[1];
+      }
+      const uint32_t ra[4] = {pa[i].x, pa[i].y, pa[i].z, pa[i].w};
+      const uint32_t rb[4] = {pb[i].x, pb[i].y, pb[i].z, pb[i].w};
+      const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        mma_bf16_16816(acc, i8pair_to_bf16x2(ra[j], 0), i8pair_to_bf16x2(rb[j], 0), i8pair_to_bf16x2(ra[j], 1),
+                       i8pair_to_bf16x2(rb[j], 1), xw[2 * j], xw[2 * j + 1]);
+    }
+  }
+  // d0, d1: row g, tokens 2t4 and 2t4+1; d2, d3: row g+8, the same tokens.
+  part[warp][g][2 * t4] = acc[0];
+  part[warp][g][2 * t4 + 1] = acc[1];
+  part[warp][g + 8][2 * t4] = acc[2];
+  part[warp][g + 8][2 * t4 + 1] = acc[3];
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    const int r = threadIdx.x >> 3, t = threadIdx.x & 7;
+    const int row = row0 + r;
+    if (t < T && row < n_out) {
+      float v = 0.f;
+#pragma unroll
+      for (int wi = 0; wi < kMmaWarps; ++wi) v += part[wi][r][t];
+      v *= __ldg(row_scale + row);
+      if (gate) v *= detail::sigmoid(gate[size_t(t) * gate_stride]);
+      float* o = y + size_t(t) * n_out + row;
+      *o = accumulate ? *o + v : v;
+    }
+  }
+}
+
+template <int T>
+Status launch_gemv_i8_mma(const int8_t* w, const float* row_scale, const __nv_bfloat16* x, float* y, int n_out,
+                          int k, bool acc, const float* gate, int gate_stride, cudaStream_t stream) {
+  const size_t smem = size_t(T) * (k / 8 + 1) * 16;
+  if (smem > 48 * 1024)
+    MOE_CUDA_TRY(cudaFuncSetAttribute(gemv_i8_mma_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      int(smem)));
+  MOE_CUDA_TRY(detail::launch_pdl(gemv_i8_mma_kernel<T>, dim3((n_out + 15) / 16), dim3(kMmaWarps * 32), smem,
+                                  stream, w, x, y, n_out, k, acc, gate, gate_stride, row_scale));
+  MOE_CUDA_LAUNCHED();
+  return {};
+}
+
 // row_scale: [n_out] for int8 weights, null for bf16.
 template <In MODE, typename W>
 Status gemv_dispatch(const W* w, const float* row_scale, const GemvIn& in, float* y, int tokens, int n_out, int k,
@@ -252,6 +380,17 @@ Status gemv_dispatch(const W* w, const float* row_scale, const GemvIn& in, float
     MOE_CUDA_REQUIRE(n_out > 0 && k > 0 && k % 8 == 0, "k must be a positive multiple of 8");
   MOE_CUDA_REQUIRE(size_t(tokens) * k * 2 <= 200 * 1024, "tokens * k too large for shared memory");
   MOE_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(w) % 16 == 0, "w must be 16-byte aligned");
+  // 5 to 8 tokens of INT8 weights and a plain input: tensor cores.
+  if constexpr (kScaled && MODE == In::bf16) {
+    if (tokens >= 5 && k % 64 == 0 && size_t(tokens) * (k / 8 + 1) * 16 <= 200 * 1024) {
+      switch (tokens) {
+        case 5: return launch_gemv_i8_mma<5>(w, row_scale, in.x, y, n_out, k, accumulate, gate_logits, gate_stride, stream);
+        case 6: return launch_gemv_i8_mma<6>(w, row_scale, in.x, y, n_out, k, accumulate, gate_logits, gate_stride, stream);
+        case 7: return launch_gemv_i8_mma<7>(w, row_scale, in.x, y, n_out, k, accumulate, gate_logits, gate_stride, stream);
+        default: return launch_gemv_i8_mma<8>(w, row_scale, in.x, y, n_out, k, accumulate, gate_logits, gate_stride, stream);
+      }
+    }
+  }
   switch (tokens) {
 #define MOE_GEMV_CASE(T) \
   case T: return launch_gemv<W, T, MODE>(w, row_scale, in, y, n_out, k, accumulate, gate_logits, gate_stride, stream);

@@ -999,8 +999,11 @@ TEST_CASE("cuda int8 dense GEMVs (bf16, rmsnorm and silu inputs) match the CPU",
   // about 0.7% of the weights' RMS for these Gaussian rows, hence 1.5e-2.
   constexpr double kTight = 1e-5, kLoose = 1.5e-2;
   // k = 16 m: one run, 37 runs (a partial second half-round), 133 runs
-  // (three rounds, the last partial); n_out not a multiple of 16.
-  for (auto [n_out, k] : {std::pair{77, 2128}, std::pair{5, 16}, std::pair{130, 592}}) {
+  // (three rounds, the last partial); n_out not a multiple of 16. k a
+  // multiple of 64 takes the tensor-core kernel from 5 tokens on: 16 chunks
+  // (two per warp), 88 (eleven a warp, three load groups).
+  for (auto [n_out, k] : {std::pair{77, 2128}, std::pair{5, 16}, std::pair{130, 592}, std::pair{45, 1024},
+                          std::pair{33, 5632}}) {
     INFO("n_out " << n_out << ", k " << k);
     const auto w = round_bf16(randn(size_t(n_out) * k, rng, 0.05f));
     const auto wbits = bf16_bits(w);
