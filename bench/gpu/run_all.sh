@@ -7,7 +7,7 @@
 # and the summary JSON.
 #   bench/gpu/run_all.sh BUILD_DIR OUT_DIR [COMMIT]
 # Writes OUT_DIR/engine-qwen15.json, engine-qwen3.json, peer.json and
-# gpu-latest.json; the log goes to stdout. Takes about 6 minutes on an H200.
+# gpu-latest.json; the log goes to stdout. Takes about 4 minutes on an H200.
 set -euo pipefail
 build=${1:?usage: run_all.sh BUILD_DIR OUT_DIR [COMMIT]}
 out=${2:?usage: run_all.sh BUILD_DIR OUT_DIR [COMMIT]}
