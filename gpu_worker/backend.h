@@ -81,7 +81,7 @@ struct CudaBackendOptions {
   std::string policy = "ours";  // expert eviction: lru | lfu | ours
   bool prefetch = true;         // under a budget: prefetch the next layer's predicted experts
   std::string dense_weights = "auto";  // bf16 | int8 | auto
-  bool host_experts = true;            // split decode misses between the link and the host's cores
+  bool host_experts = false;           // split decode misses between the link and the host's cores
   int host_threads = 0;                // their threads (0: every core)
 };
 

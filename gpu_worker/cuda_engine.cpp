@@ -280,6 +280,9 @@ struct CudaEngine::Impl {
                    bool fuse);
   // The shared expert or dense MLP from gu (its gate|up), added to x.
   Status mlp(const DevLayer& L, int n, bool fuse);
+  // The layer's routed experts on the GPU (and the host's share, when
+  // bind_experts split the misses), added to x.
+  Status routed_experts(int ml, int n, const int32_t* ids);
   // y[n, W.rows] (+)= x W^T, bf16 or INT8 weights; GEMV up to 8 rows of x,
   // cuBLASLt above (an INT8 matrix is first turned back into bf16).
   Status project(const DenseW& W, const bf16* x, float* y, int n, bool acc);
@@ -743,8 +746,11 @@ Status CudaEngine::Impl::bind_experts(int ml, int n, const std::function<Status(
   MOE_CUDA_TRY(cudaEventRecord(routes_ready, st));
   if (Status s = meanwhile(); !s) return s;
   MOE_CUDA_TRY(cudaEventSynchronize(routes_ready));
-  std::vector<int>& used = bound[size_t(ml)];
-  used.clear();
+  // bound[ml] lists exactly the experts pinned so far, so that a failure at
+  // any point after can be undone by release_experts.
+  std::vector<int>& pinned = bound[size_t(ml)];
+  pinned.clear();
+  std::vector<int> used;
   for (int i = 0; i < n * K; ++i)
     if (ids[i] >= 0 && ids[i] < E && std::find(used.begin(), used.end(), ids[i]) == used.end()) used.push_back(ids[i]);
   host_pairs.clear();
@@ -773,11 +779,16 @@ Status CudaEngine::Impl::bind_experts(int ml, int n, const std::function<Status(
     auto p = arena->request(*map, ml, e, st);
     if (!p) return make_error(p.error());
     table[e] = *p;
+    pinned.push_back(e);
   }
   map->clear_predictions(ml);
   MOE_CUDA_TRY(cudaMemcpyAsync(blob_tables + size_t(ml) * E, table, size_t(E) * sizeof(void*), cudaMemcpyHostToDevice,
                                st));
   if (!opts.prefetch) return {};
+  static_assert(std::is_same_v<int32_t, int>, "the predictor reads the ids in place");
+  auto row = [&](int t) { return std::span<const int>(ids + size_t(t) * K, size_t(K)); };
+  for (int t = 0; t < n; ++t) predictor->observe(ml, row(t));
+  if (Lm < 2) return {};  // the next layer would be this one, in use
   // A pass this large uses (nearly) every expert of a layer whatever the
   // routing: an expert is left out with chance (1 - 1/E)^(nK) < e^-4 once
   // nK >= 4E (a prompt). Queue all of the next layer's experts behind this
@@ -789,13 +800,9 @@ Status CudaEngine::Impl::bind_experts(int ml, int n, const std::function<Status(
   }
   // The next MoE layer's likely experts, copied while this one computes.
   std::vector<int> guess;
-  for (int t = 0; t < n; ++t) {
-    static_assert(std::is_same_v<int32_t, int>, "the predictor reads the ids in place");
-    const std::span<const int> row(ids + size_t(t) * K, size_t(K));
-    predictor->observe(ml, row);
-    for (int e : predictor->predict_next(ml, row))
+  for (int t = 0; t < n; ++t)
+    for (int e : predictor->predict_next(ml, row(t)))
       if (std::find(guess.begin(), guess.end(), e) == guess.end()) guess.push_back(e);
-  }
   if (guess.empty()) return {};
   return arena->prefetch(*map, (ml + 1) % Lm, guess, HintPriority::prefetch);
 }
@@ -817,9 +824,17 @@ Status CudaEngine::Impl::start_host_experts() {
   for (int i = 0; i < 16; ++i) blobs.push_back(arena->host_blob({(i * 7) % Lm, (i * 13) % E}));
   host_us_token = host_x->measure_us(blobs);
   const uint8_t* blob = blobs[0];
-  cudaEvent_t a = nullptr, b = nullptr;
-  MOE_CUDA_TRY(cudaEventCreate(&a));
-  MOE_CUDA_TRY(cudaEventCreate(&b));
+  // Timing events, destroyed on every way out.
+  struct Events {
+    cudaEvent_t a = nullptr, b = nullptr;
+    ~Events() {
+      if (a) (void)cudaEventDestroy(a);
+      if (b) (void)cudaEventDestroy(b);
+    }
+  } ev;
+  MOE_CUDA_TRY(cudaEventCreate(&ev.a));
+  MOE_CUDA_TRY(cudaEventCreate(&ev.b));
+  cudaEvent_t a = ev.a, b = ev.b;
   float best = 1e30f;
   for (int i = 0; i < 4; ++i) {
     MOE_CUDA_TRY(cudaEventRecord(a, st));
@@ -830,8 +845,6 @@ Status CudaEngine::Impl::start_host_experts() {
     MOE_CUDA_TRY(cudaEventElapsedTime(&ms, a, b));
     best = std::min(best, ms);
   }
-  (void)cudaEventDestroy(a);
-  (void)cudaEventDestroy(b);
   link_us = opts.host_link_us > 0 ? opts.host_link_us : double(best) * 1000.0;
   std::fprintf(stderr,
                "moe-worker: misses split between the link (%.0f us an expert) and %d host threads (%.0f us an "
@@ -896,7 +909,6 @@ Status CudaEngine::Impl::mlp(const DevLayer& L, int n, bool fuse) {
 Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, const int32_t* positions,
                                    const int32_t* seq_of_token, bool fuse) {
   const int ml = L.moe_index;
-  const bool small = n <= cuda::kGemvMaxTokens;
   // The router's logits: inside the shared projection's output, already
   // made by the fused norm + GEMV, or computed here from xn.
   const float* logits = L.router_row >= 0 ? gu + L.router_row : router_logits;
@@ -911,11 +923,20 @@ Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, 
     if (Status s = cuda::uniform_route(ids, n, E, K, positions, seq_of_token, ml, opts.uniform_routing_seed, st); !s)
       return s;
   auto shared = [&]() -> Status { return L.mlp_gu_w ? mlp(L, n, fuse) : Status{}; };
-  if (!all_resident) {
-    if (Status s = bind_experts(ml, n, shared); !s) return s;
-  } else if (Status s = shared(); !s) {
-    return s;
+  if (all_resident) {
+    if (Status s = shared(); !s) return s;
+    return routed_experts(ml, n, ids);
   }
+  // Under a budget the layer's experts are pinned from bind_experts on; they
+  // are released whatever happens after, a failure included.
+  Status s = bind_experts(ml, n, shared);
+  if (s) s = routed_experts(ml, n, ids);
+  const Status r = release_experts(ml);
+  return s ? r : s;
+}
+
+Status CudaEngine::Impl::routed_experts(int ml, int n, const int32_t* ids) {
+  const bool small = n <= cuda::kGemvMaxTokens;
   cuda::Q4ExpertArgs a;
   a.layout = layout;
   a.blobs = blob_tables + size_t(ml) * E;
@@ -938,10 +959,8 @@ Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, 
     const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
     host_us_token = 0.9 * host_us_token + 0.1 * us / double(host_pairs.size());
     MOE_CUDA_TRY(cudaMemcpyAsync(hsum, hsum_host, size_t(n) * H * 4, cudaMemcpyHostToDevice, st));
-    if (Status s = cuda::add_inplace(x, hsum, int64_t(n) * H, st); !s) return s;
+    return cuda::add_inplace(x, hsum, int64_t(n) * H, st);
   }
-  if (!all_resident)
-    if (Status s = release_experts(ml); !s) return s;
   return {};
 }
 

@@ -43,8 +43,11 @@ struct CudaEngineOptions {
   bool host_embedding = true;
   // Under a budget, a decode step's misses are split between the link and
   // the host's cores (computed there from the pinned blob) when both
-  // together finish sooner; host_threads 0 means every hardware thread.
-  bool host_experts = true;
+  // together finish sooner; host_threads 0 means every hardware thread. Off
+  // by default: the split follows measured timings, so which experts the
+  // host computes (in f32, the GPU in half2) varies from run to run, and so
+  // may the last bits of the logits.
+  bool host_experts = false;
   int host_threads = 0;
   double host_link_us = 0;  // one expert over the link, µs; 0: measured at start (tests force a split with it)
   // Benchmarks: 0, the router picks the experts; else every token's experts

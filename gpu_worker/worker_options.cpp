@@ -125,7 +125,8 @@ std::string worker_usage() {
          "  --dense-weights W       non-expert matrices: bf16, int8 (per-row scales), or auto (default):\n"
          "                          bf16 when every expert fits the budget beside it, else int8 (cuda)\n"
          "  --host-experts on|off   under a budget, split a decode step's missed experts between the link\n"
-         "                          and the host's cores by their measured speeds (cuda, default on)\n"
+         "                          and the host's cores by their measured speeds (cuda, default off;\n"
+         "                          when on, the last bits of the outputs depend on timing)\n"
          "  --redis URL             Redis for warm-expert state and events (redis://HOST:PORT)\n"
          "  --help, --version\n";
 }

@@ -23,7 +23,7 @@ struct WorkerOptions {
   std::string expert_policy = "ours";  // --expert-policy lru|lfu|ours (cuda)
   bool prefetch = true;                // --prefetch on|off (cuda, under a budget)
   std::string dense_weights = "auto";  // --dense-weights auto|bf16|int8 (cuda)
-  bool host_experts = true;            // --host-experts on|off (cuda, under a budget)
+  bool host_experts = false;           // --host-experts on|off (cuda, under a budget)
 };
 
 struct WorkerCommandLine {

@@ -42,7 +42,7 @@ struct Options {
   std::string dense_weights = "auto";
   int fuse_max_tokens = 4;
   std::vector<std::string> routings = {"router"};
-  bool host_experts = true;
+  bool host_experts = false;
   std::string json;
 };
 
@@ -236,10 +236,13 @@ int main(int argc, char** argv) {
       for (const std::string& routing : o.routings) {
         CudaEngineOptions eo;
         eo.vram_budget = size_t(gib * double(1ull << 30));
-        // KV: 4,096 tokens resident (decode at batch 8 needs 8 x 264); under a
-        // budget the runs are batch 1 and one 512-token prompt, so 1,024
-        // tokens, and the rest of the budget goes to islands.
-        eo.kv_blocks = gib == 0 ? 256 : 64;
+        // KV: what the runs need and no more under a budget (the rest of it
+        // goes to islands): batch 1 there, batch 8 resident, each sequence
+        // context + warm-up + steps + 1 tokens, or one prompt; at least 1,024
+        // tokens under a budget, 4,096 resident (the earlier fixed pools).
+        const int batch = gib == 0 ? 8 : 1;
+        const int seq_blocks = (o.context + o.steps + 9 + 15) / 16, prompt_blocks = (o.prompt + 1 + 15) / 16;
+        eo.kv_blocks = std::max({batch * seq_blocks, prompt_blocks, gib == 0 ? 256 : 64});
         eo.policy = o.policy;
         eo.prefetch = o.prefetch;
         eo.dense_weights = o.dense_weights;
