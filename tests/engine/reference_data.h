@@ -12,6 +12,7 @@
 #include "engine/engine.h"
 #include "model/model_files.h"
 #include "model/safetensors.h"
+#include "tests/reference_tensors.h"  // ints()
 
 namespace moe::test {
 
@@ -19,25 +20,6 @@ inline std::string fixture_dir(const std::string& arch) {
   return std::string(MOE_TEST_DATA) + "/fixtures/" + arch;
 }
 inline std::string demo_dir() { return std::string(MOE_TEST_DATA) + "/../../models/demo-moe"; }
-
-// Integer tensor (I64/I32/I16) as int32 values.
-inline std::vector<int32_t> ints(const TensorView& t) {
-  std::vector<int32_t> out(size_t(t.numel()));
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (t.dtype == DType::i64) {
-      int64_t v;
-      std::memcpy(&v, t.data + 8 * i, 8);
-      out[i] = int32_t(v);
-    } else if (t.dtype == DType::i32) {
-      std::memcpy(&out[i], t.data + 4 * i, 4);
-    } else {
-      int16_t v;
-      std::memcpy(&v, t.data + 2 * i, 2);
-      out[i] = v;
-    }
-  }
-  return out;
-}
 
 inline float max_abs(const std::vector<float>& v) {
   float m = 0;

@@ -17,56 +17,12 @@
 #include "gateway/scheduler_continuous.h"
 #include "gateway/worker_supervisor.h"
 #include "model/safetensors.h"
+#include "tests/gateway/scheduler_test_parts.h"
 
 using namespace moe::gw;
+using namespace moe::gw::test;
 
 namespace {
-
-const std::string kFixture = std::string(MOE_TEST_DATA) + "/fixtures/qwen3_moe";
-
-struct Collector : SequenceObserver {
-  std::vector<int32_t> tokens;
-  bool done = false;
-  FinishReason reason = FinishReason::error;
-  void on_token(const TokenEvent& ev) override {
-    REQUIRE_FALSE(done);
-    tokens.push_back(ev.token);
-  }
-  void on_finished(FinishReason r, const std::string&) override {
-    done = true;
-    reason = r;
-  }
-};
-
-std::vector<int32_t> ints(const moe::TensorView& t) {
-  std::vector<int32_t> out(size_t(t.numel()));
-  for (size_t i = 0; i < out.size(); ++i) {
-    int64_t v;
-    std::memcpy(&v, t.data + 8 * i, 8);
-    out[i] = int32_t(v);
-  }
-  return out;
-}
-
-std::vector<SequenceRequest> fixture_requests(int max_new) {
-  auto ref = moe::Checkpoint::open_file(kFixture + "/reference.safetensors");
-  REQUIRE(ref.ok());
-  std::vector<SequenceRequest> out;
-  for (int p = 0; ref->find("p" + std::to_string(p) + ".input_ids"); ++p) {
-    SequenceRequest r;
-    r.prompt = ints(*ref->find("p" + std::to_string(p) + ".input_ids"));
-    r.max_new_tokens = max_new;
-    r.sampling.temperature = 0;
-    out.push_back(r);
-  }
-  return out;
-}
-
-bool all_done(const std::vector<Collector>& cs) {
-  for (const auto& c : cs)
-    if (!c.done) return false;
-  return true;
-}
 
 // Two supervised workers, "a" and "b" (their socket stems), one scheduler.
 struct TwoWorkers {
@@ -80,7 +36,7 @@ struct TwoWorkers {
     for (const char* name : {"a.sock", "b.sock"}) {
       SupervisorOptions so;
       so.worker_bin = MOE_WORKER_BIN;
-      so.model_path = kFixture;
+      so.model_path = scheduler_fixture();
       so.extra_args = {"--threads", "1"};
       so.extra_args.insert(so.extra_args.end(), extra.begin(), extra.end());
       so.socket_name = name;
@@ -101,27 +57,8 @@ struct TwoWorkers {
   }
   bool both_ready() const { return sched->worker_ready(0) && sched->worker_ready(1); }
   template <typename F, typename T = void (*)()>
-  void run_until(
-      F done, T tick = [] {}) {
-    struct Ctx {
-      F* done;
-      T* tick;
-      uint64_t deadline;
-    } ctx{&done, &tick, uv_now(&loop) + 60000};
-    uv_timer_t t;
-    uv_timer_init(&loop, &t);
-    t.data = &ctx;
-    uv_timer_start(
-        &t,
-        [](uv_timer_t* h) {
-          auto* c = static_cast<Ctx*>(h->data);
-          (*c->tick)();
-          if ((*c->done)() || uv_now(h->loop) > c->deadline) uv_stop(h->loop);
-        },
-        2, 2);
-    uv_run(&loop, UV_RUN_DEFAULT);
-    uv_close(reinterpret_cast<uv_handle_t*>(&t), nullptr);
-    uv_run(&loop, UV_RUN_NOWAIT);
+  void run_until(F done, T tick = [] {}) {
+    run_loop_until(&loop, done, tick);
   }
 };
 
@@ -193,7 +130,7 @@ TEST_CASE("a request goes to the worker whose resident experts match its predict
           "[scheduler][worker][multi][prediction]") {
   PredictorOptions po;
   po.experts_per_layer = 2;
-  auto pred = PromptExpertPredictor::open(kFixture, po);
+  auto pred = PromptExpertPredictor::open(scheduler_fixture(), po);
   REQUIRE(pred.ok());
   PromptExpertPredictor& p = *pred.value();
   REQUIRE(p.n_layers() == 2);
@@ -243,7 +180,7 @@ TEST_CASE("a request goes to the worker whose resident experts match its predict
 TEST_CASE("an idle worker takes over half the queue of a busy one", "[scheduler][worker][multi]") {
   PredictorOptions po;
   po.experts_per_layer = 2;
-  auto pred = PromptExpertPredictor::open(kFixture, po);
+  auto pred = PromptExpertPredictor::open(scheduler_fixture(), po);
   REQUIRE(pred.ok());
   PromptExpertPredictor& p = *pred.value();
   auto reqs = fixture_requests(8);

@@ -15,40 +15,12 @@
 #include "gateway/scheduler_continuous.h"
 #include "gateway/worker_supervisor.h"
 #include "model/safetensors.h"
+#include "tests/gateway/scheduler_test_parts.h"
 
 using namespace moe::gw;
+using namespace moe::gw::test;
 
 namespace {
-
-const std::string kFixture = std::string(MOE_TEST_DATA) + "/fixtures/qwen3_moe";
-
-struct Collector : SequenceObserver {
-  std::vector<int32_t> tokens;
-  bool done = false;
-  FinishReason reason = FinishReason::error;
-  std::string error;
-  std::function<void(size_t)> after_token;  // called with the count so far
-  void on_token(const TokenEvent& ev) override {
-    REQUIRE_FALSE(done);
-    tokens.push_back(ev.token);
-    if (after_token) after_token(tokens.size());
-  }
-  void on_finished(FinishReason r, const std::string& e) override {
-    done = true;
-    reason = r;
-    error = e;
-  }
-};
-
-std::vector<int32_t> ints(const moe::TensorView& t) {
-  std::vector<int32_t> out(size_t(t.numel()));
-  for (size_t i = 0; i < out.size(); ++i) {
-    int64_t v;
-    std::memcpy(&v, t.data + 8 * i, 8);
-    out[i] = int32_t(v);
-  }
-  return out;
-}
 
 struct Rig {
   uv_loop_t loop{};
@@ -59,7 +31,7 @@ struct Rig {
     uv_loop_init(&loop);
     SupervisorOptions so;
     so.worker_bin = MOE_WORKER_BIN;
-    so.model_path = kFixture;
+    so.model_path = scheduler_fixture();
     so.extra_args = {"--threads", "1"};
     auto s = WorkerSupervisor::start(&loop, so);
     REQUIRE(s.ok());
@@ -79,38 +51,9 @@ struct Rig {
   // Runs the loop until `done()` or 60 s pass; `tick` runs every 2 ms.
   template <typename F, typename T = void (*)()>
   void run_until(F done, T tick = [] {}) {
-    struct Ctx {
-      F* done;
-      T* tick;
-      uint64_t deadline;
-    } ctx{&done, &tick, uv_now(&loop) + 60000};
-    uv_timer_t t;
-    uv_timer_init(&loop, &t);
-    t.data = &ctx;
-    uv_timer_start(&t, [](uv_timer_t* h) {
-      auto* c = static_cast<Ctx*>(h->data);
-      (*c->tick)();
-      if ((*c->done)() || uv_now(h->loop) > c->deadline) uv_stop(h->loop);
-    }, 2, 2);
-    uv_run(&loop, UV_RUN_DEFAULT);
-    uv_close(reinterpret_cast<uv_handle_t*>(&t), nullptr);
-    uv_run(&loop, UV_RUN_NOWAIT);
+    run_loop_until(&loop, done, tick);
   }
 };
-
-std::vector<SequenceRequest> fixture_requests(int max_new) {
-  auto ref = moe::Checkpoint::open_file(kFixture + "/reference.safetensors");
-  REQUIRE(ref.ok());
-  std::vector<SequenceRequest> out;
-  for (int p = 0; ref->find("p" + std::to_string(p) + ".input_ids"); ++p) {
-    SequenceRequest r;
-    r.prompt = ints(*ref->find("p" + std::to_string(p) + ".input_ids"));
-    r.max_new_tokens = max_new;
-    r.sampling.temperature = 0;
-    out.push_back(r);
-  }
-  return out;
-}
 
 }  // namespace
 
@@ -129,8 +72,8 @@ TEST_CASE("sequences submitted together get the greedy tokens they get alone", "
     alone.push_back(c.tokens);
   }
   // The first prompt against the reference ids (its margins are wide at the start).
-  auto ref = moe::Checkpoint::open_file(kFixture + "/reference.safetensors");
-  const auto want = ints(*ref->find("p0.greedy_ids"));
+  auto ref = moe::Checkpoint::open_file(scheduler_fixture() + "/reference.safetensors");
+  const auto want = moe::test::ints(*ref->find("p0.greedy_ids"));
   CHECK(std::vector<int32_t>(alone[0].begin(), alone[0].begin() + 4) ==
         std::vector<int32_t>(want.begin(), want.begin() + 4));
 
@@ -174,11 +117,6 @@ TEST_CASE("kill -9 of the worker mid-generation: every sequence completes with t
   auto reqs = fixture_requests(16);
   std::vector<Collector> undisturbed(reqs.size());
   for (size_t i = 0; i < reqs.size(); ++i) rig.sched->submit(reqs[i], &undisturbed[i]);
-  auto all_done = [](std::vector<Collector>& cs) {
-    for (auto& c : cs)
-      if (!c.done) return false;
-    return true;
-  };
   rig.run_until([&] { return all_done(undisturbed); });
   REQUIRE(all_done(undisturbed));
 

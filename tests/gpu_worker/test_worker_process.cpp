@@ -23,6 +23,7 @@
 #include "model/safetensors.h"
 #include "protocol/frame.h"
 #include "protocol/messages.h"
+#include "tests/reference_tensors.h"
 
 namespace pr = moe::protocol;
 namespace fs = std::filesystem;
@@ -167,19 +168,6 @@ struct Client {
   }
 };
 
-std::vector<int32_t> ints(const moe::TensorView& t) {
-  std::vector<int32_t> out(size_t(t.numel()));
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (t.dtype == moe::DType::i64) {
-      int64_t v;
-      std::memcpy(&v, t.data + 8 * i, 8);
-      out[i] = int32_t(v);
-    } else {
-      std::memcpy(&out[i], t.data + 4 * i, 4);
-    }
-  }
-  return out;
-}
 std::vector<float> floats(const moe::TensorView& t) {
   std::vector<float> out(size_t(t.numel()));
   for (size_t i = 0; i < out.size(); ++i) {
@@ -232,8 +220,8 @@ TEST_CASE("moe-worker answers hello with its capabilities and decodes the refere
   std::vector<std::vector<float>> margins;
   for (int p = 0; p < 2; ++p) {
     const std::string pre = "p" + std::to_string(p) + ".";
-    prompts.push_back(ints(*ref->find(pre + "input_ids")));
-    want.push_back(ints(*ref->find(pre + "greedy_ids")));
+    prompts.push_back(moe::test::ints(*ref->find(pre + "input_ids")));
+    want.push_back(moe::test::ints(*ref->find(pre + "greedy_ids")));
     margins.push_back(floats(*ref->find(pre + "greedy_margin")));
   }
   pr::StepRequest req;
