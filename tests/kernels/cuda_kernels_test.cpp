@@ -597,6 +597,51 @@ TEST_CASE("cuda qkv_rope_store full-width q/k norm (OLMoE) matches the CPU", "[c
   check_qkv_rope_store(128, 16, 16, false, QkNormCase::full_width, 1e-5f, rng);
 }
 
+namespace {
+
+struct AttentionShape {
+  int hd, nh, nkv, bt, max_blocks;
+};
+
+// Random queries for (seq[t], pos[t]) over the pool, through the CPU's
+// attention and the kernel: the relative error of the kernel's output.
+double paged_attention_error(const AttentionShape& sh, const std::vector<float>& kpool,
+                             const std::vector<float>& vpool, const std::vector<int32_t>& tables,
+                             const std::vector<int32_t>& seq, const std::vector<int32_t>& pos, std::mt19937& rng) {
+  const int hd = sh.hd, nh = sh.nh, nkv = sh.nkv, bt = sh.bt, max_blocks = sh.max_blocks;
+  const int tokens = int(seq.size());
+  const auto q = round_bf16(randn(size_t(tokens) * nh * hd, rng));
+  const float scale = 1.f / std::sqrt(float(hd));
+  std::vector<float> ref(q.size());
+  for (int t = 0; t < tokens; ++t) {
+    moe::cpu::PagedKv kv{kpool.data(), vpool.data(), tables.data() + seq[t] * max_blocks, bt};
+    moe::cpu::attention(q.data() + size_t(t) * nh * hd, nh * hd, kv, &pos[t], ref.data() + size_t(t) * nh * hd,
+                        nh * hd, 1, nh, nkv, hd, hd, scale, nullptr);
+  }
+  Dev<bf16> dq(to_bf16(q)), dk(to_bf16(kpool)), dv(to_bf16(vpool)), dout(q.size());
+  Dev<int32_t> dtab(tables), dseq(seq), dpos(pos);
+  moe::cuda::PagedKvPool kv;
+  kv.k = dk.p;
+  kv.v = dv.p;
+  kv.block_tables = dtab.p;
+  kv.max_blocks = max_blocks;
+  kv.block_tokens = bt;
+  kv.n_kv = nkv;
+  kv.head_dim = hd;
+  moe::cuda::AttentionArgs a;
+  a.q = dq.p;
+  a.seq_of_token = dseq.p;
+  a.positions = dpos.p;
+  a.tokens = tokens;
+  a.n_heads = nh;
+  a.scale = scale;
+  a.out = dout.p;
+  REQUIRE_OK(moe::cuda::paged_attention(a, kv, nullptr));
+  return rel_err(as_float(dout.get()), ref);
+}
+
+}  // namespace
+
 TEST_CASE("cuda paged attention (decode and prefill) matches the CPU", "[cuda][attention]") {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(18);
@@ -618,35 +663,8 @@ TEST_CASE("cuda paged attention (decode and prefill) matches the CPU", "[cuda][a
       seq.push_back(2);
       pos.push_back(60 + i);
     }
-    const int tokens = int(seq.size());
-    const auto q = round_bf16(randn(size_t(tokens) * nh * hd, rng));
-    const float scale = 1.f / std::sqrt(float(hd));
-    std::vector<float> ref(q.size());
-    for (int t = 0; t < tokens; ++t) {
-      moe::cpu::PagedKv kv{kpool.data(), vpool.data(), tables.data() + seq[t] * max_blocks, bt};
-      moe::cpu::attention(q.data() + size_t(t) * nh * hd, nh * hd, kv, &pos[t], ref.data() + size_t(t) * nh * hd,
-                          nh * hd, 1, nh, nkv, hd, hd, scale, nullptr);
-    }
-    Dev<bf16> dq(to_bf16(q)), dk(to_bf16(kpool)), dv(to_bf16(vpool)), dout(q.size());
-    Dev<int32_t> dtab(tables), dseq(seq), dpos(pos);
-    moe::cuda::PagedKvPool kv;
-    kv.k = dk.p;
-    kv.v = dv.p;
-    kv.block_tables = dtab.p;
-    kv.max_blocks = max_blocks;
-    kv.block_tokens = bt;
-    kv.n_kv = nkv;
-    kv.head_dim = hd;
-    moe::cuda::AttentionArgs a;
-    a.q = dq.p;
-    a.seq_of_token = dseq.p;
-    a.positions = dpos.p;
-    a.tokens = tokens;
-    a.n_heads = nh;
-    a.scale = scale;
-    a.out = dout.p;
-    REQUIRE_OK(moe::cuda::paged_attention(a, kv, nullptr));
-    CHECK(rel_err(as_float(dout.get()), ref) < 8e-3);
+    CHECK(paged_attention_error(AttentionShape{hd, nh, nkv, bt, max_blocks}, kpool, vpool, tables, seq, pos, rng) <
+          8e-3);
   }
 }
 
@@ -678,35 +696,8 @@ TEST_CASE("cuda paged attention with head_dim 16 and 32 matches the CPU", "[cuda
       seq.push_back(3);
       pos.push_back(41 + i);
     }
-    const int tokens = int(seq.size());
-    const auto q = round_bf16(randn(size_t(tokens) * nh * hd, rng));
-    const float scale = 1.f / std::sqrt(float(hd));
-    std::vector<float> ref(q.size());
-    for (int t = 0; t < tokens; ++t) {
-      moe::cpu::PagedKv kv{kpool.data(), vpool.data(), tables.data() + seq[t] * max_blocks, bt};
-      moe::cpu::attention(q.data() + size_t(t) * nh * hd, nh * hd, kv, &pos[t], ref.data() + size_t(t) * nh * hd,
-                          nh * hd, 1, nh, nkv, hd, hd, scale, nullptr);
-    }
-    Dev<bf16> dq(to_bf16(q)), dk(to_bf16(kpool)), dv(to_bf16(vpool)), dout(q.size());
-    Dev<int32_t> dtab(tables), dseq(seq), dpos(pos);
-    moe::cuda::PagedKvPool kv;
-    kv.k = dk.p;
-    kv.v = dv.p;
-    kv.block_tables = dtab.p;
-    kv.max_blocks = max_blocks;
-    kv.block_tokens = bt;
-    kv.n_kv = nkv;
-    kv.head_dim = hd;
-    moe::cuda::AttentionArgs a;
-    a.q = dq.p;
-    a.seq_of_token = dseq.p;
-    a.positions = dpos.p;
-    a.tokens = tokens;
-    a.n_heads = nh;
-    a.scale = scale;
-    a.out = dout.p;
-    REQUIRE_OK(moe::cuda::paged_attention(a, kv, nullptr));
-    CHECK(rel_err(as_float(dout.get()), ref) < 8e-3);
+    CHECK(paged_attention_error(AttentionShape{hd, nh, nkv, bt, max_blocks}, kpool, vpool, tables, seq, pos, rng) <
+          8e-3);
   }
 }
 
