@@ -416,6 +416,55 @@ TEST_CASE("cuda uniform routing draws distinct experts evenly and deterministica
   for (int i = 0; i < n; ++i) CHECK(ids[size_t(i)] == i);
 }
 
+namespace {
+
+// Heads and paging of a KV pool: head_dim, query heads, KV heads, block
+// tokens, blocks per sequence.
+struct AttentionShape {
+  int hd, nh, nkv, bt, max_blocks;
+};
+
+moe::cuda::PagedKvPool kv_pool(bf16* k, bf16* v, const int32_t* tables, int max_blocks, int bt, int nkv, int hd) {
+  moe::cuda::PagedKvPool kv;
+  kv.k = k;
+  kv.v = v;
+  kv.block_tables = tables;
+  kv.max_blocks = max_blocks;
+  kv.block_tokens = bt;
+  kv.n_kv = nkv;
+  kv.head_dim = hd;
+  return kv;
+}
+
+// After qkv_rope_store: its q output and the K and V rows it stored at each
+// token's slot against the reference rows ref [tokens, q | k | v].
+void check_stored_qkv(Dev<bf16>& dq, Dev<bf16>& dk, Dev<bf16>& dv, const std::vector<float>& ref,
+                      const std::vector<int32_t>& tables, const std::vector<int32_t>& seq,
+                      const std::vector<int32_t>& pos, const AttentionShape& sh) {
+  const int hd = sh.hd, nh = sh.nh, nkv = sh.nkv, bt = sh.bt, max_blocks = sh.max_blocks;
+  const int tokens = int(seq.size()), width = (nh + 2 * nkv) * hd;
+  const auto q = as_float(dq.get()), k = as_float(dk.get()), v = as_float(dv.get());
+  std::vector<float> gq, rq, gk, rk, gv, rv;
+  for (int t = 0; t < tokens; ++t) {
+    for (int i = 0; i < nh * hd; ++i) {
+      gq.push_back(q[size_t(t) * nh * hd + i]);
+      rq.push_back(ref[size_t(t) * width + i]);
+    }
+    const size_t slot = size_t(tables[seq[t] * max_blocks + pos[t] / bt]) * bt + pos[t] % bt;
+    for (int i = 0; i < nkv * hd; ++i) {
+      gk.push_back(k[slot * nkv * hd + i]);
+      rk.push_back(ref[size_t(t) * width + nh * hd + i]);
+      gv.push_back(v[slot * nkv * hd + i]);
+      rv.push_back(ref[size_t(t) * width + (nh + nkv) * hd + i]);
+    }
+  }
+  CHECK(rel_err(gq, rq) < 8e-3);
+  CHECK(rel_err(gk, rk) < 8e-3);
+  CHECK(rel_err(gv, rv) < 8e-3);
+}
+
+}  // namespace
+
 TEST_CASE("cuda qkv_rope_store (bias, per-head norm, RoPE, paged store) matches the CPU", "[cuda][rope]") {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(17);
@@ -441,14 +490,7 @@ TEST_CASE("cuda qkv_rope_store (bias, per-head norm, RoPE, paged store) matches 
   Dev<bf16> dbias(to_bf16(bias)), dqn(to_bf16(qn)), dkn(to_bf16(kn)), dq(size_t(tokens) * nh * hd);
   Dev<bf16> dk(size_t(pool_blocks) * bt * nkv * hd), dv(dk.n);
   Dev<int32_t> dtab(tables), dseq(seq), dpos(pos);
-  moe::cuda::PagedKvPool kv;
-  kv.k = dk.p;
-  kv.v = dv.p;
-  kv.block_tables = dtab.p;
-  kv.max_blocks = max_blocks;
-  kv.block_tokens = bt;
-  kv.n_kv = nkv;
-  kv.head_dim = hd;
+  const moe::cuda::PagedKvPool kv = kv_pool(dk.p, dv.p, dtab.p, max_blocks, bt, nkv, hd);
   moe::cuda::QkvRopeArgs a;
   a.qkv = dqkv.p;
   a.bias = dbias.p;
@@ -461,24 +503,7 @@ TEST_CASE("cuda qkv_rope_store (bias, per-head norm, RoPE, paged store) matches 
   a.n_heads = nh;
   a.q_out = dq.p;
   REQUIRE_OK(moe::cuda::qkv_rope_store(a, kv, nullptr));
-  const auto q = as_float(dq.get()), k = as_float(dk.get()), v = as_float(dv.get());
-  std::vector<float> gq, rq, gk, rk, gv, rv;
-  for (int t = 0; t < tokens; ++t) {
-    for (int i = 0; i < nh * hd; ++i) {
-      gq.push_back(q[size_t(t) * nh * hd + i]);
-      rq.push_back(ref[size_t(t) * width + i]);
-    }
-    const size_t slot = size_t(tables[seq[t] * max_blocks + pos[t] / bt]) * bt + pos[t] % bt;
-    for (int i = 0; i < nkv * hd; ++i) {
-      gk.push_back(k[slot * nkv * hd + i]);
-      rk.push_back(ref[size_t(t) * width + nh * hd + i]);
-      gv.push_back(v[slot * nkv * hd + i]);
-      rv.push_back(ref[size_t(t) * width + (nh + nkv) * hd + i]);
-    }
-  }
-  CHECK(rel_err(gq, rq) < 8e-3);
-  CHECK(rel_err(gk, rk) < 8e-3);
-  CHECK(rel_err(gv, rv) < 8e-3);
+  check_stored_qkv(dq, dk, dv, ref, tables, seq, pos, AttentionShape{hd, nh, nkv, bt, max_blocks});
 }
 
 namespace {
@@ -528,14 +553,7 @@ void check_qkv_rope_store(int hd, int nh, int nkv, bool with_bias, QkNormCase no
   Dev<bf16> dbias(to_bf16(bias)), dqn(to_bf16(qn)), dkn(to_bf16(kn)), dq(size_t(tokens) * nh * hd);
   Dev<bf16> dk(size_t(pool_blocks) * bt * nkv * hd), dv(dk.n);
   Dev<int32_t> dtab(tables), dseq(seq), dpos(pos);
-  moe::cuda::PagedKvPool kv;
-  kv.k = dk.p;
-  kv.v = dv.p;
-  kv.block_tables = dtab.p;
-  kv.max_blocks = max_blocks;
-  kv.block_tokens = bt;
-  kv.n_kv = nkv;
-  kv.head_dim = hd;
+  const moe::cuda::PagedKvPool kv = kv_pool(dk.p, dv.p, dtab.p, max_blocks, bt, nkv, hd);
   moe::cuda::QkvRopeArgs a;
   a.qkv = dqkv.p;
   a.bias = with_bias ? dbias.p : nullptr;
@@ -552,24 +570,7 @@ void check_qkv_rope_store(int hd, int nh, int nkv, bool with_bias, QkNormCase no
   a.n_heads = nh;
   a.q_out = dq.p;
   REQUIRE_OK(moe::cuda::qkv_rope_store(a, kv, nullptr));
-  const auto q = as_float(dq.get()), k = as_float(dk.get()), v = as_float(dv.get());
-  std::vector<float> gq, rq, gk, rk, gv, rv;
-  for (int t = 0; t < tokens; ++t) {
-    for (int i = 0; i < nh * hd; ++i) {
-      gq.push_back(q[size_t(t) * nh * hd + i]);
-      rq.push_back(ref[size_t(t) * width + i]);
-    }
-    const size_t slot = size_t(tables[seq[t] * max_blocks + pos[t] / bt]) * bt + pos[t] % bt;
-    for (int i = 0; i < nkv * hd; ++i) {
-      gk.push_back(k[slot * nkv * hd + i]);
-      rk.push_back(ref[size_t(t) * width + nh * hd + i]);
-      gv.push_back(v[slot * nkv * hd + i]);
-      rv.push_back(ref[size_t(t) * width + (nh + nkv) * hd + i]);
-    }
-  }
-  CHECK(rel_err(gq, rq) < 8e-3);
-  CHECK(rel_err(gk, rk) < 8e-3);
-  CHECK(rel_err(gv, rv) < 8e-3);
+  check_stored_qkv(dq, dk, dv, ref, tables, seq, pos, AttentionShape{hd, nh, nkv, bt, max_blocks});
 }
 
 }  // namespace
@@ -599,10 +600,6 @@ TEST_CASE("cuda qkv_rope_store full-width q/k norm (OLMoE) matches the CPU", "[c
 
 namespace {
 
-struct AttentionShape {
-  int hd, nh, nkv, bt, max_blocks;
-};
-
 // Random queries for (seq[t], pos[t]) over the pool, through the CPU's
 // attention and the kernel: the relative error of the kernel's output.
 double paged_attention_error(const AttentionShape& sh, const std::vector<float>& kpool,
@@ -620,14 +617,7 @@ double paged_attention_error(const AttentionShape& sh, const std::vector<float>&
   }
   Dev<bf16> dq(to_bf16(q)), dk(to_bf16(kpool)), dv(to_bf16(vpool)), dout(q.size());
   Dev<int32_t> dtab(tables), dseq(seq), dpos(pos);
-  moe::cuda::PagedKvPool kv;
-  kv.k = dk.p;
-  kv.v = dv.p;
-  kv.block_tables = dtab.p;
-  kv.max_blocks = max_blocks;
-  kv.block_tokens = bt;
-  kv.n_kv = nkv;
-  kv.head_dim = hd;
+  const moe::cuda::PagedKvPool kv = kv_pool(dk.p, dv.p, dtab.p, max_blocks, bt, nkv, hd);
   moe::cuda::AttentionArgs a;
   a.q = dq.p;
   a.seq_of_token = dseq.p;
