@@ -83,6 +83,7 @@ struct CudaBackendOptions {
   std::string dense_weights = "auto";  // bf16 | int8 | auto
   bool host_experts = false;           // split decode misses between the link and the host's cores
   int host_threads = 0;                // their threads (0: every core)
+  std::string misses = "stream";       // decode misses: read over the link by the kernels, or copied in first
 };
 
 // True when this binary was built with the CUDA backend.

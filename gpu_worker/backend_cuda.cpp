@@ -103,6 +103,7 @@ class CudaBackend final : public Backend {
     r.expert_hits = s.residency.hits;
     r.expert_misses = s.residency.misses;
     r.bytes_copied = s.residency.bytes_copied;
+    r.bytes_streamed = s.bytes_streamed;
     r.islands_used = uint32_t(s.residency.islands_in_use);
     r.islands_total = uint32_t(s.islands_total);
   }
@@ -138,6 +139,7 @@ Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string& model_path
   eo.dense_weights = opts.dense_weights;
   eo.host_experts = opts.host_experts;
   eo.host_threads = opts.host_threads;
+  eo.misses = opts.misses;
   auto engine = CudaEngine::create(files.value(), eo);
   if (!engine.ok()) return make_error(engine.error());
   const std::string id = model_id_from_path(model_path);

@@ -209,6 +209,26 @@ struct CudaEngine::Impl {
   std::vector<HostPair> host_pairs;      // this layer's, when bind_experts split it
   uint64_t host_experts_served = 0, host_expert_tokens = 0;
 
+  // ---- Streamed misses (budget mode, decode; docs/cuda-worker.md)
+  // The pass in flight reads every expert through blob_tables: an island
+  // when the expert is resident and its copy has landed, else its pinned
+  // host blob over the link. Nothing is pinned, no host waits inside.
+  bool streaming = false;
+  bool stream_tables_stale = true;  // residency changed outside streamed passes: rebuild the tables
+  struct Landing {
+    ExpertKey key;
+    int64_t island;
+  };
+  std::vector<Landing> admitted;    // copied in after the last pass
+  std::vector<Landing> landing;     // copied in after the one before: read from their islands next
+  uint64_t bytes_streamed = 0;
+  bool stream_pass(int n) const {
+    return !all_resident && opts.misses == "stream" && !host_x && n <= cuda::kGemvMaxTokens &&
+           size_t(n) * K < 4 * size_t(E);
+  }
+  Status prepare_streamed_pass();
+  Status after_streamed_pass(int n);
+
   // ---- Sequences and KV blocks
   struct Sequence {
     std::vector<int32_t> blocks;
@@ -540,6 +560,8 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     return make_error("the cuda backend has no group-limited expert selection (" + d.moe.topk_method + ")");
   if (opts.max_step_tokens < 1 || opts.max_step_tokens > 8192)
     return make_error("max_step_tokens must be in [1, 8192]");
+  if (opts.misses != "stream" && opts.misses != "copy")
+    return make_error("misses must be stream or copy, got '" + opts.misses + "'");
   if (opts.fuse_max_tokens < 0 || opts.fuse_max_tokens > cuda::kGemvMaxTokens)
     return make_error("fuse_max_tokens must be in [0, 8]");
 
@@ -746,6 +768,7 @@ Status CudaEngine::Impl::bind_experts(int ml, int n, const std::function<Status(
   MOE_CUDA_TRY(cudaEventRecord(routes_ready, st));
   if (Status s = meanwhile(); !s) return s;
   MOE_CUDA_TRY(cudaEventSynchronize(routes_ready));
+  stream_tables_stale = true;  // this pass moves experts without the streamed tables
   // bound[ml] lists exactly the experts pinned so far, so that a failure at
   // any point after can be undone by release_experts.
   std::vector<int>& pinned = bound[size_t(ml)];
@@ -853,6 +876,80 @@ Status CudaEngine::Impl::start_host_experts() {
   return {};
 }
 
+Status CudaEngine::Impl::prepare_streamed_pass() {
+  const size_t entries = size_t(Lm) * E;
+  bool changed = false;
+  if (stream_tables_stale) {
+    // After copy-mode passes, warms or unloads: every copy they started has
+    // landed, then each entry is its island or its host blob.
+    if (Status s = arena->synchronize(); !s) return s;
+    for (int ml = 0; ml < Lm; ++ml)
+      for (int e = 0; e < E; ++e) {
+        const int64_t i = map->lookup({ml, e});
+        tables_host[size_t(ml) * E + e] = i >= 0 ? arena->island(i) : arena->host_blob_on_device({ml, e});
+      }
+    admitted.clear();
+    landing.clear();
+    stream_tables_stale = false;
+    changed = true;
+  } else {
+    // Copies started two passes ago have had a whole pass to land (a few
+    // experts, ~50 us each): the pass waits for them, normally not at all,
+    // and reads them from their islands. The last pass's admissions keep
+    // streaming for one more pass, so a pass never waits on a fresh copy.
+    for (const Landing& a : landing) {
+      if (map->lookup(a.key) != a.island) continue;  // evicted again meanwhile
+      if (Status s = arena->wait_copied(a.island, st); !s) return s;
+      tables_host[size_t(a.key.layer) * E + a.key.expert] = arena->island(a.island);
+      changed = true;
+    }
+    landing.swap(admitted);
+    admitted.clear();
+  }
+  if (changed)
+    MOE_CUDA_TRY(cudaMemcpyAsync(blob_tables, tables_host, entries * sizeof(void*), cudaMemcpyHostToDevice, st));
+  return {};
+}
+
+Status CudaEngine::Impl::after_streamed_pass(int n) {
+  // ids_host holds every layer's routes of the pass. An expert was a hit
+  // when the pass read it from an island.
+  std::vector<ExpertKey> streamed;
+  for (int ml = 0; ml < Lm; ++ml) {
+    const int32_t* ids = ids_host + size_t(ml) * n * K;
+    std::vector<int> used;
+    for (int i = 0; i < n * K; ++i)
+      if (ids[i] >= 0 && ids[i] < E && std::find(used.begin(), used.end(), ids[i]) == used.end())
+        used.push_back(ids[i]);
+    for (int e : used) {
+      const ExpertKey key{ml, e};
+      const int64_t i = map->lookup(key);
+      const bool hit = i >= 0 && tables_host[size_t(ml) * E + e] == arena->island(i);
+      map->note_use(key, hit);
+      if (hit) continue;
+      bytes_streamed += layout.blob_bytes;
+      if (i < 0) streamed.push_back(key);
+    }
+  }
+  // The streamed experts the policy finds worth an island, copied in now;
+  // an evicted expert streams from the next pass on.
+  int budget = opts.stream_admit_per_pass;
+  for (const ExpertKey& key : streamed) {
+    if (budget <= 0) break;
+    const std::optional<Placement> p = map->admit(key);
+    if (!p) continue;
+    --budget;
+    if (p->evicted)
+      tables_host[size_t(p->evicted->layer) * E + p->evicted->expert] = arena->host_blob_on_device(*p->evicted);
+    if (Status s = arena->load(*p); !s) return s;
+    admitted.push_back({key, p->island});
+  }
+  if (budget < opts.stream_admit_per_pass)  // evictions: the next pass must not read those islands
+    MOE_CUDA_TRY(cudaMemcpyAsync(blob_tables, tables_host, size_t(Lm) * E * sizeof(void*), cudaMemcpyHostToDevice,
+                                 st));
+  return {};
+}
+
 Status CudaEngine::Impl::release_experts(int ml) {
   for (int e : bound[size_t(ml)])
     if (Status s = arena->release(*map, ml, e, st); !s) return s;
@@ -923,7 +1020,7 @@ Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, 
     if (Status s = cuda::uniform_route(ids, n, E, K, positions, seq_of_token, ml, opts.uniform_routing_seed, st); !s)
       return s;
   auto shared = [&]() -> Status { return L.mlp_gu_w ? mlp(L, n, fuse) : Status{}; };
-  if (all_resident) {
+  if (all_resident || streaming) {
     if (Status s = shared(); !s) return s;
     return routed_experts(ml, n, ids);
   }
@@ -1160,8 +1257,11 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     // Resident decode steps replay a graph captured for their batch size
     // (from the second step of that size: the first runs eagerly and sets up
     // the kernels' attributes).
+    m.streaming = m.stream_pass(n);
+    if (m.streaming)
+      if (Status ps = m.prepare_streamed_pass(); !ps) return make_error(ps.error());
     Impl::Graph* g = nullptr;
-    if (pure_decode && m.all_resident && m.opts.graphs) {
+    if (pure_decode && (m.all_resident || m.streaming) && m.opts.graphs) {
       g = &m.graphs[n];
       if (!g->exec && g->seen++ >= 1) {
         cudaGraph_t graph = nullptr;
@@ -1188,9 +1288,11 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
         MOE_CUDA_TRY(cudaMemcpyAsync(m.logits_host + size_t(r) * m.V, m.logits + size_t(r) * m.V, size_t(m.V) * 4,
                                      cudaMemcpyDeviceToHost, m.st));
     }
-    if (m.Lm > 0 && m.all_resident)
+    if (m.Lm > 0 && (m.all_resident || m.streaming))
       MOE_CUDA_TRY(cudaMemcpyAsync(m.ids_host, m.route_ids, size_t(m.Lm) * n * m.K * 4, cudaMemcpyDeviceToHost, m.st));
     MOE_CUDA_TRY(cudaStreamSynchronize(m.st));
+    if (m.streaming)
+      if (Status as = m.after_streamed_pass(n); !as) return make_error(as.error());
 
     // Expert use per sequence (the ids of each MoE layer, token by token).
     t = 0;
@@ -1253,7 +1355,10 @@ size_t CudaEngine::warm(std::span<const ExpertKey> experts, bool may_evict) {
         std::fprintf(stderr, "moe-worker: warming expert %d/%d failed: %s\n", k.layer, k.expert, s.error().c_str());
         continue;
       }
-      if (m.map->lookup(k) >= 0) ++m.residency_version;
+      if (m.map->lookup(k) >= 0) {
+        ++m.residency_version;
+        m.stream_tables_stale = true;
+      }
     }
     if (m.map->lookup(k) >= 0) ++resident;
   }
@@ -1272,7 +1377,10 @@ std::vector<ExpertKey> CudaEngine::unload(std::span<const ExpertKey> experts) {
       failed.push_back(k);
       continue;
     }
-    if (was) ++m.residency_version;
+    if (was) {
+      ++m.residency_version;
+      m.stream_tables_stale = true;
+    }
   }
   return failed;
 }
@@ -1291,7 +1399,9 @@ std::vector<ExpertKey> CudaEngine::resident() const {
 uint64_t CudaEngine::residency_version() const {
   const Impl& m = *impl_;
   // Misses and prefetches change the resident set too.
-  return m.residency_version + (m.map ? m.map->stats().misses + m.map->stats().prefetches : 0);
+  if (!m.map) return m.residency_version;
+  const ResidencyStats& r = m.map->stats();
+  return m.residency_version + (r.misses - r.streamed) + r.prefetches + r.admissions;
 }
 
 std::string CudaEngine::device_error() const {
@@ -1311,6 +1421,7 @@ CudaExpertStats CudaEngine::expert_stats() const {
   s.host_embedding = m.embed_host;
   s.host_experts_served = m.host_experts_served;
   s.host_expert_tokens = m.host_expert_tokens;
+  s.bytes_streamed = m.bytes_streamed;
   return s;
 }
 

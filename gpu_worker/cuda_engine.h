@@ -48,6 +48,15 @@ struct CudaEngineOptions {
   // host computes (in f32, the GPU in half2) varies from run to run, and so
   // may the last bits of the logits.
   bool host_experts = false;
+  // Under a budget, how decode passes (up to 8 tokens, not a prompt) meet a
+  // miss: "stream", the expert kernels read it from pinned host memory over
+  // the link (no host round trip inside the pass, so the pass is a CUDA
+  // graph; experts the policy finds worth it are copied in after the pass,
+  // at most stream_admit_per_pass a pass); or "copy", the host waits for
+  // each layer's routes and copies the misses into islands first (with
+  // prefetch of predicted experts, and the host split above).
+  std::string misses = "stream";
+  int stream_admit_per_pass = 8;
   int host_threads = 0;
   double host_link_us = 0;  // one expert over the link, µs; 0: measured at start (tests force a split with it)
   // Benchmarks: 0, the router picks the experts; else every token's experts
@@ -66,6 +75,7 @@ struct CudaExpertStats {
   bool host_embedding = false;  // the embedding in host memory (under a budget)
   uint64_t host_experts_served = 0;  // (layer, expert) misses computed on the host instead of copied
   uint64_t host_expert_tokens = 0;   // their (token, expert) pairs
+  uint64_t bytes_streamed = 0;       // expert bytes kernels read from host memory (streamed misses)
 };
 
 class CudaEngine {

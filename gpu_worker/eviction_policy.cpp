@@ -137,6 +137,13 @@ double OursPolicy::keep_score(ExpertKey key, uint64_t now) const {
   return -(phase + period * (1.0 - p) / p);
 }
 
+bool OursPolicy::worth_admitting(ExpertKey candidate, ExpertKey victim, uint64_t now) const {
+  double mean = 0;
+  for (int e = 0; e < n_experts_; ++e) mean += use_probability({candidate.layer, e});
+  mean /= double(n_experts_);
+  return use_probability(candidate) >= prm_.admit_ratio * mean && keep_score(candidate, now) > keep_score(victim, now);
+}
+
 // ---------------------------------------------------------------- Belady
 
 BeladyPolicy::BeladyPolicy(std::vector<ExpertKey> sequence) : seq_(std::move(sequence)) {}

@@ -38,6 +38,11 @@ class EvictionPolicy {
   // How much keeping `key` resident is worth at `now`: the map evicts the
   // smallest score among unprotected residents (ties: the lowest island).
   virtual double keep_score(ExpertKey key, uint64_t now) const = 0;
+  // Whether a streamed (non-resident) `candidate` should take `victim`'s
+  // island (ResidencyMap::admit): by default when it scores higher.
+  virtual bool worth_admitting(ExpertKey candidate, ExpertKey victim, uint64_t now) const {
+    return keep_score(candidate, now) > keep_score(victim, now);
+  }
 };
 
 // ---- Least recently used: the score is the time of the last use or load.
@@ -88,6 +93,12 @@ struct OursPolicyParams {
   double short_half_life_visits = 4.0;   // burst memory
   double short_weight = 0.25;            // share of the burst estimate in p
   double p_floor = 1e-3;                 // unseen experts: rare, not impossible
+  // A streamed expert is admitted only when it is used this many times as
+  // often per visit as the average expert of its layer (and scores above
+  // its victim). Under uniform routing no expert is, and copying one in for
+  // another would only spend the link; the victim alone is no yardstick:
+  // the cheapest of hundreds of residents is an outlier of noisy estimates.
+  double admit_ratio = 3.0;
 };
 
 class OursPolicy final : public EvictionPolicy {
@@ -97,6 +108,7 @@ class OursPolicy final : public EvictionPolicy {
   void attach(int n_layers, int n_experts) override;
   void on_access(ExpertKey key, uint64_t now) override;
   double keep_score(ExpertKey key, uint64_t now) const override;
+  bool worth_admitting(ExpertKey candidate, ExpertKey victim, uint64_t now) const override;
 
   // The per-visit use probability the policy currently believes (tests).
   double use_probability(ExpertKey key) const;

@@ -57,7 +57,8 @@ Result<std::unique_ptr<IslandArena>> IslandArena::create(const IslandPlan& plan,
     const uintptr_t start = lo / page * page, end = (hi + page - 1) / page * page;
     // Read-only: a packed file is mapped PROT_READ.
     const cudaError_t e = cudaHostRegister(reinterpret_cast<void*>(start), end - start,
-                                           cudaHostRegisterPortable | cudaHostRegisterReadOnly);
+                                           cudaHostRegisterPortable | cudaHostRegisterMapped |
+                                                                        cudaHostRegisterReadOnly);
     if (e == cudaSuccess)
       a->registered_base_ = reinterpret_cast<void*>(start);
     else
@@ -74,6 +75,14 @@ Result<std::unique_ptr<IslandArena>> IslandArena::create(const IslandPlan& plan,
       a->host_[k] = a->staging_ + k * src.blob_bytes;
     }
   }
+  // The device's address of every pinned blob: the kernels read a streamed
+  // miss through it over the link.
+  uint8_t* host_base = a->registered_base_ ? static_cast<uint8_t*>(a->registered_base_) : a->staging_;
+  void* dev_base = nullptr;
+  MOE_CUDA_TRY(cudaHostGetDevicePointer(&dev_base, host_base, 0));
+  a->host_dev_.resize(a->host_.size());
+  for (size_t k = 0; k < a->host_.size(); ++k)
+    a->host_dev_[k] = static_cast<const uint8_t*>(dev_base) + (a->host_[k] - host_base);
   return a;
 }
 
@@ -92,6 +101,17 @@ IslandArena::~IslandArena() {
 
 const uint8_t* IslandArena::host_blob(ExpertKey k) const {
   return host_[size_t(k.layer) * size_t(n_experts_) + size_t(k.expert)];
+}
+
+const uint8_t* IslandArena::host_blob_on_device(ExpertKey k) const {
+  return host_dev_[size_t(k.layer) * size_t(n_experts_) + size_t(k.expert)];
+}
+
+Status IslandArena::load(const Placement& p) { return copy_into(p); }
+
+Status IslandArena::wait_copied(int64_t island, GpuStream compute) {
+  MOE_CUDA_TRY(cudaStreamWaitEvent(compute, copied_[size_t(island)], 0));
+  return {};
 }
 
 Status IslandArena::copy_into(const Placement& p) {

@@ -78,6 +78,14 @@ class IslandArena {
   // The pinned host copy of an expert's blob (what a copy reads; the host
   // computes a miss from it when the engine splits misses).
   const uint8_t* host_blob(ExpertKey k) const;
+  // The same blob's address for a kernel (mapped pinned memory): a streamed
+  // miss is read through it, over the link, without a copy.
+  const uint8_t* host_blob_on_device(ExpertKey k) const;
+  // Copies an admitted expert (ResidencyMap::admit) into its island, after
+  // the compute that last read the island.
+  [[nodiscard]] Status load(const Placement& p);
+  // `compute` waits until the last copy into `island` has landed.
+  [[nodiscard]] Status wait_copied(int64_t island, GpuStream compute);
   // Waits until every copy enqueued so far has finished.
   [[nodiscard]] Status synchronize();
 
@@ -92,6 +100,7 @@ class IslandArena {
   std::vector<CUevent_st*> copied_;     // [island] the last copy into it
   std::vector<CUevent_st*> read_done_;  // [island] the last compute that read it
   std::vector<const uint8_t*> host_;    // [layer * n_experts + expert] pinned blob
+  std::vector<const uint8_t*> host_dev_;  // the same, as the device addresses it
   void* registered_base_ = nullptr;     // cudaHostRegister'ed range, or null
   uint8_t* staging_ = nullptr;          // cudaMallocHost copy when registering failed
   uint64_t copies_ = 0;

@@ -72,6 +72,7 @@ int main(int argc, char** argv) {
     co.dense_weights = o.dense_weights;
     co.host_experts = o.host_experts;
     co.host_threads = o.threads;
+    co.misses = o.misses;
     backend = moe::worker::make_cuda_backend(o.model_path, co);
   } else {
     moe::worker::CpuBackendOptions bo;
@@ -119,10 +120,11 @@ int main(int argc, char** argv) {
   (*backend)->fill_expert_stats(st);
   std::fprintf(stderr,
                "moe-worker: served %llu steps, %llu tokens (%llu sampled); experts: %llu hits, %llu misses, "
-               "%.1f MB copied, %u of %u islands in use\n",
+               "%.1f MB copied, %.1f MB streamed, %u of %u islands in use\n",
                (unsigned long long)server.steps(), (unsigned long long)server.tokens(),
                (unsigned long long)server.sampled_tokens(), (unsigned long long)st.expert_hits,
-               (unsigned long long)st.expert_misses, double(st.bytes_copied) / 1e6, st.islands_used, st.islands_total);
+               (unsigned long long)st.expert_misses, double(st.bytes_copied) / 1e6,
+               double(st.bytes_streamed) / 1e6, st.islands_used, st.islands_total);
   if (!run.ok()) {
     std::fprintf(stderr, "moe-worker: %s\n", run.error().c_str());
     return 1;

@@ -58,6 +58,12 @@ int64_t ResidencyMap::take_island(bool allow_predicted_victims, std::optional<Ex
     free_.pop_back();
     return i;
   }
+  const int64_t v = choose_victim(allow_predicted_victims);
+  if (v >= 0) evict_island(v, evicted);
+  return v;
+}
+
+int64_t ResidencyMap::choose_victim(bool allow_predicted_victims) {
   // Cheapest unpinned resident; predicted ones only when nothing else is left.
   // With max_scan, the candidates are the next max_scan unpredicted ones from
   // a cursor that moves on each time (a rotating window, like a clock hand).
@@ -69,7 +75,7 @@ int64_t ResidencyMap::take_island(bool allow_predicted_victims, std::optional<Ex
   double best_score = 0;
   for (; j < n && (whole || considered < max_scan_); ++j) {
     const int64_t i = start + j < n ? start + j : start + j - n;
-    if (pins_[size_t(i)] > 0) continue;
+    if (key_of_[size_t(i)] < 0 || pins_[size_t(i)] > 0) continue;
     const bool pred = predicted_[size_t(i)] != 0;
     if (pred && !allow_predicted_victims) continue;
     considered += !pred;
@@ -81,17 +87,19 @@ int64_t ResidencyMap::take_island(bool allow_predicted_victims, std::optional<Ex
     }
   }
   if (!whole) scan_cursor_ = (start + j) % n;
-  if (best < 0) return -1;
-  const ExpertKey victim = key_at_[size_t(best)];
+  return best;
+}
+
+void ResidencyMap::evict_island(int64_t island, std::optional<ExpertKey>* evicted) {
+  const ExpertKey victim = key_at_[size_t(island)];
   island_of_[index_of(victim)] = -1;
-  key_of_[size_t(best)] = -1;
-  predicted_[size_t(best)] = 0;
-  prefetched_[size_t(best)] = 0;
+  key_of_[size_t(island)] = -1;
+  predicted_[size_t(island)] = 0;
+  prefetched_[size_t(island)] = 0;
   policy_->on_evict(victim, now_);
   ++stats_.evictions;
   --stats_.islands_in_use;
   *evicted = victim;
-  return best;
 }
 
 void ResidencyMap::place(ExpertKey key, int64_t island) {
@@ -127,6 +135,41 @@ Result<Placement> ResidencyMap::acquire(ExpertKey key) {
   p.island = i;
   policy_->on_access(key, now_);
   ++now_;
+  return p;
+}
+
+void ResidencyMap::note_use(ExpertKey key, bool hit) {
+  if (!valid(key)) return;
+  if (hit) {
+    ++stats_.hits;
+  } else {
+    ++stats_.misses;
+    ++stats_.streamed;
+  }
+  if (const int64_t i = island_of_[index_of(key)]; i >= 0) {
+    if (prefetched_[size_t(i)]) ++stats_.prefetch_used;
+    predicted_[size_t(i)] = 0;
+    prefetched_[size_t(i)] = 0;
+  }
+  policy_->on_access(key, now_);
+  ++now_;
+}
+
+std::optional<Placement> ResidencyMap::admit(ExpertKey key) {
+  if (!valid(key) || island_of_[index_of(key)] >= 0) return std::nullopt;
+  Placement p;
+  p.key = key;
+  if (!free_.empty()) {
+    p.island = free_.back();
+    free_.pop_back();
+  } else {
+    const int64_t v = choose_victim(/*allow_predicted_victims=*/false);
+    if (v < 0 || !policy_->worth_admitting(key, key_at_[size_t(v)], now_)) return std::nullopt;
+    evict_island(v, &p.evicted);
+    p.island = v;
+  }
+  place(key, p.island);
+  ++stats_.admissions;
   return p;
 }
 
@@ -236,8 +279,8 @@ Status ResidencyMap::check_invariants() const {
     return make_error("islands lost: used + free != total");
   if (used != stats_.islands_in_use)
     return make_error("islands_in_use counter disagrees with the table");
-  if (stats_.bytes_copied != (stats_.misses + stats_.prefetches) * blob_bytes_)
-    return make_error("bytes_copied disagrees with misses + prefetches");
+  if (stats_.bytes_copied != (stats_.misses - stats_.streamed + stats_.prefetches + stats_.admissions) * blob_bytes_)
+    return make_error("bytes_copied disagrees with copied misses + prefetches + admissions");
   return {};
 }
 

@@ -28,7 +28,9 @@ struct ResidencyStats {
   uint64_t prefetch_used = 0;  // acquires that hit an expert a prefetch hint loaded
   uint64_t hints_dropped = 0;  // hinted experts not loaded (no island to spare)
   uint64_t evictions = 0;
-  uint64_t bytes_copied = 0;   // (misses + prefetches) * blob bytes
+  uint64_t bytes_copied = 0;   // every copy into an island (misses, prefetches, admissions) * blob bytes
+  uint64_t streamed = 0;       // misses a kernel read over the link from host memory (no copy)
+  uint64_t admissions = 0;     // streamed experts then copied into an island (admit)
   int64_t islands_in_use = 0;  // now
   double hit_rate() const { return hits + misses ? double(hits) / double(hits + misses) : 0.0; }
 };
@@ -77,6 +79,16 @@ class ResidencyMap {
   // island or evicts the policy's cheapest unpinned resident, preferring
   // unpredicted ones. Fails only when every island is pinned.
   [[nodiscard]] Result<Placement> acquire(ExpertKey key);
+  // Streamed decode (the kernels read a miss from host memory; nothing is
+  // pinned): records one use of `key` for the policy and the counters, a hit
+  // when the kernels read it from its island.
+  void note_use(ExpertKey key, bool hit);
+  // After a streamed pass: gives a non-resident `key` an island when one is
+  // free, or when the policy finds it worth more than the cheapest unpinned,
+  // unpredicted resident (EvictionPolicy::worth_admitting), which it evicts.
+  // The caller copies the blob in; nullopt when `key` stays on the host.
+  std::optional<Placement> admit(ExpertKey key);
+
   // Pins a resident expert once more (error when not resident).
   [[nodiscard]] Status pin(ExpertKey key);
   // Drops one pin. Unpinning an expert with no pins is an error.
@@ -109,6 +121,9 @@ class ResidencyMap {
   // The island for a new resident: a free one, else the cheapest victim.
   // Returns -1 when none may be taken.
   int64_t take_island(bool allow_predicted_victims, std::optional<ExpertKey>* evicted);
+  // The cheapest unpinned resident (-1: none may be taken), and its eviction.
+  int64_t choose_victim(bool allow_predicted_victims);
+  void evict_island(int64_t island, std::optional<ExpertKey>* evicted);
   void place(ExpertKey key, int64_t island);
 
   int n_layers_ = 0, n_experts_ = 0;

@@ -50,7 +50,7 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
     static const char* const kValued[] = {"--model", "--socket", "--backend", "--threads", "--kv-blocks",
                                           "--max-frame-bytes", "--vram-budget", "--redis",
                                           "--max-step-tokens", "--expert-policy", "--prefetch", "--dense-weights",
-                                          "--host-experts"};
+                                          "--host-experts", "--misses"};
     bool known = false;
     for (const char* k : kValued) known = known || name == k;
     if (!known) return make_error("unknown option '" + a + "' (see --help)");
@@ -98,6 +98,10 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
       if (value != "on" && value != "off")
         return make_error("option --host-experts takes on or off, got '" + value + "'");
       o.host_experts = value == "on";
+    } else if (name == "--misses") {
+      if (value != "stream" && value != "copy")
+        return make_error("option --misses takes stream or copy, got '" + value + "'");
+      o.misses = value;
     }
   }
   if (!cl.help && !cl.version) {
@@ -127,6 +131,9 @@ std::string worker_usage() {
          "  --host-experts on|off   under a budget, split a decode step's missed experts between the link\n"
          "                          and the host's cores by their measured speeds (cuda, default off;\n"
          "                          when on, the last bits of the outputs depend on timing)\n"
+         "  --misses stream|copy    under a budget, a decode step's missed experts are read by the kernels\n"
+         "                          from pinned host memory over the link (stream, default), or copied\n"
+         "                          into islands first (copy; the mode --prefetch and --host-experts act in)\n"
          "  --redis URL             Redis for warm-expert state and events (redis://HOST:PORT)\n"
          "  --help, --version\n";
 }

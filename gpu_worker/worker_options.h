@@ -24,6 +24,7 @@ struct WorkerOptions {
   bool prefetch = true;                // --prefetch on|off (cuda, under a budget)
   std::string dense_weights = "auto";  // --dense-weights auto|bf16|int8 (cuda)
   bool host_experts = false;           // --host-experts on|off (cuda, under a budget)
+  std::string misses = "stream";       // --misses stream|copy (cuda, under a budget)
 };
 
 struct WorkerCommandLine {

@@ -598,6 +598,7 @@ std::vector<uint8_t> encode_stats_reply(const StatsReply& m) {
   tb.add_sequences_active(m.sequences_active);
   tb.add_uptime_ms(m.uptime_ms);
   tb.add_resident(rv);
+  tb.add_bytes_streamed(m.bytes_streamed);
   b.Finish(tb.Finish());
   return finish(b);
 }
@@ -618,6 +619,7 @@ Result<StatsReply> decode_stats_reply(Payload p) {
         m.tokens = t.tokens();
         m.sampled_tokens = t.sampled_tokens();
         m.sequences_active = t.sequences_active();
+        m.bytes_streamed = t.bytes_streamed();
         m.uptime_ms = t.uptime_ms();
         if (const auto* rv = t.resident();
             rv && r.within(rv->size(), kMaxExpertsPerMessage, "resident")) {

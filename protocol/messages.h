@@ -225,6 +225,7 @@ struct StatsReply {
   uint32_t sequences_active = 0;
   uint64_t uptime_ms = 0;
   std::vector<ExpertRef> resident;  // when include_resident was asked
+  uint64_t bytes_streamed = 0;      // expert bytes the kernels read from host memory
   bool operator==(const StatsReply&) const = default;
 };
 

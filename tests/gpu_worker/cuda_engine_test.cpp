@@ -313,14 +313,19 @@ TEST_CASE("cuda engine: under a budget of fewer islands than experts the output 
   const int E = r.E;
   const int64_t total = r.total;
   REQUIRE(r.plan.n_islands == total);
-  // The last run keeps the embedding in host memory (rows read over the
-  // link): the same bytes, so the same outputs, and its room becomes islands.
+  // Some runs keep the embedding in host memory (rows read over the link):
+  // the same bytes, so the same outputs, and its room becomes islands.
+  // Decode misses copied into islands first, or read by the kernels from
+  // host memory (streamed, as decode graphs): the same bytes again.
   struct Run {
     std::string policy;
     bool prefetch, host_embedding;
+    std::string misses;
   };
-  for (const Run& run : {Run{"lru", false, false}, Run{"lru", true, false}, Run{"ours", false, false},
-                        Run{"ours", true, false}, Run{"ours", true, true}}) {
+  for (const Run& run : {Run{"lru", false, false, "copy"}, Run{"lru", true, false, "copy"},
+                        Run{"ours", false, false, "copy"}, Run{"ours", true, false, "copy"},
+                        Run{"ours", true, true, "copy"}, Run{"lru", true, false, "stream"},
+                        Run{"ours", true, false, "stream"}, Run{"ours", true, true, "stream"}}) {
     {
       const std::string& policy = run.policy;
       const bool prefetch = run.prefetch;
@@ -328,6 +333,7 @@ TEST_CASE("cuda engine: under a budget of fewer islands than experts the output 
       o.policy = policy;
       o.prefetch = prefetch;
       o.host_embedding = run.host_embedding;
+      o.misses = run.misses;
       o.host_experts = false;  // every miss copied: the GPU computes all, bit for bit
       o.dense_weights = "bf16";  // the same weights as `full`: only the islands differ
       // Room for a layer's experts and a third more: half the model's experts miss.
@@ -343,7 +349,9 @@ TEST_CASE("cuda engine: under a budget of fewer islands than experts the output 
       const int V = full->desc().vocab_size;
       std::vector<SeqInput> step = {input(1, prompt(30, V, 1), 0), input(2, prompt(9, V, 2), 0)};
       std::vector<int> pos = {30, 9};
-      for (int s = 0; s < 8; ++s) {
+      // Decode steps long enough for streamed experts to be admitted and read
+      // from their islands two passes later.
+      for (int s = 0; s < 12; ++s) {
         auto ra = full->step(step);
         auto rb = small->step(step);
         REQUIRE((ra.ok() && rb.ok()));
@@ -361,17 +369,25 @@ TEST_CASE("cuda engine: under a budget of fewer islands than experts the output 
         small->release(id);
       }
       const CudaExpertStats st = small->expert_stats();
-      std::printf("cuda engine budget %s prefetch %s%s: %lld islands of %lld experts, hits %llu misses %llu "
-                  "prefetched %llu used %llu, %.1f MB copied\n",
+      std::printf("cuda engine budget %s prefetch %s%s, misses %s: %lld islands of %lld experts, hits %llu misses "
+                  "%llu (streamed %llu, admitted %llu) prefetched %llu used %llu, %.1f MB copied, %.1f MB "
+                  "streamed\n",
                   policy.c_str(), prefetch ? "on" : "off", run.host_embedding ? ", embedding on host" : "",
-                  (long long)islands, (long long)total,
-                  (unsigned long long)st.residency.hits, (unsigned long long)st.residency.misses,
-                  (unsigned long long)st.residency.prefetches, (unsigned long long)st.residency.prefetch_used,
-                  st.residency.bytes_copied / 1e6);
+                  run.misses.c_str(), (long long)islands, (long long)total, (unsigned long long)st.residency.hits,
+                  (unsigned long long)st.residency.misses, (unsigned long long)st.residency.streamed,
+                  (unsigned long long)st.residency.admissions, (unsigned long long)st.residency.prefetches,
+                  (unsigned long long)st.residency.prefetch_used, st.residency.bytes_copied / 1e6,
+                  st.bytes_streamed / 1e6);
       CHECK_FALSE(st.all_resident);
       CHECK(st.residency.misses > 0);
       CHECK(st.residency.hits > 0);
       CHECK(st.residency.islands_in_use <= islands);
+      if (run.misses == "stream") {
+        CHECK(st.residency.streamed > 0);
+        CHECK(st.bytes_streamed == st.residency.streamed * small->plan().expert_blob_bytes);
+      } else {
+        CHECK(st.residency.streamed == 0);
+      }
     }
   }
 }

@@ -1,8 +1,10 @@
 // ResidencyMap: invariants under a long random workload, pins, hints, errors.
 #include "gpu_worker/residency.h"
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <map>
+#include <optional>
 #include <random>
 #include <set>
 
@@ -177,4 +179,76 @@ TEST_CASE("residency: warm hints fill free islands only; prefetch hints protect 
   map.clear_predictions(0);
   CHECK_FALSE(map.is_predicted({0, 2}));
   CHECK(map.check_invariants().ok());
+}
+
+// Streamed decode: the step notes each use (hit or streamed); afterwards a
+// streamed expert is admitted only into a free island or when the policy
+// values it well above the resident it would evict.
+TEST_CASE("residency: streamed uses are counted; admission fills free islands, then needs a clear gain") {
+  const int L = 2, E = 16;
+  ResidencyMap map(L, E, 4, kBlob, std::make_unique<OursPolicy>());
+  // Free islands: every streamed expert is admitted, and copied (bytes).
+  for (int e = 0; e < 4; ++e) {
+    map.note_use({0, e}, /*hit=*/false);
+    const auto p = map.admit({0, e});
+    REQUIRE(p.has_value());
+    CHECK_FALSE(p->evicted.has_value());
+    CHECK(map.lookup({0, e}) == p->island);
+  }
+  CHECK_FALSE(map.admit({0, 2}).has_value());  // already resident
+  CHECK(map.stats().streamed == 4);
+  CHECK(map.stats().misses == 4);
+  CHECK(map.stats().admissions == 4);
+  CHECK(map.stats().bytes_copied == 4 * kBlob);
+  REQUIRE(map.check_invariants().ok());
+
+  // Uniform use over all 16 experts of both layers: no resident is worth
+  // evicting for another, so nothing more comes in.
+  std::mt19937 rng(7);
+  uint64_t admitted = 0;
+  for (int step = 0; step < 400; ++step)
+    for (int l = 0; l < L; ++l) {
+      std::vector<int> used;
+      while (used.size() < 2) {
+        const int e = int(rng() % E);
+        if (std::find(used.begin(), used.end(), e) == used.end()) used.push_back(e);
+      }
+      for (int e : used) map.note_use({l, e}, map.lookup({l, e}) >= 0);
+      for (int e : used) admitted += map.admit({l, e}).has_value();
+    }
+  INFO("admitted under uniform use: " << admitted);
+  CHECK(admitted <= 8);  // the odd burst may pass the bar; churn would be hundreds
+
+  // One expert of layer 1 becomes hot (every visit): it is admitted, and
+  // then it is a hit.
+  std::optional<Placement> got;
+  for (int step = 0; step < 40 && !got; ++step) {
+    map.note_use({0, int(rng() % E)}, false);
+    map.note_use({1, 9}, map.lookup({1, 9}) >= 0);
+    if (map.lookup({1, 9}) < 0) got = map.admit({1, 9});
+  }
+  REQUIRE(got.has_value());
+  CHECK(got->evicted.has_value());
+  CHECK(map.lookup({1, 9}) == got->island);
+  const uint64_t hits = map.stats().hits;
+  map.note_use({1, 9}, true);
+  CHECK(map.stats().hits == hits + 1);
+  REQUIRE(map.check_invariants().ok());
+}
+
+TEST_CASE("residency: admission never evicts a pinned or predicted expert") {
+  const int L = 1, E = 8;
+  ResidencyMap map(L, E, 2, kBlob, std::make_unique<LruPolicy>());
+  REQUIRE(map.acquire({0, 0}).ok());  // pinned
+  const std::vector<int> hinted = {1};
+  CHECK(map.hint(0, hinted, HintPriority::prefetch).size() == 1);  // predicted
+  map.note_use({0, 5}, false);
+  CHECK_FALSE(map.admit({0, 5}).has_value());  // LRU would take it, but no island may be given
+  REQUIRE(map.unpin({0, 0}).ok());
+  const auto p = map.admit({0, 5});
+  REQUIRE(p.has_value());
+  REQUIRE(p->evicted.has_value());
+  CHECK(p->evicted->expert == 0);
+  CHECK(map.is_predicted({0, 1}));
+  REQUIRE(map.check_invariants().ok());
 }

@@ -131,7 +131,7 @@ class SampleMessages {
 
   StatsReply stats_reply() {
     StatsReply s{u64(), u64(), u64(), u32(), u32(), u32(), u32(),
-                 u64(), u64(), u64(), u32(), u64(), {}};
+                 u64(), u64(), u64(), u32(), u64(), {}, u64()};
     for (size_t i = 0, n = pick(0, 30); i < n; ++i) s.resident.push_back({u16(), u16()});
     return s;
   }
