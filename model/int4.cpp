@@ -146,12 +146,12 @@ namespace {
 
 // Portable path: works for any group size.
 void matvec_rows_portable(int r0, int r1, const uint8_t* blob, const Q4MatrixLayout& m, const float* x,
-                          const float* x_sums, float* y) {
-  const int groups = m.cols / m.group;
+                          const float* x_sums, float* y, int cols) {
+  const int groups = cols / m.group;
   std::vector<float> q(static_cast<size_t>(m.cols));  // [cols]: one row's codes as floats
   for (int r = r0; r < r1; ++r) {
     unpack_codes(blob + m.codes_offset + size_t(r) * size_t(m.cols / 2), m.cols, q.data());
-    const uint8_t* params = blob + m.params_offset + size_t(r) * size_t(groups) * 4;
+    const uint8_t* params = blob + m.params_offset + size_t(r) * size_t(m.cols / m.group) * 4;
     float acc = 0.0f;
     for (int g = 0; g < groups; ++g) {
       float scale, bias;
@@ -195,8 +195,8 @@ inline float hsum(__m256 v) {
 // multiplied with x; each group's partial sums are scaled in vector form so
 // only one horizontal sum is paid per row.
 void matvec_rows_avx2(int r0, int r1, const uint8_t* blob, const Q4MatrixLayout& m, const float* x,
-                      const float* x_sums, float* y) {
-  const int groups = m.cols / m.group;
+                      const float* x_sums, float* y, int cols) {
+  const int groups = cols / m.group;
   const int chunks = m.group / 32;  // 32 inputs per chunk
   for (int r = r0; r < r1; ++r) {
     const uint8_t* codes = row_codes(blob, m, r);
@@ -229,6 +229,62 @@ void matvec_rows_avx2(int r0, int r1, const uint8_t* blob, const Q4MatrixLayout&
 }
 #endif
 
+#ifdef MOE_Q4_AVX2
+// q4_matvec_rows_q8 over runs of 64 inputs with x in q_split order: the low
+// nibbles of 32 code bytes meet the 32 even inputs, the high ones the odd,
+// in two maddubs, with no unpacking; lanes 0-3 of the sum hold the run's
+// first block of 32, lanes 4-7 its second. The bias term sum_g b_g sum(x_g)
+// is one multiply-add per group against interleaved (scale, bias) pairs.
+void matvec_rows_q8_split(const uint8_t* blob, const Q4MatrixLayout& m, const Q8Input& xq, int row_begin,
+                          int row_end, float* y, int cols) {
+  const int runs = cols / 64;
+  const int groups = cols / m.group;
+  const int runs_per_group = m.group / 64;  // 0 when the group is 32
+  // Per run: the two blocks' x scales, four lanes each. Per group: its x sum
+  // at the bias's place of (scale, bias), zero at the scale's.
+  std::vector<float> xsc(size_t(runs) * 8), gsum(size_t(groups + 3) / 4 * 8, 0.f);
+  for (int r = 0; r < runs; ++r)
+    for (int l = 0; l < 8; ++l) xsc[size_t(r) * 8 + l] = xq.scale[size_t(2 * r + l / 4)];
+  for (int b = 0; b < cols / 32; ++b) gsum[size_t(b * 32 / m.group) * 2 + 1] += xq.sum[size_t(b)];
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* xs = xq.q_split.data();
+  for (int r = row_begin; r < row_end; ++r) {
+    const uint8_t* codes = row_codes(blob, m, r);
+    const uint16_t* params = row_params(blob, m, r);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int run = 0; run < runs; ++run) {
+      const __m256i cv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + size_t(run) * 32));
+      const __m256i lo = _mm256_and_si256(cv, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(cv, 4), low);
+      const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + size_t(run) * 64));
+      const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + size_t(run) * 64 + 32));
+      const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+      __m256 sv;
+      if (runs_per_group == 0) {  // group 32: the run's two blocks have groups of their own
+        sv = _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(params[4 * run + 2])), _mm_set1_ps(_cvtsh_ss(params[4 * run])));
+      } else {
+        sv = _mm256_set1_ps(_cvtsh_ss(params[2 * (run / runs_per_group)]));
+      }
+      const __m256 d = _mm256_mul_ps(sv, _mm256_loadu_ps(xsc.data() + size_t(run) * 8));
+      if (run & 1) acc1 = _mm256_fmadd_ps(f, d, acc1);
+      else acc0 = _mm256_fmadd_ps(f, d, acc0);
+    }
+    // Bias: four groups' (scale, bias) halves at a time against (0, sum).
+    __m256 bacc = _mm256_setzero_ps();
+    int g = 0;
+    for (; g + 4 <= groups; g += 4) {
+      const __m256 p = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 2 * g)));
+      bacc = _mm256_fmadd_ps(p, _mm256_loadu_ps(gsum.data() + size_t(g) * 2), bacc);
+    }
+    float bias = 0.f;
+    for (; g < groups; ++g) bias += _cvtsh_ss(params[2 * g + 1]) * gsum[size_t(g) * 2 + 1];
+    y[r] = hsum(_mm256_add_ps(acc0, acc1)) + hsum(bacc) + bias;
+  }
+}
+#endif
+
 }  // namespace
 
 void q4_matvec(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, float* y) {
@@ -236,10 +292,11 @@ void q4_matvec(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, flo
 }
 
 void q4_matvec_rows(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, int row_begin, int row_end,
-                    float* y) {
+                    float* y, int col_end) {
   // Per group, sum_j (q_j s + b) x_j = s (q . x) + b sum(x): the sums of x are
   // shared by every row, so each weight costs one multiply-add.
-  const int groups = m.cols / m.group;
+  const int cols = col_end > 0 && col_end < m.cols ? col_end / m.group * m.group : m.cols;
+  const int groups = cols / m.group;
   std::vector<float> x_sums(static_cast<size_t>(groups));  // [groups]
   for (int g = 0; g < groups; ++g) {
     float s = 0.0f;
@@ -247,9 +304,9 @@ void q4_matvec_rows(const uint8_t* blob, const Q4MatrixLayout& m, const float* x
     x_sums[size_t(g)] = s;
   }
 #ifdef MOE_Q4_AVX2
-  if (m.group % 32 == 0) return matvec_rows_avx2(row_begin, row_end, blob, m, x, x_sums.data(), y);
+  if (m.group % 32 == 0) return matvec_rows_avx2(row_begin, row_end, blob, m, x, x_sums.data(), y, cols);
 #endif
-  matvec_rows_portable(row_begin, row_end, blob, m, x, x_sums.data(), y);
+  matvec_rows_portable(row_begin, row_end, blob, m, x, x_sums.data(), y, cols);
 }
 
 int q8_block(const Q4MatrixLayout& m) { return std::min(32, m.group); }
@@ -272,13 +329,25 @@ void q8_quantize(const float* x, int cols, int block, Q8Input* out) {
     out->scale[size_t(g)] = mx / 127.f;
     out->sum[size_t(g)] = sum;
   }
+  out->q_split.clear();
+  if (block == 32 && cols % 64 == 0) {
+    out->q_split.resize(size_t(cols));
+    for (int c = 0; c < cols; c += 64)
+      for (int i = 0; i < 32; ++i) {
+        out->q_split[size_t(c + i)] = out->q[size_t(c + 2 * i)];
+        out->q_split[size_t(c + 32 + i)] = out->q[size_t(c + 2 * i + 1)];
+      }
+  }
 }
 
 void q4_matvec_rows_q8(const uint8_t* blob, const Q4MatrixLayout& m, const Q8Input& xq, int row_begin, int row_end,
-                       float* y) {
-  const int groups = m.cols / m.group;
+                       float* y, int col_end) {
+  const int cols = col_end > 0 && col_end < m.cols ? col_end / m.group * m.group : m.cols;
+  const int groups = cols / m.group;
   const int bpg = m.group / xq.block;  // blocks per group
 #ifdef MOE_Q4_AVX2
+  if (!xq.q_split.empty() && cols % 64 == 0 && (m.group == 32 || m.group % 64 == 0))
+    return matvec_rows_q8_split(blob, m, xq, row_begin, row_end, y, cols);
   if (m.group % 32 == 0) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = row_begin; r < row_end; ++r) {
@@ -308,7 +377,7 @@ void q4_matvec_rows_q8(const uint8_t* blob, const Q4MatrixLayout& m, const Q8Inp
 #endif
   for (int r = row_begin; r < row_end; ++r) {
     const uint8_t* codes = blob + m.codes_offset + size_t(r) * size_t(m.cols / 2);
-    const uint8_t* params = blob + m.params_offset + size_t(r) * size_t(groups) * 4;
+    const uint8_t* params = blob + m.params_offset + size_t(r) * size_t(m.cols / m.group) * 4;
     float acc = 0.f;
     for (int g = 0; g < groups; ++g) {
       float scale, bias;

@@ -44,9 +44,10 @@ void q4_dequantize_row(const uint8_t* blob, const Q4MatrixLayout& m, int row, fl
 // y[rows] = W x[cols] straight from the codes (the CPU engine's expert matvec).
 void q4_matvec(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, float* y);
 // Rows [row_begin, row_end) of the same: y[r] for r in the range (a slice
-// of the rows per thread).
+// of the rows per thread). With col_end in (0, cols), a multiple of the
+// group: the sum over the first col_end inputs only.
 void q4_matvec_rows(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, int row_begin, int row_end,
-                    float* y);
+                    float* y, int col_end = 0);
 
 // x quantised for q4_matvec_rows_q8: per block of 32 inputs (or of the
 // matrix's group, when that is smaller) an int8 vector with one f32 scale
@@ -57,6 +58,10 @@ struct Q8Input {
   std::vector<int8_t> q;     // [cols]
   std::vector<float> scale;  // [cols / block]
   std::vector<float> sum;    // [cols / block]
+  // With blocks of 32 and cols a multiple of 64: q again, each run of 64
+  // inputs as its 32 even then its 32 odd ones, the order of the low and
+  // high nibbles of 32 code bytes (the AVX2 path needs no unpacking then).
+  std::vector<int8_t> q_split;
 };
 // block: 32, or the matrix's group when it is smaller (q8_block gives it).
 int q8_block(const Q4MatrixLayout& m);
@@ -65,8 +70,9 @@ void q8_quantize(const float* x, int cols, int block, Q8Input* out);
 // Rows [row_begin, row_end) of W x with x quantised (xq.block ==
 // q8_block(m)): integer dot products (AVX2 maddubs when groups are a
 // multiple of 32), a few times faster than q4_matvec_rows for ~0.4 % error
-// per input.
+// per input. With col_end in (0, cols), a multiple of the group: the sum
+// over the first col_end inputs only (x then holds those).
 void q4_matvec_rows_q8(const uint8_t* blob, const Q4MatrixLayout& m, const Q8Input& xq, int row_begin, int row_end,
-                       float* y);
+                       float* y, int col_end = 0);
 
 }  // namespace moe

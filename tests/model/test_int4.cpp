@@ -235,6 +235,19 @@ TEST_CASE("q4_matvec equals dequantise-then-dot", "[int4]") {
           }
           REQUIRE(std::fabs(y[size_t(r)] - want) <= 1e-5 * mag + 1e-7);
         }
+        // Rows 1.. over the first half of the inputs (whole groups) only.
+        const int half = (k / 2) / m.group * m.group;
+        if (half == 0 || n < 2) continue;
+        q4_matvec_rows(blob.data(), m, x.data(), 1, n, y.data(), half);
+        for (int r = 1; r < n; ++r) {
+          q4_dequantize_row(blob.data(), m, r, row.data());
+          double want = 0, mag = 0;
+          for (int c = 0; c < half; ++c) {
+            want += double(row[size_t(c)]) * x[size_t(c)];
+            mag += std::fabs(double(row[size_t(c)]) * x[size_t(c)]);
+          }
+          REQUIRE(std::fabs(y[size_t(r)] - want) <= 1e-5 * mag + 1e-7);
+        }
       }
 }
 
@@ -271,6 +284,23 @@ TEST_CASE("q4_matvec_rows_q8 agrees with q4_matvec within int8 input rounding, r
           bound += qs * xq.scale[size_t(c / xq.block)] * 0.5;
         }
         REQUIRE(std::fabs(got[size_t(r)] - want[size_t(r)]) <= bound * 1.01 + 1e-5);
+      }
+      // The first half of the inputs only (whole groups): x holds just those.
+      const int half = (k / 2) / m.group * m.group;
+      if (half == 0) continue;
+      Q8Input hq;
+      q8_quantize(x.data(), half, q8_block(m), &hq);
+      q4_matvec_rows_q8(blob.data(), m, hq, 0, n, got.data(), half);
+      for (int r = 0; r < n; ++r) {
+        q4_dequantize_row(blob.data(), m, r, row.data());
+        double exact = 0, bound = 0;
+        for (int c = 0; c < half; ++c) {
+          exact += double(row[size_t(c)]) * x[size_t(c)];
+          uint16_t sb[2];
+          std::memcpy(sb, blob.data() + m.params_offset + (size_t(r) * (k / m.group) + c / m.group) * 4, 4);
+          bound += std::fabs(double(row[size_t(c)]) - f16_to_f32(sb[1])) * hq.scale[size_t(c / hq.block)] * 0.5;
+        }
+        REQUIRE(std::fabs(got[size_t(r)] - exact) <= bound * 1.01 + 1e-4);
       }
     }
 }
