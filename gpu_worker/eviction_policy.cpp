@@ -137,11 +137,23 @@ double OursPolicy::keep_score(ExpertKey key, uint64_t now) const {
   return -(phase + period * (1.0 - p) / p);
 }
 
+bool OursPolicy::may_admit(ExpertKey candidate, uint64_t now) const {
+  const size_t l = size_t(candidate.layer);
+  if (mean_p_.size() != size_t(n_layers_)) {
+    mean_p_.assign(size_t(n_layers_), 0.0);
+    mean_at_.assign(size_t(n_layers_), UINT64_MAX);
+  }
+  if (mean_at_[l] != now) {
+    double mean = 0;
+    for (int e = 0; e < n_experts_; ++e) mean += use_probability({candidate.layer, e});
+    mean_p_[l] = mean / double(n_experts_);
+    mean_at_[l] = now;
+  }
+  return use_probability(candidate) >= prm_.admit_ratio * mean_p_[l];
+}
+
 bool OursPolicy::worth_admitting(ExpertKey candidate, ExpertKey victim, uint64_t now) const {
-  double mean = 0;
-  for (int e = 0; e < n_experts_; ++e) mean += use_probability({candidate.layer, e});
-  mean /= double(n_experts_);
-  return use_probability(candidate) >= prm_.admit_ratio * mean && keep_score(candidate, now) > keep_score(victim, now);
+  return may_admit(candidate, now) && keep_score(candidate, now) > keep_score(victim, now);
 }
 
 // ---------------------------------------------------------------- Belady

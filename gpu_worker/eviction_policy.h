@@ -38,8 +38,12 @@ class EvictionPolicy {
   // How much keeping `key` resident is worth at `now`: the map evicts the
   // smallest score among unprotected residents (ties: the lowest island).
   virtual double keep_score(ExpertKey key, uint64_t now) const = 0;
-  // Whether a streamed (non-resident) `candidate` should take `victim`'s
-  // island (ResidencyMap::admit): by default when it scores higher.
+  // Whether a streamed (non-resident) `candidate` may be worth an island at
+  // all, before any victim is looked for (ResidencyMap::admit asks first:
+  // finding the victim scores hundreds of residents). Default: yes.
+  virtual bool may_admit(ExpertKey candidate, uint64_t now) const { return true; }
+  // Whether `candidate` should take `victim`'s island: by default when it
+  // scores higher.
   virtual bool worth_admitting(ExpertKey candidate, ExpertKey victim, uint64_t now) const {
     return keep_score(candidate, now) > keep_score(victim, now);
   }
@@ -108,6 +112,7 @@ class OursPolicy final : public EvictionPolicy {
   void attach(int n_layers, int n_experts) override;
   void on_access(ExpertKey key, uint64_t now) override;
   double keep_score(ExpertKey key, uint64_t now) const override;
+  bool may_admit(ExpertKey candidate, uint64_t now) const override;
   bool worth_admitting(ExpertKey candidate, ExpertKey victim, uint64_t now) const override;
 
   // The per-visit use probability the policy currently believes (tests).
@@ -134,6 +139,10 @@ class OursPolicy final : public EvictionPolicy {
   std::vector<double> period_;            // [layer] smoothed acquires between visits
   std::vector<Rate> long_, short_;        // [layer * n_experts + expert]
   std::vector<uint64_t> last_visit_use_;  // [key] visit (1-based) of the last use, 0: never
+  // A layer's mean use probability, kept while the clock stands (admissions
+  // after a pass all read it): [layer] value and the acquire count it is for.
+  mutable std::vector<double> mean_p_;
+  mutable std::vector<uint64_t> mean_at_;
 };
 
 // ---- Belady's MIN: evict the expert whose next use is farthest in the

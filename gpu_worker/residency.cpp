@@ -138,13 +138,14 @@ Result<Placement> ResidencyMap::acquire(ExpertKey key) {
   return p;
 }
 
-void ResidencyMap::note_use(ExpertKey key, bool hit) {
+void ResidencyMap::note_use(ExpertKey key, Served how) {
   if (!valid(key)) return;
-  if (hit) {
+  if (how == Served::island) {
     ++stats_.hits;
   } else {
     ++stats_.misses;
-    ++stats_.streamed;
+    if (how == Served::streamed) ++stats_.streamed;
+    if (how == Served::host) ++stats_.host_computed;
   }
   if (const int64_t i = island_of_[index_of(key)]; i >= 0) {
     if (prefetched_[size_t(i)]) ++stats_.prefetch_used;
@@ -163,6 +164,7 @@ std::optional<Placement> ResidencyMap::admit(ExpertKey key) {
     p.island = free_.back();
     free_.pop_back();
   } else {
+    if (!policy_->may_admit(key, now_)) return std::nullopt;  // before scoring any victim
     const int64_t v = choose_victim(/*allow_predicted_victims=*/false);
     if (v < 0 || !policy_->worth_admitting(key, key_at_[size_t(v)], now_)) return std::nullopt;
     evict_island(v, &p.evicted);
@@ -279,7 +281,8 @@ Status ResidencyMap::check_invariants() const {
     return make_error("islands lost: used + free != total");
   if (used != stats_.islands_in_use)
     return make_error("islands_in_use counter disagrees with the table");
-  if (stats_.bytes_copied != (stats_.misses - stats_.streamed + stats_.prefetches + stats_.admissions) * blob_bytes_)
+  if (stats_.bytes_copied !=
+      (stats_.misses - stats_.streamed - stats_.host_computed + stats_.prefetches + stats_.admissions) * blob_bytes_)
     return make_error("bytes_copied disagrees with copied misses + prefetches + admissions");
   return {};
 }

@@ -30,6 +30,7 @@ struct ResidencyStats {
   uint64_t evictions = 0;
   uint64_t bytes_copied = 0;   // every copy into an island (misses, prefetches, admissions) * blob bytes
   uint64_t streamed = 0;       // misses a kernel read over the link from host memory (no copy)
+  uint64_t host_computed = 0;  // misses of streamed passes the host's cores computed
   uint64_t admissions = 0;     // streamed experts then copied into an island (admit)
   int64_t islands_in_use = 0;  // now
   double hit_rate() const { return hits + misses ? double(hits) / double(hits + misses) : 0.0; }
@@ -80,9 +81,11 @@ class ResidencyMap {
   // unpredicted ones. Fails only when every island is pinned.
   [[nodiscard]] Result<Placement> acquire(ExpertKey key);
   // Streamed decode (the kernels read a miss from host memory; nothing is
-  // pinned): records one use of `key` for the policy and the counters, a hit
-  // when the kernels read it from its island.
-  void note_use(ExpertKey key, bool hit);
+  // pinned): records one use of `key` for the policy and the counters: a
+  // hit when the kernels read it from its island, else a miss, streamed
+  // over the link or computed by the host's cores.
+  enum class Served { island, streamed, host };
+  void note_use(ExpertKey key, Served how);
   // After a streamed pass: gives a non-resident `key` an island when one is
   // free, or when the policy finds it worth more than the cheapest unpinned,
   // unpredicted resident (EvictionPolicy::worth_admitting), which it evicts.

@@ -189,7 +189,7 @@ TEST_CASE("residency: streamed uses are counted; admission fills free islands, t
   ResidencyMap map(L, E, 4, kBlob, std::make_unique<OursPolicy>());
   // Free islands: every streamed expert is admitted, and copied (bytes).
   for (int e = 0; e < 4; ++e) {
-    map.note_use({0, e}, /*hit=*/false);
+    map.note_use({0, e}, ResidencyMap::Served::streamed);
     const auto p = map.admit({0, e});
     REQUIRE(p.has_value());
     CHECK_FALSE(p->evicted.has_value());
@@ -213,7 +213,8 @@ TEST_CASE("residency: streamed uses are counted; admission fills free islands, t
         const int e = int(rng() % E);
         if (std::find(used.begin(), used.end(), e) == used.end()) used.push_back(e);
       }
-      for (int e : used) map.note_use({l, e}, map.lookup({l, e}) >= 0);
+      for (int e : used)
+        map.note_use({l, e}, map.lookup({l, e}) >= 0 ? ResidencyMap::Served::island : ResidencyMap::Served::streamed);
       for (int e : used) admitted += map.admit({l, e}).has_value();
     }
   INFO("admitted under uniform use: " << admitted);
@@ -223,15 +224,15 @@ TEST_CASE("residency: streamed uses are counted; admission fills free islands, t
   // then it is a hit.
   std::optional<Placement> got;
   for (int step = 0; step < 40 && !got; ++step) {
-    map.note_use({0, int(rng() % E)}, false);
-    map.note_use({1, 9}, map.lookup({1, 9}) >= 0);
+    map.note_use({0, int(rng() % E)}, ResidencyMap::Served::host);
+    map.note_use({1, 9}, map.lookup({1, 9}) >= 0 ? ResidencyMap::Served::island : ResidencyMap::Served::streamed);
     if (map.lookup({1, 9}) < 0) got = map.admit({1, 9});
   }
   REQUIRE(got.has_value());
   CHECK(got->evicted.has_value());
   CHECK(map.lookup({1, 9}) == got->island);
   const uint64_t hits = map.stats().hits;
-  map.note_use({1, 9}, true);
+  map.note_use({1, 9}, ResidencyMap::Served::island);
   CHECK(map.stats().hits == hits + 1);
   REQUIRE(map.check_invariants().ok());
 }
@@ -242,7 +243,7 @@ TEST_CASE("residency: admission never evicts a pinned or predicted expert") {
   REQUIRE(map.acquire({0, 0}).ok());  // pinned
   const std::vector<int> hinted = {1};
   CHECK(map.hint(0, hinted, HintPriority::prefetch).size() == 1);  // predicted
-  map.note_use({0, 5}, false);
+  map.note_use({0, 5}, ResidencyMap::Served::streamed);
   CHECK_FALSE(map.admit({0, 5}).has_value());  // LRU would take it, but no island may be given
   REQUIRE(map.unpin({0, 0}).ok());
   const auto p = map.admit({0, 5});
