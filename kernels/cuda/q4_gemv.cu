@@ -216,6 +216,7 @@ struct RowsParams {
   const void* x;                 // [tokens, K]
   float* y;                      // [pairs, rows]
   int group_shift;               // log2(group / 32), fast path only
+  const int32_t* split;          // [pairs] first row computed (rows below: 0), or null
 };
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
@@ -226,14 +227,20 @@ __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); 
 template <typename XT, int CPL, bool FAST, bool GATE_UP, int R>
 __global__ void __launch_bounds__(kThreads) q4_rows_kernel(RowsParams p) {
   extern __shared__ uint4 smem[];
-  detail::allow_next_grid();
   const int pair = blockIdx.y;
   const uint8_t* blob = p.blob;
+  int lo = 0;  // rows below are the host's: zeros here, their weights unread
   if (p.blobs) {
     detail::wait_prior_grid();  // the expert ids come from the router
+    // Only now may the down projection start: it reads the same ids (and
+    // loads its weights) before its own wait, so the router must be done.
+    detail::allow_next_grid();
     const int e = p.expert_ids[pair];
     if (e < 0 || e >= p.n_experts) return;  // uniform per block
     blob = p.blobs[e];
+    if (p.split) lo = p.split[pair];
+  } else {
+    detail::allow_next_grid();
   }
   const int K = p.m0.cols;
   const int nchunks = K / 32;
@@ -248,7 +255,7 @@ __global__ void __launch_bounds__(kThreads) q4_rows_kernel(RowsParams p) {
     FastRow<CPL> r0[R], r1[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      if (row0 + r < rows) {
+      if (row0 + r < rows && row0 + r >= lo) {
         r0[r].load(blob, p.m0, row0 + r, nchunks, p.group_shift, lane);
         if constexpr (GATE_UP) r1[r].load(blob, p.m1, row0 + r, nchunks, p.group_shift, lane);
       }
@@ -259,6 +266,10 @@ __global__ void __launch_bounds__(kThreads) q4_rows_kernel(RowsParams p) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (row0 + r >= rows) break;
+      if (row0 + r < lo) {
+        if (lane == 0) p.y[size_t(pair) * rows + row0 + r] = 0.f;
+        continue;
+      }
       float a = warp_sum(r0[r].dot(xs, stats, nchunks, lane));
       float b = 0.f;
       if constexpr (GATE_UP) b = warp_sum(r1[r].dot(xs, stats, nchunks, lane));
@@ -270,6 +281,10 @@ __global__ void __launch_bounds__(kThreads) q4_rows_kernel(RowsParams p) {
     __syncthreads();
     for (int r = 0; r < R; ++r) {
       if (row0 + r >= rows) break;
+      if (row0 + r < lo) {
+        if (lane == 0) p.y[size_t(pair) * rows + row0 + r] = 0.f;
+        continue;
+      }
       float a = warp_sum(generic_row_dot(blob, p.m0, row0 + r, xf, lane));
       float b = 0.f;
       if constexpr (GATE_UP) b = warp_sum(generic_row_dot(blob, p.m1, row0 + r, xf, lane));
@@ -288,6 +303,7 @@ struct DownParams {
   float* out;                 // [tokens, hidden]
   bool accumulate;
   int group_shift;
+  const int32_t* split;       // [tokens, top_k] first input of the pair computed here, or null
 };
 
 // Experts whose rows a warp loads together: 8 when a warp owns one row of
@@ -301,7 +317,8 @@ constexpr int down_group() { return CPL == 1 && R == 1 ? 8 : 4; }
 template <int CPL, bool FAST, int R>
 __global__ void __launch_bounds__(kThreads) q4_down_kernel(DownParams p) {
   detail::allow_next_grid();
-  detail::wait_prior_grid();
+  // The ids and route weights are the router's, done before gate/up let this
+  // kernel start: the first experts' weights load before the wait, h after.
   extern __shared__ uint4 smem[];
   const int t = blockIdx.y;
   const int K = p.m.cols;
@@ -313,6 +330,7 @@ __global__ void __launch_bounds__(kThreads) q4_down_kernel(DownParams p) {
   const int32_t* ids = p.expert_ids + size_t(t) * p.top_k;
   const float* wts = p.weights + size_t(t) * p.top_k;
   auto stage_all = [&]() {
+    detail::wait_prior_grid();  // h comes from gate/up
     if constexpr (FAST) {
       stage_fast<4>(p.h + size_t(t) * p.top_k * K, nchunks, p.top_k, reinterpret_cast<uint8_t*>(smem), per);
     } else {
@@ -387,7 +405,7 @@ __global__ void __launch_bounds__(kThreads) q4_down_kernel(DownParams p) {
 template <int IPL, int R>
 __global__ void __launch_bounds__(kThreads) q4_down_flat_kernel(DownParams p) {
   detail::allow_next_grid();
-  detail::wait_prior_grid();
+  // As q4_down_kernel: weights (and the router's ids) before the wait, h after.
   extern __shared__ uint4 smem[];
   const int t = blockIdx.y;
   const int K = p.m.cols;
@@ -410,7 +428,9 @@ __global__ void __launch_bounds__(kThreads) q4_down_flat_kernel(DownParams p) {
     if (i < total) {
       const int k = i / nchunks, c = i - k * nchunks;
       const int e = ids[k];
-      if (e >= 0 && e < p.n_experts) {
+      // Inputs below the pair's split are the host's (h holds zeros there).
+      const int lo = p.split ? p.split[size_t(t) * p.top_k + k] : 0;
+      if (e >= 0 && e < p.n_experts && 32 * c >= lo) {
         const uint8_t* blob = p.blobs[e];
         const uint4* codes = reinterpret_cast<const uint4*>(blob + p.m.codes_offset) + c;
         const half2* params = reinterpret_cast<const half2*>(blob + p.m.params_offset) + (c >> p.group_shift);
@@ -425,6 +445,7 @@ __global__ void __launch_bounds__(kThreads) q4_down_flat_kernel(DownParams p) {
       }
     }
   }
+  detail::wait_prior_grid();  // h comes from gate/up
   // top_k * nchunks <= 32 * IPL chunks, 8 items each: IPL rounds of kThreads
   stage_fast<IPL>(p.h + size_t(t) * p.top_k * K, nchunks, p.top_k, reinterpret_cast<uint8_t*>(smem), per);
   __syncthreads();
@@ -566,6 +587,7 @@ Status gate_up_impl(const Q4ExpertArgs& a, const XT* x, float* h, cudaStream_t s
   p.m1 = a.layout.up;
   p.x = x;
   p.y = h;
+  p.split = a.split;
   return launch_rows<XT, true>(p, a.tokens * a.top_k, stream);
 }
 
@@ -602,6 +624,7 @@ Status q4_expert_down(const Q4ExpertArgs& a, const float* h, float* out, bool ac
   p.h = h;
   p.out = out;
   p.accumulate = accumulate;
+  p.split = a.split;
   const bool fast = fast_ok(p.m);
   const int K = p.m.cols;
   const size_t smem = staged_bytes(K, fast) * size_t(a.top_k);

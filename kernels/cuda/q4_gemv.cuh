@@ -34,6 +34,11 @@ struct Q4ExpertArgs {
   const float* route_weights;     // [tokens, top_k]
   int tokens = 0;
   int top_k = 0;
+  // Optional, [tokens, top_k]: the pair's first intermediate row computed
+  // here (the rows below are the host's, kernels/cuda/share_slot.h): gate/up
+  // write zeros there without reading those weights, and the flat down
+  // kernel skips those inputs' weights too. Null: all rows.
+  const int32_t* split = nullptr;
 };
 
 // h[tokens*top_k, inter] = silu(gate_e x_t) * (up_e x_t) for every pair

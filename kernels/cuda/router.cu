@@ -10,8 +10,33 @@ namespace {
 
 constexpr int kWarps = 4;
 
+__device__ __forceinline__ uint64_t mix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Token t's k distinct experts drawn from a hash of (seed, layer, position,
+// sequence); a drawn expert already taken moves to the next free index
+// (k <= n, so one is always free).
+__device__ void draw_uniform(int32_t* row, int n, int k, int32_t position, int32_t seq, int layer, uint64_t seed) {
+  uint64_t h = mix64(seed ^ mix64(uint64_t(layer) << 40 ^ uint64_t(uint32_t(position)) << 8 ^ uint64_t(uint32_t(seq))));
+  for (int j = 0; j < k; ++j) {
+    h = mix64(h);
+    int e = int(h % uint64_t(n));
+    for (bool taken = true; taken;) {
+      taken = false;
+      for (int i = 0; i < j; ++i)
+        if (row[i] == e) taken = true;
+      if (taken) e = (e + 1) % n;
+    }
+    row[j] = e;
+  }
+}
+
 __global__ void router_kernel(const float* logits, int stride, int tokens, int n, int k, bool renorm,
-                              float scale, int32_t* ids, float* weights) {
+                              float scale, int32_t* ids, float* weights, UniformDraw draw) {
   detail::allow_next_grid();
   detail::wait_prior_grid();
   extern __shared__ float sh[];
@@ -67,49 +92,32 @@ __global__ void router_kernel(const float* logits, int stride, int tokens, int n
     if (renorm) w /= picked;
     weights[size_t(t) * k + j] = w * scale;
   }
+  // The ids of uniform routing in place of the winners (the same lane wrote them).
+  if (draw.seed != 0 && lane == 0)
+    draw_uniform(ids + size_t(t) * k, n, k, draw.positions[t], draw.seq_of_token[t], draw.layer, draw.seed);
 }
 
-__device__ __forceinline__ uint64_t mix64(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-// One thread per token; a drawn expert already taken moves to the next free
-// index (k <= n, so one is always free).
+// One thread per token.
 __global__ void uniform_route_kernel(int32_t* ids, int tokens, int n, int k, const int32_t* positions,
                                      const int32_t* seq_of_token, int layer, uint64_t seed) {
   detail::allow_next_grid();
   detail::wait_prior_grid();
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= tokens) return;
-  uint64_t h = mix64(seed ^ mix64(uint64_t(layer) << 40 ^ uint64_t(uint32_t(positions[t])) << 8 ^
-                                  uint64_t(uint32_t(seq_of_token[t]))));
-  int32_t* row = ids + size_t(t) * k;
-  for (int j = 0; j < k; ++j) {
-    h = mix64(h);
-    int e = int(h % uint64_t(n));
-    for (bool taken = true; taken;) {
-      taken = false;
-      for (int i = 0; i < j; ++i)
-        if (row[i] == e) taken = true;
-      if (taken) e = (e + 1) % n;
-    }
-    row[j] = e;
-  }
+  draw_uniform(ids + size_t(t) * k, n, k, positions[t], seq_of_token[t], layer, seed);
 }
 
 }  // namespace
 
 Status router_topk(const float* logits, int tokens, int n_experts, int top_k, bool renormalize, float scale,
-                   int32_t* ids, float* weights, cudaStream_t stream, int logits_stride) {
+                   int32_t* ids, float* weights, cudaStream_t stream, int logits_stride, const UniformDraw& draw) {
   MOE_CUDA_REQUIRE(logits && ids && weights, "null pointer");
+  MOE_CUDA_REQUIRE(draw.seed == 0 || (draw.positions && draw.seq_of_token), "uniform draw without positions");
   MOE_CUDA_REQUIRE(tokens > 0 && n_experts > 0 && n_experts <= 1024, "n_experts must be in [1, 1024]");
   MOE_CUDA_REQUIRE(top_k > 0 && top_k <= n_experts, "top_k must be in [1, n_experts]");
   MOE_CUDA_REQUIRE(logits_stride == 0 || logits_stride >= n_experts, "logits_stride must be >= n_experts");
   const size_t smem = size_t(kWarps) * n_experts * sizeof(float);
-  MOE_CUDA_TRY(detail::launch_pdl(router_kernel, dim3((tokens + kWarps - 1) / kWarps), dim3(kWarps * 32), smem, stream, logits, logits_stride ? logits_stride : n_experts, tokens, n_experts, top_k, renormalize, scale, ids, weights));
+  MOE_CUDA_TRY(detail::launch_pdl(router_kernel, dim3((tokens + kWarps - 1) / kWarps), dim3(kWarps * 32), smem, stream, logits, logits_stride ? logits_stride : n_experts, tokens, n_experts, top_k, renormalize, scale, ids, weights, draw));
   MOE_CUDA_LAUNCHED();
   return {};
 }

@@ -12,11 +12,21 @@
 
 namespace moe::cuda {
 
+// Benchmarks only (seed 0: off): each token's expert ids drawn uniformly,
+// as uniform_route below, inside router_topk (no launch of its own).
+struct UniformDraw {
+  const int32_t* positions = nullptr;     // [tokens]
+  const int32_t* seq_of_token = nullptr;  // [tokens]
+  int layer = 0;
+  uint64_t seed = 0;
+};
+
 // logits: [tokens, logits_stride >= n_experts] f32 (0: n_experts; a wider
 // row lets the router share a projection with other outputs);
 // ids, weights: [tokens, top_k]. n_experts <= 1024, top_k <= n_experts.
 Status router_topk(const float* logits, int tokens, int n_experts, int top_k, bool renormalize, float scale,
-                   int32_t* ids, float* weights, cudaStream_t stream, int logits_stride = 0);
+                   int32_t* ids, float* weights, cudaStream_t stream, int logits_stride = 0,
+                   const UniformDraw& draw = {});
 
 // Benchmarks only: replaces each token's expert ids with top_k distinct
 // experts drawn uniformly from a hash of (seed, layer, positions[t],

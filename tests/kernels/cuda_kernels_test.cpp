@@ -175,10 +175,13 @@ struct MoeCase {
   int hidden, inter, group, tokens, top_k, n_experts;
 };
 
-// CPU reference of the routed MoE: out[t] += sum_k w * down(silu(gate x) * up x).
+// CPU reference of the routed MoE: out[t] += sum_k w * down(silu(gate x) * up x);
+// with `split`, a pair's intermediate rows below split[pair] count as zero
+// (they are the host's: Q4ExpertArgs::split).
 void moe_reference(const moe::ExpertLayout& L, const std::vector<std::vector<uint8_t>>& blobs,
                    const std::vector<int32_t>& ids, const std::vector<float>& wts, const std::vector<float>& x,
-                   int tokens, int top_k, bool round_h, std::vector<float>& out) {
+                   int tokens, int top_k, bool round_h, std::vector<float>& out,
+                   const std::vector<int32_t>* split = nullptr) {
   std::vector<float> g(L.inter), u(L.inter), h(L.inter), y(L.hidden);
   for (int t = 0; t < tokens; ++t)
     for (int k = 0; k < top_k; ++k) {
@@ -187,6 +190,7 @@ void moe_reference(const moe::ExpertLayout& L, const std::vector<std::vector<uin
       moe::q4_matvec(blobs[e].data(), L.gate, x.data() + size_t(t) * L.hidden, g.data());
       moe::q4_matvec(blobs[e].data(), L.up, x.data() + size_t(t) * L.hidden, u.data());
       moe::cpu::silu_mul(g.data(), u.data(), h.data(), L.inter);
+      if (split) std::fill(h.begin(), h.begin() + std::min((*split)[size_t(t * top_k + k)], L.inter), 0.f);
       if (round_h) h = round_bf16(h);
       moe::q4_matvec(blobs[e].data(), L.down, h.data(), y.data());
       for (int i = 0; i < L.hidden; ++i) out[size_t(t) * L.hidden + i] += wts[t * top_k + k] * y[i];
@@ -245,23 +249,33 @@ TEST_CASE("cuda decode expert kernels (gate/up + SiLU, weighted down) match the 
     a.route_weights = dw.p;
     a.tokens = c.tokens;
     a.top_k = c.top_k;
-    // On a stream of its own the kernels overlap through programmatic
-    // dependent launch; the result must not change.
-    cudaStream_t stream;
-    REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
-    REQUIRE_OK(moe::cuda::q4_expert_gate_up(a, dx.p, dh.p, stream));
-    REQUIRE_OK(moe::cuda::q4_expert_down(a, dh.p, dout.p, /*accumulate=*/true, stream));
-    REQUIRE(cudaStreamSynchronize(stream) == cudaSuccess);
-    REQUIRE(cudaStreamDestroy(stream) == cudaSuccess);
-    std::vector<float> ref = d.out0;
-    moe_reference(d.L, d.blobs, d.ids, d.wts, d.x, c.tokens, c.top_k, false, ref);
-    // Compare the MoE contribution (out - out0), not the residual it rides on.
-    auto got = dout.get();
-    for (size_t i = 0; i < got.size(); ++i) {
-      got[i] -= d.out0[i];
-      ref[i] -= d.out0[i];
+    // Then again with some pairs' first rows left to the host (whole 64-row
+    // steps, none, or all of them).
+    std::vector<int32_t> split(d.ids.size());
+    for (size_t i = 0; i < split.size(); ++i) split[i] = i % 3 == 0 ? 0 : i % 3 == 1 ? 64 : c.inter;
+    Dev<int32_t> dsplit(split);
+    for (const bool with_split : {false, true}) {
+      INFO("split " << with_split);
+      a.split = with_split ? dsplit.p : nullptr;
+      dout.put(d.out0);
+      // On a stream of its own the kernels overlap through programmatic
+      // dependent launch; the result must not change.
+      cudaStream_t stream;
+      REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+      REQUIRE_OK(moe::cuda::q4_expert_gate_up(a, dx.p, dh.p, stream));
+      REQUIRE_OK(moe::cuda::q4_expert_down(a, dh.p, dout.p, /*accumulate=*/true, stream));
+      REQUIRE(cudaStreamSynchronize(stream) == cudaSuccess);
+      REQUIRE(cudaStreamDestroy(stream) == cudaSuccess);
+      std::vector<float> ref = d.out0;
+      moe_reference(d.L, d.blobs, d.ids, d.wts, d.x, c.tokens, c.top_k, false, ref, with_split ? &split : nullptr);
+      // Compare the MoE contribution (out - out0), not the residual it rides on.
+      auto got = dout.get();
+      for (size_t i = 0; i < got.size(); ++i) {
+        got[i] -= d.out0[i];
+        ref[i] -= d.out0[i];
+      }
+      CHECK(rel_err(got, ref) < 5e-3);
     }
-    CHECK(rel_err(got, ref) < 5e-3);
     for (auto* b : dblobs) delete b;
   }
 }
@@ -414,6 +428,18 @@ TEST_CASE("cuda uniform routing draws distinct experts evenly and deterministica
   auto ids = all.get();
   std::sort(ids.begin(), ids.end());
   for (int i = 0; i < n; ++i) CHECK(ids[size_t(i)] == i);
+  // Inside router_topk: the same ids, the router's own weights.
+  std::vector<float> logits(size_t(tokens) * n);
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd(0.f, 2.f);
+  for (float& v : logits) v = nd(rng);
+  Dev<float> dl(logits), w0(size_t(tokens) * k), w1(size_t(tokens) * k);
+  Dev<int32_t> routed(size_t(tokens) * k);
+  REQUIRE_OK(moe::cuda::router_topk(dl.p, tokens, n, k, true, 1.f, routed.p, w0.p, nullptr));
+  const moe::cuda::UniformDraw ud{dpos.p, dseq.p, 3, 7};
+  REQUIRE_OK(moe::cuda::router_topk(dl.p, tokens, n, k, true, 1.f, routed.p, w1.p, nullptr, 0, ud));
+  CHECK(routed.get() == a);
+  CHECK(w1.get() == w0.get());
 }
 
 namespace {

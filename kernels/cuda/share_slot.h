@@ -1,0 +1,25 @@
+#pragma once
+// Where a streamed decode pass hands missed experts to the host's cores and
+// takes their sum back (docs/cuda-worker.md, "The host's share"): one slot
+// per MoE layer in mapped pinned host memory. The host computes the first
+// `rows` intermediate rows of each missed expert (gate, up, and down over
+// those inputs), the GPU the rest, streamed. The GPU writes the pairs and
+// then `posted`; the host writes the sum and then `done`; each side spins
+// on the other's flag. Plain data, read by both compilers; no CUDA header.
+
+#include <cstdint>
+
+namespace moe {
+
+constexpr int kShareMaxPairs = 16;  // a token's top-k at most
+
+struct alignas(128) ShareSlot {
+  uint32_t posted;  // GPU: the pass whose pairs below (and normed state) are valid
+  uint32_t count;   // pairs the host computes this pass (0: none)
+  uint32_t rows;    // of each: intermediate rows [0, rows) (the GPU does the rest)
+  int32_t expert[kShareMaxPairs];
+  float weight[kShareMaxPairs];
+  alignas(64) uint32_t done;  // host: the pass whose sum is written
+};
+
+}  // namespace moe
