@@ -21,6 +21,7 @@
 #include "gpu_worker/eviction_policy.h"
 #include "gpu_worker/expert_predictor.h"
 #include "gpu_worker/host_experts.h"
+#include "gpu_worker/host_share.h"
 #include "gpu_worker/island_arena.h"
 #include "engine/forward.h"
 #include "kernels/cpu/sampling.h"
@@ -29,6 +30,7 @@
 #include "kernels/cuda/cuda_check.cuh"
 #include "kernels/cuda/dense_matmul.cuh"
 #include "kernels/cuda/embedding.cuh"
+#include "kernels/cuda/host_share.cuh"
 #include "kernels/cuda/norm.cuh"
 #include "kernels/cuda/q4_gemm.cuh"
 #include "kernels/cuda/q4_gemv.cuh"
@@ -222,8 +224,32 @@ struct CudaEngine::Impl {
   std::vector<Landing> admitted;    // copied in after the last pass
   std::vector<Landing> landing;     // copied in after the one before: read from their islands next
   uint64_t bytes_streamed = 0;
+  uint8_t* on_gpu_host = nullptr;  // [Lm, E] pinned: 1 where the table names an island
+  uint8_t* on_gpu = nullptr;       // [Lm, E] device (workspace): what share_publish reads
+  Status upload_stream_tables();
+
+  // ---- The host's share of streamed batch-1 passes (host_experts with
+  // misses "stream"; gpu_worker/host_share.h). Mapped pinned memory: one
+  // ShareSlot per MoE layer, then [Lm, H] bf16 states, then [Lm, H] f32 sums.
+  std::unique_ptr<HostShare> share;
+  uint8_t* share_host = nullptr;
+  ShareSlot* share_slots_dev = nullptr;
+  bf16* share_x_dev = nullptr;
+  float* share_sum_dev = nullptr;
+  uint16_t* share_rows = nullptr;    // [K + 1] device (workspace): share_rows_table
+  int32_t* share_split = nullptr;    // [K] device (workspace): Q4ExpertArgs::split
+  uint32_t* share_pass = nullptr;    // device (workspace): the pass number the kernels compare
+  uint32_t* share_count = nullptr;   // [Lm] device (workspace)
+  int32_t* share_ids = nullptr;      // [K] device (workspace): the GPU's experts, the host's as -1
+  uint32_t* pass_host = nullptr;     // pinned
+  uint32_t share_pass_no = 0;
+  bool sharing = false;              // this pass
+  static constexpr double kShareFixedUs = 8;   // post and collect, over the link both ways
+  static constexpr int kShareTimeoutMs = 5000;  // the host gone this long: the device traps
+  Status start_host_share();
+  double measure_link_us();
   bool stream_pass(int n) const {
-    return !all_resident && opts.misses == "stream" && !host_x && n <= cuda::kGemvMaxTokens &&
+    return !all_resident && opts.misses == "stream" && n <= cuda::kGemvMaxTokens &&
            size_t(n) * K < 4 * size_t(E);
   }
   Status prepare_streamed_pass();
@@ -284,6 +310,9 @@ struct CudaEngine::Impl {
     if (logits_host) (void)cudaFreeHost(logits_host);
     for (void* p : {static_cast<void*>(xn_host), static_cast<void*>(rw_host), static_cast<void*>(hsum_host),
                     static_cast<void*>(split_ids_host)})
+      if (p) (void)cudaFreeHost(p);
+    share.reset();  // its threads stop before the memory they read goes
+    for (void* p : {static_cast<void*>(share_host), static_cast<void*>(pass_host), static_cast<void*>(on_gpu_host)})
       if (p) (void)cudaFreeHost(p);
     if (routes_ready) (void)cudaEventDestroy(routes_ready);
     if (st) (void)cudaStreamDestroy(st);
@@ -484,6 +513,12 @@ void CudaEngine::Impl::carve_workspace(Carver& c) {
     if (grouped_ok) grouped_ws = c.take<uint8_t>(grouped_ws_bytes);
     hsum = c.take<float>(size_t(cuda::kGemvMaxTokens) * H);
     split_ids = c.take<int32_t>(size_t(cuda::kGemvMaxTokens) * K);
+    on_gpu = c.take<uint8_t>(size_t(Lm) * E);
+    share_rows = c.take<uint16_t>(size_t(K) + 1);
+    share_split = c.take<int32_t>(size_t(K));
+    share_pass = c.take<uint32_t>(1);
+    share_count = c.take<uint32_t>(size_t(Lm));
+    share_ids = c.take<int32_t>(size_t(K));
   }
   if (mlp_inter_max > 0) {
     gu = c.take<float>(size_t(T) * gu_stride);
@@ -725,8 +760,12 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     m.map = std::make_unique<ResidencyMap>(m.Lm, m.E, m.plan.n_islands, m.layout.blob_bytes, std::move(pol));
     m.predictor = std::make_unique<ExpertPredictor>(m.Lm, m.E);
     m.bound.resize(size_t(m.Lm));
+    MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.on_gpu_host), size_t(m.Lm) * m.E));
     if (!m.all_resident && opts.host_experts) {
-      if (Status s = m.start_host_experts(); !s) return make_error(s.error());
+      // Copy mode splits a layer's misses on the host's clock; streamed
+      // passes hand the host its share through mapped memory.
+      if (Status s = opts.misses == "copy" ? m.start_host_experts() : m.start_host_share(); !s)
+        return make_error(s.error());
     }
     if (m.all_resident) {
       // Every expert into its island now; the pointer tables never change.
@@ -830,6 +869,78 @@ Status CudaEngine::Impl::bind_experts(int ml, int n, const std::function<Status(
   return arena->prefetch(*map, (ml + 1) % Lm, guess, HintPriority::prefetch);
 }
 
+// One expert blob over the link, µs (the best of four copies into island 0,
+// which is still empty when this runs); opts.host_link_us overrides it.
+double CudaEngine::Impl::measure_link_us() {
+  if (opts.host_link_us > 0) return opts.host_link_us;
+  const uint8_t* blob = arena->host_blob({0, 0});
+  // Timing events, destroyed on every way out.
+  struct Events {
+    cudaEvent_t a = nullptr, b = nullptr;
+    ~Events() {
+      if (a) (void)cudaEventDestroy(a);
+      if (b) (void)cudaEventDestroy(b);
+    }
+  } ev;
+  if (cudaEventCreate(&ev.a) != cudaSuccess || cudaEventCreate(&ev.b) != cudaSuccess) return 50;
+  float best = 1e30f;
+  for (int i = 0; i < 4; ++i) {
+    (void)cudaEventRecord(ev.a, st);
+    (void)cudaMemcpyAsync(arena->island(0), blob, layout.blob_bytes, cudaMemcpyHostToDevice, st);
+    (void)cudaEventRecord(ev.b, st);
+    float ms = 0;
+    if (cudaEventSynchronize(ev.b) != cudaSuccess || cudaEventElapsedTime(&ms, ev.a, ev.b) != cudaSuccess) return 50;
+    best = std::min(best, ms);
+  }
+  return double(best) * 1000.0;
+}
+
+// Streamed batch-1 passes under a budget: the host's cores take a share of
+// each layer's misses (as many as finish no later than the link would with
+// the rest, by the two rates measured here, fixed for the process so that
+// its outputs do not follow timings).
+Status CudaEngine::Impl::start_host_share() {
+  const int hw = int(std::thread::hardware_concurrency());
+  // Every core but two: the step thread's, which waits on the device
+  // meanwhile, and one for the rest of the system (the team spins; a
+  // descheduled member holds up every phase).
+  const int threads = opts.host_threads > 0 ? opts.host_threads : hw - 2;
+  if (threads < 2 || K > kShareMaxPairs) return {};
+  const size_t slots = align_up(size_t(Lm) * sizeof(ShareSlot), 256);
+  const size_t xs = align_up(size_t(Lm) * H * sizeof(bf16), 256);
+  const size_t bytes = slots + xs + size_t(Lm) * H * sizeof(float);
+  MOE_CUDA_TRY(cudaHostAlloc(reinterpret_cast<void**>(&share_host), bytes, cudaHostAllocMapped));
+  std::memset(share_host, 0, bytes);
+  uint8_t* dev = nullptr;
+  MOE_CUDA_TRY(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev), share_host, 0));
+  share_slots_dev = reinterpret_cast<ShareSlot*>(dev);
+  share_x_dev = reinterpret_cast<bf16*>(dev + slots);
+  share_sum_dev = reinterpret_cast<float*>(dev + slots + xs);
+  MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&pass_host), sizeof(uint32_t)));
+  std::vector<const uint8_t*> blobs(size_t(Lm) * E);
+  for (int ml = 0; ml < Lm; ++ml)
+    for (int e = 0; e < E; ++e) blobs[size_t(ml) * E + e] = arena->host_blob({ml, e});
+  const ShareMemory mem{reinterpret_cast<ShareSlot*>(share_host), reinterpret_cast<uint16_t*>(share_host + slots),
+                        reinterpret_cast<float*>(share_host + slots + xs)};
+  share = std::make_unique<HostShare>(layout, Lm, E, std::move(blobs), mem, threads);
+  const double host_us = opts.host_expert_us > 0 ? opts.host_expert_us : share->measure_us();
+  link_us = measure_link_us();
+  // Row steps of whole down-projection groups and of the host's 64-input runs.
+  const int step = std::lcm(64, layout.down.group);
+  const std::vector<uint16_t> rows = share_rows_table(K, layout.inter, step, link_us, host_us, kShareFixedUs);
+  MOE_CUDA_TRY(cudaMemcpy(share_rows, rows.data(), rows.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+  std::string t;
+  for (size_t m = 1; m < rows.size(); ++m) {
+    if (m > 1) t += ' ';
+    t += std::to_string(rows[m]);
+  }
+  std::fprintf(stderr,
+               "moe-worker: batch-1 misses shared with %d host threads (%.0f us an expert; the link %.0f us): with "
+               "1..%d misses a layer the host computes the first %s of each one's %d rows\n",
+               share->threads(), host_us, link_us, K, t.c_str(), layout.inter);
+  return {};
+}
+
 // Under a budget: a pool for misses computed on the host, and the two rates
 // the split weighs, measured here (this machine's link and cores, not a
 // guess). Islands are still empty, so island 0 takes the timing copies.
@@ -846,29 +957,7 @@ Status CudaEngine::Impl::start_host_experts() {
   std::vector<const uint8_t*> blobs;
   for (int i = 0; i < 16; ++i) blobs.push_back(arena->host_blob({(i * 7) % Lm, (i * 13) % E}));
   host_us_token = host_x->measure_us(blobs);
-  const uint8_t* blob = blobs[0];
-  // Timing events, destroyed on every way out.
-  struct Events {
-    cudaEvent_t a = nullptr, b = nullptr;
-    ~Events() {
-      if (a) (void)cudaEventDestroy(a);
-      if (b) (void)cudaEventDestroy(b);
-    }
-  } ev;
-  MOE_CUDA_TRY(cudaEventCreate(&ev.a));
-  MOE_CUDA_TRY(cudaEventCreate(&ev.b));
-  cudaEvent_t a = ev.a, b = ev.b;
-  float best = 1e30f;
-  for (int i = 0; i < 4; ++i) {
-    MOE_CUDA_TRY(cudaEventRecord(a, st));
-    MOE_CUDA_TRY(cudaMemcpyAsync(arena->island(0), blob, layout.blob_bytes, cudaMemcpyHostToDevice, st));
-    MOE_CUDA_TRY(cudaEventRecord(b, st));
-    MOE_CUDA_TRY(cudaEventSynchronize(b));
-    float ms = 0;
-    MOE_CUDA_TRY(cudaEventElapsedTime(&ms, a, b));
-    best = std::min(best, ms);
-  }
-  link_us = opts.host_link_us > 0 ? opts.host_link_us : double(best) * 1000.0;
+  link_us = measure_link_us();
   std::fprintf(stderr,
                "moe-worker: misses split between the link (%.0f us an expert) and %d host threads (%.0f us an "
                "expert-token)\n",
@@ -876,8 +965,19 @@ Status CudaEngine::Impl::start_host_experts() {
   return {};
 }
 
-Status CudaEngine::Impl::prepare_streamed_pass() {
+Status CudaEngine::Impl::upload_stream_tables() {
   const size_t entries = size_t(Lm) * E;
+  for (int ml = 0; ml < Lm; ++ml)
+    for (int e = 0; e < E; ++e) {
+      const int64_t i = map->lookup({ml, e});
+      on_gpu_host[size_t(ml) * E + e] = i >= 0 && tables_host[size_t(ml) * E + e] == arena->island(i);
+    }
+  MOE_CUDA_TRY(cudaMemcpyAsync(blob_tables, tables_host, entries * sizeof(void*), cudaMemcpyHostToDevice, st));
+  MOE_CUDA_TRY(cudaMemcpyAsync(on_gpu, on_gpu_host, entries, cudaMemcpyHostToDevice, st));
+  return {};
+}
+
+Status CudaEngine::Impl::prepare_streamed_pass() {
   bool changed = false;
   if (stream_tables_stale) {
     // After copy-mode passes, warms or unloads: every copy they started has
@@ -906,9 +1006,7 @@ Status CudaEngine::Impl::prepare_streamed_pass() {
     landing.swap(admitted);
     admitted.clear();
   }
-  if (changed)
-    MOE_CUDA_TRY(cudaMemcpyAsync(blob_tables, tables_host, entries * sizeof(void*), cudaMemcpyHostToDevice, st));
-  return {};
+  return changed ? upload_stream_tables() : Status{};
 }
 
 Status CudaEngine::Impl::after_streamed_pass(int n) {
@@ -921,13 +1019,21 @@ Status CudaEngine::Impl::after_streamed_pass(int n) {
     for (int i = 0; i < n * K; ++i)
       if (ids[i] >= 0 && ids[i] < E && std::find(used.begin(), used.end(), ids[i]) == used.end())
         used.push_back(ids[i]);
+    const std::vector<int32_t>* host = sharing ? &share->taken(ml) : nullptr;
     for (int e : used) {
       const ExpertKey key{ml, e};
       const int64_t i = map->lookup(key);
-      const bool hit = i >= 0 && tables_host[size_t(ml) * E + e] == arena->island(i);
-      map->note_use(key, hit);
-      if (hit) continue;
-      bytes_streamed += layout.blob_bytes;
+      using Served = ResidencyMap::Served;
+      Served how = Served::streamed;
+      if (i >= 0 && tables_host[size_t(ml) * E + e] == arena->island(i))
+        how = Served::island;
+      else if (host && std::find(host->begin(), host->end(), e) != host->end())
+        how = Served::host;
+      map->note_use(key, how);
+      if (how == Served::island) continue;
+      if (how == Served::streamed) bytes_streamed += layout.blob_bytes;
+      if (how == Served::host)  // the rows the host left streamed
+        bytes_streamed += layout.blob_bytes * size_t(layout.inter - share->taken_rows(ml)) / size_t(layout.inter);
       if (i < 0) streamed.push_back(key);
     }
   }
@@ -944,10 +1050,8 @@ Status CudaEngine::Impl::after_streamed_pass(int n) {
     if (Status s = arena->load(*p); !s) return s;
     admitted.push_back({key, p->island});
   }
-  if (budget < opts.stream_admit_per_pass)  // evictions: the next pass must not read those islands
-    MOE_CUDA_TRY(cudaMemcpyAsync(blob_tables, tables_host, size_t(Lm) * E * sizeof(void*), cudaMemcpyHostToDevice,
-                                 st));
-  return {};
+  // Evictions: the next pass must not read those islands.
+  return budget < opts.stream_admit_per_pass ? upload_stream_tables() : Status{};
 }
 
 Status CudaEngine::Impl::release_experts(int ml) {
@@ -1013,16 +1117,37 @@ Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, 
   if (!logits_ready)
     if (Status s = project(L.router_w, xn, router_logits, n, false); !s) return s;
   int32_t* ids = route_ids + size_t(ml) * n * K;
-  if (Status s = cuda::router_topk(logits, n, E, K, d.moe.norm_topk_prob, d.moe.routed_scaling, ids, route_w, st, stride);
+  const cuda::UniformDraw draw{positions, seq_of_token, ml, opts.uniform_routing_seed};
+  if (Status s =
+          cuda::router_topk(logits, n, E, K, d.moe.norm_topk_prob, d.moe.routed_scaling, ids, route_w, st, stride, draw);
       !s)
     return s;
-  if (opts.uniform_routing_seed != 0)
-    if (Status s = cuda::uniform_route(ids, n, E, K, positions, seq_of_token, ml, opts.uniform_routing_seed, st); !s)
-      return s;
   auto shared = [&]() -> Status { return L.mlp_gu_w ? mlp(L, n, fuse) : Status{}; };
   if (all_resident || streaming) {
+    if (sharing) {
+      cuda::SharePublishArgs a;
+      a.ids = ids;
+      a.route_w = route_w;
+      a.on_gpu = on_gpu + size_t(ml) * E;
+      a.rows = share_rows;
+      a.top_k = K;
+      a.n_experts = E;
+      a.inter = layout.inter;
+      a.xn = xn;
+      a.hidden = H;
+      a.slot = share_slots_dev + ml;
+      a.x_host = share_x_dev + size_t(ml) * H;
+      a.pass = share_pass;
+      a.gpu_ids = share_ids;
+      a.gpu_split = share_split;
+      a.host_count = share_count + ml;
+      if (Status s = cuda::share_publish(a, st); !s) return s;
+    }
     if (Status s = shared(); !s) return s;
-    return routed_experts(ml, n, ids);
+    if (!sharing) return routed_experts(ml, n, ids);
+    if (Status s = routed_experts(ml, n, share_ids); !s) return s;
+    return cuda::share_collect(share_slots_dev + ml, share_sum_dev + size_t(ml) * H, x, H, share_pass,
+                               share_count + ml, kShareTimeoutMs, st);
   }
   // Under a budget the layer's experts are pinned from bind_experts on; they
   // are released whatever happens after, a failure included.
@@ -1039,6 +1164,7 @@ Status CudaEngine::Impl::routed_experts(int ml, int n, const int32_t* ids) {
   a.blobs = blob_tables + size_t(ml) * E;
   a.n_experts = E;
   a.expert_ids = host_pairs.empty() ? ids : split_ids;  // the host's pairs as -1: skipped
+  if (sharing) a.split = share_split;  // the host's rows of each shared miss
   a.route_weights = route_w;
   a.tokens = n;
   a.top_k = K;
@@ -1260,6 +1386,24 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     m.streaming = m.stream_pass(n);
     if (m.streaming)
       if (Status ps = m.prepare_streamed_pass(); !ps) return make_error(ps.error());
+    // The host's share: its threads serve this pass's layers as the GPU
+    // posts them; on every way out of the pass they are done with it (or
+    // abandon it when the pass failed).
+    m.sharing = m.streaming && m.share && n == 1;
+    struct ShareScope {
+      HostShare* s = nullptr;
+      bool ok = false;
+      ~ShareScope() {
+        if (s) s->end(ok);
+      }
+    } share_scope;
+    if (m.sharing) {
+      if (++m.share_pass_no == 0) ++m.share_pass_no;  // 0 is what fresh slots hold
+      *m.pass_host = m.share_pass_no;
+      MOE_CUDA_TRY(cudaMemcpyAsync(m.share_pass, m.pass_host, sizeof(uint32_t), cudaMemcpyHostToDevice, m.st));
+      m.share->begin(m.share_pass_no);
+      share_scope.s = m.share.get();
+    }
     Impl::Graph* g = nullptr;
     if (pure_decode && (m.all_resident || m.streaming) && m.opts.graphs) {
       g = &m.graphs[n];
@@ -1291,6 +1435,11 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     if (m.Lm > 0 && (m.all_resident || m.streaming))
       MOE_CUDA_TRY(cudaMemcpyAsync(m.ids_host, m.route_ids, size_t(m.Lm) * n * m.K * 4, cudaMemcpyDeviceToHost, m.st));
     MOE_CUDA_TRY(cudaStreamSynchronize(m.st));
+    share_scope.ok = true;
+    if (share_scope.s) {
+      share_scope.s->end(true);
+      share_scope.s = nullptr;
+    }
     if (m.streaming)
       if (Status as = m.after_streamed_pass(n); !as) return make_error(as.error());
 
@@ -1421,6 +1570,7 @@ CudaExpertStats CudaEngine::expert_stats() const {
   s.host_embedding = m.embed_host;
   s.host_experts_served = m.host_experts_served;
   s.host_expert_tokens = m.host_expert_tokens;
+  s.host_share_served = m.share ? m.share->experts_served() : 0;
   s.bytes_streamed = m.bytes_streamed;
   return s;
 }

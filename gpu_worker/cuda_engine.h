@@ -41,12 +41,15 @@ struct CudaEngineOptions {
   // pinned host memory: a step reads one row per token over the link, and
   // its bytes become islands. Not done when a bf16 lm_head shares it.
   bool host_embedding = true;
-  // Under a budget, a decode step's misses are split between the link and
-  // the host's cores (computed there from the pinned blob) when both
-  // together finish sooner; host_threads 0 means every hardware thread. Off
-  // by default: the split follows measured timings, so which experts the
-  // host computes (in f32, the GPU in half2) varies from run to run, and so
-  // may the last bits of the logits.
+  // Under a budget, the host's cores compute part of the misses from the
+  // pinned blobs while the link brings the rest. Streamed batch-1 passes:
+  // the first rows of every miss, by a table fixed at start from the two
+  // measured rates (gpu_worker/host_share.h); copy mode: whole misses, per
+  // layer on the host's running clock. host_threads 0: every hardware
+  // thread but two (stream) or all (copy). Off by default: which rows the
+  // host computes (f32, the GPU half2) follows this machine's timings, and
+  // so may the last bits of the logits; and the gain depends on the host's
+  // memory (docs/cuda-worker.md).
   bool host_experts = false;
   // Under a budget, how decode passes (up to 8 tokens, not a prompt) meet a
   // miss: "stream", the expert kernels read it from pinned host memory over
@@ -58,7 +61,8 @@ struct CudaEngineOptions {
   std::string misses = "stream";
   int stream_admit_per_pass = 8;
   int host_threads = 0;
-  double host_link_us = 0;  // one expert over the link, µs; 0: measured at start (tests force a split with it)
+  double host_link_us = 0;    // one expert over the link, µs; 0: measured at start (tests force a split with it)
+  double host_expert_us = 0;  // one expert on the host's cores (streamed passes), µs; 0: measured at start
   // Benchmarks: 0, the router picks the experts; else every token's experts
   // are drawn uniformly (distinct, the router's weights kept) from this seed,
   // the layer, the position and the sequence: the uniform routing that the
@@ -76,6 +80,7 @@ struct CudaExpertStats {
   uint64_t host_experts_served = 0;  // (layer, expert) misses computed on the host instead of copied
   uint64_t host_expert_tokens = 0;   // their (token, expert) pairs
   uint64_t bytes_streamed = 0;       // expert bytes kernels read from host memory (streamed misses)
+  uint64_t host_share_served = 0;    // misses of streamed batch-1 passes the host's cores computed
 };
 
 class CudaEngine {

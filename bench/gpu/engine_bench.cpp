@@ -10,7 +10,7 @@
 // targets are stated for. GPU memory is the process's, from nvidia-smi.
 //   moe-bench-engine [--shape qwen15|qwen3|all] [--vram-budget 12GiB[,8GiB]]
 //                    [--routing router|uniform|router,uniform] [--host-experts on|off]
-//                    [--misses stream|copy]
+//                    [--misses stream|copy] [--threads N]
 //                    [--steps N] [--prompt N] [--policy P] [--prefetch on|off]
 //                    [--dense-weights auto|bf16|int8] [--json PATH]
 #include <cuda_runtime.h>
@@ -45,6 +45,7 @@ struct Options {
   std::vector<std::string> routings = {"router"};
   bool host_experts = false;
   std::string misses = "stream";
+  int threads = 0;
   std::string json;
 };
 
@@ -106,10 +107,12 @@ struct Row {
 
 // Hit rate and PCIe bytes per token between two snapshots of the counters.
 void expert_figures(Row& row, const CudaExpertStats& s0, const CudaExpertStats& s1, double tokens) {
-  // A miss the host computed counts as a miss: it was not in an island.
+  // A miss the host computed counts as a miss: it was not in an island
+  // (streamed passes count the host's share among the map's misses already).
   const double hits = double(s1.residency.hits - s0.residency.hits);
-  const double host = double(s1.host_experts_served - s0.host_experts_served);
-  const double miss = double(s1.residency.misses - s0.residency.misses) + host;
+  const double copy_split = double(s1.host_experts_served - s0.host_experts_served);
+  const double host = copy_split + double(s1.host_share_served - s0.host_share_served);
+  const double miss = double(s1.residency.misses - s0.residency.misses) + copy_split;
   row.hit_rate = s1.all_resident ? 1.0 : (hits + miss > 0 ? hits / (hits + miss) : 0);
   row.host_experts_per_token = host / tokens;
   // Copies into islands and misses the kernels read over the link alike.
@@ -178,7 +181,7 @@ int usage() {
                "                        [--context N] [--prompt N] [--policy lru|lfu|ours] [--prefetch on|off]\n"
                "                        [--dense-weights auto|bf16|int8] [--fuse-max-tokens N]\n"
                "                        [--routing router|uniform|router,uniform] [--host-experts on|off]\n"
-               "                        [--misses stream|copy]\n"
+               "                        [--misses stream|copy] [--threads N]\n"
                "                        [--json PATH]\n");
   return 2;
 }
@@ -201,6 +204,7 @@ int main(int argc, char** argv) {
     else if (a == "--json") o.json = val();
     else if (a == "--host-experts") o.host_experts = val() == "on";
     else if (a == "--misses") o.misses = val();
+    else if (a == "--threads") o.threads = std::atoi(val().c_str());
     else if (a == "--routing") {
       o.routings = split_list(val());
       for (const auto& r : o.routings)
@@ -257,6 +261,7 @@ int main(int argc, char** argv) {
         eo.uniform_routing_seed = routing == "uniform" ? 0x5eed : 0;
         eo.host_experts = o.host_experts;
         eo.misses = o.misses;
+        eo.host_threads = o.threads;
         const auto t1 = Clock::now();
         auto e = CudaEngine::create((*model)->files, eo);
         if (!e) {

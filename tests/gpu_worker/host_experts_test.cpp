@@ -2,8 +2,11 @@
 // and link, and the experts computed on a thread pool against the CPU
 // engine's matvec one pair at a time.
 #include "gpu_worker/host_experts.h"
+#include "gpu_worker/host_share.h"
 
+#include <atomic>
 #include <catch2/catch.hpp>
+#include <thread>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -90,5 +93,108 @@ TEST_CASE("host experts match the CPU engine's matvecs, for any thread count", "
     for (int i = 0; i < L.hidden; ++i) CHECK(y[size_t(L.hidden) + i] == 0.f);
     const std::vector<const uint8_t*> some = {blobs[2].data(), blobs[3].data()};
     CHECK(hx.measure_us(some, 3) > 0);
+  }
+}
+
+TEST_CASE("share rows table: the host takes the rows that balance it with the link", "[host_share]") {
+  // 768 rows in steps of 64; link 50 us an expert, host 75 plus 5 once.
+  // m=1: r rows cost the link 50 (1 - r/768) and the host 5 + 75 r/768:
+  // r=256 gives max(33.3, 30) = 33.3, r=320 max(29.2, 36.25) -> 256.
+  // m=2: r=256 gives max(66.7, 55), r=320 max(58.3, 67.5) -> 256.
+  const std::vector<uint16_t> t = share_rows_table(4, 768, 64, 50, 75, 5);
+  REQUIRE(t.size() == 5);
+  CHECK(t[0] == 0);
+  CHECK(t[1] == 256);
+  CHECK(t[2] == 256);
+  for (int m = 1; m <= 4; ++m) {
+    // Whatever it picked beats every other multiple of 64 (and no share).
+    auto cost = [&](int r) {
+      const double f = r / 768.0;
+      return r == 0 ? m * 50.0 : std::max(m * (1 - f) * 50, 5 + m * f * 75);
+    };
+    for (int r = 0; r <= 768; r += 64) CHECK(cost(t[size_t(m)]) <= cost(r) + 1e-9);
+  }
+  // A host far faster takes whole experts; one far slower nothing; an
+  // intermediate size not a multiple of the step ends on the whole expert.
+  CHECK(share_rows_table(2, 768, 64, 50, 1, 1) == std::vector<uint16_t>{0, 768, 768});
+  CHECK(share_rows_table(2, 768, 64, 50, 5000, 5) == std::vector<uint16_t>{0, 0, 0});
+  CHECK(share_rows_table(1, 100, 64, 50, 1, 1) == std::vector<uint16_t>{0, 100});
+}
+
+// The GPU's part played by a second thread through the same memory: posts
+// each layer's pairs and state, waits for `done`, checks the sum against
+// the CPU engine's matvecs. Two passes, so a stale flag of the first would
+// show in the second.
+TEST_CASE("host share serves posted layers in order and hands back the weighted sums", "[host_share]") {
+  std::mt19937 rng(11);
+  const ExpertLayout L = expert_layout(256, 96, 32);
+  const int layers = 3, E = 4;
+  std::vector<std::vector<uint8_t>> store;
+  std::vector<const uint8_t*> blobs;
+  for (int i = 0; i < layers * E; ++i) {
+    store.push_back(random_expert(L, rng));
+    blobs.push_back(store.back().data());
+  }
+  std::vector<ShareSlot> slots(static_cast<size_t>(layers));
+  std::vector<uint16_t> xs(size_t(layers) * L.hidden);
+  std::vector<float> sums(size_t(layers) * L.hidden, 0.f);
+  for (ShareSlot& s : slots) s = ShareSlot{};
+  const ShareMemory mem{slots.data(), xs.data(), sums.data()};
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (int threads : {1, 3}) {
+    INFO("threads " << threads);
+    HostShare share(L, layers, E, blobs, mem, threads);
+    CHECK(share.measure_us(2) > 0);
+    for (uint32_t pass : {1u + 10u * uint32_t(threads), 2u + 10u * uint32_t(threads)}) {
+      // Layer 1 gives the host nothing; the others one or three experts,
+      // whole or their first 64 of 96 intermediate rows.
+      const std::vector<std::vector<int>> take = {{2}, {}, {0, 3, 1}};
+      const int rows_of[3] = {L.inter, 0, 64};
+      share.begin(pass);
+      for (int l = 0; l < layers; ++l) {
+        ShareSlot& s = slots[size_t(l)];
+        const std::vector<int>& ex = take[size_t(l)];
+        std::vector<float> w;
+        for (size_t i = 0; i < ex.size(); ++i) {
+          s.expert[i] = ex[i];
+          s.weight[i] = 0.3f + 0.2f * float(i);
+          w.push_back(s.weight[i]);
+        }
+        s.count = uint32_t(ex.size());
+        s.rows = uint32_t(rows_of[l]);
+        const int rows = rows_of[l];
+        uint16_t* x = xs.data() + size_t(l) * L.hidden;
+        for (int i = 0; i < L.hidden; ++i) x[i] = f32_to_bf16(nd(rng));
+        std::fill(sums.begin() + l * L.hidden, sums.begin() + (l + 1) * L.hidden, 99.f);
+        std::atomic_ref<uint32_t>(s.posted).store(pass, std::memory_order_release);
+        std::atomic_ref<uint32_t> done(s.done);
+        while (done.load(std::memory_order_acquire) != pass) std::this_thread::yield();
+        if (ex.empty()) continue;  // the sum is not read then
+        std::vector<float> xf(size_t(L.hidden)), g(size_t(L.inter)), u(size_t(L.inter)), h(size_t(L.inter)),
+            d(size_t(L.hidden)), ref(size_t(L.hidden), 0.f);
+        // The CPU engine's matvec over the rows the host took.
+        for (int i = 0; i < L.hidden; ++i) xf[size_t(i)] = bf16_to_f32(x[i]);
+        for (size_t i = 0; i < ex.size(); ++i) {
+          const uint8_t* b = blobs[size_t(l) * E + size_t(ex[i])];
+          q4_matvec_rows(b, L.gate, xf.data(), 0, rows, g.data());
+          q4_matvec_rows(b, L.up, xf.data(), 0, rows, u.data());
+          cpu::silu_mul(g.data(), u.data(), h.data(), rows);
+          q4_matvec_rows(b, L.down, h.data(), 0, L.hidden, d.data(), rows);
+          for (int r = 0; r < L.hidden; ++r) ref[size_t(r)] += w[i] * d[size_t(r)];
+        }
+        double err = 0, norm = 0;
+        for (int r = 0; r < L.hidden; ++r) {
+          err = std::max(err, double(std::abs(sums[size_t(l) * L.hidden + r] - ref[size_t(r)])));
+          norm = std::max(norm, double(std::abs(ref[size_t(r)])));
+        }
+        CHECK(norm > 0.01);
+        CHECK(err <= 1e-5 * norm);
+      }
+      share.end(true);
+    }
+    CHECK(share.experts_served() == 8);
+    // A pass whose posts never come is abandoned, not waited for forever.
+    share.begin(1000);
+    share.end(false);
   }
 }
