@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <random>
 #include <string>
@@ -166,6 +167,35 @@ SeqInput input(uint64_t id, std::vector<int32_t> toks, int start) {
   in.sampling.top_logprobs = 8;
   in.sampling.logprobs = true;
   return in;
+}
+
+// Sequences 1..n with these prompts, prefilled then decoded for steps - 1
+// steps on two engines fed the same inputs (each step decodes the first
+// engine's tokens); `check(step, i, a, b)` sees every pair of outputs. The
+// sequences are released from both at the end.
+void side_by_side(CudaEngine& a, CudaEngine& b, const std::vector<std::vector<int32_t>>& prompts, int steps,
+                  const std::function<void(int, size_t, const SeqOutput&, const SeqOutput&)>& check) {
+  std::vector<SeqInput> step;
+  std::vector<int> pos;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    step.push_back(input(uint64_t(i + 1), prompts[i], 0));
+    pos.push_back(int(prompts[i].size()));
+  }
+  for (int s = 0; s < steps; ++s) {
+    auto ra = a.step(step);
+    auto rb = b.step(step);
+    REQUIRE((ra.ok() && rb.ok()));
+    std::vector<SeqInput> next;
+    for (size_t i = 0; i < ra->size(); ++i) {
+      check(s, i, (*ra)[i], (*rb)[i]);
+      next.push_back(input(uint64_t(i + 1), {(*ra)[i].token}, pos[i]++));
+    }
+    step = std::move(next);
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    a.release(uint64_t(i + 1));
+    b.release(uint64_t(i + 1));
+  }
 }
 
 // Three prompts prefilled together, then decode steps batched, the CPU's
@@ -347,27 +377,14 @@ TEST_CASE("cuda engine: under a budget of fewer islands than experts the output 
       }
       REQUIRE(small->plan().n_islands == islands);
       const int V = full->desc().vocab_size;
-      std::vector<SeqInput> step = {input(1, prompt(30, V, 1), 0), input(2, prompt(9, V, 2), 0)};
-      std::vector<int> pos = {30, 9};
       // Decode steps long enough for streamed experts to be admitted and read
       // from their islands two passes later.
-      for (int s = 0; s < 12; ++s) {
-        auto ra = full->step(step);
-        auto rb = small->step(step);
-        REQUIRE((ra.ok() && rb.ok()));
-        std::vector<SeqInput> next;
-        for (size_t i = 0; i < ra->size(); ++i) {
-          CHECK((*ra)[i].token == (*rb)[i].token);
-          CHECK((*ra)[i].logprob == (*rb)[i].logprob);
-          CHECK((*ra)[i].expert_counts == (*rb)[i].expert_counts);
-          next.push_back(input(uint64_t(i + 1), {(*ra)[i].token}, pos[i]++));
-        }
-        step = std::move(next);
-      }
-      for (uint64_t id : {1, 2}) {
-        full->release(id);
-        small->release(id);
-      }
+      side_by_side(*full, *small, {prompt(30, V, 1), prompt(9, V, 2)}, 12,
+                   [](int, size_t, const SeqOutput& a, const SeqOutput& b) {
+                     CHECK(a.token == b.token);
+                     CHECK(a.logprob == b.logprob);
+                     CHECK(a.expert_counts == b.expert_counts);
+                   });
       const CudaExpertStats st = small->expert_stats();
       std::printf("cuda engine budget %s prefetch %s%s, misses %s: %lld islands of %lld experts, hits %llu misses "
                   "%llu (streamed %llu, admitted %llu) prefetched %llu used %llu, %.1f MB copied, %.1f MB "
@@ -419,42 +436,24 @@ TEST_CASE("cuda engine: misses computed on the host as well as copied or streame
     o.vram_budget = r.budget_for(r.E + r.E / 3);
     auto small = cuda_engine(path, o);
     const int V = full->desc().vocab_size;
-    std::vector<SeqInput> step = {input(1, prompt(30, V, 1), 0)};
-    std::vector<int> pos = {30};
-    if (misses == "copy") {
-      step.push_back(input(2, prompt(9, V, 2), 0));
-      pos.push_back(9);
-    }
-    std::vector<bool> flip(step.size(), false);
+    std::vector<std::vector<int32_t>> prompts = {prompt(30, V, 1)};
+    if (misses == "copy") prompts.push_back(prompt(9, V, 2));
+    std::vector<bool> flip(prompts.size(), false);
     int compared = 0, swaps = 0;
-    for (int s = 0; s < 12; ++s) {
-      auto ra = full->step(step);
-      auto rb = small->step(step);
-      REQUIRE((ra.ok() && rb.ok()));
-      std::vector<SeqInput> next;
-      for (size_t i = 0; i < ra->size(); ++i) {
-        // The host's f32 matvec rounds otherwise than the GPU's half2 one: a
-        // router tie may flip later, after which outputs differ more.
-        // Likewise two near-equal top tokens may swap: then their logprobs
-        // agree within the bound too (both runs go on from the resident
-        // run's token).
-        if ((*ra)[i].expert_counts != (*rb)[i].expert_counts) flip[i] = true;
-        if (!flip[i]) {
-          swaps += (*ra)[i].token != (*rb)[i].token;
-          INFO("step " << s << ": tokens " << (*ra)[i].token << " and " << (*rb)[i].token << ", logprobs "
-                       << (*ra)[i].logprob << " and " << (*rb)[i].logprob);
-          CHECK(std::abs((*ra)[i].logprob - (*rb)[i].logprob) < kLogprobTol);
-          ++compared;
-        }
-        next.push_back(input(uint64_t(i + 1), {(*ra)[i].token}, pos[i]++));
-      }
-      step = std::move(next);
-    }
+    side_by_side(*full, *small, prompts, 12, [&](int s, size_t i, const SeqOutput& a, const SeqOutput& b) {
+      // The host's f32 matvec rounds otherwise than the GPU's half2 one: a
+      // router tie may flip later, after which outputs differ more. Likewise
+      // two near-equal top tokens may swap: then their logprobs agree within
+      // the bound too (both runs go on from the resident run's token).
+      if (a.expert_counts != b.expert_counts) flip[i] = true;
+      if (flip[i]) return;
+      swaps += a.token != b.token;
+      INFO("step " << s << ": tokens " << a.token << " and " << b.token << ", logprobs " << a.logprob << " and "
+                   << b.logprob);
+      CHECK(std::abs(a.logprob - b.logprob) < kLogprobTol);
+      ++compared;
+    });
     CHECK(swaps <= 1);
-    for (uint64_t id : {1, 2}) {
-      full->release(id);
-      small->release(id);
-    }
     const CudaExpertStats st = small->expert_stats();
     const uint64_t host = misses == "copy" ? st.host_experts_served : st.host_share_served;
     std::printf("cuda engine host+link split (%s): %llu misses computed on the host, %llu copied or streamed, "

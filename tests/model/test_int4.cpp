@@ -224,30 +224,26 @@ TEST_CASE("q4_matvec equals dequantise-then-dot", "[int4]") {
         const std::vector<float>& x = mc.x;
         const std::vector<uint8_t>& blob = mc.blob;
         std::vector<float> y(static_cast<size_t>(n));
-        q4_matvec(blob.data(), m, x.data(), y.data());
         std::vector<float> row(static_cast<size_t>(k));
-        for (int r = 0; r < n; ++r) {
-          q4_dequantize_row(blob.data(), m, r, row.data());
-          double want = 0, mag = 0;
-          for (int c = 0; c < k; ++c) {
-            want += double(row[size_t(c)]) * x[size_t(c)];
-            mag += std::fabs(double(row[size_t(c)]) * x[size_t(c)]);
+        // Rows [r0, n) of y against the dequantised rows over inputs [0, cols).
+        auto check_rows = [&](int r0, int cols) {
+          for (int r = r0; r < n; ++r) {
+            q4_dequantize_row(blob.data(), m, r, row.data());
+            double want = 0, mag = 0;
+            for (int c = 0; c < cols; ++c) {
+              want += double(row[size_t(c)]) * x[size_t(c)];
+              mag += std::fabs(double(row[size_t(c)]) * x[size_t(c)]);
+            }
+            REQUIRE(std::fabs(y[size_t(r)] - want) <= 1e-5 * mag + 1e-7);
           }
-          REQUIRE(std::fabs(y[size_t(r)] - want) <= 1e-5 * mag + 1e-7);
-        }
+        };
+        q4_matvec(blob.data(), m, x.data(), y.data());
+        check_rows(0, k);
         // Rows 1.. over the first half of the inputs (whole groups) only.
         const int half = (k / 2) / m.group * m.group;
         if (half == 0 || n < 2) continue;
         q4_matvec_rows(blob.data(), m, x.data(), 1, n, y.data(), half);
-        for (int r = 1; r < n; ++r) {
-          q4_dequantize_row(blob.data(), m, r, row.data());
-          double want = 0, mag = 0;
-          for (int c = 0; c < half; ++c) {
-            want += double(row[size_t(c)]) * x[size_t(c)];
-            mag += std::fabs(double(row[size_t(c)]) * x[size_t(c)]);
-          }
-          REQUIRE(std::fabs(y[size_t(r)] - want) <= 1e-5 * mag + 1e-7);
-        }
+        check_rows(1, half);
       }
 }
 
