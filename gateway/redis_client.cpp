@@ -170,6 +170,10 @@ void RedisClient::command(const std::vector<std::string>& args, ReplyFn done) {
   }
 }
 
+void RedisClient::flush() {
+  if (connected_ && ac_) redisAsyncHandleWrite(ac_);  // may find the link gone: on_disconnect then
+}
+
 void RedisClient::on_reply(redisAsyncContext*, void* reply, void* priv) {
   auto* fn = static_cast<ReplyFn*>(priv);
   ReplyFn f = std::move(*fn);

@@ -48,6 +48,11 @@ class RedisClient {
   void on_connected(std::function<void()> fn) { on_connected_ = std::move(fn); }
 
   void command(const std::vector<std::string>& args, ReplyFn done);
+  // Writes the queued commands to the socket now instead of on the loop's
+  // next turn, so that what the caller acknowledges next (a session turn's
+  // reply) is already on its way to Redis even if this process dies the
+  // next instant (the kernel still delivers a killed process's sent bytes).
+  void flush();
 
  private:
   static void on_connect(const redisAsyncContext* ac, int status);

@@ -70,6 +70,9 @@ void SessionStore::save(const std::string& id, const json& messages) {
         {"XADD", opts_.events_key, "MAXLEN", "~", std::to_string(opts_.stream_max_len), "*", "type",
          "session", "session", id, "messages", std::to_string(messages.size())},
         [](const redisReply*) {});
+  // The turn's reply goes out right after this: the save must not wait for
+  // the loop's next turn (a gateway killed in between would lose it).
+  redis_->flush();
 }
 
 }  // namespace moe::gw
