@@ -12,6 +12,8 @@ namespace moe::gw {
 namespace {
 
 constexpr uint64_t kConnectTimeoutMs = 1000;
+constexpr uint64_t kPingEveryMs = 1000;
+constexpr uint64_t kPingTimeoutMs = 3000;
 
 bool parse_int(std::string_view s, int* out) {
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
@@ -47,6 +49,9 @@ RedisClient::RedisClient(uv_loop_t* loop, RedisEndpoint ep, uint64_t retry_max_m
   timer_ = new uv_timer_t;
   uv_timer_init(loop_, timer_);
   timer_->data = this;
+  ping_timer_ = new uv_timer_t;
+  uv_timer_init(loop_, ping_timer_);
+  ping_timer_->data = this;
 }
 
 RedisClient::~RedisClient() {
@@ -56,11 +61,40 @@ RedisClient::~RedisClient() {
     redisAsyncFree(ac_);  // pending callbacks get nullptr now
     ac_ = nullptr;
   }
-  uv_close(reinterpret_cast<uv_handle_t*>(timer_),
-           [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
+  for (uv_timer_t* t : {timer_, ping_timer_})
+    uv_close(reinterpret_cast<uv_handle_t*>(t), [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
 }
 
-void RedisClient::start() { connect_now(); }
+void RedisClient::start() {
+  connect_now();
+  uv_timer_start(
+      ping_timer_, [](uv_timer_t* t) { static_cast<RedisClient*>(t->data)->heartbeat(); }, kPingEveryMs,
+      kPingEveryMs);
+}
+
+void RedisClient::heartbeat() {
+  if (!connected_ || !ac_) {
+    ping_sent_ms_ = 0;
+    return;
+  }
+  const uint64_t now = uv_now(loop_);
+  if (ping_sent_ms_ == 0) {
+    ping_sent_ms_ = now;
+    command({"PING"}, [this](const redisReply*) { ping_sent_ms_ = 0; });
+    return;
+  }
+  if (now - ping_sent_ms_ < kPingTimeoutMs) return;
+  // No answer: the connection is dead without having said so. Its pending
+  // commands fail now (nullptr replies; a command issued from one of those
+  // callbacks sees the client disconnected), and reconnecting starts.
+  redisAsyncContext* ac = ac_;
+  ac_ = nullptr;
+  connected_ = false;
+  ping_sent_ms_ = 0;
+  ac->data = nullptr;  // no disconnect callback from the free
+  redisAsyncFree(ac);
+  lost("no answer to PING for 3 s");
+}
 
 void RedisClient::connect_now() {
   if (closing_ || ac_) return;
@@ -122,6 +156,7 @@ void RedisClient::on_disconnect(const redisAsyncContext* ac, int status) {
   // hiredis frees the context after this callback.
   self->ac_ = nullptr;
   self->connected_ = false;
+  self->ping_sent_ms_ = 0;
   self->lost(status == REDIS_OK ? "closed" : ac->errstr);
 }
 

@@ -41,7 +41,11 @@ class RedisClient {
   RedisClient(const RedisClient&) = delete;
   RedisClient& operator=(const RedisClient&) = delete;
 
-  void start();  // connects, and keeps reconnecting until destroyed
+  // Connects, and keeps reconnecting until destroyed. While connected it
+  // sends a PING every second; one unanswered for 3 s ends the connection
+  // (a Redis that froze, or died without the socket saying so), failing its
+  // pending commands (nullptr replies) instead of leaving them waiting.
+  void start();
   bool connected() const { return connected_; }
   uint64_t reconnects() const { return reconnects_; }
   // Called after every (re)connection.
@@ -59,6 +63,7 @@ class RedisClient {
   static void on_disconnect(const redisAsyncContext* ac, int status);
   static void on_reply(redisAsyncContext* ac, void* reply, void* priv);
   void connect_now();
+  void heartbeat();
   void lost(const char* why);
   void schedule_retry();
 
@@ -73,6 +78,8 @@ class RedisClient {
   bool closing_ = false;
   uint64_t reconnects_ = 0;
   uv_timer_t* timer_ = nullptr;
+  uv_timer_t* ping_timer_ = nullptr;
+  uint64_t ping_sent_ms_ = 0;  // loop time of the unanswered PING, 0: none
   std::function<void()> on_connected_;
 };
 

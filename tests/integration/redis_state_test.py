@@ -10,6 +10,7 @@
 import json
 import os
 import re
+import signal
 import sys
 import time
 
@@ -179,6 +180,23 @@ def main():
         print(f"RESULT bounded: {6 * MAX_LEN} routing summaries, XLEN {xlen} with MAXLEN ~ {MAX_LEN}")
         check(0 < xlen < 4 * MAX_LEN, f"the routing stream stays bounded (XLEN {xlen})")
         check(c.redis("XLEN", MODEL_KEY + ":resident").strip() != "", "the resident stream exists again")
+
+        # ---- 6. a frozen Redis (alive, silent: no socket closes) must not hang session turns
+        log = c.log("gateway")
+        pings, agains = len(re.findall(r"no answer to PING", log)), len(re.findall(r"connected again", log))
+        c.procs["redis"].send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.time()
+            s5, _, _ = chat([{"role": "user", "content": "while Redis sleeps"}], "story-3")
+            took = time.time() - t0
+            print(f"RESULT frozen Redis: a session turn answered in {took:.1f} s")
+            check(s5 == 200 and took < 15, f"a session turn is answered while Redis is frozen (HTTP {s5}, {took:.1f} s)")
+            check(wait_log(c, "gateway", r"no answer to PING", 10, pings) is not None,
+                  "the gateway gave up on the silent connection")
+        finally:
+            c.procs["redis"].send_signal(signal.SIGCONT)
+        check(wait_log(c, "gateway", r"connected again", 20, agains) is not None,
+              "the gateway reconnected after the freeze")
     except Exception as e:
         failures.append(f"{type(e).__name__}: {e}")
         print(f"FAILED: {type(e).__name__}: {e}")
