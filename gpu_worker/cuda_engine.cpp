@@ -1547,10 +1547,8 @@ std::vector<ExpertKey> CudaEngine::resident() const {
 
 uint64_t CudaEngine::residency_version() const {
   const Impl& m = *impl_;
-  // Misses and prefetches change the resident set too.
-  if (!m.map) return m.residency_version;
-  const ResidencyStats& r = m.map->stats();
-  return m.residency_version + (r.misses - r.streamed) + r.prefetches + r.admissions;
+  // Every copy into an island changes the resident set too.
+  return m.residency_version + (m.map ? m.map->stats().copies() : 0);
 }
 
 std::string CudaEngine::device_error() const {

@@ -281,8 +281,7 @@ Status ResidencyMap::check_invariants() const {
     return make_error("islands lost: used + free != total");
   if (used != stats_.islands_in_use)
     return make_error("islands_in_use counter disagrees with the table");
-  if (stats_.bytes_copied !=
-      (stats_.misses - stats_.streamed - stats_.host_computed + stats_.prefetches + stats_.admissions) * blob_bytes_)
+  if (stats_.bytes_copied != stats_.copies() * blob_bytes_)
     return make_error("bytes_copied disagrees with copied misses + prefetches + admissions");
   return {};
 }

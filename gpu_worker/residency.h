@@ -34,6 +34,9 @@ struct ResidencyStats {
   uint64_t admissions = 0;     // streamed experts then copied into an island (admit)
   int64_t islands_in_use = 0;  // now
   double hit_rate() const { return hits + misses ? double(hits) / double(hits + misses) : 0.0; }
+  // Copies into islands: misses that were copied (not streamed or computed
+  // on the host), prefetches and admissions. bytes_copied is this x blob bytes.
+  uint64_t copies() const { return misses - streamed - host_computed + prefetches + admissions; }
 };
 
 // What an acquire or a hint decided for one expert.
