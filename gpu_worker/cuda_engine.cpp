@@ -102,6 +102,15 @@ void quantize_rows_i8_host(const uint16_t* w, int rows, int cols, int8_t* q, flo
   }
 }
 
+// The distinct valid experts among `count` routed ids, in order of first use.
+std::vector<int> distinct_experts(const int32_t* ids, int count, int n_experts) {
+  std::vector<int> used;
+  for (int i = 0; i < count; ++i)
+    if (ids[i] >= 0 && ids[i] < n_experts && std::find(used.begin(), used.end(), ids[i]) == used.end())
+      used.push_back(ids[i]);
+  return used;
+}
+
 std::vector<uint16_t> bf16_of(const std::vector<float>& v) {
   std::vector<uint16_t> out(v.size());
   for (size_t i = 0; i < v.size(); ++i) out[i] = f32_to_bf16(v[i]);
@@ -247,7 +256,7 @@ struct CudaEngine::Impl {
   static constexpr double kShareFixedUs = 8;   // post and collect, over the link both ways
   static constexpr int kShareTimeoutMs = 5000;  // the host gone this long: the device traps
   Status start_host_share();
-  double measure_link_us();
+  Result<double> measure_link_us();
   bool stream_pass(int n) const {
     return !all_resident && opts.misses == "stream" && n <= cuda::kGemvMaxTokens &&
            size_t(n) * K < 4 * size_t(E);
@@ -812,9 +821,7 @@ Status CudaEngine::Impl::bind_experts(int ml, int n, const std::function<Status(
   // any point after can be undone by release_experts.
   std::vector<int>& pinned = bound[size_t(ml)];
   pinned.clear();
-  std::vector<int> used;
-  for (int i = 0; i < n * K; ++i)
-    if (ids[i] >= 0 && ids[i] < E && std::find(used.begin(), used.end(), ids[i]) == used.end()) used.push_back(ids[i]);
+  std::vector<int> used = distinct_experts(ids, n * K, E);
   host_pairs.clear();
   if (may_split) {
     // Misses (neither resident nor on their way) split between the link and
@@ -871,7 +878,7 @@ Status CudaEngine::Impl::bind_experts(int ml, int n, const std::function<Status(
 
 // One expert blob over the link, µs (the best of four copies into island 0,
 // which is still empty when this runs); opts.host_link_us overrides it.
-double CudaEngine::Impl::measure_link_us() {
+Result<double> CudaEngine::Impl::measure_link_us() {
   if (opts.host_link_us > 0) return opts.host_link_us;
   const uint8_t* blob = arena->host_blob({0, 0});
   // Timing events, destroyed on every way out.
@@ -882,14 +889,16 @@ double CudaEngine::Impl::measure_link_us() {
       if (b) (void)cudaEventDestroy(b);
     }
   } ev;
-  if (cudaEventCreate(&ev.a) != cudaSuccess || cudaEventCreate(&ev.b) != cudaSuccess) return 50;
+  MOE_CUDA_TRY(cudaEventCreate(&ev.a));
+  MOE_CUDA_TRY(cudaEventCreate(&ev.b));
   float best = 1e30f;
   for (int i = 0; i < 4; ++i) {
-    (void)cudaEventRecord(ev.a, st);
-    (void)cudaMemcpyAsync(arena->island(0), blob, layout.blob_bytes, cudaMemcpyHostToDevice, st);
-    (void)cudaEventRecord(ev.b, st);
+    MOE_CUDA_TRY(cudaEventRecord(ev.a, st));
+    MOE_CUDA_TRY(cudaMemcpyAsync(arena->island(0), blob, layout.blob_bytes, cudaMemcpyHostToDevice, st));
+    MOE_CUDA_TRY(cudaEventRecord(ev.b, st));
+    MOE_CUDA_TRY(cudaEventSynchronize(ev.b));
     float ms = 0;
-    if (cudaEventSynchronize(ev.b) != cudaSuccess || cudaEventElapsedTime(&ms, ev.a, ev.b) != cudaSuccess) return 50;
+    MOE_CUDA_TRY(cudaEventElapsedTime(&ms, ev.a, ev.b));
     best = std::min(best, ms);
   }
   return double(best) * 1000.0;
@@ -924,7 +933,9 @@ Status CudaEngine::Impl::start_host_share() {
                         reinterpret_cast<float*>(share_host + slots + xs)};
   share = std::make_unique<HostShare>(layout, Lm, E, std::move(blobs), mem, threads);
   const double host_us = opts.host_expert_us > 0 ? opts.host_expert_us : share->measure_us();
-  link_us = measure_link_us();
+  auto link = measure_link_us();
+  if (!link) return make_error(link.error());
+  link_us = *link;
   // Row steps of whole down-projection groups and of the host's 64-input runs.
   const int step = std::lcm(64, layout.down.group);
   const std::vector<uint16_t> rows = share_rows_table(K, layout.inter, step, link_us, host_us, kShareFixedUs);
@@ -957,7 +968,9 @@ Status CudaEngine::Impl::start_host_experts() {
   std::vector<const uint8_t*> blobs;
   for (int i = 0; i < 16; ++i) blobs.push_back(arena->host_blob({(i * 7) % Lm, (i * 13) % E}));
   host_us_token = host_x->measure_us(blobs);
-  link_us = measure_link_us();
+  auto link = measure_link_us();
+  if (!link) return make_error(link.error());
+  link_us = *link;
   std::fprintf(stderr,
                "moe-worker: misses split between the link (%.0f us an expert) and %d host threads (%.0f us an "
                "expert-token)\n",
@@ -1014,11 +1027,7 @@ Status CudaEngine::Impl::after_streamed_pass(int n) {
   // when the pass read it from an island.
   std::vector<ExpertKey> streamed;
   for (int ml = 0; ml < Lm; ++ml) {
-    const int32_t* ids = ids_host + size_t(ml) * n * K;
-    std::vector<int> used;
-    for (int i = 0; i < n * K; ++i)
-      if (ids[i] >= 0 && ids[i] < E && std::find(used.begin(), used.end(), ids[i]) == used.end())
-        used.push_back(ids[i]);
+    const std::vector<int> used = distinct_experts(ids_host + size_t(ml) * n * K, n * K, E);
     const std::vector<int32_t>* host = sharing ? &share->taken(ml) : nullptr;
     for (int e : used) {
       const ExpertKey key{ml, e};
@@ -1390,11 +1399,10 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     // posts them; on every way out of the pass they are done with it (or
     // abandon it when the pass failed).
     m.sharing = m.streaming && m.share && n == 1;
-    struct ShareScope {
+    struct ShareScope {  // left with s set only when the pass failed
       HostShare* s = nullptr;
-      bool ok = false;
       ~ShareScope() {
-        if (s) s->end(ok);
+        if (s) s->end(false);
       }
     } share_scope;
     if (m.sharing) {
@@ -1435,7 +1443,6 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     if (m.Lm > 0 && (m.all_resident || m.streaming))
       MOE_CUDA_TRY(cudaMemcpyAsync(m.ids_host, m.route_ids, size_t(m.Lm) * n * m.K * 4, cudaMemcpyDeviceToHost, m.st));
     MOE_CUDA_TRY(cudaStreamSynchronize(m.st));
-    share_scope.ok = true;
     if (share_scope.s) {
       share_scope.s->end(true);
       share_scope.s = nullptr;
