@@ -119,6 +119,22 @@ ExpertLayout expert_layout(int hidden, int inter, int group) {
   return e;
 }
 
+Q4MatrixLayout q4_matrix_layout(int rows, int cols, int group) {
+  Q4MatrixLayout m;
+  place_matrix(&m, rows, cols, group, 0);
+  return m;
+}
+
+size_t q4_matrix_bytes(const Q4MatrixLayout& m) { return m.params_offset + m.params_bytes(); }
+
+Q4MatrixLayout q4_row_slice(const Q4MatrixLayout& m, int r0, int n) {
+  Q4MatrixLayout s = m;
+  s.rows = n;
+  s.codes_offset += size_t(r0) * size_t(m.cols / 2);
+  s.params_offset += size_t(r0) * size_t(m.cols / m.group) * 4;
+  return s;
+}
+
 void q4_quantize_matrix(const float* w, const Q4MatrixLayout& m, uint8_t* blob) {
   const int groups = m.cols / m.group;
   for (int r = 0; r < m.rows; ++r)

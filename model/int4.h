@@ -35,6 +35,15 @@ int q4_effective_group(int k, int group);
 
 ExpertLayout expert_layout(int hidden, int inter, int group);
 
+// One matrix on its own (a dense layer's weights in INT4, not an expert):
+// codes at offset 0, params at the next 256-byte boundary.
+Q4MatrixLayout q4_matrix_layout(int rows, int cols, int group);
+// Bytes from the codes' start to the params' end.
+size_t q4_matrix_bytes(const Q4MatrixLayout& m);
+// Rows [r0, r0 + n) of `m` as a matrix of their own, offsets still counted
+// from m's base (both regions are row-major).
+Q4MatrixLayout q4_row_slice(const Q4MatrixLayout& m, int r0, int n);
+
 // Quantises W [rows, cols] (f32, row-major) into `m`'s regions of `blob`.
 void q4_quantize_matrix(const float* w, const Q4MatrixLayout& m, uint8_t* blob);
 

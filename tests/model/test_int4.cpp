@@ -27,16 +27,6 @@ std::vector<float> random_matrix(int rows, int cols, uint32_t seed, float offset
   return w;
 }
 
-Q4MatrixLayout single_matrix(int rows, int cols, int group) {
-  Q4MatrixLayout m;
-  m.rows = rows;
-  m.cols = cols;
-  m.group = q4_effective_group(cols, group);
-  m.codes_offset = 0;
-  m.params_offset = (m.codes_bytes() + kQ4Align - 1) / kQ4Align * kQ4Align;
-  return m;
-}
-
 void read_params(const uint8_t* blob, const Q4MatrixLayout& m, int row, int g, float* scale,
                  float* bias) {
   uint16_t h[2];
@@ -119,6 +109,37 @@ TEST_CASE("expert layout: regions in order, 256-byte aligned, disjoint", "[int4]
   CHECK(e.down.params_bytes() == 64 * 3 * 4);
 }
 
+TEST_CASE("a matrix of its own: codes at 0, params on the next boundary; row slices quantise as the whole",
+          "[int4]") {
+  for (auto [n, k, g] : {std::tuple{37, 160, 64}, {8, 2048, 64}, {5, 96, 64}}) {
+    INFO("rows " << n << " cols " << k);
+    const Q4MatrixLayout m = q4_matrix_layout(n, k, g);
+    CHECK(m.group == q4_effective_group(k, g));
+    CHECK(m.codes_offset == 0);
+    CHECK(m.params_offset % kQ4Align == 0);
+    CHECK(m.params_offset >= m.codes_bytes());
+    CHECK(m.params_offset < m.codes_bytes() + kQ4Align);
+    CHECK(q4_matrix_bytes(m) == m.params_offset + m.params_bytes());
+    const auto w = random_matrix(n, k, 7);
+    std::vector<uint8_t> whole(q4_matrix_bytes(m)), parts(q4_matrix_bytes(m));
+    q4_quantize_matrix(w.data(), m, whole.data());
+    // Three slices, each quantised from its own rows only.
+    const int cuts[] = {0, 1, n / 2, n};
+    for (int i = 0; i + 1 < 4; ++i) {
+      const Q4MatrixLayout s = q4_row_slice(m, cuts[i], cuts[i + 1] - cuts[i]);
+      CHECK(s.rows == cuts[i + 1] - cuts[i]);
+      q4_quantize_matrix(w.data() + size_t(cuts[i]) * k, s, parts.data());
+    }
+    CHECK(parts == whole);
+    // A slice reads the same rows as the whole.
+    const Q4MatrixLayout s = q4_row_slice(m, n - 2, 2);
+    std::vector<float> a(static_cast<size_t>(k)), b(static_cast<size_t>(k));
+    q4_dequantize_row(whole.data(), m, n - 1, a.data());
+    q4_dequantize_row(whole.data(), s, 1, b.data());
+    CHECK(a == b);
+  }
+}
+
 TEST_CASE("round trip error stays within scale/2 on odd shapes", "[int4]") {
   uint32_t seed = 1;
   for (int k : {64, 96, 32})
@@ -127,7 +148,7 @@ TEST_CASE("round trip error stays within scale/2 on odd shapes", "[int4]") {
         for (float offset :
              {0.0f, 0.2f, -0.3f}) {  // offsets give one-signed groups (zero point at an end)
           INFO("K " << k << " N " << n << " G " << g << " offset " << offset);
-          const Q4MatrixLayout m = single_matrix(n, k, g);
+          const Q4MatrixLayout m = q4_matrix_layout(n, k, g);
           const auto w = random_matrix(n, k, seed++, offset);
           std::vector<uint8_t> blob(m.params_offset + m.params_bytes(), 0xAB);
           q4_quantize_matrix(w.data(), m, blob.data());
@@ -138,7 +159,7 @@ TEST_CASE("round trip error stays within scale/2 on odd shapes", "[int4]") {
 TEST_CASE("round trip bound holds for tiny (subnormal-half scale) and large weights", "[int4]") {
   for (float magnitude : {1e-5f, 3e-4f, 40.0f}) {
     INFO("magnitude " << magnitude);
-    const Q4MatrixLayout m = single_matrix(5, 96, 64);
+    const Q4MatrixLayout m = q4_matrix_layout(5, 96, 64);
     auto w = random_matrix(5, 96, 11);
     for (auto& v : w) v = bf16_to_f32(f32_to_bf16(v * magnitude / 0.05f));
     std::vector<uint8_t> blob(m.params_offset + m.params_bytes());
@@ -149,7 +170,7 @@ TEST_CASE("round trip bound holds for tiny (subnormal-half scale) and large weig
 
 TEST_CASE("the round trip error is what 4 bits give, not merely bounded", "[int4]") {
   // Uniform-ish weights: the mean error of nearest rounding is about scale/4.
-  const Q4MatrixLayout m = single_matrix(64, 128, 64);
+  const Q4MatrixLayout m = q4_matrix_layout(64, 128, 64);
   const auto w = random_matrix(64, 128, 99);
   std::vector<uint8_t> blob(m.params_offset + m.params_bytes());
   q4_quantize_matrix(w.data(), m, blob.data());
@@ -170,7 +191,7 @@ TEST_CASE("the round trip error is what 4 bits give, not merely bounded", "[int4
 
 TEST_CASE("constant groups dequantise to their value exactly", "[int4]") {
   const int k = 96, n = 3;
-  const Q4MatrixLayout m = single_matrix(n, k, 32);
+  const Q4MatrixLayout m = q4_matrix_layout(n, k, 32);
   auto w = random_matrix(n, k, 7);
   // Row 0: three constant groups (zero, positive, negative); row 1: one.
   for (int c = 0; c < 32; ++c) {
@@ -200,7 +221,7 @@ struct MatvecCase {
 
 MatvecCase matvec_case(int n, int k, int g, uint32_t& seed) {
   MatvecCase c;
-  c.m = single_matrix(n, k, g);
+  c.m = q4_matrix_layout(n, k, g);
   const auto w = random_matrix(n, k, seed++);
   c.x.resize(static_cast<size_t>(k));
   std::mt19937 rng(seed++);
