@@ -3,6 +3,8 @@
 #include "kernels/cuda/dense_matmul.cuh"
 #include "kernels/cuda/device_math.cuh"
 
+#include <cuda_fp16.h>
+
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
@@ -19,7 +21,8 @@ constexpr int kThreads = kWarps * 32;
 // chunks of x) and dots them with every token. The first runs of weights (and
 // the int8 row scales) are loaded before waiting for the previous kernel
 // (nothing writes weights), and each round loads the next runs before using
-// the current. int8 sums are scaled by their row's scale at the end.
+// the current. int8 sums are scaled by their row's scale at the end. INT4
+// weights have a kernel of their own (gemv_q4_kernel, below).
 // Where the kernel's input comes from.
 enum class In { bf16, rmsnorm, silu };
 
@@ -32,58 +35,100 @@ struct GemvIn {
   int stride = 0;                          // In::silu
 };
 
+// An INT4 weight pair: one byte of codes (docs/int4-experts.md), the low
+// nibble the even input.
+struct Q4Pair {
+  uint8_t codes;
+};
+
+// The weights as a GEMV kernel reads them.
+struct GemvWeights {
+  const void* w = nullptr;           // [n_out, k] bf16 or int8; INT4: codes [n_out, k/2]
+  const float* row_scale = nullptr;  // int8: [n_out]
+  const uint32_t* params = nullptr;  // INT4: half2 (scale, bias) [n_out, groups]
+  int groups = 0;                    // INT4: groups a row
+  int runs_per_group = 0;            // INT4: 32-input runs a group
+};
+
+// RMSNorm mode: inv[t] = 1 / rms(x_f32[t]) for the block (shared); a no-op
+// for the other inputs.
 template <int T, In MODE>
-__device__ void stage_input(const GemvIn& in, int k, uint4* xs) {
-  const int kc = k / 8;
-  if constexpr (MODE == In::bf16) {
-    const uint4* xg = reinterpret_cast<const uint4*>(in.x);
-    for (int i = threadIdx.x; i < T * kc; i += kThreads) xs[i] = xg[i];
-  } else {
+__device__ void rms_inverse(const GemvIn& in, int k, float* inv) {
+  if constexpr (MODE == In::rmsnorm) {
     __shared__ float red[kWarps][T];
-    __shared__ float inv[T];
-    if constexpr (MODE == In::rmsnorm) {
-      float ss[T];
+    float ss[T];
 #pragma unroll
-      for (int t = 0; t < T; ++t) ss[t] = 0.f;
-      for (int i = threadIdx.x; i < k; i += kThreads)
-#pragma unroll
-        for (int t = 0; t < T; ++t) {
-          const float v = in.xf[size_t(t) * k + i];
-          ss[t] += v * v;
-        }
+    for (int t = 0; t < T; ++t) ss[t] = 0.f;
+    for (int i = threadIdx.x; i < k; i += kThreads)
 #pragma unroll
       for (int t = 0; t < T; ++t) {
-        const float v = detail::warp_sum(ss[t]);
-        if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5][t] = v;
+        const float v = in.xf[size_t(t) * k + i];
+        ss[t] += v * v;
       }
-      __syncthreads();
-      if (threadIdx.x < T) {
-        float sum = 0.f;
-        for (int w = 0; w < kWarps; ++w) sum += red[w][threadIdx.x];
-        inv[threadIdx.x] = rsqrtf(sum / float(k) + in.eps);
-      }
-      __syncthreads();
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      const float v = detail::warp_sum(ss[t]);
+      if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5][t] = v;
     }
-    for (int c = threadIdx.x; c < T * kc; c += kThreads) {
-      const int t = c / kc, i0 = (c % kc) * 8;
-      float v[8];
-      if constexpr (MODE == In::rmsnorm) {
-        const float* xr = in.xf + size_t(t) * k + i0;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) v[e] = __bfloat162float(in.norm_w[i0 + e]) * (xr[e] * inv[t]);
-      } else {
-        const float* g = in.xf + size_t(t) * in.stride + i0;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) v[e] = detail::silu(g[e]) * g[k + e];
-      }
-      uint4 u;
-      __nv_bfloat162 b[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) b[e] = __floats2bfloat162_rn(v[2 * e], v[2 * e + 1]);
-      memcpy(&u, b, 16);
-      xs[c] = u;
-      if (MODE == In::rmsnorm && in.xn_out && blockIdx.x == 0) reinterpret_cast<uint4*>(in.xn_out)[c] = u;
+    __syncthreads();
+    if (threadIdx.x < T) {
+      float sum = 0.f;
+      for (int w = 0; w < kWarps; ++w) sum += red[w][threadIdx.x];
+      inv[threadIdx.x] = rsqrtf(sum / float(k) + in.eps);
     }
+    __syncthreads();
+  }
+}
+
+// Inputs i0..i0+7 of token t as bf16 (the values every weight type sees):
+// 16 bytes, and in v the same values as floats.
+template <In MODE>
+__device__ __forceinline__ uint4 input_run(const GemvIn& in, int k, int t, int i0, const float* inv, float (&v)[8]) {
+  uint4 u;
+  if constexpr (MODE == In::bf16) {
+    u = reinterpret_cast<const uint4*>(in.x + size_t(t) * k)[i0 / 8];
+    const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = __bfloat1622float2(b[e]);
+      v[2 * e] = f.x;
+      v[2 * e + 1] = f.y;
+    }
+    return u;
+  } else {
+    if constexpr (MODE == In::rmsnorm) {
+      const float* xr = in.xf + size_t(t) * k + i0;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = __bfloat162float(in.norm_w[i0 + e]) * (xr[e] * inv[t]);
+    } else {
+      const float* g = in.xf + size_t(t) * in.stride + i0;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = detail::silu(g[e]) * g[k + e];
+    }
+    __nv_bfloat162 b[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      b[e] = __floats2bfloat162_rn(v[2 * e], v[2 * e + 1]);
+      const float2 f = __bfloat1622float2(b[e]);
+      v[2 * e] = f.x;
+      v[2 * e + 1] = f.y;
+    }
+    memcpy(&u, b, 16);
+    return u;
+  }
+}
+
+template <int T, In MODE>
+__device__ void stage_input(const GemvIn& in, int k, uint4* xs) {
+  __shared__ float inv[T];
+  rms_inverse<T, MODE>(in, k, inv);
+  const int kc = k / 8;
+  for (int c = threadIdx.x; c < T * kc; c += kThreads) {
+    const int t = c / kc, i0 = (c % kc) * 8;
+    float v[8];
+    const uint4 u = input_run<MODE>(in, k, t, i0, inv, v);
+    xs[c] = u;
+    if (MODE == In::rmsnorm && in.xn_out && blockIdx.x == 0) reinterpret_cast<uint4*>(in.xn_out)[c] = u;
   }
 }
 
@@ -121,10 +166,28 @@ struct WeightRun<int8_t> {
   }
 };
 
+// INT4 codes for the prefill path's dequantisation (the GEMV below works in
+// half2 instead).
+template <>
+struct WeightRun<Q4Pair> {
+  // Chunk h is code bytes [4h, 4h + 4): inputs 8h..8h+7, even ones in the low
+  // nibbles. A nibble becomes the low byte of 2^23 (0x4B000000), then 2^23
+  // is subtracted.
+  __device__ __forceinline__ static void unpack(const uint4& v, int h, float (&f)[8]) {
+    const uint32_t word = h == 0 ? v.x : h == 1 ? v.y : h == 2 ? v.z : v.w;
+    const uint32_t lo = word & 0x0F0F0F0Fu, hi = (word >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      f[2 * e] = __uint_as_float(__byte_perm(lo, 0x4B000000u, 0x7440u + e)) - 8388608.f;
+      f[2 * e + 1] = __uint_as_float(__byte_perm(hi, 0x4B000000u, 0x7440u + e)) - 8388608.f;
+    }
+  }
+};
+
 template <typename W, int T, In MODE>
 __global__ void __launch_bounds__(kThreads)
-    gemv_kernel(const W* __restrict__ w, GemvIn in, float* y, int n_out, int k, bool accumulate,
-                const float* gate, int gate_stride, const float* __restrict__ row_scale) {
+    gemv_kernel(GemvWeights wa, GemvIn in, float* y, int n_out, int k, bool accumulate, const float* gate,
+                int gate_stride) {
   constexpr bool kScaled = std::is_same_v<W, int8_t>;
   constexpr int kChunks = WeightRun<W>::kChunks;
   extern __shared__ uint4 xs[];  // [T, k/8]
@@ -136,7 +199,7 @@ __global__ void __launch_bounds__(kThreads)
   const uint4* wr[kRowsPerWarp];
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r)
-    wr[r] = reinterpret_cast<const uint4*>(w + size_t(min(row0 + r, n_out - 1)) * k);
+    wr[r] = reinterpret_cast<const uint4*>(wa.w) + size_t(min(row0 + r, n_out - 1)) * kw;
   const bool active = row0 < n_out;
   float scale[kRowsPerWarp];
 #pragma unroll
@@ -144,7 +207,7 @@ __global__ void __launch_bounds__(kThreads)
   if constexpr (kScaled) {
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r)
-      if (active) scale[r] = __ldg(row_scale + min(row0 + r, n_out - 1));
+      if (active) scale[r] = __ldg(wa.row_scale + min(row0 + r, n_out - 1));
   }
   uint4 cur[kRowsPerWarp][2];
   auto load = [&](uint4 (&dst)[kRowsPerWarp][2], int c0) {
@@ -224,7 +287,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename W, int T, In MODE>
-Status launch_gemv(const W* w, const float* row_scale, const GemvIn& in, float* y, int n_out, int k, bool acc,
+Status launch_gemv(const GemvWeights& wa, const GemvIn& in, float* y, int n_out, int k, bool acc,
                    const float* gate, int gate_stride, cudaStream_t stream) {
   const size_t smem = size_t(T) * k * 2;
   if (smem > 48 * 1024)
@@ -232,8 +295,206 @@ Status launch_gemv(const W* w, const float* row_scale, const GemvIn& in, float* 
                                       int(smem)));
   const int rows_per_block = kWarps * kRowsPerWarp;
   MOE_CUDA_TRY(detail::launch_pdl(gemv_kernel<W, T, MODE>, dim3((n_out + rows_per_block - 1) / rows_per_block),
-                                  dim3(kThreads), smem, stream, w, in, y, n_out, k, acc, gate, gate_stride,
-                                  row_scale));
+                                  dim3(kThreads), smem, stream, wa, in, y, n_out, k, acc, gate, gate_stride));
+  MOE_CUDA_LAUNCHED();
+  return {};
+}
+
+// INT4 weights. Per 32-input chunk c of token t the input is staged as
+// halves x / m (m = max |x| over the chunk, so |x / m| <= 1) with the
+// chunk's m and sum of x beside it. A lane takes 16-byte runs of codes (one
+// chunk, inside one group) of two rows; a code nibble becomes a half with
+// one OR (0x6400 | n is 1024 + n) and a subtraction, and the chunk's dot
+// product runs in half2 (each half lane sums 8 products of at most 15):
+//   sum_i (n_i s + b) x_i = s m sum_i n_i (x_i / m) + b sum_i x_i,
+// scale and bias applied in f32 per chunk. ~1e-3 relative against f32, as
+// the expert GEMVs (q4_gemv.cu); a weight costs ~1.5 instructions plus one
+// HFMA2 per two tokens, where unpacking to f32 cost ~5.
+//
+// Shared layout: halves [T][4][k/32] uint4 (word w of chunk c: inputs
+// 8w..8w+7 as (x0,x4) (x1,x5) (x2,x6) (x3,x7), the order one 32-bit code word
+// unpacks into), then (m, sum) [T][k/32] float2.
+__device__ __forceinline__ half2 u32_as_h2(uint32_t u) {
+  half2 h;
+  memcpy(&h, &u, 4);
+  return h;
+}
+__device__ __forceinline__ uint32_t h2_as_u32(half2 h) {
+  uint32_t u;
+  memcpy(&u, &h, 4);
+  return u;
+}
+
+template <int T, In MODE>
+__device__ void stage_q4_input(const GemvIn& in, int k, uint4* xh, float2* stats) {
+  __shared__ float inv[T];
+  rms_inverse<T, MODE>(in, k, inv);
+  const int kc = k / 8, nchunks = k / 32;
+  const int items = T * kc;
+  // Four consecutive threads hold one chunk (8 inputs each); every lane of a
+  // warp runs every round, for the shuffles.
+  for (int r0 = 0; r0 < items; r0 += kThreads) {
+    const int item = r0 + threadIdx.x;
+    const bool on = item < items;
+    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    const int t = on ? item / kc : 0, i0 = on ? (item % kc) * 8 : 0;
+    if (on) {
+      const uint4 u = input_run<MODE>(in, k, t, i0, inv, v);
+      if (MODE == In::rmsnorm && in.xn_out && blockIdx.x == 0) reinterpret_cast<uint4*>(in.xn_out)[item] = u;
+    }
+    float m = 0.f, sum = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      m = fmaxf(m, fabsf(v[e]));
+      sum += v[e];
+    }
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    }
+    if (on) {
+      const float s = m > 0.f ? 1.f / m : 0.f;
+      const int c = i0 / 32, w = (i0 / 8) & 3;
+      uint4 h;
+      h.x = h2_as_u32(__floats2half2_rn(v[0] * s, v[4] * s));
+      h.y = h2_as_u32(__floats2half2_rn(v[1] * s, v[5] * s));
+      h.z = h2_as_u32(__floats2half2_rn(v[2] * s, v[6] * s));
+      h.w = h2_as_u32(__floats2half2_rn(v[3] * s, v[7] * s));
+      xh[(t * 4 + w) * nchunks + c] = h;
+      if (w == 0) stats[t * nchunks + c] = make_float2(m, sum);
+    }
+  }
+}
+
+template <int T, In MODE>
+__global__ void __launch_bounds__(kThreads)
+    gemv_q4_kernel(GemvWeights wa, GemvIn in, float* y, int n_out, int k, bool accumulate, const float* gate,
+                   int gate_stride, int group_shift) {
+  extern __shared__ uint4 xh[];  // [T][4][k/32], then stats
+  const int nchunks = k / 32;
+  float2* stats = reinterpret_cast<float2*>(xh + size_t(T) * 4 * nchunks);
+  detail::allow_next_grid();
+  const int lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * kRowsPerWarp;
+  const bool active = row0 < n_out;
+  const uint4* wr[kRowsPerWarp];
+  const uint32_t* pr[kRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const size_t row = size_t(min(row0 + r, n_out - 1));
+    wr[r] = reinterpret_cast<const uint4*>(wa.w) + row * nchunks;
+    pr[r] = wa.params + row * wa.groups;
+  }
+  uint4 cur[kRowsPerWarp][2];
+  uint32_t pcur[kRowsPerWarp][2];
+  auto load = [&](uint4 (&dst)[kRowsPerWarp][2], uint32_t (&pdst)[kRowsPerWarp][2], int c0) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r)
+        if (active && c0 + 32 * u < nchunks) {
+          dst[r][u] = __ldcs(wr[r] + c0 + 32 * u);
+          pdst[r][u] = __ldg(pr[r] + ((c0 + 32 * u) >> group_shift));
+        }
+  };
+  load(cur, pcur, lane);  // weights before the wait: nothing writes them
+  detail::wait_prior_grid();
+  stage_q4_input<T, MODE>(in, k, xh, stats);
+  __syncthreads();
+  if (!active) return;
+  float acc[kRowsPerWarp][T];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+    for (int t = 0; t < T; ++t) acc[r][t] = 0.f;
+  const half2 k1024 = __float2half2_rn(1024.f);
+  for (int c0 = lane; c0 < nchunks; c0 += 64) {
+    uint4 nxt[kRowsPerWarp][2];
+    uint32_t pnxt[kRowsPerWarp][2];
+    load(nxt, pnxt, c0 + 64);
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int c = c0 + 32 * u;
+      if (c >= nchunks) break;
+      // The rows' codes as halves n (exact): word w, pair j.
+      half2 q[kRowsPerWarp][4][4];
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        const uint32_t ws[4] = {cur[r][u].x, cur[r][u].y, cur[r][u].z, cur[r][u].w};
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            q[r][w][j] = __hsub2(u32_as_h2(((ws[w] >> (4 * j)) & 0x000F000Fu) | 0x64006400u), k1024);
+      }
+      float2 sb[kRowsPerWarp];
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) sb[r] = __half22float2(u32_as_h2(pcur[r][u]));
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const float2 st = stats[t * nchunks + c];
+        uint4 xv[4];
+#pragma unroll
+        for (int w = 0; w < 4; ++w) xv[w] = xh[(t * 4 + w) * nchunks + c];
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; ++r) {
+          half2 d0 = __float2half2_rn(0.f), d1 = d0;
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            d0 = __hfma2(q[r][w][0], u32_as_h2(xv[w].x), d0);
+            d1 = __hfma2(q[r][w][1], u32_as_h2(xv[w].y), d1);
+            d0 = __hfma2(q[r][w][2], u32_as_h2(xv[w].z), d0);
+            d1 = __hfma2(q[r][w][3], u32_as_h2(xv[w].w), d1);
+          }
+          const float2 a = __half22float2(d0), b = __half22float2(d1);
+          const float dot = (a.x + a.y) + (b.x + b.y);
+          acc[r][t] = fmaf(sb[r].x * st.x, dot, fmaf(sb[r].y, st.y, acc[r][t]));
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        cur[r][u] = nxt[r][u];
+        pcur[r][u] = pnxt[r][u];
+      }
+  }
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+    for (int t = 0; t < T; ++t) acc[r][t] = detail::warp_sum(acc[r][t]);
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      if (row0 + r >= n_out) break;
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        float v = acc[r][t];
+        if (gate) v *= detail::sigmoid(gate[size_t(t) * gate_stride]);
+        float* o = y + size_t(t) * n_out + row0 + r;
+        *o = accumulate ? *o + v : v;
+      }
+    }
+  }
+}
+
+// Shared bytes of the INT4 kernel's staged input.
+size_t q4_stage_bytes(int tokens, int k) { return size_t(tokens) * (k / 32) * (64 + 8); }
+
+template <int T, In MODE>
+Status launch_gemv_q4(const GemvWeights& wa, const GemvIn& in, float* y, int n_out, int k, bool acc,
+                      const float* gate, int gate_stride, cudaStream_t stream) {
+  const size_t smem = q4_stage_bytes(T, k);
+  if (smem > 48 * 1024)
+    MOE_CUDA_TRY(cudaFuncSetAttribute(gemv_q4_kernel<T, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      int(smem)));
+  int shift = 0;
+  while ((1 << shift) < wa.runs_per_group) ++shift;
+  const int rows_per_block = kWarps * kRowsPerWarp;
+  MOE_CUDA_TRY(detail::launch_pdl(gemv_q4_kernel<T, MODE>, dim3((n_out + rows_per_block - 1) / rows_per_block),
+                                  dim3(kThreads), smem, stream, wa, in, y, n_out, k, acc, gate, gate_stride, shift));
   MOE_CUDA_LAUNCHED();
   return {};
 }
@@ -366,22 +627,32 @@ Status launch_gemv_i8_mma(const int8_t* w, const float* row_scale, const __nv_bf
   return {};
 }
 
-// row_scale: [n_out] for int8 weights, null for bf16.
 template <In MODE, typename W>
-Status gemv_dispatch(const W* w, const float* row_scale, const GemvIn& in, float* y, int tokens, int n_out, int k,
+Status gemv_dispatch(const GemvWeights& wa, const GemvIn& in, float* y, int tokens, int n_out, int k,
                      bool accumulate, const float* gate_logits, int gate_stride, cudaStream_t stream) {
   constexpr bool kScaled = std::is_same_v<W, int8_t>;
-  MOE_CUDA_REQUIRE(w && y, "null pointer");
-  MOE_CUDA_REQUIRE(!kScaled || row_scale, "row_scale must be given with int8 weights");
+  constexpr bool kQ4 = std::is_same_v<W, Q4Pair>;
+  MOE_CUDA_REQUIRE(wa.w && y, "null pointer");
+  MOE_CUDA_REQUIRE(!kScaled || wa.row_scale, "row_scale must be given with int8 weights");
   MOE_CUDA_REQUIRE(tokens >= 1 && tokens <= kGemvMaxTokens, "tokens must be in [1, 8]");
   if constexpr (kScaled)
     MOE_CUDA_REQUIRE(n_out > 0 && k > 0 && k % 16 == 0, "k must be a positive multiple of 16 (int8 weights)");
+  else if constexpr (kQ4)
+    MOE_CUDA_REQUIRE(n_out > 0 && k > 0 && k % 32 == 0 && wa.params && wa.runs_per_group > 0 &&
+                         (wa.runs_per_group & (wa.runs_per_group - 1)) == 0 &&
+                         wa.groups * wa.runs_per_group * 32 == k,
+                     "INT4 weights need k a positive multiple of 32 and groups of a power-of-two multiple of 32 "
+                     "inputs");
   else
     MOE_CUDA_REQUIRE(n_out > 0 && k > 0 && k % 8 == 0, "k must be a positive multiple of 8");
-  MOE_CUDA_REQUIRE(size_t(tokens) * k * 2 <= 200 * 1024, "tokens * k too large for shared memory");
-  MOE_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(w) % 16 == 0, "w must be 16-byte aligned");
+  MOE_CUDA_REQUIRE((kQ4 ? q4_stage_bytes(tokens, k) : size_t(tokens) * k * 2) <= 200 * 1024,
+                   "tokens * k too large for shared memory");
+  MOE_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(wa.w) % 16 == 0, "w must be 16-byte aligned");
+  MOE_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(wa.params) % 4 == 0, "INT4 params must be 4-byte aligned");
   // 5 to 8 tokens of INT8 weights and a plain input: tensor cores.
   if constexpr (kScaled && MODE == In::bf16) {
+    const auto* w = static_cast<const int8_t*>(wa.w);
+    const float* row_scale = wa.row_scale;
     if (tokens >= 5 && k % 64 == 0 && size_t(tokens) * (k / 8 + 1) * 16 <= 200 * 1024) {
       switch (tokens) {
         case 5: return launch_gemv_i8_mma<5>(w, row_scale, in.x, y, n_out, k, accumulate, gate_logits, gate_stride, stream);
@@ -391,29 +662,40 @@ Status gemv_dispatch(const W* w, const float* row_scale, const GemvIn& in, float
       }
     }
   }
-  switch (tokens) {
+  if constexpr (kQ4) {
+    switch (tokens) {
+#define MOE_GEMV_Q4_CASE(T) \
+  case T: return launch_gemv_q4<T, MODE>(wa, in, y, n_out, k, accumulate, gate_logits, gate_stride, stream);
+      MOE_GEMV_Q4_CASE(1) MOE_GEMV_Q4_CASE(2) MOE_GEMV_Q4_CASE(3) MOE_GEMV_Q4_CASE(4)
+      MOE_GEMV_Q4_CASE(5) MOE_GEMV_Q4_CASE(6) MOE_GEMV_Q4_CASE(7) MOE_GEMV_Q4_CASE(8)
+#undef MOE_GEMV_Q4_CASE
+    }
+    return make_error("dense_gemv: unreachable token count");
+  } else {
+    switch (tokens) {
 #define MOE_GEMV_CASE(T) \
-  case T: return launch_gemv<W, T, MODE>(w, row_scale, in, y, n_out, k, accumulate, gate_logits, gate_stride, stream);
-    MOE_GEMV_CASE(1) MOE_GEMV_CASE(2) MOE_GEMV_CASE(3) MOE_GEMV_CASE(4)
-    MOE_GEMV_CASE(5) MOE_GEMV_CASE(6) MOE_GEMV_CASE(7) MOE_GEMV_CASE(8)
+  case T: return launch_gemv<W, T, MODE>(wa, in, y, n_out, k, accumulate, gate_logits, gate_stride, stream);
+      MOE_GEMV_CASE(1) MOE_GEMV_CASE(2) MOE_GEMV_CASE(3) MOE_GEMV_CASE(4)
+      MOE_GEMV_CASE(5) MOE_GEMV_CASE(6) MOE_GEMV_CASE(7) MOE_GEMV_CASE(8)
 #undef MOE_GEMV_CASE
+    }
+    return make_error("dense_gemv: unreachable token count");
   }
-  return make_error("dense_gemv: unreachable token count");
 }
 
 // The three inputs, for either weight type.
 template <typename W>
-Status gemv_bf16_in(const W* w, const float* row_scale, const __nv_bfloat16* x, float* y, int tokens, int n_out,
+Status gemv_bf16_in(const GemvWeights& w, const __nv_bfloat16* x, float* y, int tokens, int n_out,
                     int k, bool accumulate, const float* gate_logits, int gate_stride, cudaStream_t stream) {
   MOE_CUDA_REQUIRE(x && reinterpret_cast<uintptr_t>(x) % 16 == 0, "x must be non-null and 16-byte aligned");
   GemvIn in;
   in.x = x;
-  return gemv_dispatch<In::bf16>(w, row_scale, in, y, tokens, n_out, k, accumulate, gate_logits, gate_stride,
+  return gemv_dispatch<In::bf16, W>(w, in, y, tokens, n_out, k, accumulate, gate_logits, gate_stride,
                                  stream);
 }
 
 template <typename W>
-Status gemv_rmsnorm_in(const W* w, const float* row_scale, const float* x_f32, const __nv_bfloat16* norm_w,
+Status gemv_rmsnorm_in(const GemvWeights& w, const float* x_f32, const __nv_bfloat16* norm_w,
                        float eps, __nv_bfloat16* xn_out, float* y, int tokens, int n_out, int k, bool accumulate,
                        const float* gate_logits, int gate_stride, cudaStream_t stream) {
   MOE_CUDA_REQUIRE(x_f32 && norm_w, "null pointer");
@@ -424,19 +706,19 @@ Status gemv_rmsnorm_in(const W* w, const float* row_scale, const float* x_f32, c
   in.norm_w = norm_w;
   in.eps = eps;
   in.xn_out = xn_out;
-  return gemv_dispatch<In::rmsnorm>(w, row_scale, in, y, tokens, n_out, k, accumulate, gate_logits, gate_stride,
+  return gemv_dispatch<In::rmsnorm, W>(w, in, y, tokens, n_out, k, accumulate, gate_logits, gate_stride,
                                     stream);
 }
 
 template <typename W>
-Status gemv_silu_in(const W* w, const float* row_scale, const float* gate_up, int gate_up_stride, float* y,
+Status gemv_silu_in(const GemvWeights& w, const float* gate_up, int gate_up_stride, float* y,
                     int tokens, int n_out, int k, bool accumulate, const float* gate_logits, int gate_stride,
                     cudaStream_t stream) {
   MOE_CUDA_REQUIRE(gate_up && gate_up_stride >= 2 * k, "gate_up null or its stride below 2 k");
   GemvIn in;
   in.xf = gate_up;
   in.stride = gate_up_stride;
-  return gemv_dispatch<In::silu>(w, row_scale, in, y, tokens, n_out, k, accumulate, gate_logits, gate_stride,
+  return gemv_dispatch<In::silu, W>(w, in, y, tokens, n_out, k, accumulate, gate_logits, gate_stride,
                                  stream);
 }
 
@@ -500,46 +782,127 @@ __global__ void dequantize_rows_kernel(const int8_t* __restrict__ q, const float
   }
 }
 
+// out[r, i] = bf16(code * scale + bias) of an INT4 matrix: a thread per
+// 16-byte run of codes (32 weights, one group's), written as four 16-byte
+// runs of bf16.
+__global__ void dequantize_q4_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ params,
+                                     int runs_per_row, int runs_per_group, size_t count, uint4* __restrict__ out) {
+  detail::allow_next_grid();
+  detail::wait_prior_grid();
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  const int groups = runs_per_row / runs_per_group;
+  for (size_t c = size_t(blockIdx.x) * blockDim.x + threadIdx.x; c < count; c += stride) {
+    const size_t row = c / runs_per_row;
+    const int run = int(c - row * runs_per_row);
+    __half2 p;
+    const uint32_t pw = params[row * groups + run / runs_per_group];
+    memcpy(&p, &pw, 4);
+    const float2 sb = __half22float2(p);
+    const uint4 v = codes[c];
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+      float f[8];
+      WeightRun<Q4Pair>::unpack(v, h, f);
+      __nv_bfloat162 b[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        b[e] = __floats2bfloat162_rn(fmaf(f[2 * e], sb.x, sb.y), fmaf(f[2 * e + 1], sb.x, sb.y));
+      uint4 u;
+      memcpy(&u, b, 16);
+      out[c * 4 + h] = u;
+    }
+  }
+}
+
+GemvWeights bf16_weights(const __nv_bfloat16* w) {
+  GemvWeights g;
+  g.w = w;
+  return g;
+}
+
+GemvWeights i8_weights(const int8_t* w, const float* row_scale) {
+  GemvWeights g;
+  g.w = w;
+  g.row_scale = row_scale;
+  return g;
+}
+
+// An INT4 matrix of `blob`; shapes the kernels cannot take leave params null
+// (the dispatcher refuses it).
+GemvWeights q4_weights(const uint8_t* blob, const Q4MatrixLayout& m) {
+  GemvWeights g;
+  if (!blob) return g;
+  g.w = blob + m.codes_offset;
+  if (m.group % 32 == 0 && m.group > 0 && m.cols % m.group == 0) {
+    g.params = reinterpret_cast<const uint32_t*>(blob + m.params_offset);
+    g.groups = m.cols / m.group;
+    g.runs_per_group = m.group / 32;
+  }
+  return g;
+}
+
 }  // namespace
 
 Status dense_gemv_bf16(const __nv_bfloat16* w, const __nv_bfloat16* x, float* y, int tokens, int n_out, int k,
                        bool accumulate, const float* gate_logits, int gate_stride, cudaStream_t stream) {
-  return gemv_bf16_in(w, nullptr, x, y, tokens, n_out, k, accumulate, gate_logits, gate_stride, stream);
+  return gemv_bf16_in<__nv_bfloat16>(bf16_weights(w), x, y, tokens, n_out, k, accumulate, gate_logits,
+                                     gate_stride, stream);
 }
 
 Status dense_gemv_bf16_rmsnorm(const __nv_bfloat16* w, const float* x_f32, const __nv_bfloat16* norm_w, float eps,
                                __nv_bfloat16* xn_out, float* y, int tokens, int n_out, int k, bool accumulate,
                                const float* gate_logits, int gate_stride, cudaStream_t stream) {
-  return gemv_rmsnorm_in(w, nullptr, x_f32, norm_w, eps, xn_out, y, tokens, n_out, k, accumulate, gate_logits,
-                         gate_stride, stream);
+  return gemv_rmsnorm_in<__nv_bfloat16>(bf16_weights(w), x_f32, norm_w, eps, xn_out, y, tokens, n_out, k,
+                                        accumulate, gate_logits, gate_stride, stream);
 }
 
 Status dense_gemv_bf16_silu(const __nv_bfloat16* w, const float* gate_up, int gate_up_stride, float* y, int tokens,
                             int n_out, int k, bool accumulate, const float* gate_logits, int gate_stride,
                             cudaStream_t stream) {
-  return gemv_silu_in(w, nullptr, gate_up, gate_up_stride, y, tokens, n_out, k, accumulate, gate_logits,
-                      gate_stride, stream);
+  return gemv_silu_in<__nv_bfloat16>(bf16_weights(w), gate_up, gate_up_stride, y, tokens, n_out, k, accumulate,
+                                     gate_logits, gate_stride, stream);
 }
 
 Status dense_gemv_i8(const int8_t* w, const float* row_scale, const __nv_bfloat16* x, float* y, int tokens,
                      int n_out, int k, bool accumulate, const float* gate_logits, int gate_stride,
                      cudaStream_t stream) {
-  return gemv_bf16_in(w, row_scale, x, y, tokens, n_out, k, accumulate, gate_logits, gate_stride, stream);
+  return gemv_bf16_in<int8_t>(i8_weights(w, row_scale), x, y, tokens, n_out, k, accumulate, gate_logits,
+                              gate_stride, stream);
 }
 
 Status dense_gemv_i8_rmsnorm(const int8_t* w, const float* row_scale, const float* x_f32,
                              const __nv_bfloat16* norm_w, float eps, __nv_bfloat16* xn_out, float* y, int tokens,
                              int n_out, int k, bool accumulate, const float* gate_logits, int gate_stride,
                              cudaStream_t stream) {
-  return gemv_rmsnorm_in(w, row_scale, x_f32, norm_w, eps, xn_out, y, tokens, n_out, k, accumulate, gate_logits,
-                         gate_stride, stream);
+  return gemv_rmsnorm_in<int8_t>(i8_weights(w, row_scale), x_f32, norm_w, eps, xn_out, y, tokens, n_out, k,
+                                 accumulate, gate_logits, gate_stride, stream);
 }
 
 Status dense_gemv_i8_silu(const int8_t* w, const float* row_scale, const float* gate_up, int gate_up_stride,
                           float* y, int tokens, int n_out, int k, bool accumulate, const float* gate_logits,
                           int gate_stride, cudaStream_t stream) {
-  return gemv_silu_in(w, row_scale, gate_up, gate_up_stride, y, tokens, n_out, k, accumulate, gate_logits,
-                      gate_stride, stream);
+  return gemv_silu_in<int8_t>(i8_weights(w, row_scale), gate_up, gate_up_stride, y, tokens, n_out, k, accumulate,
+                              gate_logits, gate_stride, stream);
+}
+
+Status dense_gemv_q4(const uint8_t* blob, const Q4MatrixLayout& m, const __nv_bfloat16* x, float* y, int tokens,
+                     bool accumulate, const float* gate_logits, int gate_stride, cudaStream_t stream) {
+  return gemv_bf16_in<Q4Pair>(q4_weights(blob, m), x, y, tokens, m.rows, m.cols, accumulate, gate_logits,
+                              gate_stride, stream);
+}
+
+Status dense_gemv_q4_rmsnorm(const uint8_t* blob, const Q4MatrixLayout& m, const float* x_f32,
+                             const __nv_bfloat16* norm_w, float eps, __nv_bfloat16* xn_out, float* y, int tokens,
+                             bool accumulate, const float* gate_logits, int gate_stride, cudaStream_t stream) {
+  return gemv_rmsnorm_in<Q4Pair>(q4_weights(blob, m), x_f32, norm_w, eps, xn_out, y, tokens, m.rows, m.cols,
+                                 accumulate, gate_logits, gate_stride, stream);
+}
+
+Status dense_gemv_q4_silu(const uint8_t* blob, const Q4MatrixLayout& m, const float* gate_up, int gate_up_stride,
+                          float* y, int tokens, bool accumulate, const float* gate_logits, int gate_stride,
+                          cudaStream_t stream) {
+  return gemv_silu_in<Q4Pair>(q4_weights(blob, m), gate_up, gate_up_stride, y, tokens, m.rows, m.cols,
+                              accumulate, gate_logits, gate_stride, stream);
 }
 
 Status quantize_rows_i8(const __nv_bfloat16* w, int n_out, int k, int8_t* q, float* row_scale,
@@ -547,6 +910,23 @@ Status quantize_rows_i8(const __nv_bfloat16* w, int n_out, int k, int8_t* q, flo
   MOE_CUDA_REQUIRE(w && q && row_scale, "null pointer");
   MOE_CUDA_REQUIRE(n_out > 0 && k > 0, "shape must be positive");
   quantize_rows_kernel<<<n_out, kQuantThreads, 0, stream>>>(w, k, q, row_scale);
+  MOE_CUDA_LAUNCHED();
+  return {};
+}
+
+Status dequantize_q4(const uint8_t* blob, const Q4MatrixLayout& m, __nv_bfloat16* out, cudaStream_t stream) {
+  const GemvWeights g = q4_weights(blob, m);
+  MOE_CUDA_REQUIRE(blob && out, "null pointer");
+  MOE_CUDA_REQUIRE(m.rows > 0 && m.cols > 0 && m.cols % 32 == 0 && g.params,
+                   "INT4 dequantisation needs cols a positive multiple of 32 and groups of a multiple of 32");
+  MOE_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(g.w) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(g.params) % 4 == 0,
+                   "codes and out must be 16-byte aligned, params 4-byte");
+  const size_t count = size_t(m.rows) * (m.cols / 32);
+  const int threads = 256;
+  const int blocks = int(std::min<size_t>((count + threads - 1) / threads, 65536));
+  dequantize_q4_kernel<<<blocks, threads, 0, stream>>>(static_cast<const uint4*>(g.w), g.params, m.cols / 32,
+                                                       g.runs_per_group, count, reinterpret_cast<uint4*>(out));
   MOE_CUDA_LAUNCHED();
   return {};
 }

@@ -6,6 +6,9 @@
 //  - dense_gemv_i8: the same with INT8 weights and a scale per row;
 //    quantize_rows_i8 / dequantize_rows_i8 convert (dequantised weights feed
 //    the prefill path).
+//  - dense_gemv_q4: the same with INT4 weights, one matrix in the layout of
+//    docs/int4-experts.md (model/int4.h: q4_matrix_layout); dequantize_q4
+//    turns one back into bf16 for the prefill path.
 //  - CublasLtMatmul: everything larger (prefill), through cuBLASLt.
 
 #include <cublasLt.h>
@@ -16,6 +19,7 @@
 #include <map>
 #include <tuple>
 
+#include "model/int4.h"
 #include "model/result.h"
 
 namespace moe::cuda {
@@ -54,6 +58,23 @@ Status dense_gemv_i8_rmsnorm(const int8_t* w, const float* row_scale, const floa
 Status dense_gemv_i8_silu(const int8_t* w, const float* row_scale, const float* gate_up, int gate_up_stride,
                           float* y, int tokens, int n_out, int k, bool accumulate, const float* gate_logits,
                           int gate_stride, cudaStream_t stream);
+
+// INT4 weights: matrix `m` (n_out = m.rows, k = m.cols) of `blob`, codes
+// 16-byte aligned, m.cols a multiple of 32 and m.group a multiple of 32 (a
+// 16-byte run of codes lies in one group). Each weight is code * scale +
+// bias in f32, so against the dequantised matrix only the summation order
+// differs (~1e-6 relative). A quarter of bf16's bytes, plus 4 a group.
+Status dense_gemv_q4(const uint8_t* blob, const Q4MatrixLayout& m, const __nv_bfloat16* x, float* y, int tokens,
+                     bool accumulate, const float* gate_logits, int gate_stride, cudaStream_t stream);
+Status dense_gemv_q4_rmsnorm(const uint8_t* blob, const Q4MatrixLayout& m, const float* x_f32,
+                             const __nv_bfloat16* norm_w, float eps, __nv_bfloat16* xn_out, float* y, int tokens,
+                             bool accumulate, const float* gate_logits, int gate_stride, cudaStream_t stream);
+Status dense_gemv_q4_silu(const uint8_t* blob, const Q4MatrixLayout& m, const float* gate_up, int gate_up_stride,
+                          float* y, int tokens, bool accumulate, const float* gate_logits, int gate_stride,
+                          cudaStream_t stream);
+// out[r, i] = bf16(code * scale + bias) for matrix `m` of `blob` (the same
+// shape rules; out 16-byte aligned).
+Status dequantize_q4(const uint8_t* blob, const Q4MatrixLayout& m, __nv_bfloat16* out, cudaStream_t stream);
 
 // Quantises bf16 w [n_out, k] (load time): row_scale[n] = max_i |w[n, i]| /
 // 127 (f32), q[n, i] = w[n, i] / row_scale[n] rounded to nearest (ties to

@@ -1110,3 +1110,153 @@ TEST_CASE("cuda int8 dense GEMVs (bf16, rmsnorm and silu inputs) match the CPU",
   CHECK_FALSE(moe::cuda::dense_gemv_i8(dq.p, ds.p, dx.p, dy.p, 9, 64, 16, false, nullptr, 0, nullptr).ok());
   CHECK_FALSE(moe::cuda::dense_gemv_i8(dq.p + 8, ds.p, dx.p, dy.p, 1, 64, 16, false, nullptr, 0, nullptr).ok());
 }
+
+namespace {
+
+// A bf16 matrix quantised on the host as the engine does at load (one INT4
+// matrix of its own, groups of 64 or the width's), with its f32 dequantised
+// twin.
+struct HostQ4 {
+  moe::Q4MatrixLayout m;
+  std::vector<uint8_t> blob;
+  std::vector<float> wdq;  // [rows, cols]
+};
+HostQ4 quantize_q4(const std::vector<float>& w, int rows, int cols) {
+  HostQ4 h;
+  h.m = moe::q4_matrix_layout(rows, cols, 64);
+  h.blob.assign(moe::q4_matrix_bytes(h.m), 0);
+  moe::q4_quantize_matrix(w.data(), h.m, h.blob.data());
+  h.wdq.resize(w.size());
+  for (int r = 0; r < rows; ++r) moe::q4_dequantize_row(h.blob.data(), h.m, r, h.wdq.data() + size_t(r) * cols);
+  return h;
+}
+
+}  // namespace
+
+TEST_CASE("cuda INT4 dense GEMVs (bf16, rmsnorm and silu inputs) and dequantisation match the CPU",
+          "[cuda][dense][int4]") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(32);
+  // Against the dequantised weights the kernel's half2 chunk sums (inputs
+  // scaled to |x| <= 1 per 32, as the expert GEMVs) leave ~1e-3 relative:
+  // 3e-3. Against the original weights INT4's own rounding shows: a weight
+  // moves by up to half a step of its group's range / 15, ~9 % of the
+  // weights' RMS for Gaussian groups of 64, more on the smallest shapes,
+  // hence 0.25 (and a check that it is not far smaller, so the comparison
+  // really is against the original weights).
+  constexpr double kTight = 3e-3, kLoose = 0.25;
+  // k = 32: one run, group 32; 160: group 32, five runs; 2048 and 5632:
+  // groups of 64 over rounds of 64 runs, the last partial; n_out odd.
+  for (auto [n_out, k] : {std::pair{77, 2048}, std::pair{5, 32}, std::pair{130, 160}, std::pair{33, 5632}}) {
+    INFO("n_out " << n_out << ", k " << k);
+    const auto w = round_bf16(randn(size_t(n_out) * k, rng, 0.05f));
+    const HostQ4 q = quantize_q4(w, n_out, k);
+    CHECK(q.m.group == (k % 64 == 0 ? 64 : 32));
+    Dev<uint8_t> dblob(q.blob);
+
+    // Dequantisation for the prefill path: bf16 of the f32 dequantised weight.
+    {
+      Dev<bf16> dout(w.size());
+      REQUIRE_OK(moe::cuda::dequantize_q4(dblob.p, q.m, dout.p, nullptr));
+      const auto out = as_float(dout.get());
+      size_t not_exact = 0;
+      for (size_t i = 0; i < w.size(); ++i)
+        if (out[i] != from_bf16(to_bf16(q.wdq[i]))) ++not_exact;
+      CHECK(not_exact == 0);
+    }
+
+    for (int tokens = 1; tokens <= moe::cuda::kGemvMaxTokens; ++tokens) {
+      const auto x = round_bf16(randn(size_t(tokens) * k, rng));
+      const auto y0 = randn(size_t(tokens) * n_out, rng);
+      const auto gate = randn(size_t(tokens) * 2, rng);
+      std::vector<float> ref(y0.size()), ref_w(y0.size());
+      moe::cpu::matmul_f32(x.data(), q.wdq.data(), nullptr, ref.data(), tokens, k, n_out, nullptr);
+      moe::cpu::matmul_f32(x.data(), w.data(), nullptr, ref_w.data(), tokens, k, n_out, nullptr);
+      Dev<bf16> dx(to_bf16(x));
+      Dev<float> dy(y0.size()), dg(gate);
+      for (int mode = 0; mode < 4; ++mode) {
+        const bool accumulate = mode & 1, gated = mode & 2;
+        INFO("tokens " << tokens << ", accumulate " << accumulate << ", gate " << gated);
+        dy.put(y0);
+        REQUIRE_OK(moe::cuda::dense_gemv_q4(dblob.p, q.m, dx.p, dy.p, tokens, accumulate, gated ? dg.p : nullptr, 2,
+                                            nullptr));
+        const auto y = dy.get();
+        const float* g = gated ? gate.data() : nullptr;
+        CHECK(rel_err(y, gated_ref(ref, y0, g, 2, accumulate, tokens, n_out)) < kTight);
+        if (!accumulate) {
+          const double e = rel_err(y, gated_ref(ref_w, y0, g, 2, false, tokens, n_out));
+          CHECK(e < kLoose);
+          CHECK(e > 0.01);
+        }
+      }
+    }
+
+    // RMSNorm input, checked against the kernel's own normed input.
+    for (int tokens : {1, 4, 8}) {
+      INFO("rmsnorm input, tokens " << tokens);
+      const auto res = randn(size_t(tokens) * k, rng, 2.f);
+      const auto nw = round_bf16(randn(k, rng));
+      const auto y0 = randn(size_t(tokens) * n_out, rng);
+      const auto gate = randn(tokens, rng);
+      std::vector<float> xn(res.size());
+      moe::cpu::rmsnorm(res.data(), nw.data(), xn.data(), tokens, k, 1e-6f);
+      Dev<float> dres(res), dy(y0.size()), dg(gate);
+      Dev<bf16> dnw(to_bf16(nw)), dxn(res.size());
+      REQUIRE_OK(moe::cuda::dense_gemv_q4_rmsnorm(dblob.p, q.m, dres.p, dnw.p, 1e-6f, dxn.p, dy.p, tokens, false,
+                                                  nullptr, 0, nullptr));
+      const auto xg = as_float(dxn.get());
+      CHECK(rel_err(xg, round_bf16(xn)) < 2e-3);
+      std::vector<float> ref(y0.size());
+      moe::cpu::matmul_f32(xg.data(), q.wdq.data(), nullptr, ref.data(), tokens, k, n_out, nullptr);
+      CHECK(rel_err(dy.get(), ref) < kTight);
+      dy.put(y0);
+      REQUIRE_OK(moe::cuda::dense_gemv_q4_rmsnorm(dblob.p, q.m, dres.p, dnw.p, 1e-6f, nullptr, dy.p, tokens, true,
+                                                  dg.p, 1, nullptr));
+      CHECK(rel_err(dy.get(), gated_ref(ref, y0, gate.data(), 1, true, tokens, n_out)) < kTight);
+    }
+
+    // SiLU(gate) * up input: the CPU makes it, so bf16 rounding flips set the bound.
+    for (int tokens : {1, 3, 8}) {
+      INFO("silu input, tokens " << tokens);
+      const int stride = 2 * k + 3;
+      const auto gu = randn(size_t(tokens) * stride, rng);
+      const auto y0 = randn(size_t(tokens) * n_out, rng);
+      const auto gate = randn(tokens, rng);
+      std::vector<float> h(size_t(tokens) * k);
+      for (int t = 0; t < tokens; ++t)
+        moe::cpu::silu_mul(gu.data() + size_t(t) * stride, gu.data() + size_t(t) * stride + k,
+                           h.data() + size_t(t) * k, k);
+      const auto hb = round_bf16(h);
+      std::vector<float> ref(y0.size());
+      moe::cpu::matmul_f32(hb.data(), q.wdq.data(), nullptr, ref.data(), tokens, k, n_out, nullptr);
+      Dev<float> dgu(gu), dy(y0.size()), dg(gate);
+      dy.put(y0);
+      REQUIRE_OK(moe::cuda::dense_gemv_q4_silu(dblob.p, q.m, dgu.p, stride, dy.p, tokens, true, dg.p, 1, nullptr));
+      CHECK(rel_err(dy.get(), gated_ref(ref, y0, gate.data(), 1, true, tokens, n_out)) < kTight);
+    }
+
+    // A slice of rows (the engine's router / shared-expert views) reads the same rows.
+    if (n_out > 3) {
+      const moe::Q4MatrixLayout s = moe::q4_row_slice(q.m, 2, n_out - 3);
+      const auto x = round_bf16(randn(size_t(k), rng));
+      Dev<bf16> dx(to_bf16(x));
+      Dev<float> dy(size_t(n_out - 3));
+      REQUIRE_OK(moe::cuda::dense_gemv_q4(dblob.p, s, dx.p, dy.p, 1, false, nullptr, 0, nullptr));
+      std::vector<float> ref(size_t(n_out - 3));
+      moe::cpu::matmul_f32(x.data(), q.wdq.data() + size_t(2) * k, nullptr, ref.data(), 1, k, n_out - 3, nullptr);
+      CHECK(rel_err(dy.get(), ref) < kTight);
+    }
+  }
+
+  // Refusals: a width not a multiple of 32, groups below 32, too many tokens.
+  Dev<uint8_t> dblob(1 << 16);
+  Dev<float> dy(8 * 64);
+  Dev<bf16> dx(9 * 96), dout(64 * 96);
+  const moe::Q4MatrixLayout narrow = moe::q4_matrix_layout(4, 48, 64);  // group 16
+  CHECK_FALSE(moe::cuda::dense_gemv_q4(dblob.p, narrow, dx.p, dy.p, 1, false, nullptr, 0, nullptr).ok());
+  CHECK_FALSE(moe::cuda::dequantize_q4(dblob.p, narrow, dout.p, nullptr).ok());
+  const moe::Q4MatrixLayout ok = moe::q4_matrix_layout(4, 64, 64);
+  CHECK_FALSE(moe::cuda::dense_gemv_q4(dblob.p, ok, dx.p, dy.p, 9, false, nullptr, 0, nullptr).ok());
+  CHECK_FALSE(moe::cuda::dense_gemv_q4(nullptr, ok, dx.p, dy.p, 1, false, nullptr, 0, nullptr).ok());
+  CHECK(moe::cuda::dense_gemv_q4(dblob.p, ok, dx.p, dy.p, 1, false, nullptr, 0, nullptr).ok());
+}
