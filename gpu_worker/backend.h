@@ -80,8 +80,8 @@ struct CudaBackendOptions {
   int max_step_tokens = 512;    // tokens per forward pass
   std::string policy = "ours";  // expert eviction: lru | lfu | ours
   bool prefetch = true;         // under a budget: prefetch the next layer's predicted experts
-  std::string dense_weights = "auto";  // bf16 | int8 | auto
-  bool host_experts = false;           // split decode misses between the link and the host's cores
+  std::string dense_weights = "auto";  // bf16 | int8 | int4 | auto
+  std::string host_experts = "auto";   // split decode misses between the link and the host's cores: auto|on|off
   int host_threads = 0;                // their threads (0: every core)
   std::string misses = "stream";       // decode misses: read over the link by the kernels, or copied in first
 };

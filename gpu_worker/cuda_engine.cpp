@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <numeric>
@@ -119,14 +120,18 @@ std::vector<uint16_t> bf16_of(const std::vector<float>& v) {
 
 }  // namespace
 
-// One dense matrix [rows, cols] on the device: bf16, or INT8 with one f32
-// scale per row (w ~ scale[row] * q).
+// One dense matrix [rows, cols] on the device: bf16, INT8 with one f32
+// scale per row (w ~ scale[row] * q), or INT4 (q4: a matrix of its own in
+// the layout of docs/int4-experts.md, q4m its offsets from q4).
 struct DenseW {
   const __nv_bfloat16* w = nullptr;
   const int8_t* q = nullptr;
   const float* scale = nullptr;
+  const uint8_t* q4 = nullptr;
+  Q4MatrixLayout q4m{};
   int rows = 0, cols = 0;
-  explicit operator bool() const { return w || q; }
+  explicit operator bool() const { return w || q || q4; }
+  bool quantised() const { return q || q4; }
   size_t elems() const { return size_t(rows) * size_t(cols); }
   // Rows [r0, r0 + n) as a matrix of their own.
   DenseW slice(int r0, int n) const {
@@ -134,10 +139,45 @@ struct DenseW {
     if (w) d.w = w + size_t(r0) * cols;
     if (q) d.q = q + size_t(r0) * cols;
     if (scale) d.scale = scale + r0;
+    if (q4) d.q4m = q4_row_slice(q4m, r0, n);
     d.rows = n;
     return d;
   }
 };
+
+// The dtype of the non-expert matrices (the embedding stays bf16).
+enum class DenseDtype { bf16, int8, int4 };
+
+namespace {
+
+const char* dense_name(DenseDtype t) { return t == DenseDtype::int4 ? "int4" : t == DenseDtype::int8 ? "int8" : "bf16"; }
+// INT4 dense matrices: groups of 64 inputs (32 where the width needs it).
+constexpr int kDenseQ4Group = 64;
+
+// Quantises bf16 rows into an INT4 matrix (model/int4.h) with the host's
+// threads, each taking slabs of rows.
+void quantize_rows_q4_host(const uint16_t* w, const Q4MatrixLayout& m, uint8_t* blob) {
+  const int threads = int(std::clamp(std::thread::hardware_concurrency(), 1u, 16u));
+  constexpr int kSlab = 256;
+  const int slabs = (m.rows + kSlab - 1) / kSlab;
+  std::atomic<int> next{0};
+  auto work = [&] {
+    std::vector<float> f;
+    for (int i = next++; i < slabs; i = next++) {
+      const int r0 = i * kSlab, n = std::min(kSlab, m.rows - r0);
+      f.resize(size_t(n) * m.cols);
+      const uint16_t* src = w + size_t(r0) * m.cols;
+      for (size_t j = 0; j < f.size(); ++j) f[j] = bf16_to_f32(src[j]);
+      q4_quantize_matrix(f.data(), q4_row_slice(m, r0, n), blob);
+    }
+  };
+  std::vector<std::thread> team;
+  for (int t = 1; t < std::min(threads, slabs); ++t) team.emplace_back(work);
+  work();
+  for (std::thread& t : team) t.join();
+}
+
+}  // namespace
 
 struct CudaEngine::Impl {
   // ---- Model
@@ -171,10 +211,10 @@ struct CudaEngine::Impl {
   std::vector<DevLayer> layers;
   bf16 *embed = nullptr, *final_norm = nullptr;
   DenseW lm_head;
-  bool int8_dense = false;        // non-expert matrices in INT8 (embedding stays bf16)
+  DenseDtype dense = DenseDtype::bf16;  // non-expert matrices (the embedding stays bf16)
   bool embed_host = false;        // the embedding lies in mapped pinned host memory, not the arena
   bf16* embed_host_buf = nullptr; // its cudaHostAlloc'ed rows then
-  bf16* dequant = nullptr;        // prefill: an INT8 matrix back in bf16 for cuBLASLt
+  bf16* dequant = nullptr;        // prefill: a quantised matrix back in bf16 for cuBLASLt
   size_t dequant_elems = 0;       // the largest such matrix
 
   // ---- Device memory
@@ -371,17 +411,37 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
   // The same sizes in the measuring pass, without converting anything.
   auto reserve = [&](bf16** dst, size_t elems) { *dst = c.take<bf16>(elems); };
   // A dense matrix made of `parts` stacked by rows (+ pad_rows zero rows),
-  // bf16 or INT8 per row.
-  auto linear_parts = [&](DenseW* dst, const std::vector<const Linear*>& parts, size_t pad_rows) -> Status {
+  // in `dense`'s dtype. Matrices whose outputs are compared rather than
+  // summed on (`keep_int8`: the router's rows, lm_head) never go below INT8:
+  // INT4's rounding would flip which experts a token gets and reorder the
+  // vocabulary's close candidates.
+  auto linear_parts = [&](DenseW* dst, const std::vector<const Linear*>& parts, size_t pad_rows,
+                          bool keep_int8) -> Status {
     *dst = DenseW{};  // nothing of an earlier measuring pass (other dtype) survives
     const int cols = parts.front()->in;
     int rows = int(pad_rows);
     for (const Linear* p : parts) rows += p->out;
     dst->rows = rows;
     dst->cols = cols;
+    // The INT4 GEMV reads 32-input runs of a row, each inside one group: a
+    // width not a multiple of 32 goes to INT8 instead.
+    if (dense == DenseDtype::int4 && !keep_int8 && cols % 32 == 0) {
+      dequant_elems = std::max(dequant_elems, dst->elems());
+      dst->q4m = q4_matrix_layout(rows, cols, kDenseQ4Group);
+      auto* blob = c.take<uint8_t>(q4_matrix_bytes(dst->q4m));
+      dst->q4 = blob;
+      if (!upload) return {};
+      buf.clear();
+      for (const Linear* p : parts) append_bf16_rows(*p, buf);
+      buf.resize(dst->elems(), 0);
+      std::vector<uint8_t> host(q4_matrix_bytes(dst->q4m));
+      quantize_rows_q4_host(buf.data(), dst->q4m, host.data());
+      MOE_CUDA_TRY(cudaMemcpy(blob, host.data(), host.size(), cudaMemcpyHostToDevice));
+      return {};
+    }
     // The INT8 GEMV reads 16-byte runs of a row: a width not a multiple of
     // 16 keeps that matrix in bf16.
-    if (int8_dense && cols % 16 == 0) {
+    if (dense != DenseDtype::bf16 && cols % 16 == 0) {
       dequant_elems = std::max(dequant_elems, dst->elems());
       auto* qd = c.take<int8_t>(dst->elems());
       auto* sd = c.take<float>(size_t(rows));
@@ -411,8 +471,9 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
     dst->w = wd;
     return st;
   };
-  auto linear = [&](DenseW* dst, std::initializer_list<const Linear*> parts, size_t pad_rows) -> Status {
-    return linear_parts(dst, std::vector<const Linear*>(parts), pad_rows);
+  auto linear = [&](DenseW* dst, std::initializer_list<const Linear*> parts, size_t pad_rows,
+                    bool keep_int8 = false) -> Status {
+    return linear_parts(dst, std::vector<const Linear*>(parts), pad_rows, keep_int8);
   };
   auto vec = [&](bf16** dst, const std::vector<float>& v) -> Status {
     if (v.empty()) {
@@ -465,11 +526,11 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
         rows += E;
       }
       L.mlp_rows = int(align_up(size_t(rows), 8));
-      if (Status s = linear_parts(&L.mlp_gu_w, parts, size_t(L.mlp_rows - rows)); !s) return s;
+      if (Status s = linear_parts(&L.mlp_gu_w, parts, size_t(L.mlp_rows - rows), L.router_row >= 0); !s) return s;
       if (L.router_row >= 0) L.router_w = L.mlp_gu_w.slice(L.router_row, E);
       if (Status s = linear(&L.mlp_down_w, {&mlp->down}, 0); !s) return s;
     } else if (L.moe_index >= 0) {
-      if (Status s = linear(&L.router_w, {&lw.router}, 0); !s) return s;
+      if (Status s = linear(&L.router_w, {&lw.router}, 0, true); !s) return s;
     }
   }
   // The embedding is gathered by row, never multiplied: it stays bf16. Under
@@ -489,18 +550,18 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
       embed = static_cast<bf16*>(dp);
     }
   } else {
-    const bool was = int8_dense;
-    int8_dense = false;
+    const DenseDtype was = dense;
+    dense = DenseDtype::bf16;
     DenseW e;
     if (Status s = linear(&e, {&w.embed}, 0); !s) return s;
     embed = const_cast<bf16*>(e.w);
-    int8_dense = was;
-    if (d.tie_embeddings && !int8_dense) lm_head = e;
+    dense = was;
+    if (d.tie_embeddings && dense == DenseDtype::bf16) lm_head = e;
   }
   if (Status s = vec(&final_norm, w.final_norm); !s) return s;
   if (!lm_head) {
     const size_t before = dequant_elems;  // lm_head runs as GEMVs only
-    if (Status s = linear(&lm_head, {d.tie_embeddings ? &w.embed : &w.lm_head}, 0); !s) return s;
+    if (Status s = linear(&lm_head, {d.tie_embeddings ? &w.embed : &w.lm_head}, 0, true); !s) return s;
     dequant_elems = before;
   }
   return {};
@@ -539,7 +600,7 @@ void CudaEngine::Impl::carve_workspace(Carver& c) {
   sampled = c.take<int32_t>(kMaxSampleRows);
   inv_freq = c.take<float>(size_t(d.head_dim / 2));
   pack_dev = c.take<uint8_t>(pack_bytes);
-  dequant = int8_dense ? c.take<bf16>(dequant_elems) : nullptr;
+  dequant = dense != DenseDtype::bf16 ? c.take<bf16>(dequant_elems) : nullptr;
 }
 
 Status CudaEngine::Impl::expert_source(ExpertHostSource& src) {
@@ -653,10 +714,13 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   if (budget > free_b)
     return make_error("--vram-budget " + format_bytes(budget) + " exceeds the device's free memory (" +
                       format_bytes(free_b) + ")");
-  if (opts.dense_weights != "auto" && opts.dense_weights != "bf16" && opts.dense_weights != "int8")
-    return make_error("dense weights must be auto, bf16 or int8, not '" + opts.dense_weights + "'");
-  auto plan_for = [&](bool int8) -> Result<IslandPlan> {
-    m.int8_dense = int8;
+  if (opts.dense_weights != "auto" && opts.dense_weights != "bf16" && opts.dense_weights != "int8" &&
+      opts.dense_weights != "int4")
+    return make_error("dense weights must be auto, bf16, int8 or int4, not '" + opts.dense_weights + "'");
+  if (opts.host_experts != "auto" && opts.host_experts != "on" && opts.host_experts != "off")
+    return make_error("host experts must be auto, on or off, not '" + opts.host_experts + "'");
+  auto plan_for = [&](DenseDtype dt) -> Result<IslandPlan> {
+    m.dense = dt;
     m.dequant_elems = 0;
     Carver measure_w, measure_ws;
     if (Status s = m.carve_weights(measure_w, false); !s) return make_error(s.error());
@@ -685,29 +749,40 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     }
     return plan;
   };
-  // auto: bf16 when every expert fits beside it, else INT8 (more islands).
-  Result<IslandPlan> plan = make_error("no plan");
-  if (opts.dense_weights == "int8") {
-    plan = plan_for(true);
-  } else {
-    plan = plan_for(false);
-    const bool all_fit = plan && plan->n_islands >= int64_t(m.Lm) * m.E;
-    if (opts.dense_weights == "auto" && !all_fit) {
-      auto p8 = plan_for(true);
-      // Back to bf16: its plan stands; the upload carve measures nothing
-      // INT8-only (the dequant buffer) once int8_dense is off again.
-      if (p8 || !plan) plan = std::move(p8);
-      else m.int8_dense = false;
+  const int64_t all_experts = int64_t(m.Lm) * m.E;
+  // A plan in one dtype. Under a budget the embedding may stay in host
+  // memory, its bytes going to islands (not when a bf16 lm_head shares it).
+  auto plan_dtype = [&](DenseDtype dt) -> Result<IslandPlan> {
+    m.embed_host = false;
+    auto p = plan_for(dt);
+    const bool embed_may_leave = !(d.tie_embeddings && dt == DenseDtype::bf16);
+    if (opts.host_embedding && embed_may_leave && m.Lm > 0 && !(p && p->n_islands >= all_experts)) {
+      m.embed_host = true;
+      auto ph = plan_for(dt);
+      if (ph && (!p || ph->n_islands > p->n_islands)) return ph;
+      m.embed_host = false;  // the measure's other results do not depend on it
+    }
+    return p;
+  };
+  // auto: the widest dtype that leaves every expert resident, else the one
+  // that leaves the most (INT4).
+  DenseDtype chosen = DenseDtype::bf16;
+  if (opts.dense_weights == "int8") chosen = DenseDtype::int8;
+  if (opts.dense_weights == "int4") chosen = DenseDtype::int4;
+  if (opts.dense_weights == "auto") {
+    Result<IslandPlan> best = make_error("no plan");
+    for (DenseDtype dt : {DenseDtype::bf16, DenseDtype::int8, DenseDtype::int4}) {
+      auto p = plan_dtype(dt);
+      // With no plan at all, the narrowest dtype's refusal is the one to show.
+      if (!best || (p && p->n_islands > best->n_islands)) {
+        best = std::move(p);
+        chosen = dt;
+      }
+      if (best && best->n_islands >= all_experts) break;
     }
   }
-  // Under a budget, the embedding in host memory leaves its bytes to islands.
-  const bool embed_may_leave = !(d.tie_embeddings && !m.int8_dense);
-  if (plan && opts.host_embedding && embed_may_leave && m.Lm > 0 && plan->n_islands < int64_t(m.Lm) * m.E) {
-    m.embed_host = true;
-    auto ph = plan_for(m.int8_dense);
-    if (ph && ph->n_islands > plan->n_islands) plan = std::move(ph);
-    else m.embed_host = false;
-  }
+  // Measured again for the chosen dtype: the upload carve follows this one.
+  Result<IslandPlan> plan = plan_dtype(chosen);
   if (!plan) return make_error(plan.error());
   m.plan = *plan;
   m.kv_blocks = int(std::min<int64_t>(m.plan.kv_blocks, INT32_MAX));
@@ -770,7 +845,7 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     m.predictor = std::make_unique<ExpertPredictor>(m.Lm, m.E);
     m.bound.resize(size_t(m.Lm));
     MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.on_gpu_host), size_t(m.Lm) * m.E));
-    if (!m.all_resident && opts.host_experts) {
+    if (!m.all_resident && opts.host_experts != "off") {
       // Copy mode splits a layer's misses on the host's clock; streamed
       // passes hand the host its share through mapped memory.
       if (Status s = opts.misses == "copy" ? m.start_host_experts() : m.start_host_share(); !s)
@@ -793,7 +868,7 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   if (Status s = m.arena->synchronize(); !s) return make_error(s.error());
   MOE_CUDA_TRY(cudaStreamSynchronize(m.st));
   std::fprintf(stderr, "moe-worker: cuda backend on %s; %s; dense weights %s%s; experts %s\n", dev->c_str(),
-               m.plan.describe().c_str(), m.int8_dense ? "int8" : "bf16",
+               m.plan.describe().c_str(), dense_name(m.dense),
                m.embed_host ? ", embedding in host memory" : "",
                m.all_resident ? "all resident" : "under the budget (islands < experts)");
   return Result<std::unique_ptr<CudaEngine>>(std::move(eng));
@@ -932,13 +1007,31 @@ Status CudaEngine::Impl::start_host_share() {
   const ShareMemory mem{reinterpret_cast<ShareSlot*>(share_host), reinterpret_cast<uint16_t*>(share_host + slots),
                         reinterpret_cast<float*>(share_host + slots + xs)};
   share = std::make_unique<HostShare>(layout, Lm, E, std::move(blobs), mem, threads);
-  const double host_us = opts.host_expert_us > 0 ? opts.host_expert_us : share->measure_us();
+  // The least of three measures a tenth of a second apart: the table stands
+  // for the process's life, and the system may be busy just then (on the
+  // GPU machine a measure right after another engine let go of its pinned
+  // experts once took 6 ms an expert against 120-170 us).
+  double host_us = opts.host_expert_us;
+  if (host_us <= 0) {
+    host_us = share->measure_us();
+    for (int i = 1; i < 3; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      host_us = std::min(host_us, share->measure_us());
+    }
+  }
   auto link = measure_link_us();
   if (!link) return make_error(link.error());
   link_us = *link;
   // Row steps of whole down-projection groups and of the host's 64-input runs.
   const int step = std::lcm(64, layout.down.group);
   const std::vector<uint16_t> rows = share_rows_table(K, layout.inter, step, link_us, host_us, kShareFixedUs);
+  if (opts.host_experts == "auto" && std::all_of(rows.begin(), rows.end(), [](uint16_t r) { return r == 0; })) {
+    share.reset();  // the link alone is as quick: no team spinning for nothing
+    std::fprintf(stderr,
+                 "moe-worker: batch-1 misses stay on the link (%.0f us an expert; the host's %d threads %.0f us)\n",
+                 link_us, threads, host_us);
+    return {};
+  }
   MOE_CUDA_TRY(cudaMemcpy(share_rows, rows.data(), rows.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
   std::string t;
   for (size_t m = 1; m < rows.size(); ++m) {
@@ -1072,12 +1165,15 @@ Status CudaEngine::Impl::release_experts(int ml) {
 
 Status CudaEngine::Impl::gemv(const DenseW& W, const bf16* xin, float* y, int n, bool acc, const float* gate,
                               int gate_stride) {
+  if (W.q4) return cuda::dense_gemv_q4(W.q4, W.q4m, xin, y, n, acc, gate, gate_stride, st);
   if (W.q) return cuda::dense_gemv_i8(W.q, W.scale, xin, y, n, W.rows, W.cols, acc, gate, gate_stride, st);
   return cuda::dense_gemv_bf16(W.w, xin, y, n, W.rows, W.cols, acc, gate, gate_stride, st);
 }
 
 Status CudaEngine::Impl::gemv_rmsnorm(const DenseW& W, const float* xf, const bf16* norm_w, bf16* xn_out, float* y,
                                       int n) {
+  if (W.q4)
+    return cuda::dense_gemv_q4_rmsnorm(W.q4, W.q4m, xf, norm_w, d.rms_eps, xn_out, y, n, false, nullptr, 0, st);
   if (W.q)
     return cuda::dense_gemv_i8_rmsnorm(W.q, W.scale, xf, norm_w, d.rms_eps, xn_out, y, n, W.rows, W.cols, false,
                                        nullptr, 0, st);
@@ -1086,6 +1182,7 @@ Status CudaEngine::Impl::gemv_rmsnorm(const DenseW& W, const float* xf, const bf
 
 Status CudaEngine::Impl::gemv_silu(const DenseW& W, const float* gu_in, int stride, float* y, int n,
                                    const float* gate) {
+  if (W.q4) return cuda::dense_gemv_q4_silu(W.q4, W.q4m, gu_in, stride, y, n, true, gate, stride, st);
   if (W.q)
     return cuda::dense_gemv_i8_silu(W.q, W.scale, gu_in, stride, y, n, W.rows, W.cols, true, gate, stride, st);
   return cuda::dense_gemv_bf16_silu(W.w, gu_in, stride, y, n, W.rows, W.cols, true, gate, stride, st);
@@ -1094,7 +1191,10 @@ Status CudaEngine::Impl::gemv_silu(const DenseW& W, const float* gu_in, int stri
 Status CudaEngine::Impl::project(const DenseW& W, const bf16* xin, float* y, int n, bool acc) {
   if (n <= cuda::kGemvMaxTokens) return gemv(W, xin, y, n, acc, nullptr, 0);
   const bf16* w = W.w;
-  if (W.q) {
+  if (W.q4) {
+    if (Status s = cuda::dequantize_q4(W.q4, W.q4m, dequant, st); !s) return s;
+    w = dequant;
+  } else if (W.q) {
     if (Status s = cuda::dequantize_rows_i8(W.q, W.scale, W.rows, W.cols, dequant, st); !s) return s;
     w = dequant;
   }
@@ -1268,8 +1368,8 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
   const auto* rows = reinterpret_cast<const int32_t*>(pack_dev + pk.sample_rows);
   if (Status e = cuda::gather_rows_f32(x, rows, s, H, xs, st); !e) return e;
   if (Status e = cuda::rmsnorm(xs, final_norm, xsn, s, H, eps, st); !e) return e;
-  if (lm_head.q) {
-    // The INT8 vocabulary projection is too large to turn back into bf16:
+  if (lm_head.quantised()) {
+    // The quantised vocabulary projection is too large to turn back into bf16:
     // GEMVs of up to 8 rows.
     for (int r0 = 0; r0 < s; r0 += cuda::kGemvMaxTokens)
       if (Status e = gemv(lm_head, xsn + size_t(r0) * H, logits + size_t(r0) * V,
@@ -1571,7 +1671,7 @@ CudaExpertStats CudaEngine::expert_stats() const {
   if (m.map) s.residency = m.map->stats();
   s.islands_total = m.plan.n_islands;
   s.all_resident = m.all_resident;
-  s.int8_dense = m.int8_dense;
+  s.dense_weights = dense_name(m.dense);
   s.host_embedding = m.embed_host;
   s.host_experts_served = m.host_experts_served;
   s.host_expert_tokens = m.host_expert_tokens;

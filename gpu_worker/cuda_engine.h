@@ -34,8 +34,11 @@ struct CudaEngineOptions {
   bool graphs = true;           // resident mode: replay decode steps as CUDA graphs
   int fuse_max_tokens = 4;      // up to this many tokens RMSNorm / SiLU are folded into the GEMVs (0..8)
   int q4_group = 64;            // quantising a checkpoint whose experts are not INT4 yet
-  // Non-expert matrices: bf16, int8 (one scale per row; the embedding stays
-  // bf16), or auto: bf16 when every expert fits beside it, else int8.
+  // Non-expert matrices: bf16, int8 (one scale per row), int4 (groups of 64
+  // inputs, docs/int4-experts.md; the router's rows and lm_head stay int8,
+  // a matrix narrower than 32-input runs too), or auto: the widest that
+  // leaves every expert resident, else int4 (the most islands). The
+  // embedding stays bf16.
   std::string dense_weights = "auto";
   // Under a budget (not every expert fits), keep the embedding in mapped
   // pinned host memory: a step reads one row per token over the link, and
@@ -46,11 +49,12 @@ struct CudaEngineOptions {
   // the first rows of every miss, by a table fixed at start from the two
   // measured rates (gpu_worker/host_share.h); copy mode: whole misses, per
   // layer on the host's running clock. host_threads 0: every hardware
-  // thread but two (stream) or all (copy). Off by default: which rows the
-  // host computes (f32, the GPU half2) follows this machine's timings, and
-  // so may the last bits of the logits; and the gain depends on the host's
-  // memory (docs/cuda-worker.md).
-  bool host_experts = false;
+  // thread but two (stream) or all (copy). "on", "off", or "auto": on where
+  // the rates measured at start give the host any rows (in copy mode, where
+  // the host has at least two threads). Which rows the host computes (f32,
+  // the GPU half2) follows this machine's timings, and so may the last bits
+  // of the logits; "off" keeps a budget run bit-identical to a resident one.
+  std::string host_experts = "auto";
   // Under a budget, how decode passes (up to 8 tokens, not a prompt) meet a
   // miss: "stream", the expert kernels read it from pinned host memory over
   // the link (no host round trip inside the pass, so the pass is a CUDA
@@ -75,7 +79,7 @@ struct CudaExpertStats {
   ResidencyStats residency;
   int64_t islands_total = 0;
   bool all_resident = false;
-  bool int8_dense = false;      // non-expert matrices in INT8
+  std::string dense_weights = "bf16";  // the non-expert matrices' dtype: bf16, int8 or int4
   bool host_embedding = false;  // the embedding in host memory (under a budget)
   uint64_t host_experts_served = 0;  // (layer, expert) misses computed on the host instead of copied
   uint64_t host_expert_tokens = 0;   // their (token, expert) pairs

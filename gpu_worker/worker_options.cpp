@@ -88,16 +88,16 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
         return make_error("option --expert-policy takes lru, lfu or ours, got '" + value + "'");
       o.expert_policy = value;
     } else if (name == "--dense-weights") {
-      if (value != "auto" && value != "bf16" && value != "int8")
-        return make_error("option --dense-weights takes auto, bf16 or int8, got '" + value + "'");
+      if (value != "auto" && value != "bf16" && value != "int8" && value != "int4")
+        return make_error("option --dense-weights takes auto, bf16, int8 or int4, got '" + value + "'");
       o.dense_weights = value;
     } else if (name == "--prefetch") {
       if (value != "on" && value != "off") return make_error("option --prefetch takes on or off, got '" + value + "'");
       o.prefetch = value == "on";
     } else if (name == "--host-experts") {
-      if (value != "on" && value != "off")
-        return make_error("option --host-experts takes on or off, got '" + value + "'");
-      o.host_experts = value == "on";
+      if (value != "auto" && value != "on" && value != "off")
+        return make_error("option --host-experts takes auto, on or off, got '" + value + "'");
+      o.host_experts = value;
     } else if (name == "--misses") {
       if (value != "stream" && value != "copy")
         return make_error("option --misses takes stream or copy, got '" + value + "'");
@@ -126,12 +126,13 @@ std::string worker_usage() {
          "  --max-step-tokens N     tokens per forward pass; larger steps run as several (cuda, default 512)\n"
          "  --expert-policy P       expert eviction under a budget: lru, lfu or ours (cuda, default ours)\n"
          "  --prefetch on|off       copy the next layer's predicted experts ahead (cuda, default on)\n"
-         "  --dense-weights W       non-expert matrices: bf16, int8 (per-row scales), or auto (default):\n"
-         "                          bf16 when every expert fits the budget beside it, else int8 (cuda)\n"
-         "  --host-experts on|off   under a budget, the host's cores compute part of a decode step's missed\n"
-         "                          experts while the link brings the rest, split by speeds measured at\n"
-         "                          start (cuda, default off; when on, the last bits of the outputs depend\n"
-         "                          on this machine's timings)\n"
+         "  --dense-weights W       non-expert matrices: bf16, int8 (per-row scales), int4 (groups of 64;\n"
+         "                          router and lm_head stay int8), or auto (default): the widest that leaves\n"
+         "                          every expert resident within the budget, else int4 (cuda)\n"
+         "  --host-experts auto|on|off  under a budget, the host's cores compute part of a decode step's\n"
+         "                          missed experts while the link brings the rest, split by speeds measured\n"
+         "                          at start (cuda; auto, the default: where those speeds give the host a\n"
+         "                          share; the last bits of the outputs then follow this machine's timings)\n"
          "  --misses stream|copy    under a budget, a decode step's missed experts are read by the kernels\n"
          "                          from pinned host memory over the link (stream, default), or copied\n"
          "                          into islands first (copy; the mode --prefetch and --host-experts act in)\n"

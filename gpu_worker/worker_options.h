@@ -22,8 +22,8 @@ struct WorkerOptions {
   int max_step_tokens = 512;           // --max-step-tokens (cuda: tokens per forward pass)
   std::string expert_policy = "ours";  // --expert-policy lru|lfu|ours (cuda)
   bool prefetch = true;                // --prefetch on|off (cuda, under a budget)
-  std::string dense_weights = "auto";  // --dense-weights auto|bf16|int8 (cuda)
-  bool host_experts = false;           // --host-experts on|off (cuda, under a budget)
+  std::string dense_weights = "auto";  // --dense-weights auto|bf16|int8|int4 (cuda)
+  std::string host_experts = "auto";   // --host-experts auto|on|off (cuda, under a budget)
   std::string misses = "stream";       // --misses stream|copy (cuda, under a budget)
 };
 

@@ -9,10 +9,12 @@
 // uniformly (CudaEngineOptions::uniform_routing_seed), the load the offload
 // targets are stated for. GPU memory is the process's, from nvidia-smi.
 //   moe-bench-engine [--shape qwen15|qwen3|all] [--vram-budget 12GiB[,8GiB]]
-//                    [--routing router|uniform|router,uniform] [--host-experts on|off]
+//                    [--routing router|uniform|router,uniform] [--host-experts auto|on|off]
 //                    [--misses stream|copy] [--threads N]
 //                    [--steps N] [--prompt N] [--policy P] [--prefetch on|off]
-//                    [--dense-weights auto|bf16|int8] [--json PATH]
+//                    [--dense-weights auto|bf16|int8|int4]
+//                    [--budget-dense-weights auto|bf16|int8|int4] [--json PATH]
+// --budget-dense-weights: the dtype under a budget (default: --dense-weights).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -41,9 +43,10 @@ struct Options {
   std::string policy = "ours";
   bool prefetch = true;
   std::string dense_weights = "auto";
+  std::string budget_dense_weights;  // empty: dense_weights
   int fuse_max_tokens = 4;
   std::vector<std::string> routings = {"router"};
-  bool host_experts = false;
+  std::string host_experts = "auto";
   std::string misses = "stream";
   int threads = 0;
   std::string json;
@@ -179,8 +182,9 @@ int usage() {
   std::fprintf(stderr,
                "usage: moe-bench-engine [--shape qwen15|qwen3|all] [--vram-budget 12GiB[,8GiB...]] [--steps N]\n"
                "                        [--context N] [--prompt N] [--policy lru|lfu|ours] [--prefetch on|off]\n"
-               "                        [--dense-weights auto|bf16|int8] [--fuse-max-tokens N]\n"
-               "                        [--routing router|uniform|router,uniform] [--host-experts on|off]\n"
+               "                        [--dense-weights auto|bf16|int8|int4] [--fuse-max-tokens N]\n"
+               "                        [--budget-dense-weights auto|bf16|int8|int4]\n"
+               "                        [--routing router|uniform|router,uniform] [--host-experts auto|on|off]\n"
                "                        [--misses stream|copy] [--threads N]\n"
                "                        [--json PATH]\n");
   return 2;
@@ -200,9 +204,10 @@ int main(int argc, char** argv) {
     else if (a == "--policy") o.policy = val();
     else if (a == "--prefetch") o.prefetch = val() == "on";
     else if (a == "--dense-weights") o.dense_weights = val();
+    else if (a == "--budget-dense-weights") o.budget_dense_weights = val();
     else if (a == "--fuse-max-tokens") o.fuse_max_tokens = std::atoi(val().c_str());
     else if (a == "--json") o.json = val();
-    else if (a == "--host-experts") o.host_experts = val() == "on";
+    else if (a == "--host-experts") o.host_experts = val();
     else if (a == "--misses") o.misses = val();
     else if (a == "--threads") o.threads = std::atoi(val().c_str());
     else if (a == "--routing") {
@@ -256,7 +261,7 @@ int main(int argc, char** argv) {
         eo.kv_blocks = std::max({batch * seq_blocks, prompt_blocks, gib == 0 ? 256 : 64});
         eo.policy = o.policy;
         eo.prefetch = o.prefetch;
-        eo.dense_weights = o.dense_weights;
+        eo.dense_weights = gib == 0 || o.budget_dense_weights.empty() ? o.dense_weights : o.budget_dense_weights;
         eo.fuse_max_tokens = o.fuse_max_tokens;
         eo.uniform_routing_seed = routing == "uniform" ? 0x5eed : 0;
         eo.host_experts = o.host_experts;
@@ -269,7 +274,7 @@ int main(int argc, char** argv) {
           return 1;
         }
         const std::string mode = gib == 0 ? std::string("resident") : "budget-" + std::to_string(int(gib)) + "GiB";
-        const std::string dense = std::string((*e)->expert_stats().int8_dense ? "int8" : "bf16") +
+        const std::string dense = (*e)->expert_stats().dense_weights +
                                   ((*e)->expert_stats().host_embedding ? ", embedding on host" : "");
         std::printf("  %s, %s routing: engine ready in %.1f s, %lld islands, dense weights %s\n", mode.c_str(),
                     routing.c_str(), std::chrono::duration<double>(Clock::now() - t1).count(),

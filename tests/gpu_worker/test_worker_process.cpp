@@ -400,7 +400,7 @@ TEST_CASE("moe-worker refuses bad command lines clearly", "[worker]") {
   CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --vram-budget 8Q") == 2);
   CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --expert-policy fifo") == 2);
   CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --host-experts maybe") == 2);
-  CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --dense-weights int4") == 2);
+  CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --dense-weights int2") == 2);
   // The cuda backend without a model (or, in CI, without a device) fails to start, saying why.
   CHECK(run("--model /nonexistent --socket /tmp/moe-worker-test-nonexistent.sock --backend cuda") == 1);
   CHECK(run("--model /nonexistent --socket /tmp/moe-worker-test-nonexistent.sock") == 1);
