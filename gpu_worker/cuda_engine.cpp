@@ -293,6 +293,14 @@ struct CudaEngine::Impl {
   uint32_t* pass_host = nullptr;     // pinned
   uint32_t share_pass_no = 0;
   bool sharing = false;              // this pass
+  // Misses a MoE layer of recent batch-1 streamed passes (a moving average,
+  // from "many" at start). A shared layer runs two more kernels (~4 µs:
+  // the Qwen3 shape at 12 GiB with the router's routing, 0.03 misses a
+  // layer, went 387 -> 362 tok/s sharing every pass), and a miss the host
+  // takes rows of saves ~a third of its 53 µs over the link: passes share
+  // from a quarter of a miss a layer on.
+  double share_misses = 8;
+  static constexpr double kShareMinMisses = 0.25;
   static constexpr double kShareFixedUs = 8;   // post and collect, over the link both ways
   static constexpr int kShareTimeoutMs = 5000;  // the host gone this long: the device traps
   Status start_host_share();
@@ -313,7 +321,8 @@ struct CudaEngine::Impl {
   std::vector<int32_t> free_blocks;
   int kv_blocks = 0;
 
-  // ---- Decode graphs (resident mode), keyed by batch size
+  // ---- Decode graphs (resident and streamed passes), keyed by batch size
+  // and whether the host shares the pass (2 n + sharing)
   struct Graph {
     int seen = 0;
     cudaGraphExec_t exec = nullptr;
@@ -1119,6 +1128,7 @@ Status CudaEngine::Impl::after_streamed_pass(int n) {
   // ids_host holds every layer's routes of the pass. An expert was a hit
   // when the pass read it from an island.
   std::vector<ExpertKey> streamed;
+  int missed = 0;
   for (int ml = 0; ml < Lm; ++ml) {
     const std::vector<int> used = distinct_experts(ids_host + size_t(ml) * n * K, n * K, E);
     const std::vector<int32_t>* host = sharing ? &share->taken(ml) : nullptr;
@@ -1133,12 +1143,14 @@ Status CudaEngine::Impl::after_streamed_pass(int n) {
         how = Served::host;
       map->note_use(key, how);
       if (how == Served::island) continue;
+      ++missed;
       if (how == Served::streamed) bytes_streamed += layout.blob_bytes;
       if (how == Served::host)  // the rows the host left streamed
         bytes_streamed += layout.blob_bytes * size_t(layout.inter - share->taken_rows(ml)) / size_t(layout.inter);
       if (i < 0) streamed.push_back(key);
     }
   }
+  if (n == 1) share_misses = 0.9 * share_misses + 0.1 * double(missed) / double(Lm);
   // The streamed experts the policy finds worth an island, copied in now;
   // an evicted expert streams from the next pass on.
   int budget = opts.stream_admit_per_pass;
@@ -1498,7 +1510,7 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     // The host's share: its threads serve this pass's layers as the GPU
     // posts them; on every way out of the pass they are done with it (or
     // abandon it when the pass failed).
-    m.sharing = m.streaming && m.share && n == 1;
+    m.sharing = m.streaming && m.share && n == 1 && m.share_misses >= Impl::kShareMinMisses;
     struct ShareScope {  // left with s set only when the pass failed
       HostShare* s = nullptr;
       ~ShareScope() {
@@ -1514,7 +1526,7 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     }
     Impl::Graph* g = nullptr;
     if (pure_decode && (m.all_resident || m.streaming) && m.opts.graphs) {
-      g = &m.graphs[n];
+      g = &m.graphs[2 * n + (m.sharing ? 1 : 0)];
       if (!g->exec && g->seen++ >= 1) {
         cudaGraph_t graph = nullptr;
         MOE_CUDA_TRY(cudaStreamBeginCapture(m.st, cudaStreamCaptureModeThreadLocal));
