@@ -132,6 +132,32 @@ __device__ void stage_input(const GemvIn& in, int k, uint4* xs) {
   }
 }
 
+// A warp's sums for its rows and every token, reduced over the lanes and
+// written by lane 0: times the row's scale (int8 weights), times the token's
+// gate, added to y or written.
+template <int T>
+__device__ __forceinline__ void store_rows(float (&acc)[kRowsPerWarp][T], int row0, int n_out, float* y,
+                                           bool accumulate, const float* gate, int gate_stride,
+                                           const float* row_scale) {
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+    for (int t = 0; t < T; ++t) acc[r][t] = detail::warp_sum(acc[r][t]);
+  if ((threadIdx.x & 31) != 0) return;
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    if (row0 + r >= n_out) break;
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      float v = acc[r][t];
+      if (row_scale) v *= row_scale[r];
+      if (gate) v *= detail::sigmoid(gate[size_t(t) * gate_stride]);
+      float* o = y + size_t(t) * n_out + row0 + r;
+      *o = accumulate ? *o + v : v;
+    }
+  }
+}
+
 // How a 16-byte run of weights turns into floats: kChunks chunks of 8.
 template <typename W>
 struct WeightRun;
@@ -266,24 +292,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r) cur[r][u] = nxt[r][u];
   }
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r)
-#pragma unroll
-    for (int t = 0; t < T; ++t) acc[r][t] = detail::warp_sum(acc[r][t]);
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      if (row0 + r >= n_out) break;
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        float v = acc[r][t];
-        if constexpr (kScaled) v *= scale_s[threadIdx.x >> 5][r];
-        if (gate) v *= detail::sigmoid(gate[size_t(t) * gate_stride]);
-        float* o = y + size_t(t) * n_out + row0 + r;
-        *o = accumulate ? *o + v : v;
-      }
-    }
-  }
+  store_rows<T>(acc, row0, n_out, y, accumulate, gate, gate_stride, kScaled ? scale_s[threadIdx.x >> 5] : nullptr);
 }
 
 template <typename W, int T, In MODE>
@@ -314,16 +323,6 @@ Status launch_gemv(const GemvWeights& wa, const GemvIn& in, float* y, int n_out,
 // Shared layout: halves [T][4][k/32] uint4 (word w of chunk c: inputs
 // 8w..8w+7 as (x0,x4) (x1,x5) (x2,x6) (x3,x7), the order one 32-bit code word
 // unpacks into), then (m, sum) [T][k/32] float2.
-__device__ __forceinline__ half2 u32_as_h2(uint32_t u) {
-  half2 h;
-  memcpy(&h, &u, 4);
-  return h;
-}
-__device__ __forceinline__ uint32_t h2_as_u32(half2 h) {
-  uint32_t u;
-  memcpy(&u, &h, 4);
-  return u;
-}
 
 template <int T, In MODE>
 __device__ void stage_q4_input(const GemvIn& in, int k, uint4* xh, float2* stats) {
@@ -357,10 +356,10 @@ __device__ void stage_q4_input(const GemvIn& in, int k, uint4* xh, float2* stats
       const float s = m > 0.f ? 1.f / m : 0.f;
       const int c = i0 / 32, w = (i0 / 8) & 3;
       uint4 h;
-      h.x = h2_as_u32(__floats2half2_rn(v[0] * s, v[4] * s));
-      h.y = h2_as_u32(__floats2half2_rn(v[1] * s, v[5] * s));
-      h.z = h2_as_u32(__floats2half2_rn(v[2] * s, v[6] * s));
-      h.w = h2_as_u32(__floats2half2_rn(v[3] * s, v[7] * s));
+      h.x = detail::half2_bits(__floats2half2_rn(v[0] * s, v[4] * s));
+      h.y = detail::half2_bits(__floats2half2_rn(v[1] * s, v[5] * s));
+      h.z = detail::half2_bits(__floats2half2_rn(v[2] * s, v[6] * s));
+      h.w = detail::half2_bits(__floats2half2_rn(v[3] * s, v[7] * s));
       xh[(t * 4 + w) * nchunks + c] = h;
       if (w == 0) stats[t * nchunks + c] = make_float2(m, sum);
     }
@@ -426,11 +425,11 @@ __global__ void __launch_bounds__(kThreads)
         for (int w = 0; w < 4; ++w)
 #pragma unroll
           for (int j = 0; j < 4; ++j)
-            q[r][w][j] = __hsub2(u32_as_h2(((ws[w] >> (4 * j)) & 0x000F000Fu) | 0x64006400u), k1024);
+            q[r][w][j] = __hsub2(detail::as_half2(((ws[w] >> (4 * j)) & 0x000F000Fu) | 0x64006400u), k1024);
       }
       float2 sb[kRowsPerWarp];
 #pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) sb[r] = __half22float2(u32_as_h2(pcur[r][u]));
+      for (int r = 0; r < kRowsPerWarp; ++r) sb[r] = __half22float2(detail::as_half2(pcur[r][u]));
 #pragma unroll
       for (int t = 0; t < T; ++t) {
         const float2 st = stats[t * nchunks + c];
@@ -442,10 +441,10 @@ __global__ void __launch_bounds__(kThreads)
           half2 d0 = __float2half2_rn(0.f), d1 = d0;
 #pragma unroll
           for (int w = 0; w < 4; ++w) {
-            d0 = __hfma2(q[r][w][0], u32_as_h2(xv[w].x), d0);
-            d1 = __hfma2(q[r][w][1], u32_as_h2(xv[w].y), d1);
-            d0 = __hfma2(q[r][w][2], u32_as_h2(xv[w].z), d0);
-            d1 = __hfma2(q[r][w][3], u32_as_h2(xv[w].w), d1);
+            d0 = __hfma2(q[r][w][0], detail::as_half2(xv[w].x), d0);
+            d1 = __hfma2(q[r][w][1], detail::as_half2(xv[w].y), d1);
+            d0 = __hfma2(q[r][w][2], detail::as_half2(xv[w].z), d0);
+            d1 = __hfma2(q[r][w][3], detail::as_half2(xv[w].w), d1);
           }
           const float2 a = __half22float2(d0), b = __half22float2(d1);
           const float dot = (a.x + a.y) + (b.x + b.y);
@@ -461,23 +460,7 @@ __global__ void __launch_bounds__(kThreads)
         pcur[r][u] = pnxt[r][u];
       }
   }
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r)
-#pragma unroll
-    for (int t = 0; t < T; ++t) acc[r][t] = detail::warp_sum(acc[r][t]);
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      if (row0 + r >= n_out) break;
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        float v = acc[r][t];
-        if (gate) v *= detail::sigmoid(gate[size_t(t) * gate_stride]);
-        float* o = y + size_t(t) * n_out + row0 + r;
-        *o = accumulate ? *o + v : v;
-      }
-    }
-  }
+  store_rows<T>(acc, row0, n_out, y, accumulate, gate, gate_stride, nullptr);
 }
 
 // Shared bytes of the INT4 kernel's staged input.

@@ -2,7 +2,11 @@
 // Small device helpers shared by the kernels' .cu files (not a public API).
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
 
 namespace moe::cuda::detail {
 
@@ -40,6 +44,18 @@ template <>
 __device__ __forceinline__ float from_f<float>(float v) { return v; }
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+
+// A 32-bit word as two halves and back (INT4 codes become halves by bits).
+__device__ __forceinline__ half2 as_half2(uint32_t u) {
+  half2 h;
+  memcpy(&h, &u, 4);
+  return h;
+}
+__device__ __forceinline__ uint32_t half2_bits(half2 h) {
+  uint32_t u;
+  memcpy(&u, &h, 4);
+  return u;
+}
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
 __device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + __expf(-v)); }

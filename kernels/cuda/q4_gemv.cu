@@ -11,6 +11,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_check.cuh"
+#include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/q4_gemv.cuh"
 
@@ -24,16 +25,8 @@ constexpr int kMaxFastChunks = 128;  // 4 chunks per lane: K <= 4096
 __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
 
-__device__ __forceinline__ half2 as_h2(uint32_t u) {
-  half2 h;
-  memcpy(&h, &u, 4);
-  return h;
-}
-__device__ __forceinline__ uint32_t as_u32(half2 h) {
-  uint32_t u;
-  memcpy(&u, &h, 4);
-  return u;
-}
+using detail::as_half2;
+using detail::half2_bits;
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -113,8 +106,8 @@ __device__ void stage_fast(const XT* __restrict__ x, int nchunks, int nvec, uint
         const float l0 = odd ? w[2] : v[j][0], h0 = odd ? v[j][2] : w[0];
         const float l1 = odd ? w[3] : v[j][1], h1 = odd ? v[j][3] : w[1];
         uint2 u;
-        u.x = as_u32(__floats2half2_rn(l0 * inv, h0 * inv));
-        u.y = as_u32(__floats2half2_rn(l1 * inv, h1 * inv));
+        u.x = half2_bits(__floats2half2_rn(l0 * inv, h0 * inv));
+        u.y = half2_bits(__floats2half2_rn(l1 * inv, h1 * inv));
         reinterpret_cast<uint2*>(xs + (sub >> 1) * nchunks + c)[odd] = u;
         if (sub == 0) reinterpret_cast<float2*>(vb + size_t(nchunks) * 64)[c] = make_float2(m, sm);
       }
@@ -137,14 +130,14 @@ __device__ __forceinline__ float chunk_dot(const uint4 w, const uint4* xs, int n
     const uint4 xv = xs[q * nchunks + c];
     const uint32_t wq = ws[q];
     // 0x6400 | n is the half 1024 + n: OR in the exponent, subtract 1024.
-    const half2 a0 = __hsub2(as_h2((wq & 0x000F000Fu) | 0x64006400u), k1024);
-    const half2 a1 = __hsub2(as_h2(((wq >> 4) & 0x000F000Fu) | 0x64006400u), k1024);
-    const half2 a2 = __hsub2(as_h2(((wq >> 8) & 0x000F000Fu) | 0x64006400u), k1024);
-    const half2 a3 = __hsub2(as_h2(((wq >> 12) & 0x000F000Fu) | 0x64006400u), k1024);
-    d0 = __hfma2(a0, as_h2(xv.x), d0);
-    d1 = __hfma2(a1, as_h2(xv.y), d1);
-    d0 = __hfma2(a2, as_h2(xv.z), d0);
-    d1 = __hfma2(a3, as_h2(xv.w), d1);
+    const half2 a0 = __hsub2(as_half2((wq & 0x000F000Fu) | 0x64006400u), k1024);
+    const half2 a1 = __hsub2(as_half2(((wq >> 4) & 0x000F000Fu) | 0x64006400u), k1024);
+    const half2 a2 = __hsub2(as_half2(((wq >> 8) & 0x000F000Fu) | 0x64006400u), k1024);
+    const half2 a3 = __hsub2(as_half2(((wq >> 12) & 0x000F000Fu) | 0x64006400u), k1024);
+    d0 = __hfma2(a0, as_half2(xv.x), d0);
+    d1 = __hfma2(a1, as_half2(xv.y), d1);
+    d0 = __hfma2(a2, as_half2(xv.z), d0);
+    d1 = __hfma2(a3, as_half2(xv.w), d1);
   }
   const float2 f0 = __half22float2(d0), f1 = __half22float2(d1);
   return (f0.x + f0.y) + (f1.x + f1.y);
