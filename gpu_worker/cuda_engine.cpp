@@ -410,6 +410,7 @@ struct CudaEngine::Impl {
 Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
   const ModelWeights& w = *host_weights;
   lm_head = DenseW{};
+  bool head_is_embed = false;  // a tied bf16 lm_head is the embedding, stored once
   std::vector<uint16_t> buf;
   auto put = [&](bf16** dst, const std::vector<uint16_t>& data) -> Status {
     *dst = c.take<bf16>(data.size());
@@ -432,9 +433,11 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
     for (const Linear* p : parts) rows += p->out;
     dst->rows = rows;
     dst->cols = cols;
-    // The INT4 GEMV reads 32-input runs of a row, each inside one group: a
-    // width not a multiple of 32 goes to INT8 instead.
-    if (dense == DenseDtype::int4 && !keep_int8 && cols % 32 == 0) {
+    // The INT4 GEMV reads 32-input runs of a row, each inside one group, and
+    // stages its input in shared memory: a width not a multiple of 32, or
+    // too wide for 8 tokens' staging, goes to INT8 instead.
+    if (dense == DenseDtype::int4 && !keep_int8 && cols % 32 == 0 &&
+        cols <= cuda::dense_gemv_q4_max_k(cuda::kGemvMaxTokens)) {
       dequant_elems = std::max(dequant_elems, dst->elems());
       dst->q4m = q4_matrix_layout(rows, cols, kDenseQ4Group);
       auto* blob = c.take<uint8_t>(q4_matrix_bytes(dst->q4m));
@@ -565,10 +568,13 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
     if (Status s = linear(&e, {&w.embed}, 0); !s) return s;
     embed = const_cast<bf16*>(e.w);
     dense = was;
-    if (d.tie_embeddings && dense == DenseDtype::bf16) lm_head = e;
+    if (d.tie_embeddings && dense == DenseDtype::bf16) {
+      lm_head = e;
+      head_is_embed = true;  // (the measuring carve's pointers are null: test this, not lm_head)
+    }
   }
   if (Status s = vec(&final_norm, w.final_norm); !s) return s;
-  if (!lm_head) {
+  if (!head_is_embed) {
     const size_t before = dequant_elems;  // lm_head runs as GEMVs only
     if (Status s = linear(&lm_head, {d.tie_embeddings ? &w.embed : &w.lm_head}, 0, true); !s) return s;
     dequant_elems = before;
@@ -1036,6 +1042,9 @@ Status CudaEngine::Impl::start_host_share() {
   const std::vector<uint16_t> rows = share_rows_table(K, layout.inter, step, link_us, host_us, kShareFixedUs);
   if (opts.host_experts == "auto" && std::all_of(rows.begin(), rows.end(), [](uint16_t r) { return r == 0; })) {
     share.reset();  // the link alone is as quick: no team spinning for nothing
+    for (void* p : {static_cast<void*>(share_host), static_cast<void*>(pass_host)}) (void)cudaFreeHost(p);
+    share_host = nullptr;
+    pass_host = nullptr;
     std::fprintf(stderr,
                  "moe-worker: batch-1 misses stay on the link (%.0f us an expert; the host's %d threads %.0f us)\n",
                  link_us, threads, host_us);

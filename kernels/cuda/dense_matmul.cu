@@ -353,7 +353,7 @@ __device__ void stage_q4_input(const GemvIn& in, int k, uint4* xh, float2* stats
       sum += __shfl_xor_sync(0xffffffffu, sum, o);
     }
     if (on) {
-      const float s = m > 0.f ? 1.f / m : 0.f;
+      const float s = m > 1e-30f ? 1.f / m : 0.f;  // a chunk this small adds nothing; 1 / m would overflow
       const int c = i0 / 32, w = (i0 / 8) & 3;
       uint4 h;
       h.x = detail::half2_bits(__floats2half2_rn(v[0] * s, v[4] * s));
@@ -463,8 +463,9 @@ __global__ void __launch_bounds__(kThreads)
   store_rows<T>(acc, row0, n_out, y, accumulate, gate, gate_stride, nullptr);
 }
 
-// Shared bytes of the INT4 kernel's staged input.
+// Shared bytes of the INT4 kernel's staged input, and the most it may take.
 size_t q4_stage_bytes(int tokens, int k) { return size_t(tokens) * (k / 32) * (64 + 8); }
+constexpr size_t kMaxStageBytes = 200 * 1024;
 
 template <int T, In MODE>
 Status launch_gemv_q4(const GemvWeights& wa, const GemvIn& in, float* y, int n_out, int k, bool acc,
@@ -628,7 +629,7 @@ Status gemv_dispatch(const GemvWeights& wa, const GemvIn& in, float* y, int toke
                      "inputs");
   else
     MOE_CUDA_REQUIRE(n_out > 0 && k > 0 && k % 8 == 0, "k must be a positive multiple of 8");
-  MOE_CUDA_REQUIRE((kQ4 ? q4_stage_bytes(tokens, k) : size_t(tokens) * k * 2) <= 200 * 1024,
+  MOE_CUDA_REQUIRE((kQ4 ? q4_stage_bytes(tokens, k) : size_t(tokens) * k * 2) <= kMaxStageBytes,
                    "tokens * k too large for shared memory");
   MOE_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(wa.w) % 16 == 0, "w must be 16-byte aligned");
   MOE_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(wa.params) % 4 == 0, "INT4 params must be 4-byte aligned");
@@ -866,6 +867,10 @@ Status dense_gemv_i8_silu(const int8_t* w, const float* row_scale, const float* 
                           int gate_stride, cudaStream_t stream) {
   return gemv_silu_in<int8_t>(i8_weights(w, row_scale), gate_up, gate_up_stride, y, tokens, n_out, k, accumulate,
                               gate_logits, gate_stride, stream);
+}
+
+int dense_gemv_q4_max_k(int tokens) {
+  return int(kMaxStageBytes / (size_t(std::max(tokens, 1)) * (64 + 8))) * 32;
 }
 
 Status dense_gemv_q4(const uint8_t* blob, const Q4MatrixLayout& m, const __nv_bfloat16* x, float* y, int tokens,

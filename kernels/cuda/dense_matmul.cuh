@@ -60,10 +60,13 @@ Status dense_gemv_i8_silu(const int8_t* w, const float* row_scale, const float* 
                           int gate_stride, cudaStream_t stream);
 
 // INT4 weights: matrix `m` (n_out = m.rows, k = m.cols) of `blob`, codes
-// 16-byte aligned, m.cols a multiple of 32 and m.group a multiple of 32 (a
-// 16-byte run of codes lies in one group). Each weight is code * scale +
-// bias in f32, so against the dequantised matrix only the summation order
-// differs (~1e-6 relative). A quarter of bf16's bytes, plus 4 a group.
+// 16-byte aligned, m.cols a multiple of 32 and at most dense_gemv_q4_max_k
+// (the staged input's shared memory), m.group a power-of-two multiple of 32
+// (a 16-byte run of codes lies in one group). A chunk of 32 inputs is
+// summed in half2 against the codes, inputs scaled by the chunk's max |x|,
+// then scale and bias applied in f32: ~1e-3 relative against the
+// dequantised matrix. A quarter of bf16's bytes, plus 4 a group.
+int dense_gemv_q4_max_k(int tokens);
 Status dense_gemv_q4(const uint8_t* blob, const Q4MatrixLayout& m, const __nv_bfloat16* x, float* y, int tokens,
                      bool accumulate, const float* gate_logits, int gate_stride, cudaStream_t stream);
 Status dense_gemv_q4_rmsnorm(const uint8_t* blob, const Q4MatrixLayout& m, const float* x_f32,

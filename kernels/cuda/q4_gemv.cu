@@ -91,7 +91,7 @@ __device__ void stage_fast(const XT* __restrict__ x, int nchunks, int nvec, uint
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
         sm += __shfl_xor_sync(0xffffffffu, sm, o);
       }
-      const float inv = m > 0.f ? 1.f / m : 0.f;
+      const float inv = m > 1e-30f ? 1.f / m : 0.f;  // a chunk this small adds nothing; 1 / m would overflow
       // Word q = subs 2q (inputs 0..3) and 2q+1 (inputs 4..7): swap with the
       // partner, then the even sub writes (x0,x4) (x1,x5), the odd (x2,x6) (x3,x7).
       float w[4];
