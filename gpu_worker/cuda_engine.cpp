@@ -433,6 +433,12 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
     for (const Linear* p : parts) rows += p->out;
     dst->rows = rows;
     dst->cols = cols;
+    // The parts' rows as bf16 bits in buf, zero rows after (uploads only).
+    auto stack_rows = [&] {
+      buf.clear();
+      for (const Linear* p : parts) append_bf16_rows(*p, buf);
+      buf.resize(dst->elems(), 0);
+    };
     // The INT4 GEMV reads 32-input runs of a row, each inside one group, and
     // stages its input in shared memory: a width not a multiple of 32, or
     // too wide for 8 tokens' staging, goes to INT8 instead.
@@ -443,9 +449,7 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
       auto* blob = c.take<uint8_t>(q4_matrix_bytes(dst->q4m));
       dst->q4 = blob;
       if (!upload) return {};
-      buf.clear();
-      for (const Linear* p : parts) append_bf16_rows(*p, buf);
-      buf.resize(dst->elems(), 0);
+      stack_rows();
       std::vector<uint8_t> host(q4_matrix_bytes(dst->q4m));
       quantize_rows_q4_host(buf.data(), dst->q4m, host.data());
       MOE_CUDA_TRY(cudaMemcpy(blob, host.data(), host.size(), cudaMemcpyHostToDevice));
@@ -460,9 +464,7 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
       dst->q = qd;
       dst->scale = sd;
       if (!upload) return {};
-      buf.clear();
-      for (const Linear* p : parts) append_bf16_rows(*p, buf);
-      buf.resize(dst->elems(), 0);
+      stack_rows();
       std::vector<int8_t> qh(dst->elems());
       std::vector<float> sh(static_cast<size_t>(rows));
       quantize_rows_i8_host(buf.data(), rows, cols, qh.data(), sh.data());
@@ -476,9 +478,7 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
       dst->w = wd;
       return {};
     }
-    buf.clear();
-    for (const Linear* p : parts) append_bf16_rows(*p, buf);
-    buf.resize(dst->elems(), 0);
+    stack_rows();
     Status st = put(&wd, buf);
     dst->w = wd;
     return st;
