@@ -80,6 +80,17 @@ __device__ void rms_inverse(const GemvIn& in, int k, float* inv) {
   }
 }
 
+// Eight bf16 values (16 bytes) as floats.
+__device__ __forceinline__ void bf16x8_to_float(const uint4& u, float (&f)[8]) {
+  const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 p = __bfloat1622float2(b[e]);
+    f[2 * e] = p.x;
+    f[2 * e + 1] = p.y;
+  }
+}
+
 // Inputs i0..i0+7 of token t as bf16 (the values every weight type sees):
 // 16 bytes, and in v the same values as floats.
 template <In MODE>
@@ -87,13 +98,7 @@ __device__ __forceinline__ uint4 input_run(const GemvIn& in, int k, int t, int i
   uint4 u;
   if constexpr (MODE == In::bf16) {
     u = reinterpret_cast<const uint4*>(in.x + size_t(t) * k)[i0 / 8];
-    const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 f = __bfloat1622float2(b[e]);
-      v[2 * e] = f.x;
-      v[2 * e + 1] = f.y;
-    }
+    bf16x8_to_float(u, v);
     return u;
   } else {
     if constexpr (MODE == In::rmsnorm) {
@@ -107,13 +112,9 @@ __device__ __forceinline__ uint4 input_run(const GemvIn& in, int k, int t, int i
     }
     __nv_bfloat162 b[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      b[e] = __floats2bfloat162_rn(v[2 * e], v[2 * e + 1]);
-      const float2 f = __bfloat1622float2(b[e]);
-      v[2 * e] = f.x;
-      v[2 * e + 1] = f.y;
-    }
+    for (int e = 0; e < 4; ++e) b[e] = __floats2bfloat162_rn(v[2 * e], v[2 * e + 1]);
     memcpy(&u, b, 16);
+    bf16x8_to_float(u, v);  // the rounded values, as the staged input holds them
     return u;
   }
 }
@@ -165,15 +166,7 @@ struct WeightRun;
 template <>
 struct WeightRun<__nv_bfloat16> {
   static constexpr int kChunks = 1;
-  __device__ __forceinline__ static void unpack(const uint4& v, int, float (&f)[8]) {
-    const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 p = __bfloat1622float2(b[e]);
-      f[2 * e] = p.x;
-      f[2 * e + 1] = p.y;
-    }
-  }
+  __device__ __forceinline__ static void unpack(const uint4& v, int, float (&f)[8]) { bf16x8_to_float(v, f); }
 };
 
 template <>
