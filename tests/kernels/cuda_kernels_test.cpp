@@ -115,6 +115,23 @@ std::vector<float> as_float(const std::vector<bf16>& v) {
   return o;
 }
 
+// The inputs the fused dense GEMVs make while staging, made on the CPU and
+// rounded to bf16 as the kernels stage them: RMSNorm of residual rows, and
+// SiLU(gate) * up of rows of gate|up `stride` apart.
+std::vector<float> rmsnorm_bf16(const std::vector<float>& res, const std::vector<float>& nw, int tokens, int k) {
+  std::vector<float> xn(res.size());
+  moe::cpu::rmsnorm(res.data(), nw.data(), xn.data(), tokens, k, 1e-6f);
+  return round_bf16(xn);
+}
+
+std::vector<float> silu_input_bf16(const std::vector<float>& gu, int tokens, int k, int stride) {
+  std::vector<float> h(size_t(tokens) * k);
+  for (int t = 0; t < tokens; ++t)
+    moe::cpu::silu_mul(gu.data() + size_t(t) * stride, gu.data() + size_t(t) * stride + k, h.data() + size_t(t) * k,
+                       k);
+  return round_bf16(h);
+}
+
 // An expert blob quantised from random weights.
 std::vector<uint8_t> make_expert(const moe::ExpertLayout& L, std::mt19937& rng) {
   std::vector<uint8_t> blob(L.blob_bytes, 0);
@@ -817,9 +834,7 @@ TEST_CASE("cuda bf16 dense layers (decode GEMV and cuBLASLt) match the CPU", "[c
     INFO("fused input, tokens " << tokens);
     const auto res = randn(size_t(tokens) * k, rng, 2.f);
     const auto nw = round_bf16(randn(k, rng));
-    std::vector<float> xn(res.size());
-    moe::cpu::rmsnorm(res.data(), nw.data(), xn.data(), tokens, k, 1e-6f);
-    const auto xnb = round_bf16(xn);
+    const auto xnb = rmsnorm_bf16(res, nw, tokens, k);
     std::vector<float> ref(size_t(tokens) * n_out);
     moe::cpu::matmul_bf16(xnb.data(), wbits.data(), nullptr, ref.data(), tokens, k, n_out, nullptr);
     Dev<float> dres(res), dy(ref.size());
@@ -831,11 +846,7 @@ TEST_CASE("cuda bf16 dense layers (decode GEMV and cuBLASLt) match the CPU", "[c
 
     const int stride = 2 * k + 3;
     const auto gu = randn(size_t(tokens) * stride, rng);
-    std::vector<float> h(size_t(tokens) * k);
-    for (int t = 0; t < tokens; ++t)
-      moe::cpu::silu_mul(gu.data() + size_t(t) * stride, gu.data() + size_t(t) * stride + k,
-                         h.data() + size_t(t) * k, k);
-    const auto hb = round_bf16(h);
+    const auto hb = silu_input_bf16(gu, tokens, k, stride);
     moe::cpu::matmul_bf16(hb.data(), wbits.data(), nullptr, ref.data(), tokens, k, n_out, nullptr);
     Dev<float> dgu(gu);
     REQUIRE_OK(moe::cuda::dense_gemv_bf16_silu(dw.p, dgu.p, stride, dy.p, tokens, n_out, k, false, nullptr, 0,
@@ -1051,9 +1062,7 @@ TEST_CASE("cuda int8 dense GEMVs (bf16, rmsnorm and silu inputs) match the CPU",
       const auto nw = round_bf16(randn(k, rng));
       const auto y0 = randn(size_t(tokens) * n_out, rng);
       const auto gate = randn(tokens, rng);
-      std::vector<float> xn(res.size());
-      moe::cpu::rmsnorm(res.data(), nw.data(), xn.data(), tokens, k, 1e-6f);
-      const auto xnb = round_bf16(xn);
+      const auto xnb = rmsnorm_bf16(res, nw, tokens, k);
       Dev<float> dres(res), dy(y0.size()), dg(gate);
       Dev<bf16> dnw(to_bf16(nw)), dxn(res.size());
       REQUIRE_OK(moe::cuda::dense_gemv_i8_rmsnorm(dq.p, ds.p, dres.p, dnw.p, 1e-6f, dxn.p, dy.p, tokens, n_out, k,
@@ -1080,11 +1089,7 @@ TEST_CASE("cuda int8 dense GEMVs (bf16, rmsnorm and silu inputs) match the CPU",
       const auto gu = randn(size_t(tokens) * stride, rng);
       const auto y0 = randn(size_t(tokens) * n_out, rng);
       const auto gate = randn(tokens, rng);
-      std::vector<float> h(size_t(tokens) * k);
-      for (int t = 0; t < tokens; ++t)
-        moe::cpu::silu_mul(gu.data() + size_t(t) * stride, gu.data() + size_t(t) * stride + k,
-                           h.data() + size_t(t) * k, k);
-      const auto hb = round_bf16(h);
+      const auto hb = silu_input_bf16(gu, tokens, k, stride);
       std::vector<float> ref(y0.size()), ref16(y0.size());
       moe::cpu::matmul_f32(hb.data(), wdq.data(), nullptr, ref.data(), tokens, k, n_out, nullptr);
       moe::cpu::matmul_bf16(hb.data(), wbits.data(), nullptr, ref16.data(), tokens, k, n_out, nullptr);
@@ -1198,14 +1203,13 @@ TEST_CASE("cuda INT4 dense GEMVs (bf16, rmsnorm and silu inputs) and dequantisat
       const auto nw = round_bf16(randn(k, rng));
       const auto y0 = randn(size_t(tokens) * n_out, rng);
       const auto gate = randn(tokens, rng);
-      std::vector<float> xn(res.size());
-      moe::cpu::rmsnorm(res.data(), nw.data(), xn.data(), tokens, k, 1e-6f);
+      const auto xnb = rmsnorm_bf16(res, nw, tokens, k);
       Dev<float> dres(res), dy(y0.size()), dg(gate);
       Dev<bf16> dnw(to_bf16(nw)), dxn(res.size());
       REQUIRE_OK(moe::cuda::dense_gemv_q4_rmsnorm(dblob.p, q.m, dres.p, dnw.p, 1e-6f, dxn.p, dy.p, tokens, false,
                                                   nullptr, 0, nullptr));
       const auto xg = as_float(dxn.get());
-      CHECK(rel_err(xg, round_bf16(xn)) < 2e-3);
+      CHECK(rel_err(xg, xnb) < 2e-3);
       std::vector<float> ref(y0.size());
       moe::cpu::matmul_f32(xg.data(), q.wdq.data(), nullptr, ref.data(), tokens, k, n_out, nullptr);
       CHECK(rel_err(dy.get(), ref) < kTight);
@@ -1222,11 +1226,7 @@ TEST_CASE("cuda INT4 dense GEMVs (bf16, rmsnorm and silu inputs) and dequantisat
       const auto gu = randn(size_t(tokens) * stride, rng);
       const auto y0 = randn(size_t(tokens) * n_out, rng);
       const auto gate = randn(tokens, rng);
-      std::vector<float> h(size_t(tokens) * k);
-      for (int t = 0; t < tokens; ++t)
-        moe::cpu::silu_mul(gu.data() + size_t(t) * stride, gu.data() + size_t(t) * stride + k,
-                           h.data() + size_t(t) * k, k);
-      const auto hb = round_bf16(h);
+      const auto hb = silu_input_bf16(gu, tokens, k, stride);
       std::vector<float> ref(y0.size());
       moe::cpu::matmul_f32(hb.data(), q.wdq.data(), nullptr, ref.data(), tokens, k, n_out, nullptr);
       Dev<float> dgu(gu), dy(y0.size()), dg(gate);
