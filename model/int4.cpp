@@ -11,6 +11,12 @@
 #include <immintrin.h>
 #define MOE_Q4_AVX2 1
 #endif
+// AVX-512 is chosen at run time, where the CPU has it (the build targets
+// AVX2 machines).
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define MOE_Q4_AVX512 1
+#endif
 
 namespace moe {
 
@@ -245,6 +251,74 @@ void matvec_rows_avx2(int r0, int r1, const uint8_t* blob, const Q4MatrixLayout&
 }
 #endif
 
+#ifdef MOE_Q4_AVX512
+#define MOE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
+// GCC 12's AVX-512 headers start some conversions from an undefined vector,
+// which -Wmaybe-uninitialized reports inside them.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+// The AVX-512 form of matvec_rows_avx2: a chunk's 16 code bytes widen to 16
+// lanes once; their low nibbles meet the chunk's 16 even inputs and their
+// high nibbles its 16 odd ones, from x split that way once per call. A chunk
+// of 32 weights costs one widening, an and, a shift, two conversions and two
+// multiply-adds. A row's (scale, bias) halves become floats 8 groups at a
+// time; each group's scale then multiplies from memory (groups alternate
+// between two accumulators so those multiply-adds do not queue), and the
+// bias term is one vector dot with (0, sum of x) pairs.
+MOE_AVX512 void matvec_rows_avx512(int r0, int r1, const uint8_t* blob, const Q4MatrixLayout& m, const float* x,
+                                   const float* x_sums, float* y, int cols) {
+  const int groups = cols / m.group;
+  const int chunks = m.group / 32;
+  const int pairs = 2 * groups;                // (scale, bias) halves of a row's groups
+  const int padded = (pairs + 15) / 16 * 16;  // whole vectors of them
+  thread_local std::vector<float> split, sb, gs;
+  split.resize(size_t(cols));
+  sb.resize(size_t(padded));
+  gs.assign(size_t(padded), 0.0f);
+  for (int g = 0; g < groups; ++g) gs[size_t(2 * g + 1)] = x_sums[g];
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  for (int c = 0; c < cols; c += 32) {
+    const __m512 a = _mm512_loadu_ps(x + c), b = _mm512_loadu_ps(x + c + 16);
+    _mm512_storeu_ps(split.data() + c, _mm512_permutex2var_ps(a, even, b));
+    _mm512_storeu_ps(split.data() + c + 16, _mm512_permutex2var_ps(a, odd, b));
+  }
+  const __m512i low = _mm512_set1_epi32(0x0f);
+  for (int r = r0; r < r1; ++r) {
+    const uint8_t* codes = row_codes(blob, m, r);
+    const uint16_t* params = row_params(blob, m, r);
+    for (int i = 0; i < pairs; i += 16) {
+      const __mmask16 k = pairs - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (pairs - i)) - 1);
+      _mm512_storeu_ps(sb.data() + i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, params + i)));
+    }
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int g = 0; g < groups; ++g) {
+      const uint8_t* c = codes + size_t(g) * size_t(m.group / 2);
+      const float* xs = split.data() + size_t(g) * size_t(m.group);
+      __m512 p = _mm512_setzero_ps();
+      for (int i = 0; i < chunks; ++i) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * i)));
+        p = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), _mm512_loadu_ps(xs + 32 * i), p);
+        p = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), _mm512_loadu_ps(xs + 32 * i + 16), p);
+      }
+      acc[g & 1] = _mm512_fmadd_ps(_mm512_set1_ps(sb[size_t(2 * g)]), p, acc[g & 1]);
+    }
+    __m512 bias = _mm512_setzero_ps();
+    for (int i = 0; i < padded; i += 16)
+      bias = _mm512_fmadd_ps(_mm512_loadu_ps(sb.data() + i), _mm512_loadu_ps(gs.data() + i), bias);
+    y[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), bias));
+  }
+}
+
+bool have_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
+  return yes;
+}
+#pragma GCC diagnostic pop
+#endif
+
 #ifdef MOE_Q4_AVX2
 // q4_matvec_rows_q8 over runs of 64 inputs with x in q_split order: the low
 // nibbles of 32 code bytes meet the 32 even inputs, the high ones the odd,
@@ -307,22 +381,41 @@ void q4_matvec(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, flo
   q4_matvec_rows(blob, m, x, 0, m.rows, y);
 }
 
+namespace {
+// The inputs q4_matvec_rows sums over: whole groups of the first col_end.
+int summed_cols(const Q4MatrixLayout& m, int col_end) {
+  return col_end > 0 && col_end < m.cols ? col_end / m.group * m.group : m.cols;
+}
+}  // namespace
+
+void q4_group_sums(const Q4MatrixLayout& m, const float* x, int col_end, float* sums) {
+  const int groups = summed_cols(m, col_end) / m.group;
+  for (int g = 0; g < groups; ++g) {
+    float s = 0.0f;
+    for (int j = 0; j < m.group; ++j) s += x[size_t(g) * size_t(m.group) + size_t(j)];
+    sums[g] = s;
+  }
+}
+
+void q4_matvec_rows_summed(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, const float* x_sums,
+                           int row_begin, int row_end, float* y, int col_end) {
+  const int cols = summed_cols(m, col_end);
+#ifdef MOE_Q4_AVX512
+  if (m.group % 32 == 0 && have_avx512()) return matvec_rows_avx512(row_begin, row_end, blob, m, x, x_sums, y, cols);
+#endif
+#ifdef MOE_Q4_AVX2
+  if (m.group % 32 == 0) return matvec_rows_avx2(row_begin, row_end, blob, m, x, x_sums, y, cols);
+#endif
+  matvec_rows_portable(row_begin, row_end, blob, m, x, x_sums, y, cols);
+}
+
 void q4_matvec_rows(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, int row_begin, int row_end,
                     float* y, int col_end) {
   // Per group, sum_j (q_j s + b) x_j = s (q . x) + b sum(x): the sums of x are
   // shared by every row, so each weight costs one multiply-add.
-  const int cols = col_end > 0 && col_end < m.cols ? col_end / m.group * m.group : m.cols;
-  const int groups = cols / m.group;
-  std::vector<float> x_sums(static_cast<size_t>(groups));  // [groups]
-  for (int g = 0; g < groups; ++g) {
-    float s = 0.0f;
-    for (int j = 0; j < m.group; ++j) s += x[size_t(g) * size_t(m.group) + size_t(j)];
-    x_sums[size_t(g)] = s;
-  }
-#ifdef MOE_Q4_AVX2
-  if (m.group % 32 == 0) return matvec_rows_avx2(row_begin, row_end, blob, m, x, x_sums.data(), y, cols);
-#endif
-  matvec_rows_portable(row_begin, row_end, blob, m, x, x_sums.data(), y, cols);
+  std::vector<float> x_sums(static_cast<size_t>(m.cols / m.group));
+  q4_group_sums(m, x, col_end, x_sums.data());
+  q4_matvec_rows_summed(blob, m, x, x_sums.data(), row_begin, row_end, y, col_end);
 }
 
 int q8_block(const Q4MatrixLayout& m) { return std::min(32, m.group); }

@@ -57,6 +57,12 @@ void q4_matvec(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, flo
 // group: the sum over the first col_end inputs only.
 void q4_matvec_rows(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, int row_begin, int row_end,
                     float* y, int col_end = 0);
+// The same with x's per-group sums given (q4_group_sums over the same
+// col_end): callers that run many row ranges or matrices of one layout
+// against one x pay for them once.
+void q4_group_sums(const Q4MatrixLayout& m, const float* x, int col_end, float* sums);
+void q4_matvec_rows_summed(const uint8_t* blob, const Q4MatrixLayout& m, const float* x, const float* x_sums,
+                           int row_begin, int row_end, float* y, int col_end = 0);
 
 // x quantised for q4_matvec_rows_q8: per block of 32 inputs (or of the
 // matrix's group, when that is smaller) an int8 vector with one f32 scale

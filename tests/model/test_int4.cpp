@@ -236,7 +236,9 @@ MatvecCase matvec_case(int n, int k, int g, uint32_t& seed) {
 
 TEST_CASE("q4_matvec equals dequantise-then-dot", "[int4]") {
   uint32_t seed = 100;
-  for (int k : {64, 96, 32, 6})
+  // Widths of real matrices too (a Qwen3-30B expert's 768 and 2,048): every
+  // SIMD path this CPU takes runs whole groups and many chunks of them.
+  for (int k : {64, 96, 32, 6, 768, 2048})
     for (int n : {1, 7, 33})
       for (int g : {32, 64, 128}) {
         INFO("K " << k << " N " << n << " G " << g);
@@ -265,6 +267,11 @@ TEST_CASE("q4_matvec equals dequantise-then-dot", "[int4]") {
         if (half == 0 || n < 2) continue;
         q4_matvec_rows(blob.data(), m, x.data(), 1, n, y.data(), half);
         check_rows(1, half);
+        // With the group sums given: the same numbers.
+        std::vector<float> sums(size_t(k / m.group)), y2(static_cast<size_t>(n));
+        q4_group_sums(m, x.data(), half, sums.data());
+        q4_matvec_rows_summed(blob.data(), m, x.data(), sums.data(), 1, n, y2.data(), half);
+        for (int r = 1; r < n; ++r) REQUIRE(y2[size_t(r)] == y[size_t(r)]);
       }
 }
 
