@@ -1248,31 +1248,31 @@ Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, 
     if (Status s = project(L.router_w, xn, router_logits, n, false); !s) return s;
   int32_t* ids = route_ids + size_t(ml) * n * K;
   const cuda::UniformDraw draw{positions, seq_of_token, ml, opts.uniform_routing_seed};
-  if (Status s =
-          cuda::router_topk(logits, n, E, K, d.moe.norm_topk_prob, d.moe.routed_scaling, ids, route_w, st, stride, draw);
+  // A shared pass's router kernel also posts the layer's share to the host.
+  cuda::SharePublishArgs a;
+  if (sharing) {
+    a.ids = ids;
+    a.route_w = route_w;
+    a.on_gpu = on_gpu + size_t(ml) * E;
+    a.rows = share_rows;
+    a.top_k = K;
+    a.n_experts = E;
+    a.inter = layout.inter;
+    a.xn = xn;
+    a.hidden = H;
+    a.slot = share_slots_dev + ml;
+    a.x_host = share_x_dev + size_t(ml) * H;
+    a.pass = share_pass;
+    a.gpu_ids = share_ids;
+    a.gpu_split = share_split;
+    a.host_count = share_count + ml;
+  }
+  if (Status s = cuda::router_topk(logits, n, E, K, d.moe.norm_topk_prob, d.moe.routed_scaling, ids, route_w, st,
+                                   stride, draw, sharing ? &a : nullptr);
       !s)
     return s;
   auto shared = [&]() -> Status { return L.mlp_gu_w ? mlp(L, n, fuse) : Status{}; };
   if (all_resident || streaming) {
-    if (sharing) {
-      cuda::SharePublishArgs a;
-      a.ids = ids;
-      a.route_w = route_w;
-      a.on_gpu = on_gpu + size_t(ml) * E;
-      a.rows = share_rows;
-      a.top_k = K;
-      a.n_experts = E;
-      a.inter = layout.inter;
-      a.xn = xn;
-      a.hidden = H;
-      a.slot = share_slots_dev + ml;
-      a.x_host = share_x_dev + size_t(ml) * H;
-      a.pass = share_pass;
-      a.gpu_ids = share_ids;
-      a.gpu_split = share_split;
-      a.host_count = share_count + ml;
-      if (Status s = cuda::share_publish(a, st); !s) return s;
-    }
     if (Status s = shared(); !s) return s;
     if (!sharing) return routed_experts(ml, n, ids);
     if (Status s = routed_experts(ml, n, share_ids); !s) return s;
@@ -1697,6 +1697,7 @@ CudaExpertStats CudaEngine::expert_stats() const {
   s.host_experts_served = m.host_experts_served;
   s.host_expert_tokens = m.host_expert_tokens;
   s.host_share_served = m.share ? m.share->experts_served() : 0;
+  if (m.share) s.share_times = m.share->times();
   s.bytes_streamed = m.bytes_streamed;
   return s;
 }

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "gpu_worker/host_share.h"
 #include "gpu_worker/island_plan.h"
 #include "gpu_worker/residency.h"
 #include "model/model_files.h"
@@ -85,6 +86,7 @@ struct CudaExpertStats {
   uint64_t host_expert_tokens = 0;   // their (token, expert) pairs
   uint64_t bytes_streamed = 0;       // expert bytes kernels read from host memory (streamed misses)
   uint64_t host_share_served = 0;    // misses of streamed batch-1 passes the host's cores computed
+  ShareTimes share_times;            // those passes' shared layers: the host's time, the GPU's waits
 };
 
 class CudaEngine {

@@ -5,8 +5,9 @@
 // the pass: after each MoE layer's router a kernel posts the missed experts
 // the host takes and the layer's normed state; this class's leader thread,
 // spinning on those posts, computes them with the CPU engine's INT4 matvec,
-// rows spread over worker threads that spin too while a pass runs, and posts
-// the weighted sum back, which a kernel adds to the residual.
+// in chunks of rows that a team of threads (spinning too while a pass runs)
+// claims as it goes, and posts the weighted sum back, which a kernel adds to
+// the residual.
 //
 // While the link streams the GPU's misses, the host's memory feeds its own:
 // two paths for expert bytes at once. No CUDA here; the CPU tests play the
@@ -45,6 +46,16 @@ struct ShareMemory {
 std::vector<uint16_t> share_rows_table(int top_k, int inter, int step, double link_us, double host_us,
                                        double fixed_us);
 
+// Where the time of the shared layers went, summed over passes.
+struct ShareTimes {
+  uint64_t layers = 0;     // layers the host computed a share of
+  double host_us = 0;      // the host's time computing them (post seen to done)
+  double gpu_wait_us = 0;  // the GPU's time waiting for them after its own part
+  double max_wait_us = 0;  // the longest of those waits
+  uint64_t stalls = 0;     // waits over kShareStallUs
+};
+constexpr double kShareStallUs = 50;
+
 class HostShare {
  public:
   // blobs: [layers * n_experts] each expert's INT4 blob in host memory.
@@ -70,6 +81,7 @@ class HostShare {
   double measure_us(int reps = 9);
 
   uint64_t experts_served() const { return served_; }
+  ShareTimes times() const { return times_; }
   // The experts the host computed for `layer` in the last pass (after end()),
   // and the intermediate rows it computed of each.
   const std::vector<int32_t>& taken(int layer) const { return taken_[size_t(layer)]; }
@@ -109,14 +121,16 @@ class HostShare {
   std::vector<std::thread> workers_;
 
   // Scratch: the state in f32 (the CPU engine's matvec: int8 inputs were
-  // no faster on the GPU machine's host, whose memory, not arithmetic, sets
-  // the pace, and are less exact), per-pair SiLU products, per-thread row
-  // outputs.
-  std::vector<float> xf_, h_, g_;
+  // no faster on the GPU machine's host and are less exact), per-pair SiLU
+  // products, the inputs' group sums, per-thread row outputs.
+  std::vector<float> xf_, h_, g_, sums_;
   std::vector<std::vector<float>> rows_;
   std::vector<std::vector<int32_t>> taken_;  // [layers]
   std::vector<int> taken_rows_;              // [layers]
   uint64_t served_ = 0;
+  std::vector<double> layer_us_;  // [layers] the host's time on each in the pass being served
+  ShareTimes times_;
+  std::atomic<int> next_chunk_{0};  // the start of the next chunk of a phase a thread claims
 };
 
 }  // namespace moe

@@ -10,7 +10,7 @@
 // targets are stated for. GPU memory is the process's, from nvidia-smi.
 //   moe-bench-engine [--shape qwen15|qwen3|all] [--vram-budget 12GiB[,8GiB]]
 //                    [--routing router|uniform|router,uniform] [--host-experts auto|on|off]
-//                    [--misses stream|copy] [--threads N]
+//                    [--misses stream|copy] [--threads N] [--skip-resident]
 //                    [--steps N] [--prompt N] [--policy P] [--prefetch on|off]
 //                    [--dense-weights auto|bf16|int8|int4]
 //                    [--budget-dense-weights auto|bf16|int8|int4] [--json PATH]
@@ -49,6 +49,7 @@ struct Options {
   std::string host_experts = "auto";
   std::string misses = "stream";
   int threads = 0;
+  bool resident = true;  // --skip-resident: the budgets' rows only
   std::string json;
 };
 
@@ -106,6 +107,9 @@ struct Row {
   std::string shape, mode, phase, dense = "bf16", routing = "router";
   int batch = 0;
   double tok_s = 0, peak_mib = 0, hit_rate = 1, pcie_mb_per_token = 0, host_experts_per_token = 0;
+  // The host's share (streamed batch-1 passes): per token, the host's time on
+  // its layers and the GPU's time waiting for them; waits over 50 µs a token.
+  double share_host_us = 0, share_wait_us = 0, share_max_wait_us = 0, share_stalls = 0;
 };
 
 // Hit rate and PCIe bytes per token between two snapshots of the counters.
@@ -118,6 +122,11 @@ void expert_figures(Row& row, const CudaExpertStats& s0, const CudaExpertStats& 
   const double miss = double(s1.residency.misses - s0.residency.misses) + copy_split;
   row.hit_rate = s1.all_resident ? 1.0 : (hits + miss > 0 ? hits / (hits + miss) : 0);
   row.host_experts_per_token = host / tokens;
+  const ShareTimes &t0 = s0.share_times, &t1 = s1.share_times;
+  row.share_host_us = (t1.host_us - t0.host_us) / tokens;
+  row.share_wait_us = (t1.gpu_wait_us - t0.gpu_wait_us) / tokens;
+  row.share_max_wait_us = t1.max_wait_us;
+  row.share_stalls = double(t1.stalls - t0.stalls) / tokens;
   // Copies into islands and misses the kernels read over the link alike.
   row.pcie_mb_per_token = double(s1.residency.bytes_copied - s0.residency.bytes_copied +
                                  s1.bytes_streamed - s0.bytes_streamed) /
@@ -185,7 +194,7 @@ int usage() {
                "                        [--dense-weights auto|bf16|int8|int4] [--fuse-max-tokens N]\n"
                "                        [--budget-dense-weights auto|bf16|int8|int4]\n"
                "                        [--routing router|uniform|router,uniform] [--host-experts auto|on|off]\n"
-               "                        [--misses stream|copy] [--threads N]\n"
+               "                        [--misses stream|copy] [--threads N] [--skip-resident]\n"
                "                        [--json PATH]\n");
   return 2;
 }
@@ -210,6 +219,7 @@ int main(int argc, char** argv) {
     else if (a == "--host-experts") o.host_experts = val();
     else if (a == "--misses") o.misses = val();
     else if (a == "--threads") o.threads = std::atoi(val().c_str());
+    else if (a == "--skip-resident") o.resident = false;
     else if (a == "--routing") {
       o.routings = split_list(val());
       for (const auto& r : o.routings)
@@ -246,7 +256,8 @@ int main(int argc, char** argv) {
     }
     std::printf("%s: weights made in %.1f s (experts %.2f GiB in host memory)\n", s.name.c_str(),
                 std::chrono::duration<double>(Clock::now() - t0).count(), (*model)->expert_bytes / double(1 << 30));
-    std::vector<double> modes = {0};
+    std::vector<double> modes;
+    if (o.resident || o.budgets_gib.empty()) modes.push_back(0);
     for (double b : o.budgets_gib) modes.push_back(b);
     for (double gib : modes)
       for (const std::string& routing : o.routings) {
@@ -290,6 +301,10 @@ int main(int argc, char** argv) {
                       "%.0f MiB\n",
                       r.phase.c_str(), r.batch, r.tok_s, r.hit_rate, r.pcie_mb_per_token, r.host_experts_per_token,
                       r.peak_mib);
+          if (r.share_host_us > 0)
+            std::printf("      host's share: host %.0f us a token on its layers, GPU waited %.0f us a token for it "
+                        "(%.2f waits over 50 us a token, longest %.0f us)\n",
+                        r.share_host_us, r.share_wait_us, r.share_stalls, r.share_max_wait_us);
           std::fflush(stdout);
           rows.push_back(r);
         };

@@ -36,7 +36,7 @@ __device__ void draw_uniform(int32_t* row, int n, int k, int32_t position, int32
 }
 
 __global__ void router_kernel(const float* logits, int stride, int tokens, int n, int k, bool renorm,
-                              float scale, int32_t* ids, float* weights, UniformDraw draw) {
+                              float scale, int32_t* ids, float* weights, UniformDraw draw, SharePublishArgs publish) {
   detail::allow_next_grid();
   detail::wait_prior_grid();
   extern __shared__ float sh[];
@@ -95,6 +95,10 @@ __global__ void router_kernel(const float* logits, int stride, int tokens, int n
   // The ids of uniform routing in place of the winners (the same lane wrote them).
   if (draw.seed != 0 && lane == 0)
     draw_uniform(ids + size_t(t) * k, n, k, draw.positions[t], draw.seq_of_token[t], draw.layer, draw.seed);
+  if (publish.slot) {
+    __syncwarp();  // the ids and weights above, written by other lanes
+    share_publish_warp(publish, lane);
+  }
 }
 
 // One thread per token.
@@ -110,14 +114,19 @@ __global__ void uniform_route_kernel(int32_t* ids, int tokens, int n, int k, con
 }  // namespace
 
 Status router_topk(const float* logits, int tokens, int n_experts, int top_k, bool renormalize, float scale,
-                   int32_t* ids, float* weights, cudaStream_t stream, int logits_stride, const UniformDraw& draw) {
+                   int32_t* ids, float* weights, cudaStream_t stream, int logits_stride, const UniformDraw& draw,
+                   const SharePublishArgs* publish) {
   MOE_CUDA_REQUIRE(logits && ids && weights, "null pointer");
   MOE_CUDA_REQUIRE(draw.seed == 0 || (draw.positions && draw.seq_of_token), "uniform draw without positions");
   MOE_CUDA_REQUIRE(tokens > 0 && n_experts > 0 && n_experts <= 1024, "n_experts must be in [1, 1024]");
   MOE_CUDA_REQUIRE(top_k > 0 && top_k <= n_experts, "top_k must be in [1, n_experts]");
   MOE_CUDA_REQUIRE(logits_stride == 0 || logits_stride >= n_experts, "logits_stride must be >= n_experts");
+  MOE_CUDA_REQUIRE(!publish || (tokens == 1 && publish->ids == ids && publish->route_w == weights &&
+                                publish->top_k == top_k && top_k <= kShareMaxPairs && publish->slot),
+                   "publish: one token, this call's ids and weights, top_k <= 16");
+  const SharePublishArgs none;
   const size_t smem = size_t(kWarps) * n_experts * sizeof(float);
-  MOE_CUDA_TRY(detail::launch_pdl(router_kernel, dim3((tokens + kWarps - 1) / kWarps), dim3(kWarps * 32), smem, stream, logits, logits_stride ? logits_stride : n_experts, tokens, n_experts, top_k, renormalize, scale, ids, weights, draw));
+  MOE_CUDA_TRY(detail::launch_pdl(router_kernel, dim3((tokens + kWarps - 1) / kWarps), dim3(kWarps * 32), smem, stream, logits, logits_stride ? logits_stride : n_experts, tokens, n_experts, top_k, renormalize, scale, ids, weights, draw, publish ? *publish : none));
   MOE_CUDA_LAUNCHED();
   return {};
 }

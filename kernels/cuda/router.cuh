@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/host_share.cuh"
 #include "model/result.h"
 
 namespace moe::cuda {
@@ -24,9 +25,12 @@ struct UniformDraw {
 // logits: [tokens, logits_stride >= n_experts] f32 (0: n_experts; a wider
 // row lets the router share a projection with other outputs);
 // ids, weights: [tokens, top_k]. n_experts <= 1024, top_k <= n_experts.
+// publish (one token; its ids and route_w are these ids and weights): the
+// same kernel then posts the token's share for the host's cores
+// (kernels/cuda/host_share.cuh), with no launch of its own.
 Status router_topk(const float* logits, int tokens, int n_experts, int top_k, bool renormalize, float scale,
                    int32_t* ids, float* weights, cudaStream_t stream, int logits_stride = 0,
-                   const UniformDraw& draw = {});
+                   const UniformDraw& draw = {}, const SharePublishArgs* publish = nullptr);
 
 // Benchmarks only: replaces each token's expert ids with top_k distinct
 // experts drawn uniformly from a hash of (seed, layer, positions[t],

@@ -20,6 +20,9 @@ struct alignas(128) ShareSlot {
   int32_t expert[kShareMaxPairs];
   float weight[kShareMaxPairs];
   alignas(64) uint32_t done;  // host: the pass whose sum is written
+  // GPU, after it saw `done`: how long the collecting kernel waited for it
+  // (ns; the host reads it once the pass is over).
+  alignas(64) uint64_t waited_ns;
 };
 
 }  // namespace moe

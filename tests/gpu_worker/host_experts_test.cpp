@@ -169,6 +169,8 @@ TEST_CASE("host share serves posted layers in order and hands back the weighted 
         std::atomic_ref<uint32_t>(s.posted).store(pass, std::memory_order_release);
         std::atomic_ref<uint32_t> done(s.done);
         while (done.load(std::memory_order_acquire) != pass) std::this_thread::yield();
+        // The GPU's wait for this layer, as share_collect would write it.
+        std::atomic_ref<uint64_t>(s.waited_ns).store(uint64_t(l) * 40000 + 1000);
         if (ex.empty()) continue;  // the sum is not read then
         std::vector<float> xf(size_t(L.hidden)), g(size_t(L.inter)), u(size_t(L.inter)), h(size_t(L.inter)),
             d(size_t(L.hidden)), ref(size_t(L.hidden), 0.f);
@@ -190,7 +192,15 @@ TEST_CASE("host share serves posted layers in order and hands back the weighted 
         CHECK(norm > 0.01);
         CHECK(err <= 1e-5 * norm);
       }
+      const ShareTimes before = share.times();
       share.end(true);
+      // Layers 0 and 2 were shared: the GPU waited 1 and 81 µs for them.
+      const ShareTimes after = share.times();
+      CHECK(after.layers - before.layers == 2);
+      CHECK(after.gpu_wait_us - before.gpu_wait_us == Approx(82.0));
+      CHECK(after.stalls - before.stalls == 1);
+      CHECK(after.max_wait_us == Approx(81.0));
+      CHECK(after.host_us > before.host_us);
     }
     CHECK(share.experts_served() == 8);
     // A pass whose posts never come is abandoned, not waited for forever.
