@@ -277,28 +277,29 @@ struct CudaEngine::Impl {
   uint8_t* on_gpu = nullptr;       // [Lm, E] device (workspace): what share_publish reads
   Status upload_stream_tables();
 
-  // ---- The host's share of streamed batch-1 passes (host_experts with
+  // ---- The host's share of streamed decode passes (host_experts with
   // misses "stream"; gpu_worker/host_share.h). Mapped pinned memory: one
-  // ShareSlot per MoE layer, then [Lm, H] bf16 states, then [Lm, H] f32 sums.
+  // ShareSlot per MoE layer, then [Lm, kShareMaxTokens, H] bf16 states, then
+  // [Lm, kShareMaxTokens, H] f32 sums.
   std::unique_ptr<HostShare> share;
   uint8_t* share_host = nullptr;
   ShareSlot* share_slots_dev = nullptr;
   bf16* share_x_dev = nullptr;
   float* share_sum_dev = nullptr;
-  uint16_t* share_rows = nullptr;    // [K + 1] device (workspace): share_rows_table
-  int32_t* share_split = nullptr;    // [K] device (workspace): Q4ExpertArgs::split
+  uint16_t* share_rows = nullptr;    // [kShareMaxTokens K + 1] device (workspace): share_rows_table
+  int32_t* share_split = nullptr;    // [kShareMaxTokens K] device (workspace): Q4ExpertArgs::split
   uint32_t* share_pass = nullptr;    // device (workspace): the pass number the kernels compare
   uint32_t* share_count = nullptr;   // [Lm] device (workspace)
-  int32_t* share_ids = nullptr;      // [K] device (workspace): the GPU's experts, the host's as -1
+  int32_t* share_ids = nullptr;      // [kShareMaxTokens K] device (workspace): the GPU's experts, the host's as -1
   uint32_t* pass_host = nullptr;     // pinned
   uint32_t share_pass_no = 0;
   bool sharing = false;              // this pass
-  // Misses a MoE layer of recent batch-1 streamed passes (a moving average,
-  // from "many" at start). A shared layer runs two more kernels (~4 µs:
-  // the Qwen3 shape at 12 GiB with the router's routing, 0.03 misses a
-  // layer, went 387 -> 362 tok/s sharing every pass), and a miss the host
-  // takes rows of saves ~a third of its 53 µs over the link: passes share
-  // from a quarter of a miss a layer on.
+  // Misses a MoE layer of recent streamed passes (a moving average, from
+  // "many" at start). A shared layer costs ~4 µs of hand-overs (the Qwen3
+  // shape at 12 GiB with the router's routing, 0.03 misses a layer, went
+  // 387 -> 362 tok/s sharing every pass), and a miss the host takes rows
+  // of saves ~a third of its 53 µs over the link: passes share from a
+  // quarter of a miss a layer on.
   double share_misses = 8;
   static constexpr double kShareMinMisses = 0.25;
   static constexpr double kShareFixedUs = 8;   // post and collect, over the link both ways
@@ -599,11 +600,11 @@ void CudaEngine::Impl::carve_workspace(Carver& c) {
     hsum = c.take<float>(size_t(cuda::kGemvMaxTokens) * H);
     split_ids = c.take<int32_t>(size_t(cuda::kGemvMaxTokens) * K);
     on_gpu = c.take<uint8_t>(size_t(Lm) * E);
-    share_rows = c.take<uint16_t>(size_t(K) + 1);
-    share_split = c.take<int32_t>(size_t(K));
+    share_rows = c.take<uint16_t>(size_t(kShareMaxTokens) * K + 1);
+    share_split = c.take<int32_t>(size_t(kShareMaxTokens) * K);
     share_pass = c.take<uint32_t>(1);
     share_count = c.take<uint32_t>(size_t(Lm));
-    share_ids = c.take<int32_t>(size_t(K));
+    share_ids = c.take<int32_t>(size_t(kShareMaxTokens) * K);
   }
   if (mlp_inter_max > 0) {
     gu = c.take<float>(size_t(T) * gu_stride);
@@ -994,7 +995,7 @@ Result<double> CudaEngine::Impl::measure_link_us() {
   return double(best) * 1000.0;
 }
 
-// Streamed batch-1 passes under a budget: the host's cores take a share of
+// Streamed decode passes under a budget: the host's cores take a share of
 // each layer's misses (as many as finish no later than the link would with
 // the rest, by the two rates measured here, fixed for the process so that
 // its outputs do not follow timings).
@@ -1004,10 +1005,10 @@ Status CudaEngine::Impl::start_host_share() {
   // meanwhile, and one for the rest of the system (the team spins; a
   // descheduled member holds up every phase).
   const int threads = opts.host_threads > 0 ? opts.host_threads : hw - 2;
-  if (threads < 2 || K > kShareMaxPairs) return {};
+  if (threads < 2 || K > kShareMaxTopK) return {};
   const size_t slots = align_up(size_t(Lm) * sizeof(ShareSlot), 256);
-  const size_t xs = align_up(size_t(Lm) * H * sizeof(bf16), 256);
-  const size_t bytes = slots + xs + size_t(Lm) * H * sizeof(float);
+  const size_t xs = align_up(size_t(Lm) * kShareMaxTokens * H * sizeof(bf16), 256);
+  const size_t bytes = slots + xs + size_t(Lm) * kShareMaxTokens * H * sizeof(float);
   MOE_CUDA_TRY(cudaHostAlloc(reinterpret_cast<void**>(&share_host), bytes, cudaHostAllocMapped));
   std::memset(share_host, 0, bytes);
   uint8_t* dev = nullptr;
@@ -1039,26 +1040,27 @@ Status CudaEngine::Impl::start_host_share() {
   link_us = *link;
   // Row steps of whole down-projection groups and of the host's 64-input runs.
   const int step = std::lcm(64, layout.down.group);
-  const std::vector<uint16_t> rows = share_rows_table(K, layout.inter, step, link_us, host_us, kShareFixedUs);
+  const std::vector<uint16_t> rows =
+      share_rows_table(kShareMaxTokens * K, layout.inter, step, link_us, host_us, kShareFixedUs);
   if (opts.host_experts == "auto" && std::all_of(rows.begin(), rows.end(), [](uint16_t r) { return r == 0; })) {
     share.reset();  // the link alone is as quick: no team spinning for nothing
     for (void* p : {static_cast<void*>(share_host), static_cast<void*>(pass_host)}) (void)cudaFreeHost(p);
     share_host = nullptr;
     pass_host = nullptr;
     std::fprintf(stderr,
-                 "moe-worker: batch-1 misses stay on the link (%.0f us an expert; the host's %d threads %.0f us)\n",
+                 "moe-worker: streamed misses stay on the link (%.0f us an expert; the host's %d threads %.0f us)\n",
                  link_us, threads, host_us);
     return {};
   }
   MOE_CUDA_TRY(cudaMemcpy(share_rows, rows.data(), rows.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
   std::string t;
-  for (size_t m = 1; m < rows.size(); ++m) {
+  for (size_t m = 1; m <= size_t(K); ++m) {
     if (m > 1) t += ' ';
     t += std::to_string(rows[m]);
   }
   std::fprintf(stderr,
-               "moe-worker: batch-1 misses shared with %d host threads (%.0f us an expert; the link %.0f us): with "
-               "1..%d misses a layer the host computes the first %s of each one's %d rows\n",
+               "moe-worker: streamed misses shared with %d host threads (%.0f us an expert; the link %.0f us): with "
+               "1..%d missed pairs a layer the host computes the first %s of each one's %d rows\n",
                share->threads(), host_us, link_us, K, t.c_str(), layout.inter);
   return {};
 }
@@ -1159,7 +1161,7 @@ Status CudaEngine::Impl::after_streamed_pass(int n) {
       if (i < 0) streamed.push_back(key);
     }
   }
-  if (n == 1) share_misses = 0.9 * share_misses + 0.1 * double(missed) / double(Lm);
+  share_misses = 0.9 * share_misses + 0.1 * double(missed) / double(Lm);
   // The streamed experts the policy finds worth an island, copied in now;
   // an evicted expert streams from the next pass on.
   int budget = opts.stream_admit_per_pass;
@@ -1248,9 +1250,11 @@ Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, 
     if (Status s = project(L.router_w, xn, router_logits, n, false); !s) return s;
   int32_t* ids = route_ids + size_t(ml) * n * K;
   const cuda::UniformDraw draw{positions, seq_of_token, ml, opts.uniform_routing_seed};
-  // A shared pass's router kernel also posts the layer's share to the host.
+  // A shared pass posts the layer's share to the host: the router kernel
+  // itself for one token, a kernel of its own after it for more.
   cuda::SharePublishArgs a;
   if (sharing) {
+    a.tokens = n;
     a.ids = ids;
     a.route_w = route_w;
     a.on_gpu = on_gpu + size_t(ml) * E;
@@ -1261,23 +1265,25 @@ Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, 
     a.xn = xn;
     a.hidden = H;
     a.slot = share_slots_dev + ml;
-    a.x_host = share_x_dev + size_t(ml) * H;
+    a.x_host = share_x_dev + size_t(ml) * kShareMaxTokens * H;
     a.pass = share_pass;
     a.gpu_ids = share_ids;
     a.gpu_split = share_split;
     a.host_count = share_count + ml;
   }
   if (Status s = cuda::router_topk(logits, n, E, K, d.moe.norm_topk_prob, d.moe.routed_scaling, ids, route_w, st,
-                                   stride, draw, sharing ? &a : nullptr);
+                                   stride, draw, sharing && n == 1 ? &a : nullptr);
       !s)
     return s;
+  if (sharing && n > 1)
+    if (Status s = cuda::share_publish(a, st); !s) return s;
   auto shared = [&]() -> Status { return L.mlp_gu_w ? mlp(L, n, fuse) : Status{}; };
   if (all_resident || streaming) {
     if (Status s = shared(); !s) return s;
     if (!sharing) return routed_experts(ml, n, ids);
     if (Status s = routed_experts(ml, n, share_ids); !s) return s;
-    return cuda::share_collect(share_slots_dev + ml, share_sum_dev + size_t(ml) * H, x, H, share_pass,
-                               share_count + ml, kShareTimeoutMs, st);
+    return cuda::share_collect(share_slots_dev + ml, share_sum_dev + size_t(ml) * kShareMaxTokens * H, x, n, H,
+                               share_pass, share_count + ml, kShareTimeoutMs, st);
   }
   // Under a budget the layer's experts are pinned from bind_experts on; they
   // are released whatever happens after, a failure included.
@@ -1519,7 +1525,7 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     // The host's share: its threads serve this pass's layers as the GPU
     // posts them; on every way out of the pass they are done with it (or
     // abandon it when the pass failed).
-    m.sharing = m.streaming && m.share && n == 1 && m.share_misses >= Impl::kShareMinMisses;
+    m.sharing = m.streaming && m.share && n <= kShareMaxTokens && m.share_misses >= Impl::kShareMinMisses;
     struct ShareScope {  // left with s set only when the pass failed
       HostShare* s = nullptr;
       ~ShareScope() {

@@ -33,10 +33,10 @@ struct Backoff {
 };
 }  // namespace
 
-std::vector<uint16_t> share_rows_table(int top_k, int inter, int step, double link_us, double host_us,
+std::vector<uint16_t> share_rows_table(int max_pairs, int inter, int step, double link_us, double host_us,
                                        double fixed_us) {
-  std::vector<uint16_t> rows(size_t(top_k) + 1, 0);
-  for (int m = 1; m <= top_k; ++m) {
+  std::vector<uint16_t> rows(size_t(max_pairs) + 1, 0);
+  for (int m = 1; m <= max_pairs; ++m) {
     double best = m * link_us;
     for (int r = step; r <= inter; r = r + step > inter && r < inter ? inter : r + step) {
       const double f = double(r) / inter;
@@ -168,38 +168,45 @@ void HostShare::serve(uint32_t pass) {
     }
     const int count = int(std::min<uint32_t>(s.count, kShareMaxPairs));
     const int rows = int(std::min<uint32_t>(s.rows, uint32_t(layout_.inter)));
+    const int tokens = int(std::clamp<uint32_t>(s.tokens, 1, kShareMaxTokens));
     if (count > 0 && rows > 0) {
       const auto t0 = std::chrono::steady_clock::now();
-      compute(l, s.expert, s.weight, count, rows, mem_.x + size_t(l) * H, mem_.sum + size_t(l) * H);
+      const size_t at = size_t(l) * kShareMaxTokens * H;
+      compute(l, s.expert, s.token, s.weight, count, rows, tokens, mem_.x + at, mem_.sum + at);
       layer_us_[size_t(l)] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
       served_ += uint64_t(count);
-      taken_[size_t(l)].assign(s.expert, s.expert + count);
+      std::vector<int32_t>& taken = taken_[size_t(l)];
+      for (int p = 0; p < count; ++p)
+        if (std::find(taken.begin(), taken.end(), s.expert[p]) == taken.end()) taken.push_back(s.expert[p]);
       taken_rows_[size_t(l)] = rows;
     }
     std::atomic_ref<uint32_t>(s.done).store(pass, std::memory_order_release);
   }
 }
 
-void HostShare::compute(int layer, const int32_t* experts, const float* weights, int count, int rows,
-                        const uint16_t* x_bf16, float* sum) {
+void HostShare::compute(int layer, const int32_t* experts, const uint8_t* token_of, const float* weights, int count,
+                        int rows, int tokens, const uint16_t* x_bf16, float* sum) {
   const int H = layout_.hidden, I = layout_.inter;
-  xf_.resize(size_t(H));
-  for (int i = 0; i < H; ++i) xf_[size_t(i)] = bf16_to_f32(x_bf16[i]);
+  xf_.resize(size_t(tokens) * H);
+  for (size_t i = 0; i < size_t(tokens) * H; ++i) xf_[i] = bf16_to_f32(x_bf16[i]);
   h_.resize(size_t(count) * I);
   g_.resize(size_t(count) * I);
-  // x's group sums, once for every chunk of the layer (gate and up read one x).
-  const int up_groups = H / layout_.gate.group, down_groups = I / layout_.down.group;
-  sums_.resize(size_t(2 * up_groups + count * down_groups));
-  float* gate_sums = sums_.data();
-  float* up_sums = gate_sums + up_groups;
-  float* down_sums = up_sums + up_groups;
-  q4_group_sums(layout_.gate, xf_.data(), 0, gate_sums);
-  if (layout_.up.group == layout_.gate.group) std::copy(gate_sums, gate_sums + up_groups, up_sums);
-  else q4_group_sums(layout_.up, xf_.data(), 0, up_sums);
+  // Each token's group sums, once for every chunk of the layer.
+  const int gate_groups = H / layout_.gate.group, up_groups = H / layout_.up.group;
+  const int down_groups = I / layout_.down.group;
+  sums_.resize(size_t(tokens) * (gate_groups + up_groups) + size_t(count) * down_groups);
+  float* gate_sums = sums_.data();                            // [tokens, gate_groups]
+  float* up_sums = gate_sums + size_t(tokens) * gate_groups;  // [tokens, up_groups]
+  float* down_sums = up_sums + size_t(tokens) * up_groups;    // [count, down_groups]
+  for (int t = 0; t < tokens; ++t) {
+    q4_group_sums(layout_.gate, xf_.data() + size_t(t) * H, 0, gate_sums + size_t(t) * gate_groups);
+    q4_group_sums(layout_.up, xf_.data() + size_t(t) * H, 0, up_sums + size_t(t) * up_groups);
+  }
   auto blob = [&](int p) {
     const int e = std::clamp(int(experts[p]), 0, n_experts_ - 1);
     return blobs_[size_t(layer) * size_t(n_experts_) + size_t(e)];
   };
+  auto token = [&](int p) { return std::min(int(token_of[p]), tokens - 1); };
   // Each phase is cut into chunks the threads claim as they go: a thread the
   // system holds up delays its phase by one chunk, not by a fixed slice
   // (on the GPU machine fixed slices left the GPU waiting 0.7-1.4 ms a
@@ -213,22 +220,27 @@ void HostShare::compute(int layer, const int32_t* experts, const float* weights,
   const auto up_rows = [&](int a, int b) {
     for (int r = a; r < b;) {
       const int p = r / rows, r0 = r % rows, r1 = std::min(rows, r0 + (b - r));
+      const int t = token(p);
+      const float* x = xf_.data() + size_t(t) * H;
       float* g = g_.data() + size_t(p) * I;
       float* h = h_.data() + size_t(p) * I;
-      q4_matvec_rows_summed(blob(p), layout_.gate, xf_.data(), gate_sums, r0, r1, g);
-      q4_matvec_rows_summed(blob(p), layout_.up, xf_.data(), up_sums, r0, r1, h);
+      q4_matvec_rows_summed(blob(p), layout_.gate, x, gate_sums + size_t(t) * gate_groups, r0, r1, g);
+      q4_matvec_rows_summed(blob(p), layout_.up, x, up_sums + size_t(t) * up_groups, r0, r1, h);
       cpu::silu_mul(g + r0, h + r0, h + r0, r1 - r0);
       r += r1 - r0;
     }
   };
-  // down rows over inputs [0, rows): rows of the sum, over every pair.
-  const auto down_rows = [&](int t, int a, int b) {
-    float* d = rows_[size_t(t)].data();
-    for (int r = a; r < b; ++r) sum[r] = 0.f;
+  // down rows over inputs [0, rows): rows [a, b) of every token's sum, over
+  // every pair.
+  const auto down_rows = [&](int thread, int a, int b) {
+    float* d = rows_[size_t(thread)].data();
+    for (int t = 0; t < tokens; ++t)
+      for (int r = a; r < b; ++r) sum[size_t(t) * H + r] = 0.f;
     for (int p = 0; p < count; ++p) {
       q4_matvec_rows_summed(blob(p), layout_.down, h_.data() + size_t(p) * I, down_sums + size_t(p) * down_groups, a,
                             b, d, rows);
-      for (int r = a; r < b; ++r) sum[r] += weights[p] * d[r];
+      float* out = sum + size_t(token(p)) * H;
+      for (int r = a; r < b; ++r) out[r] += weights[p] * d[r];
     }
   };
   next_chunk_.store(0, std::memory_order_relaxed);
@@ -261,8 +273,9 @@ double HostShare::measure_us(int reps) {
   for (int i = 0; i < reps + kWarm; ++i) {
     const int32_t e = int32_t((i * 13) % n_experts_);
     const float w = 1.f;
+    const uint8_t token = 0;
     const auto t0 = std::chrono::steady_clock::now();
-    compute((i * 7) % layers_, &e, &w, 1, layout_.inter, x.data(), sum.data());
+    compute((i * 7) % layers_, &e, &token, &w, 1, layout_.inter, 1, x.data(), sum.data());
     if (i >= kWarm) us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
   }
   awake_ = false;

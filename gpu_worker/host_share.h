@@ -30,20 +30,23 @@
 
 namespace moe {
 
-// The memory both sides see, per MoE layer: the slot, the posted state
-// ([hidden] bf16 bits) and the host's sum ([hidden] f32).
+// The memory both sides see, per MoE layer: the slot, the posted states
+// ([tokens, hidden] bf16 bits) and the host's sums ([tokens, hidden] f32),
+// room for kShareMaxTokens tokens each.
 struct ShareMemory {
   ShareSlot* slots = nullptr;  // [layers]
-  uint16_t* x = nullptr;       // [layers, hidden]
-  float* sum = nullptr;        // [layers, hidden]
+  uint16_t* x = nullptr;       // [layers, kShareMaxTokens, hidden]
+  float* sum = nullptr;        // [layers, kShareMaxTokens, hidden]
 };
 
-// rows[m] for m = 0..top_k: of each of a layer's m missed experts, the
-// host computes intermediate rows [0, rows[m]) (a multiple of `step` up to
-// inter) and the link streams the rest, so that both finish soonest: the
-// link at link_us a whole expert, the host at host_us a whole expert plus
-// fixed_us (the hand-overs); ties go to the link.
-std::vector<uint16_t> share_rows_table(int top_k, int inter, int step, double link_us, double host_us,
+// rows[m] for m = 0..max_pairs: of each of a layer's m missed (token,
+// expert) pairs, the host computes intermediate rows [0, rows[m]) (a
+// multiple of `step` up to inter) and the link streams the rest, so that
+// both finish soonest: the link at link_us a whole expert, the host at
+// host_us a whole expert plus fixed_us (the hand-overs); ties go to the
+// link. (A pair counts as an expert of its own on both sides: under the
+// uniform routing the table is for, a pass's tokens rarely share a miss.)
+std::vector<uint16_t> share_rows_table(int max_pairs, int inter, int step, double link_us, double host_us,
                                        double fixed_us);
 
 // Where the time of the shared layers went, summed over passes.
@@ -80,10 +83,11 @@ class HostShare {
   // memory as a miss does).
   double measure_us(int reps = 9);
 
+  // (token, expert) pairs computed here, over all passes.
   uint64_t experts_served() const { return served_; }
   ShareTimes times() const { return times_; }
-  // The experts the host computed for `layer` in the last pass (after end()),
-  // and the intermediate rows it computed of each.
+  // The distinct experts the host computed rows of for `layer` in the last
+  // pass (after end()), and the intermediate rows it computed of each.
   const std::vector<int32_t>& taken(int layer) const { return taken_[size_t(layer)]; }
   int taken_rows(int layer) const { return taken_rows_[size_t(layer)]; }
 
@@ -95,8 +99,10 @@ class HostShare {
   // and returns when all have.
   template <typename Fn>
   void on_all(Fn&& fn);
-  void compute(int layer, const int32_t* experts, const float* weights, int count, int rows,
-               const uint16_t* x_bf16, float* sum);
+  // count (expert, token, weight) pairs of `tokens` tokens: states x_bf16
+  // and sums [tokens, hidden].
+  void compute(int layer, const int32_t* experts, const uint8_t* token_of, const float* weights, int count, int rows,
+               int tokens, const uint16_t* x_bf16, float* sum);
 
   ExpertLayout layout_;
   int layers_ = 0, n_experts_ = 0;

@@ -11,6 +11,7 @@
 //   moe-bench-engine [--shape qwen15|qwen3|all] [--vram-budget 12GiB[,8GiB]]
 //                    [--routing router|uniform|router,uniform] [--host-experts auto|on|off]
 //                    [--misses stream|copy] [--threads N] [--skip-resident]
+//                    [--budget-batches 1[,8...]] (decode batches under a budget; default 1)
 //                    [--steps N] [--prompt N] [--policy P] [--prefetch on|off]
 //                    [--dense-weights auto|bf16|int8|int4]
 //                    [--budget-dense-weights auto|bf16|int8|int4] [--json PATH]
@@ -50,6 +51,7 @@ struct Options {
   std::string misses = "stream";
   int threads = 0;
   bool resident = true;  // --skip-resident: the budgets' rows only
+  std::vector<int> budget_batches = {1};  // decode batches under a budget
   std::string json;
 };
 
@@ -195,6 +197,7 @@ int usage() {
                "                        [--budget-dense-weights auto|bf16|int8|int4]\n"
                "                        [--routing router|uniform|router,uniform] [--host-experts auto|on|off]\n"
                "                        [--misses stream|copy] [--threads N] [--skip-resident]\n"
+               "                        [--budget-batches 1[,8...]]\n"
                "                        [--json PATH]\n");
   return 2;
 }
@@ -220,6 +223,15 @@ int main(int argc, char** argv) {
     else if (a == "--misses") o.misses = val();
     else if (a == "--threads") o.threads = std::atoi(val().c_str());
     else if (a == "--skip-resident") o.resident = false;
+    else if (a == "--budget-batches") {
+      o.budget_batches.clear();
+      for (const auto& b : split_list(val())) o.budget_batches.push_back(std::atoi(b.c_str()));
+      if (o.budget_batches.empty() ||
+          std::any_of(o.budget_batches.begin(), o.budget_batches.end(), [](int b) { return b < 1 || b > 64; })) {
+        std::fprintf(stderr, "moe-bench-engine: --budget-batches takes batch sizes from 1 to 64\n");
+        return usage();
+      }
+    }
     else if (a == "--routing") {
       o.routings = split_list(val());
       for (const auto& r : o.routings)
@@ -264,10 +276,10 @@ int main(int argc, char** argv) {
         CudaEngineOptions eo;
         eo.vram_budget = size_t(gib * double(1ull << 30));
         // KV: what the runs need and no more under a budget (the rest of it
-        // goes to islands): batch 1 there, batch 8 resident, each sequence
+        // goes to islands): the largest batch there, 8 resident, each sequence
         // context + warm-up + steps + 1 tokens, or one prompt; at least 1,024
         // tokens under a budget, 4,096 resident (the earlier fixed pools).
-        const int batch = gib == 0 ? 8 : 1;
+        const int batch = gib == 0 ? 8 : *std::max_element(o.budget_batches.begin(), o.budget_batches.end());
         const int seq_blocks = (o.context + o.steps + 9 + 15) / 16, prompt_blocks = (o.prompt + 1 + 15) / 16;
         eo.kv_blocks = std::max({batch * seq_blocks, prompt_blocks, gib == 0 ? 256 : 64});
         eo.policy = o.policy;
@@ -308,7 +320,7 @@ int main(int argc, char** argv) {
           std::fflush(stdout);
           rows.push_back(r);
         };
-        std::vector<int> batches = gib == 0 ? std::vector<int>{1, 8} : std::vector<int>{1};
+        std::vector<int> batches = gib == 0 ? std::vector<int>{1, 8} : o.budget_batches;
         for (int b : batches) {
           auto r = decode(**e, b, o);
           if (!r) {

@@ -12,7 +12,9 @@ __device__ __forceinline__ uint64_t global_ns() {
   return t;
 }
 
-__global__ void share_collect_kernel(ShareSlot* slot, const float* sum_host, float* x, int hidden,
+__global__ void share_publish_kernel(SharePublishArgs a) { share_publish_warp(a, int(threadIdx.x)); }
+
+__global__ void share_collect_kernel(ShareSlot* slot, const float* sum_host, float* x, int n,
                                      const uint32_t* pass, const uint32_t* host_count, uint64_t timeout_ns) {
   if (*host_count == 0) return;
   __shared__ int ok;
@@ -36,16 +38,26 @@ __global__ void share_collect_kernel(ShareSlot* slot, const float* sum_host, flo
   if (!ok) __trap();
   // One element a thread: the reads over the link are all in flight at once.
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < hidden) x[i] += __ldcv(sum_host + i);
+  if (i < n) x[i] += __ldcv(sum_host + i);
 }
 
 }  // namespace
 
-Status share_collect(ShareSlot* slot, const float* sum_host, float* x, int hidden, const uint32_t* pass,
+Status share_publish(const SharePublishArgs& a, cudaStream_t stream) {
+  MOE_CUDA_REQUIRE(a.tokens >= 1 && a.tokens <= kShareMaxTokens && a.top_k >= 1 && a.top_k <= kShareMaxTopK &&
+                       a.slot && a.hidden > 0,
+                   "share_publish: 1-8 tokens, top_k 1-16, a slot");
+  share_publish_kernel<<<1, 32, 0, stream>>>(a);
+  MOE_CUDA_TRY(cudaGetLastError());
+  return {};
+}
+
+Status share_collect(ShareSlot* slot, const float* sum_host, float* x, int tokens, int hidden, const uint32_t* pass,
                      const uint32_t* host_count, int timeout_ms, cudaStream_t stream) {
-  // Every block waits for the flag itself and adds its slice of the sum.
-  share_collect_kernel<<<(hidden + 255) / 256, 256, 0, stream>>>(slot, sum_host, x, hidden, pass, host_count,
-                                                                uint64_t(timeout_ms) * 1000000ull);
+  // Every block waits for the flag itself and adds its slice of the sums.
+  const int n = tokens * hidden;
+  share_collect_kernel<<<(n + 255) / 256, 256, 0, stream>>>(slot, sum_host, x, n, pass, host_count,
+                                                           uint64_t(timeout_ms) * 1000000ull);
   MOE_CUDA_TRY(cudaGetLastError());
   return {};
 }

@@ -121,8 +121,9 @@ Status router_topk(const float* logits, int tokens, int n_experts, int top_k, bo
   MOE_CUDA_REQUIRE(tokens > 0 && n_experts > 0 && n_experts <= 1024, "n_experts must be in [1, 1024]");
   MOE_CUDA_REQUIRE(top_k > 0 && top_k <= n_experts, "top_k must be in [1, n_experts]");
   MOE_CUDA_REQUIRE(logits_stride == 0 || logits_stride >= n_experts, "logits_stride must be >= n_experts");
-  MOE_CUDA_REQUIRE(!publish || (tokens == 1 && publish->ids == ids && publish->route_w == weights &&
-                                publish->top_k == top_k && top_k <= kShareMaxPairs && publish->slot),
+  MOE_CUDA_REQUIRE(!publish || (tokens == 1 && publish->tokens == 1 && publish->ids == ids &&
+                                publish->route_w == weights && publish->top_k == top_k && top_k <= kShareMaxTopK &&
+                                publish->slot),
                    "publish: one token, this call's ids and weights, top_k <= 16");
   const SharePublishArgs none;
   const size_t smem = size_t(kWarps) * n_experts * sizeof(float);

@@ -11,13 +11,17 @@
 
 namespace moe {
 
-constexpr int kShareMaxPairs = 16;  // a token's top-k at most
+constexpr int kShareMaxTopK = 16;   // a token's top-k at most
+constexpr int kShareMaxTokens = 8;  // tokens a shared pass has at most (streamed decode passes)
+constexpr int kShareMaxPairs = kShareMaxTopK * kShareMaxTokens;
 
 struct alignas(128) ShareSlot {
-  uint32_t posted;  // GPU: the pass whose pairs below (and normed state) are valid
-  uint32_t count;   // pairs the host computes this pass (0: none)
+  uint32_t posted;  // GPU: the pass whose pairs below (and normed states) are valid
+  uint32_t count;   // (token, expert) pairs the host computes this pass (0: none)
   uint32_t rows;    // of each: intermediate rows [0, rows) (the GPU does the rest)
+  uint32_t tokens;  // the pass's tokens: the states and sums are [tokens, hidden]
   int32_t expert[kShareMaxPairs];
+  uint8_t token[kShareMaxPairs];
   float weight[kShareMaxPairs];
   alignas(64) uint32_t done;  // host: the pass whose sum is written
   // GPU, after it saw `done`: how long the collecting kernel waited for it

@@ -589,15 +589,18 @@ TEST_CASE("cuda engine: misses computed on the host as well as copied or streame
   const Resident r = resident(path);
   const auto& full = r.engine;
   // Copy mode splits the misses of any decode pass; streamed passes share
-  // them with the host at batch 1 (one sequence): whole experts, or their
-  // first rows (a link about as fast as the host).
+  // them with the host too, at one sequence and at two (passes of two
+  // tokens): whole experts, or their first rows (a link about as fast as
+  // the host).
   struct Run {
     std::string misses;
     double link_us, host_us;
+    int sequences;
   };
-  for (const Run& run : {Run{"copy", 1e6, 0}, Run{"stream", 1e6, 0}, Run{"stream", 50, 60}}) {
+  for (const Run& run : {Run{"copy", 1e6, 0, 2}, Run{"stream", 1e6, 0, 1}, Run{"stream", 50, 60, 1},
+                         Run{"stream", 50, 60, 2}}) {
     const std::string& misses = run.misses;
-    INFO("misses " << misses << " link " << run.link_us);
+    INFO("misses " << misses << " link " << run.link_us << " sequences " << run.sequences);
     CudaEngineOptions o;
     o.dense_weights = "bf16";
     o.host_embedding = false;
@@ -610,7 +613,7 @@ TEST_CASE("cuda engine: misses computed on the host as well as copied or streame
     auto small = cuda_engine(path, o);
     const int V = full->desc().vocab_size;
     std::vector<std::vector<int32_t>> prompts = {prompt(30, V, 1)};
-    if (misses == "copy") prompts.push_back(prompt(9, V, 2));
+    if (run.sequences == 2) prompts.push_back(prompt(9, V, 2));
     std::vector<bool> flip(prompts.size(), false);
     int compared = 0, swaps = 0;
     side_by_side(*full, *small, prompts, 12, [&](int s, size_t i, const SeqOutput& a, const SeqOutput& b) {
@@ -629,12 +632,16 @@ TEST_CASE("cuda engine: misses computed on the host as well as copied or streame
     CHECK(swaps <= 1);
     const CudaExpertStats st = small->expert_stats();
     const uint64_t host = misses == "copy" ? st.host_experts_served : st.host_share_served;
-    std::printf("cuda engine host+link split (%s): %llu misses computed on the host, %llu copied or streamed, "
-                "%d outputs compared before any routing flip (%d near-tie token swaps)\n",
-                misses.c_str(), (unsigned long long)host,
+    std::printf("cuda engine host+link split (%s, %d sequences): %llu misses computed on the host, %llu copied or "
+                "streamed, %d outputs compared before any routing flip (%d near-tie token swaps)\n",
+                misses.c_str(), run.sequences, (unsigned long long)host,
                 (unsigned long long)(st.residency.misses - st.residency.host_computed), compared, swaps);
     CHECK(host > 0);
-    if (misses == "stream") CHECK(st.residency.host_computed == host);
+    // Streamed: the map counts a (layer, expert) a pass once, the host each
+    // (token, expert) pair.
+    if (misses == "stream" && run.sequences == 1) CHECK(st.residency.host_computed == host);
+    if (misses == "stream") CHECK(st.residency.host_computed > 0);
+    if (misses == "stream") CHECK(st.residency.host_computed <= host);
     CHECK(compared >= 10);
   }
 }

@@ -122,7 +122,7 @@ TEST_CASE("share rows table: the host takes the rows that balance it with the li
 }
 
 // The GPU's part played by a second thread through the same memory: posts
-// each layer's pairs and state, waits for `done`, checks the sum against
+// each layer's pairs and states, waits for `done`, checks the sums against
 // the CPU engine's matvecs. Two passes, so a stale flag of the first would
 // show in the second.
 TEST_CASE("host share serves posted layers in order and hands back the weighted sums", "[host_share]") {
@@ -136,8 +136,9 @@ TEST_CASE("host share serves posted layers in order and hands back the weighted 
     blobs.push_back(store.back().data());
   }
   std::vector<ShareSlot> slots(static_cast<size_t>(layers));
-  std::vector<uint16_t> xs(size_t(layers) * L.hidden);
-  std::vector<float> sums(size_t(layers) * L.hidden, 0.f);
+  const size_t stride = size_t(kShareMaxTokens) * L.hidden;  // a layer's states and sums
+  std::vector<uint16_t> xs(size_t(layers) * stride);
+  std::vector<float> sums(size_t(layers) * stride, 0.f);
   for (ShareSlot& s : slots) s = ShareSlot{};
   const ShareMemory mem{slots.data(), xs.data(), sums.data()};
   std::normal_distribution<float> nd(0.f, 1.f);
@@ -146,51 +147,64 @@ TEST_CASE("host share serves posted layers in order and hands back the weighted 
     HostShare share(L, layers, E, blobs, mem, threads);
     CHECK(share.measure_us(2) > 0);
     for (uint32_t pass : {1u + 10u * uint32_t(threads), 2u + 10u * uint32_t(threads)}) {
-      // Layer 1 gives the host nothing; the others one or three experts,
-      // whole or their first 64 of 96 intermediate rows.
-      const std::vector<std::vector<int>> take = {{2}, {}, {0, 3, 1}};
+      // Layer 0: one token, one whole expert. Layer 1 gives the host
+      // nothing. Layer 2: a pass of two tokens, three (expert, token) pairs,
+      // the first 64 of 96 intermediate rows of each.
+      struct Pair {
+        int expert, token;
+      };
+      const std::vector<std::vector<Pair>> take = {{{2, 0}}, {}, {{0, 0}, {3, 1}, {1, 1}}};
       const int rows_of[3] = {L.inter, 0, 64};
+      const int tokens_of[3] = {1, 1, 2};
       share.begin(pass);
       for (int l = 0; l < layers; ++l) {
         ShareSlot& s = slots[size_t(l)];
-        const std::vector<int>& ex = take[size_t(l)];
+        const std::vector<Pair>& ex = take[size_t(l)];
+        const int tokens = tokens_of[l];
         std::vector<float> w;
         for (size_t i = 0; i < ex.size(); ++i) {
-          s.expert[i] = ex[i];
+          s.expert[i] = ex[i].expert;
+          s.token[i] = uint8_t(ex[i].token);
           s.weight[i] = 0.3f + 0.2f * float(i);
           w.push_back(s.weight[i]);
         }
         s.count = uint32_t(ex.size());
         s.rows = uint32_t(rows_of[l]);
+        s.tokens = uint32_t(tokens);
         const int rows = rows_of[l];
-        uint16_t* x = xs.data() + size_t(l) * L.hidden;
-        for (int i = 0; i < L.hidden; ++i) x[i] = f32_to_bf16(nd(rng));
-        std::fill(sums.begin() + l * L.hidden, sums.begin() + (l + 1) * L.hidden, 99.f);
+        uint16_t* x = xs.data() + size_t(l) * stride;
+        for (int i = 0; i < tokens * L.hidden; ++i) x[i] = f32_to_bf16(nd(rng));
+        std::fill(sums.begin() + l * stride, sums.begin() + (l + 1) * stride, 99.f);
         std::atomic_ref<uint32_t>(s.posted).store(pass, std::memory_order_release);
         std::atomic_ref<uint32_t> done(s.done);
         while (done.load(std::memory_order_acquire) != pass) std::this_thread::yield();
         // The GPU's wait for this layer, as share_collect would write it.
         std::atomic_ref<uint64_t>(s.waited_ns).store(uint64_t(l) * 40000 + 1000);
         if (ex.empty()) continue;  // the sum is not read then
+        // The CPU engine's matvec over the rows the host took, per token.
         std::vector<float> xf(size_t(L.hidden)), g(size_t(L.inter)), u(size_t(L.inter)), h(size_t(L.inter)),
-            d(size_t(L.hidden)), ref(size_t(L.hidden), 0.f);
-        // The CPU engine's matvec over the rows the host took.
-        for (int i = 0; i < L.hidden; ++i) xf[size_t(i)] = bf16_to_f32(x[i]);
+            d(size_t(L.hidden)), ref(size_t(tokens) * L.hidden, 0.f);
         for (size_t i = 0; i < ex.size(); ++i) {
-          const uint8_t* b = blobs[size_t(l) * E + size_t(ex[i])];
+          const int t = ex[i].token;
+          for (int j = 0; j < L.hidden; ++j) xf[size_t(j)] = bf16_to_f32(x[size_t(t) * L.hidden + j]);
+          const uint8_t* b = blobs[size_t(l) * E + size_t(ex[i].expert)];
           q4_matvec_rows(b, L.gate, xf.data(), 0, rows, g.data());
           q4_matvec_rows(b, L.up, xf.data(), 0, rows, u.data());
           cpu::silu_mul(g.data(), u.data(), h.data(), rows);
           q4_matvec_rows(b, L.down, h.data(), 0, L.hidden, d.data(), rows);
-          for (int r = 0; r < L.hidden; ++r) ref[size_t(r)] += w[i] * d[size_t(r)];
+          for (int r = 0; r < L.hidden; ++r) ref[size_t(t) * L.hidden + r] += w[i] * d[size_t(r)];
         }
-        double err = 0, norm = 0;
-        for (int r = 0; r < L.hidden; ++r) {
-          err = std::max(err, double(std::abs(sums[size_t(l) * L.hidden + r] - ref[size_t(r)])));
-          norm = std::max(norm, double(std::abs(ref[size_t(r)])));
+        for (int t = 0; t < tokens; ++t) {
+          INFO("layer " << l << " token " << t);
+          double err = 0, norm = 0;
+          for (int r = 0; r < L.hidden; ++r) {
+            const size_t i = size_t(t) * L.hidden + r;
+            err = std::max(err, double(std::abs(sums[size_t(l) * stride + i] - ref[i])));
+            norm = std::max(norm, double(std::abs(ref[i])));
+          }
+          CHECK(norm > 0.01);
+          CHECK(err <= 1e-5 * norm);
         }
-        CHECK(norm > 0.01);
-        CHECK(err <= 1e-5 * norm);
       }
       const ShareTimes before = share.times();
       share.end(true);
@@ -201,6 +215,11 @@ TEST_CASE("host share serves posted layers in order and hands back the weighted 
       CHECK(after.stalls - before.stalls == 1);
       CHECK(after.max_wait_us == Approx(81.0));
       CHECK(after.host_us > before.host_us);
+      // The distinct experts the host took rows of, per layer.
+      CHECK(share.taken(0) == std::vector<int32_t>{2});
+      CHECK(share.taken(1).empty());
+      CHECK(share.taken(2) == std::vector<int32_t>{0, 3, 1});
+      CHECK(share.taken_rows(2) == 64);
     }
     CHECK(share.experts_served() == 8);
     // A pass whose posts never come is abandoned, not waited for forever.
