@@ -137,7 +137,7 @@ std::string worker_usage() {
          "                          outputs then follow this machine's timings (cuda)\n"
          "  --misses stream|copy    under a budget, a decode step's missed experts are read by the kernels\n"
          "                          from pinned host memory over the link (stream, default), or copied\n"
-         "                          into islands first (copy; the mode --prefetch and --host-experts act in)\n"
+         "                          into islands first (copy, the mode --prefetch acts in)\n"
          "  --redis URL             Redis for warm-expert state and events (redis://HOST:PORT)\n"
          "  --help, --version\n";
 }
