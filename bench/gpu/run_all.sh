@@ -3,7 +3,8 @@
 # and Qwen3-30B-A3B shapes (seeded random weights made in memory, INT4
 # experts), all experts resident (INT8 non-expert weights) and under the VRAM
 # budgets of the targets (the worker's default dtype: INT4 where experts are
-# left out), with the router's own and with uniform routing;
+# left out; decode at batch 1 and 8 there too), with the router's own and
+# with uniform routing;
 # then transformers on the same shapes; then one table of ratios and targets
 # and the summary JSON.
 #   bench/gpu/run_all.sh BUILD_DIR OUT_DIR [COMMIT]
@@ -16,7 +17,7 @@ commit=${3:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 bench="$build/bench/gpu/moe-bench-engine"
-"$bench" --shape qwen15 --dense-weights int8 --budget-dense-weights auto --vram-budget 6 --routing router,uniform --json "$out/engine-qwen15.json"
-"$bench" --shape qwen3 --dense-weights int8 --budget-dense-weights auto --vram-budget 12,8 --routing router,uniform --json "$out/engine-qwen3.json"
+"$bench" --shape qwen15 --dense-weights int8 --budget-dense-weights auto --vram-budget 6 --budget-batches 1,8 --routing router,uniform --json "$out/engine-qwen15.json"
+"$bench" --shape qwen3 --dense-weights int8 --budget-dense-weights auto --vram-budget 12,8 --budget-batches 1,8 --routing router,uniform --json "$out/engine-qwen3.json"
 python3 "$here/transformers_peer.py" --shape all --ours "$out/engine-qwen15.json,$out/engine-qwen3.json" \
     --json "$out/peer.json" --summary "$out/gpu-latest.json" --commit "$commit"
