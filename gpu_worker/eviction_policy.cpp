@@ -83,6 +83,9 @@ void OursPolicy::attach(int n_layers, int n_experts) {
   period_.assign(size_t(n_layers), 0.0);
   long_visits_.assign(size_t(n_layers), 0.0);
   short_visits_.assign(size_t(n_layers), 0.0);
+  long_sq_.assign(size_t(n_layers), 0.0);
+  short_sq_.assign(size_t(n_layers), 0.0);
+  cross_.assign(size_t(n_layers), 0.0);
   long_.assign(n, Rate{});
   short_.assign(n, Rate{});
   last_visit_use_.assign(n, 0);
@@ -100,8 +103,12 @@ void OursPolicy::on_access(ExpertKey key, uint64_t now) {
     }
     ++visits_[l];
     // Sum over the layer's visits j = 1..V of factor^(V - j).
-    long_visits_[l] = long_visits_[l] * decay(long_pow_, 1) + 1.0;
-    short_visits_[l] = short_visits_[l] * decay(short_pow_, 1) + 1.0;
+    const double fl = decay(long_pow_, 1), fs = decay(short_pow_, 1);
+    long_visits_[l] = long_visits_[l] * fl + 1.0;
+    short_visits_[l] = short_visits_[l] * fs + 1.0;
+    long_sq_[l] = long_sq_[l] * fl * fl + 1.0;
+    short_sq_[l] = short_sq_[l] * fs * fs + 1.0;
+    cross_[l] = cross_[l] * fl * fs + 1.0;
     visit_start_[l] = now;
     cur_layer_ = key.layer;
   }
@@ -149,7 +156,16 @@ bool OursPolicy::may_admit(ExpertKey candidate, uint64_t now) const {
     mean_p_[l] = mean / double(n_experts_);
     mean_at_[l] = now;
   }
-  return use_probability(candidate) >= prm_.admit_ratio * mean_p_[l];
+  if (visits_[l] == 0) return false;
+  // use_probability mixes two decayed means of the layer's visits (used or
+  // not): with normalised weights a_j (long) and b_j (short), a Bernoulli(mu)
+  // stream gives it the variance mu (1 - mu) sum_j ((1-w) a_j + w b_j)^2.
+  const double mu = mean_p_[l], w = prm_.short_weight;
+  const double L1 = long_visits_[l], S1 = short_visits_[l];
+  const double c2 = (1 - w) * (1 - w) * long_sq_[l] / (L1 * L1) + w * w * short_sq_[l] / (S1 * S1) +
+                    2 * w * (1 - w) * cross_[l] / (L1 * S1);
+  const double sd = std::sqrt(std::max(0.0, mu * (1 - mu) * c2));
+  return use_probability(candidate) >= mu + prm_.admit_sigmas * sd;
 }
 
 bool OursPolicy::worth_admitting(ExpertKey candidate, ExpertKey victim, uint64_t now) const {

@@ -97,12 +97,17 @@ struct OursPolicyParams {
   double short_half_life_visits = 4.0;   // burst memory
   double short_weight = 0.25;            // share of the burst estimate in p
   double p_floor = 1e-3;                 // unseen experts: rare, not impossible
-  // A streamed expert is admitted only when it is used this many times as
-  // often per visit as the average expert of its layer (and scores above
-  // its victim). Under uniform routing no expert is, and copying one in for
-  // another would only spend the link; the victim alone is no yardstick:
-  // the cheapest of hundreds of residents is an outlier of noisy estimates.
-  double admit_ratio = 3.0;
+  // A streamed expert is admitted only when its use probability stands this
+  // many standard deviations above its layer's mean, the deviation that
+  // estimate would have if every expert of the layer were used at random at
+  // that mean (and it scores above its victim). Under uniform routing no
+  // expert does, and copying one in for another would only spend the link;
+  // the victim alone is no yardstick: the cheapest of hundreds of residents
+  // is an outlier of noisy estimates. A fixed ratio to the mean does not
+  // carry across batch sizes: at batch 1 (a mean of k/E) 3x the mean is ~5.5
+  // deviations, but a pass of 8 tokens uses ~40 % of a layer's experts, and
+  // an expert one sequence uses every token is then only 2.5x the mean.
+  double admit_sigmas = 5.0;
 };
 
 class OursPolicy final : public EvictionPolicy {
@@ -132,6 +137,9 @@ class OursPolicy final : public EvictionPolicy {
   OursPolicyParams prm_;
   std::vector<double> long_pow_, short_pow_;        // [k] per-visit decay factor^k
   std::vector<double> long_visits_, short_visits_;  // [layer] decayed visit counts
+  // [layer] sums of the squared weights of each estimate and of their
+  // products, for the spread of an estimate (may_admit)
+  std::vector<double> long_sq_, short_sq_, cross_;
   int n_layers_ = 0, n_experts_ = 0;
   int cur_layer_ = -1;                    // layer of the current visit
   std::vector<int64_t> visits_;           // [layer] visits so far

@@ -12,6 +12,7 @@
 //                    [--routing router|uniform|router,uniform] [--host-experts auto|on|off]
 //                    [--misses stream|copy] [--threads N] [--skip-resident]
 //                    [--budget-batches 1[,8...]] (decode batches under a budget; default 1)
+//                    [--admit-per-pass N] (streamed experts copied into islands a pass at most)
 //                    [--steps N] [--prompt N] [--policy P] [--prefetch on|off]
 //                    [--dense-weights auto|bf16|int8|int4]
 //                    [--budget-dense-weights auto|bf16|int8|int4] [--json PATH]
@@ -52,6 +53,7 @@ struct Options {
   int threads = 0;
   bool resident = true;  // --skip-resident: the budgets' rows only
   std::vector<int> budget_batches = {1};  // decode batches under a budget
+  int admit_per_pass = 0;                 // 0: the engine's default
   std::string json;
 };
 
@@ -197,7 +199,7 @@ int usage() {
                "                        [--budget-dense-weights auto|bf16|int8|int4]\n"
                "                        [--routing router|uniform|router,uniform] [--host-experts auto|on|off]\n"
                "                        [--misses stream|copy] [--threads N] [--skip-resident]\n"
-               "                        [--budget-batches 1[,8...]]\n"
+               "                        [--budget-batches 1[,8...]] [--admit-per-pass N]\n"
                "                        [--json PATH]\n");
   return 2;
 }
@@ -223,6 +225,7 @@ int main(int argc, char** argv) {
     else if (a == "--misses") o.misses = val();
     else if (a == "--threads") o.threads = std::atoi(val().c_str());
     else if (a == "--skip-resident") o.resident = false;
+    else if (a == "--admit-per-pass") o.admit_per_pass = std::atoi(val().c_str());
     else if (a == "--budget-batches") {
       o.budget_batches.clear();
       for (const auto& b : split_list(val())) o.budget_batches.push_back(std::atoi(b.c_str()));
@@ -290,6 +293,7 @@ int main(int argc, char** argv) {
         eo.host_experts = o.host_experts;
         eo.misses = o.misses;
         eo.host_threads = o.threads;
+        if (o.admit_per_pass > 0) eo.stream_admit_per_pass = o.admit_per_pass;
         const auto t1 = Clock::now();
         auto e = CudaEngine::create((*model)->files, eo);
         if (!e) {
