@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -300,7 +301,13 @@ struct CudaEngine::Impl {
   // 387 -> 362 tok/s sharing every pass), and a miss the host takes rows
   // of saves ~a third of its 53 µs over the link: passes share from a
   // quarter of a miss a layer on.
-  double share_misses = 8;
+  // Kept per pass size: a pass of 8 tokens misses more experts a layer than
+  // one of 1, and its passes must not switch sharing on for the other's.
+  std::array<double, kShareMaxTokens + 1> share_misses = [] {
+    std::array<double, kShareMaxTokens + 1> a;
+    a.fill(8.0);  // "many" at start
+    return a;
+  }();
   static constexpr double kShareMinMisses = 0.25;
   static constexpr double kShareFixedUs = 8;   // post and collect, over the link both ways
   static constexpr int kShareTimeoutMs = 5000;  // the host gone this long: the device traps
@@ -1161,7 +1168,7 @@ Status CudaEngine::Impl::after_streamed_pass(int n) {
       if (i < 0) streamed.push_back(key);
     }
   }
-  share_misses = 0.9 * share_misses + 0.1 * double(missed) / double(Lm);
+  if (n <= kShareMaxTokens) share_misses[size_t(n)] = 0.9 * share_misses[size_t(n)] + 0.1 * double(missed) / double(Lm);
   // The streamed experts the policy finds worth an island, copied in now;
   // an evicted expert streams from the next pass on.
   int budget = opts.stream_admit_per_pass;
@@ -1525,7 +1532,7 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     // The host's share: its threads serve this pass's layers as the GPU
     // posts them; on every way out of the pass they are done with it (or
     // abandon it when the pass failed).
-    m.sharing = m.streaming && m.share && n <= kShareMaxTokens && m.share_misses >= Impl::kShareMinMisses;
+    m.sharing = m.streaming && m.share && n <= kShareMaxTokens && m.share_misses[size_t(n)] >= Impl::kShareMinMisses;
     struct ShareScope {  // left with s set only when the pass failed
       HostShare* s = nullptr;
       ~ShareScope() {

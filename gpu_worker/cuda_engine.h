@@ -85,7 +85,7 @@ struct CudaExpertStats {
   uint64_t host_experts_served = 0;  // (layer, expert) misses computed on the host instead of copied
   uint64_t host_expert_tokens = 0;   // their (token, expert) pairs
   uint64_t bytes_streamed = 0;       // expert bytes kernels read from host memory (streamed misses)
-  uint64_t host_share_served = 0;    // misses of streamed batch-1 passes the host's cores computed
+  uint64_t host_share_served = 0;    // (token, expert) misses of streamed passes the host's cores took rows of
   ShareTimes share_times;            // those passes' shared layers: the host's time, the GPU's waits
 };
 

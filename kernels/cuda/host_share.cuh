@@ -1,11 +1,13 @@
 #pragma once
 // The GPU's half of a streamed pass's host share (kernels/cuda/share_slot.h):
-// the MoE layer's router kernel, given SharePublishArgs (router_topk), posts
-// the layer's missed experts and how many of each one's intermediate rows
-// the host computes, with the layer's normed state; after the GPU's own
-// part, share_collect waits for the host's sum and adds it to the residual.
+// one warp (the MoE layer's router kernel itself at one token, given
+// SharePublishArgs through router_topk; share_publish's own kernel at more)
+// posts the layer's missed (token, expert) pairs and how many of each one's
+// intermediate rows the host computes, with the tokens' normed states;
+// after the GPU's own part, share_collect waits for the host's sums and
+// adds them to the residual.
 // Both read the pass number from device memory, so a decode graph replays
-// them unchanged. One token (batch-1 decode).
+// them unchanged. Streamed decode passes of 1-8 tokens.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -88,7 +90,10 @@ __device__ inline void share_publish_warp(const SharePublishArgs& a, int lane) {
   }
   __threadfence_system();  // each lane's pairs and states reach the host before the flag
   __syncwarp();
-  if (lane == 0) *reinterpret_cast<volatile uint32_t*>(&a.slot->posted) = *a.pass;
+  if (lane == 0) {
+    __threadfence_system();  // and the flag's own thread releases them all
+    *reinterpret_cast<volatile uint32_t*>(&a.slot->posted) = *a.pass;
+  }
 }
 #endif
 
@@ -96,9 +101,9 @@ __device__ inline void share_publish_warp(const SharePublishArgs& a, int lane) {
 // whose routes come from several warps of the router.
 Status share_publish(const SharePublishArgs& a, cudaStream_t stream);
 
-// x[tokens, hidden] += sum_host once slot->done reaches *pass; nothing when
-// *host_count is 0; the first block then writes slot->waited_ns (how long
-// it waited). A host that does not answer within timeout_ms traps
+// x[tokens, hidden] += sum_host once slot->done reaches *pass, and the
+// first block writes slot->waited_ns (how long it waited); nothing at all
+// when *host_count is 0. A host that does not answer within timeout_ms traps
 // (a sticky device error: the worker reports it and is restarted).
 Status share_collect(ShareSlot* slot, const float* sum_host, float* x, int tokens, int hidden, const uint32_t* pass,
                      const uint32_t* host_count, int timeout_ms, cudaStream_t stream);

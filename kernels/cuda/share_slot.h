@@ -2,10 +2,10 @@
 // Where a streamed decode pass hands missed experts to the host's cores and
 // takes their sum back (docs/cuda-worker.md, "The host's share"): one slot
 // per MoE layer in mapped pinned host memory. The host computes the first
-// `rows` intermediate rows of each missed expert (gate, up, and down over
-// those inputs), the GPU the rest, streamed. The GPU writes the pairs and
-// then `posted`; the host writes the sum and then `done`; each side spins
-// on the other's flag. Plain data, read by both compilers; no CUDA header.
+// `rows` intermediate rows of each missed (token, expert) pair (gate, up,
+// and down over those inputs), the GPU the rest, streamed. The GPU writes
+// the pairs and then `posted`; the host writes the sums and then `done`;
+// each side spins on the other's flag. Plain data, read by both compilers; no CUDA header.
 
 #include <cstdint>
 
