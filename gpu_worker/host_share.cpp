@@ -191,16 +191,18 @@ void HostShare::compute(int layer, const int32_t* experts, const uint8_t* token_
   for (size_t i = 0; i < size_t(tokens) * H; ++i) xf_[i] = bf16_to_f32(x_bf16[i]);
   h_.resize(size_t(count) * I);
   g_.resize(size_t(count) * I);
-  // Each token's group sums, once for every chunk of the layer.
+  // Each token's group sums, once for every chunk of the layer (gate and up
+  // read the same x: one set of sums serves both when their groups agree).
   const int gate_groups = H / layout_.gate.group, up_groups = H / layout_.up.group;
   const int down_groups = I / layout_.down.group;
-  sums_.resize(size_t(tokens) * (gate_groups + up_groups) + size_t(count) * down_groups);
-  float* gate_sums = sums_.data();                            // [tokens, gate_groups]
-  float* up_sums = gate_sums + size_t(tokens) * gate_groups;  // [tokens, up_groups]
-  float* down_sums = up_sums + size_t(tokens) * up_groups;    // [count, down_groups]
+  const bool own_up = layout_.up.group != layout_.gate.group;
+  sums_.resize(size_t(tokens) * (gate_groups + (own_up ? up_groups : 0)) + size_t(count) * down_groups);
+  float* gate_sums = sums_.data();                                                 // [tokens, gate_groups]
+  float* up_sums = own_up ? gate_sums + size_t(tokens) * gate_groups : gate_sums;  // [tokens, up_groups]
+  float* down_sums = up_sums + size_t(tokens) * up_groups;                         // [count, down_groups]
   for (int t = 0; t < tokens; ++t) {
     q4_group_sums(layout_.gate, xf_.data() + size_t(t) * H, 0, gate_sums + size_t(t) * gate_groups);
-    q4_group_sums(layout_.up, xf_.data() + size_t(t) * H, 0, up_sums + size_t(t) * up_groups);
+    if (own_up) q4_group_sums(layout_.up, xf_.data() + size_t(t) * H, 0, up_sums + size_t(t) * up_groups);
   }
   auto blob = [&](int p) {
     const int e = std::clamp(int(experts[p]), 0, n_experts_ - 1);
