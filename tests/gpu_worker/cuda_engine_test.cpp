@@ -174,6 +174,15 @@ std::unique_ptr<CudaEngine> cuda_engine(const std::string& path, CudaEngineOptio
   return std::move(*e);
 }
 
+// An engine whose non-expert matrices are in `dtype`, checked to be.
+std::unique_ptr<CudaEngine> cuda_engine_dense(const std::string& path, const std::string& dtype) {
+  CudaEngineOptions o;
+  o.dense_weights = dtype;
+  auto e = cuda_engine(path, o);
+  REQUIRE(e->expert_stats().dense_weights == dtype);
+  return e;
+}
+
 // A model with every expert resident, and the budgets that leave fewer
 // islands (the same dense dtype, the embedding in the arena).
 struct Resident {
@@ -365,10 +374,7 @@ TEST_CASE("cuda engine: INT8 dense weights stay close to the CPU engine", "[cuda
     SECTION(name) {
       const std::string path = packed(name);
       auto cpu = cpu_engine(path);
-      CudaEngineOptions o;
-      o.dense_weights = "int8";
-      auto gpu = cuda_engine(path, o);
-      REQUIRE(gpu->expert_stats().dense_weights == "int8");
+      auto gpu = cuda_engine_dense(path, "int8");
       const Compare cmp = run_against_cpu(*cpu, *gpu, 12, kInt8LogprobTol);
       std::printf("cuda engine (int8 dense) vs cpu, %-12s: %d outputs, %d same greedy token; |dlogprob| of the "
                   "top 8 where routing agreed: max %.4f, mean %.4f; %d outputs after a routing flip: max %.4f\n",
@@ -391,10 +397,7 @@ TEST_CASE("cuda engine: INT4 dense weights on their own grid give the CPU engine
     SECTION(name) {
       const std::string path = grid_fixture(name);
       auto cpu = cpu_engine(path);
-      CudaEngineOptions o;
-      o.dense_weights = "int4";
-      auto gpu = cuda_engine(path, o);
-      REQUIRE(gpu->expert_stats().dense_weights == "int4");
+      auto gpu = cuda_engine_dense(path, "int4");
       const Compare cmp = run_against_cpu(*cpu, *gpu, 12);
       std::printf("cuda engine (int4 dense, on-grid weights) vs cpu, %-12s: %d outputs, %d same greedy token, %d "
                   "near ties (%d where routing agreed); |dlogprob| of the top 8 where routing agreed: max %.4f, "
@@ -419,10 +422,7 @@ TEST_CASE("cuda engine: INT4 dense weights stay close to the CPU engine on the t
   SKIP_WITHOUT_GPU();
   const std::string path = packed("demo-moe");
   auto cpu = cpu_engine(path);
-  CudaEngineOptions o;
-  o.dense_weights = "int4";
-  auto gpu = cuda_engine(path, o);
-  REQUIRE(gpu->expert_stats().dense_weights == "int4");
+  auto gpu = cuda_engine_dense(path, "int4");
   const Compare cmp = run_against_cpu(*cpu, *gpu, 12, kInt4LogprobTol, kInt4FlippedTol);
   std::printf("cuda engine (int4 dense) vs cpu, demo-moe: %d outputs, %d same greedy token; |dlogprob| of the top "
               "8 where routing agreed: max %.4f, mean %.4f; %d outputs after a routing flip: max %.4f\n",

@@ -132,6 +132,37 @@ std::vector<float> silu_input_bf16(const std::vector<float>& gu, int tokens, int
   return round_bf16(h);
 }
 
+// The quantised GEMVs' fused-input cases, drawn in this order. RMSNorm: the
+// f32 residual, bf16 norm weights, outputs to accumulate into, per-token
+// gates, and the CPU's bf16 normed input.
+struct NormInputCase {
+  std::vector<float> res, nw, y0, gate, xnb;
+};
+NormInputCase norm_input_case(int tokens, int k, int n_out, std::mt19937& rng) {
+  NormInputCase c;
+  c.res = randn(size_t(tokens) * k, rng, 2.f);
+  c.nw = round_bf16(randn(k, rng));
+  c.y0 = randn(size_t(tokens) * n_out, rng);
+  c.gate = randn(tokens, rng);
+  c.xnb = rmsnorm_bf16(c.res, c.nw, tokens, k);
+  return c;
+}
+// SiLU(gate) * up: gate|up rows `stride` apart, outputs, gates, and the
+// CPU's bf16 product.
+struct SiluInputCase {
+  int stride = 0;
+  std::vector<float> gu, y0, gate, hb;
+};
+SiluInputCase silu_input_case(int tokens, int k, int n_out, std::mt19937& rng) {
+  SiluInputCase c;
+  c.stride = 2 * k + 3;
+  c.gu = randn(size_t(tokens) * c.stride, rng);
+  c.y0 = randn(size_t(tokens) * n_out, rng);
+  c.gate = randn(tokens, rng);
+  c.hb = silu_input_bf16(c.gu, tokens, k, c.stride);
+  return c;
+}
+
 // An expert blob quantised from random weights.
 std::vector<uint8_t> make_expert(const moe::ExpertLayout& L, std::mt19937& rng) {
   std::vector<uint8_t> blob(L.blob_bytes, 0);
@@ -1058,11 +1089,7 @@ TEST_CASE("cuda int8 dense GEMVs (bf16, rmsnorm and silu inputs) match the CPU",
     // reference; the CPU's RMSNorm differs only by bf16 rounding flips.
     for (int tokens : {1, 4, 8}) {
       INFO("rmsnorm input, tokens " << tokens);
-      const auto res = randn(size_t(tokens) * k, rng, 2.f);
-      const auto nw = round_bf16(randn(k, rng));
-      const auto y0 = randn(size_t(tokens) * n_out, rng);
-      const auto gate = randn(tokens, rng);
-      const auto xnb = rmsnorm_bf16(res, nw, tokens, k);
+      const auto [res, nw, y0, gate, xnb] = norm_input_case(tokens, k, n_out, rng);
       Dev<float> dres(res), dy(y0.size()), dg(gate);
       Dev<bf16> dnw(to_bf16(nw)), dxn(res.size());
       REQUIRE_OK(moe::cuda::dense_gemv_i8_rmsnorm(dq.p, ds.p, dres.p, dnw.p, 1e-6f, dxn.p, dy.p, tokens, n_out, k,
@@ -1085,11 +1112,7 @@ TEST_CASE("cuda int8 dense GEMVs (bf16, rmsnorm and silu inputs) match the CPU",
     // tight bound (as for the bf16 GEMV).
     for (int tokens : {1, 3, 8}) {
       INFO("silu input, tokens " << tokens);
-      const int stride = 2 * k + 3;
-      const auto gu = randn(size_t(tokens) * stride, rng);
-      const auto y0 = randn(size_t(tokens) * n_out, rng);
-      const auto gate = randn(tokens, rng);
-      const auto hb = silu_input_bf16(gu, tokens, k, stride);
+      const auto [stride, gu, y0, gate, hb] = silu_input_case(tokens, k, n_out, rng);
       std::vector<float> ref(y0.size()), ref16(y0.size());
       moe::cpu::matmul_f32(hb.data(), wdq.data(), nullptr, ref.data(), tokens, k, n_out, nullptr);
       moe::cpu::matmul_bf16(hb.data(), wbits.data(), nullptr, ref16.data(), tokens, k, n_out, nullptr);
@@ -1199,11 +1222,7 @@ TEST_CASE("cuda INT4 dense GEMVs (bf16, rmsnorm and silu inputs) and dequantisat
     // RMSNorm input, checked against the kernel's own normed input.
     for (int tokens : {1, 4, 8}) {
       INFO("rmsnorm input, tokens " << tokens);
-      const auto res = randn(size_t(tokens) * k, rng, 2.f);
-      const auto nw = round_bf16(randn(k, rng));
-      const auto y0 = randn(size_t(tokens) * n_out, rng);
-      const auto gate = randn(tokens, rng);
-      const auto xnb = rmsnorm_bf16(res, nw, tokens, k);
+      const auto [res, nw, y0, gate, xnb] = norm_input_case(tokens, k, n_out, rng);
       Dev<float> dres(res), dy(y0.size()), dg(gate);
       Dev<bf16> dnw(to_bf16(nw)), dxn(res.size());
       REQUIRE_OK(moe::cuda::dense_gemv_q4_rmsnorm(dblob.p, q.m, dres.p, dnw.p, 1e-6f, dxn.p, dy.p, tokens, false,
@@ -1222,11 +1241,7 @@ TEST_CASE("cuda INT4 dense GEMVs (bf16, rmsnorm and silu inputs) and dequantisat
     // SiLU(gate) * up input: the CPU makes it, so bf16 rounding flips set the bound.
     for (int tokens : {1, 3, 8}) {
       INFO("silu input, tokens " << tokens);
-      const int stride = 2 * k + 3;
-      const auto gu = randn(size_t(tokens) * stride, rng);
-      const auto y0 = randn(size_t(tokens) * n_out, rng);
-      const auto gate = randn(tokens, rng);
-      const auto hb = silu_input_bf16(gu, tokens, k, stride);
+      const auto [stride, gu, y0, gate, hb] = silu_input_case(tokens, k, n_out, rng);
       std::vector<float> ref(y0.size());
       moe::cpu::matmul_f32(hb.data(), q.wdq.data(), nullptr, ref.data(), tokens, k, n_out, nullptr);
       Dev<float> dgu(gu), dy(y0.size()), dg(gate);
