@@ -44,6 +44,8 @@ int CpuEngine::seq_length(uint64_t seq_id) const {
   return it == seqs_.end() ? -1 : it->second.length;
 }
 
+void CpuEngine::set_progress(std::atomic<uint64_t>* progress) { pass_->set_progress(progress); }
+
 void CpuEngine::release(uint64_t seq_id) {
   auto it = seqs_.find(seq_id);
   if (it == seqs_.end()) return;

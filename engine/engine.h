@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <span>
@@ -103,6 +104,9 @@ class CpuEngine {
   const ModelDesc& desc() const { return files_->desc(); }
   bool experts_q4() const { return weights_->experts_q4; }
   int threads() const { return pool_->size(); }
+  // A counter bumped after every layer of a forward pass (the worker's sign
+  // of life during long steps); nullptr: none.
+  void set_progress(std::atomic<uint64_t>* progress);
 
  private:
   struct Sequence {

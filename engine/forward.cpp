@@ -283,6 +283,7 @@ void ForwardPass::run(const Batch& b, float* logits, uint16_t* expert_counts, Fo
     float* o = sized(mlp_out_, size_t(T) * H);
     lw.o.apply(att_.data(), att_w, o, H, T, &pool_);
     for (size_t i = 0; i < size_t(T) * H; ++i) x[i] += o[i];
+    advanced();
 
     cpu::rmsnorm(x, lw.mlp_norm.data(), h, T, H, d_.rms_eps);
     if (lw.moe) {
@@ -292,6 +293,7 @@ void ForwardPass::run(const Batch& b, float* logits, uint16_t* expert_counts, Fo
       mlp_dense(lw.dense, T, h, out);
     }
     for (size_t i = 0; i < size_t(T) * H; ++i) x[i] += mlp_out_[i];
+    advanced();
   }
 
   float* h = sized(h_, size_t(T) * H);

@@ -7,6 +7,7 @@
 // Not thread-safe: one pass runs at a time (its scratch buffers are reused).
 
 #include <cstdint>
+#include <atomic>
 #include <vector>
 
 #include "engine/kv_cache.h"
@@ -51,8 +52,13 @@ class ForwardPass {
   // Runs the batch. logits: [logit_rows, vocab]. expert_counts (optional):
   // [segments, n_moe_layers * n_experts], incremented per routed token.
   void run(const Batch& b, float* logits, uint16_t* expert_counts, ForwardTrace* trace);
+  // Bumped after each attention and each MLP/MoE block (nullptr: none).
+  void set_progress(std::atomic<uint64_t>* progress) { progress_ = progress; }
 
  private:
+  void advanced() {
+    if (progress_) progress_->fetch_add(1, std::memory_order_relaxed);
+  }
   void attention_gqa(const LayerWeights& lw, int layer, const Batch& b);
   void attention_mla(const LayerWeights& lw, int layer, const Batch& b);
   void attend(int layer, const Batch& b, const float* q, int qk_dim, int v_dim, float scale);
@@ -73,6 +79,7 @@ class ForwardPass {
   std::vector<int32_t> topk_ids_;
   std::vector<float> topk_w_, router_logits_, slot_out_;
   std::vector<int> row_segment_;
+  std::atomic<uint64_t>* progress_ = nullptr;
 };
 
 }  // namespace moe

@@ -2,6 +2,8 @@
 
 #include <limits>
 
+#include "gateway/json_body.h"
+
 namespace moe::gw {
 namespace {
 
@@ -71,37 +73,12 @@ std::optional<ApiError> message_text(const json& content, size_t index, std::str
   return std::nullopt;
 }
 
-std::optional<ApiError> chat_prompt(const json& body, const TextCodec& codec, std::vector<std::vector<int32_t>>* out) {
-  const json* msgs = member(body, "messages");
-  if (!msgs) return invalid_param("messages", "Missing required parameter: 'messages'.", "missing_required_parameter");
-  if (!msgs->is_array()) return wrong_type("messages", "an array");
-  if (msgs->empty()) return invalid_param("messages", "'messages' must contain at least one message.", "empty_array");
-  json rendered = json::array();
-  for (size_t i = 0; i < msgs->size(); ++i) {
-    const json& m = (*msgs)[i];
-    std::string where = "messages[" + std::to_string(i) + "]";
-    if (!m.is_object()) return invalid_param(where, "'" + where + "' must be an object.", "invalid_type");
-    const json* role = member(m, "role");
-    if (!role) return invalid_param(where + ".role", "Missing required parameter: '" + where + ".role'.", "missing_required_parameter");
-    if (!role->is_string()) return invalid_param(where + ".role", "'" + where + ".role' must be a string.", "invalid_type");
-    std::string r = role->get<std::string>();
-    if (r != "system" && r != "user" && r != "assistant" && r != "tool" && r != "developer") {
-      return invalid_param(where + ".role", "Invalid value for '" + where + ".role': '" + r +
-                                                "'. Supported values are: 'system', 'developer', 'user', 'assistant' and 'tool'.",
-                           "invalid_value");
-    }
-    auto it = m.find("content");
-    if (it == m.end() && r != "assistant") {
-      return invalid_param(where + ".content", "Missing required parameter: '" + where + ".content'.", "missing_required_parameter");
-    }
-    std::string text;
-    if (it != m.end()) {
-      if (auto err = message_text(*it, i, &text)) return err;
-    }
-    // Templates written for OpenAI-style roles know "system"; "developer" is its newer name.
-    rendered.push_back({{"role", r == "developer" ? "system" : r}, {"content", text}});
-  }
-  auto ids = codec.encode_chat(rendered);
+std::optional<ApiError> chat_prompt(const json& body, const TextCodec& codec, const ChatMessages& prior,
+                                    ChatMessages* messages, std::vector<std::vector<int32_t>>* out) {
+  if (auto err = parse_chat_messages(body, messages)) return err;
+  // The template sees only validated roles and texts: the session's stored
+  // turns first, then this request's.
+  auto ids = codec.encode_chat(template_messages(prior, *messages));
   if (!ids.ok()) return invalid_param("messages", "The chat template rejected the messages: " + ids.error());
   out->push_back(std::move(ids.value()));
   return std::nullopt;
@@ -155,18 +132,54 @@ std::optional<ApiError> completion_prompts(const json& body, const TextCodec& co
 
 }  // namespace
 
-ParsedRequest parse_completion_request(ApiKind kind, std::string_view body_text, const TextCodec& codec,
-                                       const RequestLimits& limits) {
-  json body;
-  try {
-    body = json::parse(body_text);
-  } catch (const json::parse_error& e) {
-    std::string what = e.what();
-    if (what.find("UTF-8") != std::string::npos || what.find("surrogate") != std::string::npos) {
-      return ApiError{400, "The request body contains invalid UTF-8.", "invalid_request_error", "", "invalid_utf8"};
+std::optional<ApiError> parse_chat_messages(const json& body, ChatMessages* messages) {
+  const json* msgs = member(body, "messages");
+  if (!msgs) return invalid_param("messages", "Missing required parameter: 'messages'.", "missing_required_parameter");
+  if (!msgs->is_array()) return wrong_type("messages", "an array");
+  if (msgs->empty()) return invalid_param("messages", "'messages' must contain at least one message.", "empty_array");
+  for (size_t i = 0; i < msgs->size(); ++i) {
+    const json& m = (*msgs)[i];
+    std::string where = "messages[" + std::to_string(i) + "]";
+    if (!m.is_object()) return invalid_param(where, "'" + where + "' must be an object.", "invalid_type");
+    const json* role = member(m, "role");
+    if (!role) return invalid_param(where + ".role", "Missing required parameter: '" + where + ".role'.", "missing_required_parameter");
+    if (!role->is_string()) return invalid_param(where + ".role", "'" + where + ".role' must be a string.", "invalid_type");
+    std::string r = role->get<std::string>();
+    if (r != "system" && r != "user" && r != "assistant" && r != "tool" && r != "developer") {
+      return invalid_param(where + ".role", "Invalid value for '" + where + ".role': '" + r +
+                                                "'. Supported values are: 'system', 'developer', 'user', 'assistant' and 'tool'.",
+                           "invalid_value");
     }
-    return ApiError{400, "The request body is not valid JSON: " + what, "invalid_request_error", "", "invalid_json"};
+    auto it = m.find("content");
+    if (it == m.end() && r != "assistant") {
+      return invalid_param(where + ".content", "Missing required parameter: '" + where + ".content'.", "missing_required_parameter");
+    }
+    std::string text;
+    if (it != m.end()) {
+      if (auto err = message_text(*it, i, &text)) return err;
+    }
+    // Templates written for OpenAI-style roles know "system"; "developer" is its newer name.
+    messages->push_back({r == "developer" ? "system" : r, std::move(text)});
   }
+  return std::nullopt;
+}
+
+json template_messages(const ChatMessages& prior, const ChatMessages& messages) {
+  json rendered = json::array();
+  for (const ChatMessages* list : {&prior, &messages})
+    for (const ChatMessage& m : *list) rendered.push_back({{"role", m.role}, {"content", m.content}});
+  return rendered;
+}
+
+ParsedRequest parse_completion_request(ApiKind kind, std::string_view body_text, const TextCodec& codec,
+                                       const RequestLimits& limits, const ChatMessages& prior) {
+  ParsedJson body = parse_json_body(body_text);
+  if (auto* err = std::get_if<ApiError>(&body)) return *err;
+  return parse_completion_request(kind, std::get<json>(body), codec, limits, prior);
+}
+
+ParsedRequest parse_completion_request(ApiKind kind, const json& body, const TextCodec& codec,
+                                       const RequestLimits& limits, const ChatMessages& prior) {
   if (!body.is_object()) {
     return ApiError{400, "The request body must be a JSON object.", "invalid_request_error", "", "invalid_json"};
   }
@@ -275,7 +288,7 @@ ParsedRequest parse_completion_request(ApiKind kind, std::string_view body_text,
 
   // The prompt(s), tokenised.
   if (kind == ApiKind::chat) {
-    if ((err = chat_prompt(body, codec, &req.prompts))) return *err;
+    if ((err = chat_prompt(body, codec, prior, &req.messages, &req.prompts))) return *err;
   } else {
     if ((err = completion_prompts(body, codec, &req.prompts))) return *err;
   }
@@ -292,21 +305,23 @@ ParsedRequest parse_completion_request(ApiKind kind, std::string_view body_text,
     longest = std::max(longest, p.size());
   }
   if (limits.max_context > 0) {
-    int64_t ctx = limits.max_context;
-    if (static_cast<int64_t>(longest) >= ctx) {
+    const int64_t ctx = limits.max_context;
+    const int64_t room = ctx - static_cast<int64_t>(longest);  // tokens left for the completion
+    if (room <= 0) {
       return invalid_param(prompt_param, "This model's maximum context length is " + std::to_string(ctx) +
                                              " tokens. However, your prompt has " + std::to_string(longest) +
                                              " tokens, which leaves no room for a completion.",
                            "context_length_exceeded");
     }
-    if (max_tokens && static_cast<int64_t>(longest) + *max_tokens > ctx) {
+    // Compared as "more than the room", never as a sum: max_tokens may be near 2^63.
+    if (max_tokens && *max_tokens > room) {
       return invalid_param(max_param, "This model's maximum context length is " + std::to_string(ctx) +
-                                          " tokens. However, you requested " + std::to_string(longest + *max_tokens) +
-                                          " tokens (" + std::to_string(longest) + " in the prompt, " +
-                                          std::to_string(*max_tokens) + " for the completion).",
+                                          " tokens. However, you requested " + std::to_string(longest) + " + " +
+                                          std::to_string(*max_tokens) + " tokens (" + std::to_string(longest) +
+                                          " in the prompt, " + std::to_string(*max_tokens) + " for the completion).",
                            "context_length_exceeded");
     }
-    req.max_new_tokens = max_tokens ? static_cast<int>(*max_tokens) : static_cast<int>(ctx - static_cast<int64_t>(longest));
+    req.max_new_tokens = static_cast<int>(max_tokens ? *max_tokens : room);
   } else {
     req.max_new_tokens = max_tokens ? static_cast<int>(std::min<int64_t>(*max_tokens, std::numeric_limits<int>::max()))
                                     : std::numeric_limits<int>::max();
@@ -326,6 +341,31 @@ ParsedRequest parse_completion_request(ApiKind kind, std::string_view body_text,
     req.sampling.top_logprobs = static_cast<int>(completion_logprobs.value_or(0));
   }
   req.stream = stream.value_or(false);
+
+  // What the request costs at most, before anything runs (unknown while no
+  // worker said how long its context is and the request names no max_tokens).
+  if (limits.max_context == 0 && !max_tokens) return req;
+  const int64_t choices = static_cast<int64_t>(req.prompts.size()) * req.n;
+  const int64_t tokens = choices * req.max_new_tokens;  // ≤ 128 × 2^31: no overflow
+  if (tokens > limits.max_request_tokens) {
+    return invalid_param(max_tokens ? max_param : "n",
+                         "This request may generate " + std::to_string(choices) + " x " +
+                             std::to_string(req.max_new_tokens) + " = " + std::to_string(tokens) +
+                             " tokens, more than the server's limit of " + std::to_string(limits.max_request_tokens) +
+                             " per request; lower 'n' or '" + max_param + "'.",
+                         "request_too_costly");
+  }
+  if (req.sampling.logprobs && !req.stream) {
+    const int64_t entries = tokens * (1 + req.sampling.top_logprobs);
+    if (entries > limits.max_logprob_entries) {
+      return invalid_param(kind == ApiKind::chat ? "top_logprobs" : "logprobs",
+                           "A whole response with these logprobs may hold " + std::to_string(entries) +
+                               " entries (choices x max tokens x (1 + alternatives)), more than the server's limit of " +
+                               std::to_string(limits.max_logprob_entries) +
+                               "; lower 'n', '" + max_param + "' or the alternatives, or stream the response.",
+                           "request_too_costly");
+    }
+  }
   return req;
 }
 

@@ -1,7 +1,13 @@
 #include "gateway/gateway_options.h"
 
 #include <charconv>
+#include <cstdio>
+#include <fstream>
+#include <functional>
 #include <limits>
+#include <sstream>
+
+#include <sys/stat.h>
 
 namespace moe::gw {
 namespace {
@@ -11,30 +17,72 @@ bool parse_u64(const std::string& s, uint64_t* out) {
   return ec == std::errc() && p == s.data() + s.size() && !s.empty();
 }
 
-bool takes_value(const std::string& name) {
-  for (const char* known : {"--model", "--worker", "--host", "--port", "--api-key", "--max-body-bytes",
-                            "--served-model-name", "--redis", "--fallback-worker", "--request-timeout-ms", "--keepalive-timeout-ms",
-                            "--max-write-queue-bytes", "--max-step-tokens", "--predict", "--grouped-batching",
-                            "--lsh-bits", "--lsh-seed", "--predict-half-life", "--predict-experts",
-                            "--grouping-max-skips"}) {
-    if (name == known) return true;
-  }
-  return false;
-}
-
 std::string base_name(std::string path) {
   while (path.size() > 1 && path.back() == '/') path.pop_back();
   size_t slash = path.rfind('/');
   return slash == std::string::npos ? path : path.substr(slash + 1);
 }
 
+constexpr uint64_t kDayMs = 24ull * 3600 * 1000;
+constexpr uint64_t kU32 = std::numeric_limits<uint32_t>::max();
+
+// A numeric option: its range and where it goes.
+struct Numeric {
+  const char* name;
+  uint64_t min, max;
+  std::function<void(GatewayOptions&, uint64_t)> set;
+};
+
+const std::vector<Numeric>& numeric_options() {
+  static const std::vector<Numeric> table = {
+      {"--port", 0, 65535, [](GatewayOptions& o, uint64_t v) { o.port = int(v); }},
+      {"--max-body-bytes", 1, kU32, [](GatewayOptions& o, uint64_t v) { o.max_body_bytes = v; }},
+      {"--request-timeout-ms", 1, kDayMs, [](GatewayOptions& o, uint64_t v) { o.request_timeout_ms = v; }},
+      {"--keepalive-timeout-ms", 1, kDayMs, [](GatewayOptions& o, uint64_t v) { o.keepalive_timeout_ms = v; }},
+      {"--write-timeout-ms", 1, kDayMs, [](GatewayOptions& o, uint64_t v) { o.write_timeout_ms = v; }},
+      {"--max-write-queue-bytes", 1, kU32, [](GatewayOptions& o, uint64_t v) { o.max_write_queue_bytes = v; }},
+      {"--max-connections", 1, 1'000'000, [](GatewayOptions& o, uint64_t v) { o.max_connections = v; }},
+      {"--max-step-tokens", 1, 65535, [](GatewayOptions& o, uint64_t v) { o.max_step_tokens = int(v); }},
+      {"--max-request-tokens", 1, uint64_t(1) << 40,
+       [](GatewayOptions& o, uint64_t v) { o.max_request_tokens = int64_t(v); }},
+      {"--max-logprob-entries", 1, uint64_t(1) << 40,
+       [](GatewayOptions& o, uint64_t v) { o.max_logprob_entries = int64_t(v); }},
+      {"--max-response-bytes", 1024, uint64_t(1) << 40, [](GatewayOptions& o, uint64_t v) { o.max_response_bytes = v; }},
+      {"--max-caller-sequences", 1, 1'000'000, [](GatewayOptions& o, uint64_t v) { o.max_caller_sequences = int(v); }},
+      {"--max-waiting", 1, 1'000'000, [](GatewayOptions& o, uint64_t v) { o.max_waiting = int(v); }},
+      {"--session-max-messages", 1, 100'000, [](GatewayOptions& o, uint64_t v) { o.session_max_messages = v; }},
+      {"--session-max-bytes", 1024, kU32, [](GatewayOptions& o, uint64_t v) { o.session_max_bytes = v; }},
+      {"--session-memory-bytes", 0, uint64_t(1) << 40, [](GatewayOptions& o, uint64_t v) { o.session_memory_bytes = v; }},
+      {"--session-ttl-s", 1, 365ull * 24 * 3600, [](GatewayOptions& o, uint64_t v) { o.session_ttl_s = v; }},
+      {"--lsh-bits", 1, 32, [](GatewayOptions& o, uint64_t v) { o.lsh_bits = int(v); }},
+      {"--lsh-seed", 0, std::numeric_limits<uint64_t>::max(), [](GatewayOptions& o, uint64_t v) { o.lsh_seed = v; }},
+      {"--predict-half-life", 1, 1'000'000'000, [](GatewayOptions& o, uint64_t v) { o.predict_half_life = double(v); }},
+      {"--predict-experts", 1, 4096, [](GatewayOptions& o, uint64_t v) { o.predict_experts = int(v); }},
+      {"--grouping-max-skips", 0, 1'000'000, [](GatewayOptions& o, uint64_t v) { o.grouping_max_skips = int(v); }},
+  };
+  return table;
+}
+
+const char* const kTextOptions[] = {"--model",  "--worker",       "--fallback-worker", "--host",
+                                    "--api-key", "--api-key-file", "--served-model-name", "--redis",
+                                    "--redis-password-file", "--predict", "--grouped-batching"};
+
+bool takes_value(const std::string& name) {
+  for (const char* t : kTextOptions)
+    if (name == t) return true;
+  for (const Numeric& n : numeric_options())
+    if (name == n.name) return true;
+  return false;
+}
+
 }  // namespace
 
 std::string gateway_usage() {
-  return "usage: moe-gateway --model DIR|FILE --worker unix:PATH [options]\n"
+  return "usage: moe-gateway --model DIR|FILE [--worker unix:PATH] [options]\n"
          "\n"
          "The OpenAI-compatible HTTP front end: tokenises, applies the chat template,\n"
-         "batches requests into steps of the worker(s) and streams the results.\n"
+         "batches requests into steps of the worker(s) and streams the results. Without\n"
+         "--worker it starts and supervises its own moe-worker on the CPU.\n"
          "\n"
          "  --model DIR|FILE          the model: a checkpoint folder (config.json, tokenizer.json)\n"
          "                            or a packed model file (required)\n"
@@ -46,19 +94,52 @@ std::string gateway_usage() {
          "                            the others are down; running streams move to it and back\n"
          "  --host ADDR               address to listen on (default 127.0.0.1)\n"
          "  --port N                  TCP port (default 8080; 0 picks a free one)\n"
-         "  --api-key KEY             require 'Authorization: Bearer KEY' on every endpoint\n"
-         "                            but /health\n"
+         "\n"
+         "Who may use it:\n"
+         "  --api-key KEY             require 'Authorization: Bearer KEY' on every endpoint but\n"
+         "                            /health; repeatable. Visible in ps: prefer the two below\n"
+         "  --api-key-file FILE       keys, one a line ('#' comments); repeatable\n"
+         "                            (the environment variable MOE_API_KEY adds one more)\n"
+         "  --max-connections N       open connections at most; more are answered 503 (default:\n"
+         "                            the descriptor limit less 64 kept for workers and Redis,\n"
+         "                            at most 4096)\n"
+         "  --max-caller-sequences N  sequences (choices) one caller may have running or waiting\n"
+         "                            (a caller: its API key, else its address; default 256);\n"
+         "                            more is 429 with Retry-After\n"
+         "  --max-waiting N           sequences waiting for the worker, everyone together\n"
+         "                            (default 1024); more is 429 with Retry-After\n"
+         "\n"
+         "What one request may cost:\n"
          "  --max-body-bytes N        largest request body accepted (default 1048576); more is 413\n"
+         "  --max-request-tokens N    choices x max_tokens of one request (default 1048576)\n"
+         "  --max-logprob-entries N   choices x max_tokens x (1 + alternatives) of a whole (not\n"
+         "                            streamed) response with logprobs (default 262144)\n"
+         "  --max-response-bytes N    text and logprobs a whole response may hold (default 64 MiB);\n"
+         "                            past it the request fails with 400 response_too_large\n"
+         "  --request-timeout-ms N    a request whose headers and body are not all in after\n"
+         "                            N ms gets 408 and is closed (default 30000; at least 1)\n"
+         "  --keepalive-timeout-ms N  idle keep-alive connections are closed after N ms\n"
+         "                            (default 60000; at least 1)\n"
+         "  --write-timeout-ms N      a client that takes none of a response's bytes for N ms\n"
+         "                            is closed and its work cancelled (default 30000)\n"
+         "  --max-write-queue-bytes N a streaming client this far behind is dropped and its\n"
+         "                            generation cancelled (default 1048576)\n"
+         "\n"
+         "State:\n"
          "  --served-model-name NAME  the model id clients send and /v1/models lists\n"
          "                            (default: the name of the model folder or file)\n"
          "  --redis URL               Redis for sessions and warm-expert state\n"
-         "                            (redis://host:port; default: none, in-process state)\n"
-         "  --request-timeout-ms N    a request whose headers and body are not all in after\n"
-         "                            N ms gets 408 and is closed (default 30000)\n"
-         "  --keepalive-timeout-ms N  idle keep-alive connections are closed after N ms\n"
-         "                            (default 60000)\n"
-         "  --max-write-queue-bytes N a streaming client this far behind is dropped and its\n"
-         "                            generation cancelled (default 1048576)\n"
+         "                            (redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]; default: none,\n"
+         "                            in-process state)\n"
+         "  --redis-password-file F   the Redis password (or USER:PASSWORD) read from a file,\n"
+         "                            instead of the URL\n"
+         "  --session-max-messages N  turns a session keeps, the oldest dropped (default 64)\n"
+         "  --session-max-bytes N     text a session keeps (default 262144)\n"
+         "  --session-memory-bytes N  sessions held in this process together, least recently\n"
+         "                            used dropped (default 64 MiB)\n"
+         "  --session-ttl-s N         a session expires N s after its last turn (default 86400)\n"
+         "\n"
+         "Batching and experts:\n"
          "  --max-step-tokens N       tokens in one worker step, decode and prefill chunks\n"
          "                            together (default 256): larger favours throughput,\n"
          "                            smaller the latency of running streams\n"
@@ -101,80 +182,75 @@ Result<GatewayCommandLine> parse_gateway_args(const std::vector<std::string>& ar
     if (a.rfind("--", 0) == 0 && eq != std::string::npos) {
       name = a.substr(0, eq);
       value = a.substr(eq + 1);
+      if (!takes_value(name)) return make_error("unknown option '" + name + "' (see --help)");
     } else {
       if (a.rfind("--", 0) != 0) return make_error("unexpected argument '" + a + "'");
       if (!takes_value(a)) return make_error("unknown option '" + a + "' (see --help)");
       if (i + 1 >= args.size()) return make_error("option " + a + " needs a value");
       value = args[++i];
     }
-    uint64_t num = 0;
-    auto number = [&](uint64_t max) -> Status {
-      if (!parse_u64(value, &num) || num > max) {
-        return make_error("option " + name + " needs a number (0.." + std::to_string(max) + "), got '" + value + "'");
-      }
-      return {};
-    };
-    Status st;
+    bool numeric = false;
+    for (const Numeric& n : numeric_options()) {
+      if (name != n.name) continue;
+      numeric = true;
+      uint64_t v = 0;
+      if (!parse_u64(value, &v) || v < n.min || v > n.max)
+        return make_error("option " + name + " needs a number (" + std::to_string(n.min) + ".." +
+                          std::to_string(n.max) + "), got '" + value + "'");
+      n.set(o, v);
+    }
+    if (numeric) continue;
     if (name == "--model") {
       o.model_path = value;
-    } else if (name == "--worker") {
-      if (value.rfind("unix:", 0) != 0 || value.size() == 5) {
-        return make_error("option --worker needs unix:PATH, got '" + value + "'");
-      }
-      o.workers.push_back(value);
-    } else if (name == "--fallback-worker") {
-      if (value.rfind("unix:", 0) != 0 || value.size() == 5) {
-        return make_error("option --fallback-worker needs unix:PATH, got '" + value + "'");
-      }
-      o.fallback_worker = value;
+    } else if (name == "--worker" || name == "--fallback-worker") {
+      if (value.rfind("unix:", 0) != 0 || value.size() == 5)
+        return make_error("option " + name + " needs unix:PATH, got '" + value + "'");
+      (name == "--worker" ? o.workers.emplace_back() : o.fallback_worker) = value;
     } else if (name == "--host") {
       o.host = value;
-    } else if (name == "--port") {
-      if ((st = number(65535))) o.port = static_cast<int>(num);
     } else if (name == "--api-key") {
       if (value.empty()) return make_error("option --api-key needs a non-empty key");
-      o.api_key = value;
-    } else if (name == "--max-body-bytes") {
-      if ((st = number(std::numeric_limits<uint32_t>::max()))) o.max_body_bytes = num;
+      o.api_keys.push_back(value);
+    } else if (name == "--api-key-file") {
+      o.api_key_files.push_back(value);
     } else if (name == "--served-model-name") {
       o.served_model_name = value;
     } else if (name == "--redis") {
       o.redis_url = value;
-    } else if (name == "--request-timeout-ms") {
-      if ((st = number(24ull * 3600 * 1000))) o.request_timeout_ms = num;
-    } else if (name == "--keepalive-timeout-ms") {
-      if ((st = number(24ull * 3600 * 1000))) o.keepalive_timeout_ms = num;
-    } else if (name == "--max-write-queue-bytes") {
-      if ((st = number(std::numeric_limits<uint32_t>::max()))) o.max_write_queue_bytes = num;
+    } else if (name == "--redis-password-file") {
+      o.redis_password_file = value;
     } else if (name == "--predict" || name == "--grouped-batching") {
       if (value != "on" && value != "off") return make_error("option " + name + " needs on or off, got '" + value + "'");
       (name == "--predict" ? o.predict : o.grouped_batching) = value == "on";
-    } else if (name == "--lsh-bits") {
-      if ((st = number(32))) o.lsh_bits = static_cast<int>(num);
-      if (st.ok() && o.lsh_bits < 1) return make_error("option --lsh-bits needs 1..32");
-    } else if (name == "--lsh-seed") {
-      if ((st = number(std::numeric_limits<uint64_t>::max()))) o.lsh_seed = num;
-    } else if (name == "--predict-half-life") {
-      if ((st = number(1'000'000'000))) o.predict_half_life = double(num);
-      if (st.ok() && num < 1) return make_error("option --predict-half-life needs at least 1");
-    } else if (name == "--predict-experts") {
-      if ((st = number(4096))) o.predict_experts = static_cast<int>(num);
-      if (st.ok() && num < 1) return make_error("option --predict-experts needs at least 1");
-    } else if (name == "--grouping-max-skips") {
-      if ((st = number(1'000'000))) o.grouping_max_skips = static_cast<int>(num);
-    } else if (name == "--max-step-tokens") {
-      if ((st = number(65535))) o.max_step_tokens = static_cast<int>(num);
-      if (st.ok() && o.max_step_tokens < 1) return make_error("option --max-step-tokens needs at least 1");
-    } else {
-      return make_error("unknown option '" + name + "' (see --help)");
     }
-    if (!st.ok()) return make_error(st.error());
   }
   if (!cl.help && !cl.version) {
     if (o.model_path.empty()) return make_error("--model DIR|FILE is required (see --help)");
     if (o.served_model_name.empty()) o.served_model_name = base_name(o.model_path);
   }
   return cl;
+}
+
+Result<std::vector<std::string>> collect_api_keys(const GatewayOptions& o, const char* env_key) {
+  std::vector<std::string> keys = o.api_keys;
+  for (const std::string& path : o.api_key_files) {
+    std::ifstream in(path);
+    if (!in) return make_error("cannot read --api-key-file " + path);
+    struct stat st{};
+    if (::stat(path.c_str(), &st) == 0 && (st.st_mode & 077))
+      std::fprintf(stderr, "moe-gateway: warning: %s is readable by others (chmod 600 it)\n", path.c_str());
+    size_t before = keys.size();
+    std::string line;
+    while (std::getline(in, line)) {
+      const size_t b = line.find_first_not_of(" \t\r");
+      if (b == std::string::npos || line[b] == '#') continue;
+      const size_t e = line.find_last_not_of(" \t\r");
+      keys.push_back(line.substr(b, e - b + 1));
+    }
+    if (keys.size() == before) return make_error("--api-key-file " + path + " holds no key");
+  }
+  if (env_key && *env_key) keys.emplace_back(env_key);
+  return keys;
 }
 
 }  // namespace moe::gw

@@ -16,14 +16,31 @@ struct GatewayOptions {
   std::string fallback_worker;        // --fallback-worker unix:PATH: served only while no --worker is up
   std::string host = "127.0.0.1";     // --host
   int port = 8080;                    // --port (0: ephemeral)
-  std::string api_key;                // --api-key ("" → no authentication)
+  // Authentication: any of these keys opens every endpoint but /health.
+  std::vector<std::string> api_keys;  // --api-key KEY (repeatable)
+  std::vector<std::string> api_key_files;  // --api-key-file FILE (repeatable): one key a line
   size_t max_body_bytes = 1 << 20;    // --max-body-bytes
   std::string served_model_name;      // --served-model-name (default: the model's folder/file name)
   std::string redis_url;              // --redis (sessions, warm experts; "" → in-process)
+  std::string redis_password_file;    // --redis-password-file: the password (or user:password) for Redis AUTH
   uint64_t request_timeout_ms = 30'000;    // --request-timeout-ms
   uint64_t keepalive_timeout_ms = 60'000;  // --keepalive-timeout-ms
+  uint64_t write_timeout_ms = 30'000;      // --write-timeout-ms
   size_t max_write_queue_bytes = 1 << 20;  // --max-write-queue-bytes
+  size_t max_connections = 0;              // --max-connections (0: from the descriptor limit)
   int max_step_tokens = 256;               // --max-step-tokens: tokens of one worker step
+  // What one request may cost (docs/security.md).
+  int64_t max_request_tokens = int64_t(1) << 20;   // --max-request-tokens: choices × max_tokens
+  int64_t max_logprob_entries = int64_t(1) << 18;  // --max-logprob-entries: of a whole response
+  size_t max_response_bytes = size_t(64) << 20;    // --max-response-bytes: of a whole response
+  // Admission (docs/security.md).
+  int max_caller_sequences = 256;  // --max-caller-sequences: per caller, in flight
+  int max_waiting = 1024;          // --max-waiting: sequences waiting, everyone together
+  // Sessions.
+  size_t session_max_messages = 64;               // --session-max-messages
+  size_t session_max_bytes = size_t(256) << 10;   // --session-max-bytes
+  size_t session_memory_bytes = size_t(64) << 20; // --session-memory-bytes
+  uint64_t session_ttl_s = 24 * 3600;             // --session-ttl-s
   // Expert prediction (docs/expert-prediction.md).
   bool predict = true;                     // --predict on|off
   bool grouped_batching = true;            // --grouped-batching on|off
@@ -43,6 +60,12 @@ struct GatewayCommandLine {
 // Parses argv[1..]; an unknown option, a missing or malformed value is an
 // error naming it. --model is required unless --help or --version is given.
 Result<GatewayCommandLine> parse_gateway_args(const std::vector<std::string>& args);
+
+// Every key the options name: --api-key values, then the keys of each
+// --api-key-file (one a line; blank lines and lines starting with '#'
+// skipped), then the MOE_API_KEY environment value if `env_key` is set. An
+// unreadable or keyless file is an error.
+Result<std::vector<std::string>> collect_api_keys(const GatewayOptions& o, const char* env_key);
 
 // The --help text.
 std::string gateway_usage();

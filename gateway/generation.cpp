@@ -1,8 +1,12 @@
 #include "gateway/generation.h"
 
 #include <algorithm>
+#include <atomic>
 
 #include <uv.h>
+
+#include "gateway/json_body.h"
+#include "gateway/last_resort.h"
 
 namespace moe::gw {
 namespace {
@@ -10,7 +14,11 @@ namespace {
 using json = nlohmann::json;
 
 // Token text may be part of a UTF-8 character; invalid bytes become U+FFFD.
-std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+std::string dump(const json& j) { return json_text(j); }
+
+// What a logprob entry of a whole response costs in memory, roughly: the
+// JSON nodes of the token, its bytes and each alternative.
+size_t logprob_entry_bytes(int alternatives) { return 160 + size_t(alternatives) * 128; }
 
 json bytes_array(const std::string& s) {
   json a = json::array();
@@ -20,12 +28,19 @@ json bytes_array(const std::string& s) {
 
 }  // namespace
 
+namespace {
+std::atomic<size_t> g_live_generations{0};
+}  // namespace
+
 Generation::Generation(GenerationContext ctx, CompletionRequest req, std::shared_ptr<HttpExchange> ex)
     : ctx_(std::move(ctx)), req_(std::move(req)), ex_(std::move(ex)) {
   stop_ids_ = ctx_.codec->stop_token_ids();
+  g_live_generations.fetch_add(1, std::memory_order_relaxed);
 }
 
-Generation::~Generation() = default;
+Generation::~Generation() { g_live_generations.fetch_sub(1, std::memory_order_relaxed); }
+
+size_t Generation::live() { return g_live_generations.load(std::memory_order_relaxed); }
 
 bool Generation::is_stop_id(int32_t id) const {
   return std::find(stop_ids_.begin(), stop_ids_.end(), id) != stop_ids_.end();
@@ -58,7 +73,45 @@ void Generation::add_logprobs(const TokenEvent& ev, size_t text_offset, json& in
   }
 }
 
+void Generation::Choice::on_token(const TokenEvent& ev) {
+  Generation* g = gen;
+  if (!last_resort("a token's text", [&] { g->token(*this, ev); })) g->internal_failure("a token's text");
+}
+
+void Generation::Choice::on_finished(FinishReason r, const std::string& msg) {
+  Generation* g = gen;
+  if (!last_resort("a sequence's end", [&] { g->finished(*this, r, msg); })) g->internal_failure("a sequence's end");
+}
+
+void Generation::internal_failure(const char* what) noexcept {
+  if (!last_resort(what, [&] { fail(ApiError{500, "Internal error while producing the response.", "server_error", "",
+                                              "internal_error"}); })) {
+    // Even the error could not be sent: give up on the exchange.
+    over_ = true;
+    last_resort(what, [&] { cancel_running(); });
+  }
+}
+
+bool Generation::hold(size_t bytes) {
+  if (req_.stream) return true;
+  held_bytes_ += bytes;
+  if (held_bytes_ <= ctx_.max_response_bytes) return true;
+  fail(ApiError{400,
+                "The response grew past the server's limit of " + std::to_string(ctx_.max_response_bytes) +
+                    " bytes; ask for fewer tokens, choices or logprobs, or stream it.",
+                "invalid_request_error", "", "response_too_large"});
+  return false;
+}
+
 void Generation::start(uint64_t seed) {
+  // A client gone before we started: nothing would ever release a kept
+  // generation (it and its exchange would hold each other).
+  if (!ex_->open()) {
+    over_ = true;
+    ctx_.ticket.release();
+    ctx_.metrics->count_disconnect();
+    return;
+  }
   ex_->keep(shared_from_this());
   ex_->on_abort([this] { abort(); });
   if (req_.stream) {
@@ -91,6 +144,7 @@ void Generation::start(uint64_t seed) {
     sr.sampling = req_.sampling;
     sr.sampling.seed = seed + static_cast<uint64_t>(c->index);
     sr.stop_ids = stop_ids_;
+    sr.group = ctx_.request_serial;
     c->last_token_ns = ctx_.start_ns;
     c->seq = ctx_.scheduler->submit(std::move(sr), c.get());
     c->submitted = true;
@@ -114,13 +168,20 @@ void Generation::token(Choice& c, const TokenEvent& ev) {
   json chunk_logprobs;
   bool stop_id = is_stop_id(ev.token);
   if (req_.sampling.logprobs && !stop_id) {
-    chunk_logprobs = empty_logprobs();
-    add_logprobs(ev, c.text.size(), chunk_logprobs);
-    add_logprobs(ev, c.text.size(), c.logprobs);
+    if (req_.stream) {
+      chunk_logprobs = empty_logprobs();
+      add_logprobs(ev, c.text_bytes, chunk_logprobs);
+    } else {
+      if (!hold(logprob_entry_bytes(req_.sampling.top_logprobs))) return;
+      add_logprobs(ev, c.text_bytes, c.logprobs);
+    }
   }
   std::string piece = stop_id ? std::string() : c.decoder->push(ev.token);
   StopMatcher::Step step = c.matcher.push(piece);
-  c.text += step.text;
+  if (!hold(step.text.size())) return;
+  // A stream sends its text as it goes and keeps only what a session stores.
+  if (!req_.stream || (ctx_.on_complete && c.index == 0)) c.text += step.text;
+  c.text_bytes += step.text.size();
   if (step.stopped) {
     ctx_.scheduler->cancel(c.seq);
     if (req_.stream && !chunk_logprobs.is_null()) send_chunk(c, step.text, &chunk_logprobs, nullptr, false);
@@ -141,7 +202,9 @@ void Generation::finished(Choice& c, FinishReason reason, const std::string& mes
   }
   StopMatcher::Step step = c.matcher.push(c.decoder->flush());
   std::string tail = step.text + c.matcher.finish();
-  c.text += tail;
+  if (!hold(tail.size())) return;
+  if (!req_.stream || (ctx_.on_complete && c.index == 0)) c.text += tail;
+  c.text_bytes += tail.size();
   finish_choice(c, step.stopped || reason == FinishReason::stop ? "stop" : "length", tail);
 }
 
@@ -166,6 +229,7 @@ json Generation::usage() const {
 
 void Generation::complete() {
   over_ = true;
+  ctx_.ticket.release();
   if (ctx_.degraded) ctx_.metrics->count_degraded_response();
   if (ctx_.on_complete && !choices_.empty()) ctx_.on_complete(choices_[0]->text);
   if (req_.stream) {
@@ -218,24 +282,27 @@ void Generation::cancel_running() {
   }
 }
 
-void Generation::fail(const std::string& message) {
+void Generation::fail(const std::string& message) { fail(ApiError{500, message, "server_error", "", "engine_error"}); }
+
+void Generation::fail(const ApiError& err) {
   if (over_) return;
   over_ = true;
+  ctx_.ticket.release();
   cancel_running();
-  ApiError err{500, message, "server_error", "", "engine_error"};
   if (req_.stream) {
     ex_->send("data: " + api_error_json(err) + "\n\n");
     ex_->send("data: [DONE]\n\n");
     ex_->end();
     return;
   }
-  ctx_.metrics->count_request(ctx_.endpoint, 500);
+  ctx_.metrics->count_request(ctx_.endpoint, err.status);
   ex_->respond(api_error_response(err));
 }
 
 void Generation::abort() {
   if (over_) return;
   over_ = true;
+  ctx_.ticket.release();
   ctx_.metrics->count_disconnect();
   cancel_running();
 }

@@ -6,7 +6,11 @@
 //
 // Lifetime: owned by its HttpExchange (HttpExchange::keep) so that it
 // outlives its sequences; when the client goes away, every unfinished
-// sequence is cancelled at once.
+// sequence is cancelled at once. A generation whose client left before it
+// started is never kept (nothing would release it).
+//
+// Memory: a stream keeps no text or logprobs beyond what is being sent; a
+// whole response counts what it holds against max_response_bytes.
 // Threading: loop thread only (scheduler observers are called there).
 
 #include <cstdint>
@@ -17,6 +21,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "gateway/admission.h"
 #include "gateway/completion_request.h"
 #include "gateway/http_server.h"
 #include "gateway/metrics.h"
@@ -35,6 +40,11 @@ struct GenerationContext {
   int64_t created = 0;        // unix seconds
   uint64_t start_ns = 0;      // uv_hrtime() when the request was accepted
   bool degraded = false;      // adds X-Moe-Degraded: 1
+  uint64_t request_serial = 0;  // the scheduler starts sequences round-robin across these
+  // A whole (not streamed) response may hold at most this many bytes of
+  // text and logprobs; past it the request fails with 400 response_too_large.
+  size_t max_response_bytes = size_t(64) << 20;
+  AdmissionTicket ticket;     // released when the response is over
   // Sessions: headers added to the response, and choice 0's text once the
   // response completed (not after an error or a disconnect).
   HttpHeaders extra_headers;
@@ -45,6 +55,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
  public:
   Generation(GenerationContext ctx, CompletionRequest req, std::shared_ptr<HttpExchange> ex);
   ~Generation();
+
+  // Generations alive in this process (the /metrics gauge that shows a leak).
+  static size_t live();
 
   // Submits every choice's sequence and, for a stream, sends the head and
   // the first (role) chunks. `seed` is choice 0's seed.
@@ -59,14 +72,17 @@ class Generation : public std::enable_shared_from_this<Generation> {
     bool done = false;
     std::unique_ptr<TokenTextStream> decoder;
     StopMatcher matcher{{}};
-    std::string text;             // shown so far
+    std::string text;             // shown so far (a stream keeps it only for a session)
+    size_t text_bytes = 0;        // bytes of text shown so far
     int tokens = 0;               // generated, stop ids included
     uint64_t last_token_ns = 0;
     std::string finish_reason;
     nlohmann::json logprobs;      // accumulated for a whole response
 
-    void on_token(const TokenEvent& ev) override { gen->token(*this, ev); }
-    void on_finished(FinishReason r, const std::string& msg) override { gen->finished(*this, r, msg); }
+    // An exception from the text side (a bug) fails this request with a
+    // 500, never the process.
+    void on_token(const TokenEvent& ev) override;
+    void on_finished(FinishReason r, const std::string& msg) override;
   };
 
   void token(Choice& c, const TokenEvent& ev);
@@ -74,6 +90,12 @@ class Generation : public std::enable_shared_from_this<Generation> {
   void finish_choice(Choice& c, const char* reason, const std::string& tail_text);
   void complete();
   void fail(const std::string& message);
+  void fail(const ApiError& error);
+  // Ends the request after an exception escaped the text side.
+  void internal_failure(const char* what) noexcept;
+  // Counts bytes a whole response will hold; false (and the request failed)
+  // past max_response_bytes.
+  bool hold(size_t bytes);
   void abort();
   void cancel_running();
 
@@ -94,6 +116,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   std::vector<std::unique_ptr<Choice>> choices_;
   int finished_ = 0;
   bool over_ = false;  // response ended (completed, failed or aborted)
+  size_t held_bytes_ = 0;  // text and logprobs a whole response holds so far
 };
 
 }  // namespace moe::gw

@@ -31,6 +31,7 @@ struct HttpRequest {
   std::string body;
   bool keep_alive = true;
   bool expect_continue = false;  // "Expect: 100-continue"
+  std::string peer;              // the client's address (set by the server, not the parser)
 
   // First header of that (lower-case) name, or nullptr.
   const std::string* header(std::string_view lower_name) const;

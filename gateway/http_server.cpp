@@ -1,9 +1,17 @@
 #include "gateway/http_server.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 
+#include "gateway/last_resort.h"
+
 namespace moe::gw {
+
+namespace {
+// Connections answered 503 at the same time, at most.
+constexpr size_t kMaxRefusing = 16;
+}  // namespace
 
 const char* http_reason(int status) {
   switch (status) {
@@ -31,28 +39,48 @@ const char* http_reason(int status) {
 // once both of its handles have closed.
 class Connection {
  public:
-  Connection(HttpServer* server)
-      : server_(server), parser_(server->opts_.limits) {
+  // `refusing`: a connection past the cap, answered 503 and closed.
+  Connection(HttpServer* server, bool refusing)
+      : server_(server), parser_(server->opts_.limits), refusing_(refusing) {
     tcp_.data = this;
     timer_.data = this;
+    write_timer_.data = this;
   }
 
   bool start(uv_stream_t* listener) {
     uv_tcp_init(server_->loop_, &tcp_);
     uv_timer_init(server_->loop_, &timer_);
+    uv_timer_init(server_->loop_, &write_timer_);
     tcp_.data = this;
     timer_.data = this;
-    handles_open_ = 2;
+    write_timer_.data = this;
+    handles_open_ = 3;
     if (uv_accept(listener, reinterpret_cast<uv_stream_t*>(&tcp_)) != 0) {
       close();
       return false;
     }
     uv_tcp_nodelay(&tcp_, 1);
+    sockaddr_storage addr{};
+    int len = sizeof(addr);
+    char name[64] = "";
+    if (uv_tcp_getpeername(&tcp_, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+      if (addr.ss_family == AF_INET6)
+        uv_ip6_name(reinterpret_cast<sockaddr_in6*>(&addr), name, sizeof(name));
+      else
+        uv_ip4_name(reinterpret_cast<sockaddr_in*>(&addr), name, sizeof(name));
+    }
+    peer_ = name;
+    if (refusing_) {
+      send_protocol_error(503, "too many connections; retry shortly");
+      return true;
+    }
     arm_timer(server_->opts_.keepalive_timeout_ms);
     uv_read_start(stream(), alloc_cb, read_cb);
     reading_ = true;
     return true;
   }
+
+  bool refusing() const { return refusing_; }
 
   // Ends the connection now; an unfinished exchange is aborted.
   void close() {
@@ -61,17 +89,19 @@ class Connection {
     if (reading_) uv_read_stop(stream());
     reading_ = false;
     uv_timer_stop(&timer_);
+    uv_timer_stop(&write_timer_);
     if (current_) {
       auto ex = current_;
       bool unfinished = !ex->ended_;
       ex->conn_ = nullptr;
       if (unfinished && ex->on_abort_) {
         auto fn = std::move(ex->on_abort_);
-        fn();
+        last_resort("a client's abort", fn);
       }
     }
     uv_close(reinterpret_cast<uv_handle_t*>(&tcp_), close_cb);
     uv_close(reinterpret_cast<uv_handle_t*>(&timer_), close_cb);
+    uv_close(reinterpret_cast<uv_handle_t*>(&write_timer_), close_cb);
   }
 
   // --- used by HttpExchange ---
@@ -157,7 +187,12 @@ class Connection {
     if (rc != 0) {
       delete w;
       close();
+      return;
     }
+    // Bytes the client has not taken yet: they must go within the write timeout.
+    if (uv_stream_get_write_queue_size(stream()) > 0 &&
+        !uv_is_active(reinterpret_cast<uv_handle_t*>(&write_timer_)))
+      uv_timer_start(&write_timer_, write_timer_cb, server_->opts_.write_timeout_ms, 0);
   }
 
   static void write_cb(uv_write_t* req, int status) {
@@ -165,11 +200,25 @@ class Connection {
     Connection* c = w->conn;
     bool last = w->last;
     delete w;
-    if (status < 0) {
-      c->close();
-      return;
-    }
-    if (last && !c->closing_) c->finish_exchange();
+    last_resort("an HTTP write's completion", [&] {
+      if (status < 0) {
+        c->close();
+        return;
+      }
+      // Progress: the deadline starts again for what is still queued, if anything.
+      if (!c->closing_) {
+        uv_timer_stop(&c->write_timer_);
+        if (uv_stream_get_write_queue_size(c->stream()) > 0)
+          uv_timer_start(&c->write_timer_, write_timer_cb, c->server_->opts_.write_timeout_ms, 0);
+      }
+      if (last && !c->closing_) c->finish_exchange();
+    });
+  }
+
+  static void write_timer_cb(uv_timer_t* t) {
+    auto* c = static_cast<Connection*>(t->data);
+    // A client that takes nothing keeps neither its connection nor its response.
+    if (!c->closing_) c->close();
   }
 
   // The response was written: release the exchange (and the handler's state),
@@ -222,25 +271,50 @@ class Connection {
 
   static void read_cb(uv_stream_t* s, ssize_t nread, const uv_buf_t* buf) {
     auto* c = static_cast<Connection*>(s->data);
+    if (!last_resort("an HTTP read", [&] { c->on_read(nread, buf); }) && !c->closing_) c->fail_exchange();
+  }
+
+  void on_read(ssize_t nread, const uv_buf_t* buf) {
     if (nread == 0) return;
     if (nread < 0) {
       // EOF or error: the client is gone (or half-closed, which HTTP clients
       // do not do mid-request); its work is cancelled at once.
-      c->close();
+      close();
       return;
     }
-    if (c->lingering_) return;
-    c->inbuf_.append(buf->base, static_cast<size_t>(nread));
-    if (c->current_) {
+    if (lingering_ || discarding_) return;
+    inbuf_.append(buf->base, static_cast<size_t>(nread));
+    if (current_) {
       // Busy with a request: hold pipelined bytes, but not without bound.
-      const auto& lim = c->server_->opts_.limits;
-      if (c->inbuf_.size() > lim.max_header_bytes + lim.max_body_bytes) {
-        uv_read_stop(s);
-        c->reading_ = false;
+      // Past one whole request's worth the input is no longer kept: the
+      // connection closes after this response, and reading goes on only so
+      // that a client who leaves is noticed (and its work cancelled).
+      const auto& lim = server_->opts_.limits;
+      if (inbuf_.size() > lim.max_header_bytes + lim.max_body_bytes) {
+        inbuf_.clear();
+        inbuf_.shrink_to_fit();
+        discarding_ = true;
+        keep_alive_ = false;
       }
       return;
     }
-    c->process_input();
+    process_input();
+  }
+
+  // An exception escaped the handler of the current request: answer it 500
+  // if nothing was sent yet, end it otherwise, and close after.
+  void fail_exchange() {
+    keep_alive_ = false;
+    auto ex = current_;
+    const bool answered = last_resort("an HTTP 500", [&] {
+      if (!ex || !ex->open()) return;
+      if (ex->streaming_) {
+        ex->end();
+      } else {
+        ex->respond(server_->handler_->protocol_error(500, "internal error while handling the request"));
+      }
+    });
+    if (!answered || !ex) close();
   }
 
   static void timer_cb(uv_timer_t* t) {
@@ -251,7 +325,7 @@ class Connection {
       return;
     }
     if (c->parser_.started()) {
-      c->send_protocol_error(408, "request not received in time");
+      if (!last_resort("an HTTP 408", [&] { c->send_protocol_error(408, "request not received in time"); })) c->close();
     } else {
       c->close();  // idle keep-alive connection
     }
@@ -260,11 +334,16 @@ class Connection {
   static void close_cb(uv_handle_t* h) {
     auto* c = static_cast<Connection*>(h->data);
     if (--c->handles_open_ == 0) {
+      if (c->refusing_) --c->server_->refusing_;
       auto& list = c->server_->connections_;
       list.erase(std::remove(list.begin(), list.end(), c), list.end());
       if (c->current_) {
-        c->current_->state_.reset();
-        c->current_->on_abort_ = nullptr;
+        // Releasing the handler's state may run its destructor: nothing it
+        // throws may reach libuv.
+        last_resort("releasing a request's state", [&] {
+          c->current_->state_.reset();
+          c->current_->on_abort_ = nullptr;
+        });
       }
       delete c;
     }
@@ -272,6 +351,7 @@ class Connection {
 
   void send_protocol_error(int status, const std::string& message) {
     HttpResponse r = server_->handler_->protocol_error(status, message);
+    if (status == 503) r.headers.emplace_back("Retry-After", "1");
     keep_alive_ = false;
     auto ex = std::make_shared<HttpExchange>();
     ex->conn_ = this;
@@ -297,10 +377,11 @@ class Connection {
           uv_timer_stop(&timer_);
           auto ex = std::make_shared<HttpExchange>();
           ex->req_ = parser_.take_request();
+          ex->req_.peer = peer_;
           ex->conn_ = this;
           keep_alive_ = ex->req_.keep_alive;
           current_ = ex;
-          server_->handler_->handle(ex);
+          if (!last_resort("a request's handler", [&] { server_->handler_->handle(ex); }) && !closing_) fail_exchange();
           return;
         }
       }
@@ -315,8 +396,10 @@ class Connection {
   friend class HttpExchange;
   HttpServer* server_;
   uv_tcp_t tcp_{};
-  uv_timer_t timer_{};
+  uv_timer_t timer_{};        // keep-alive idle, request deadline, linger
+  uv_timer_t write_timer_{};  // write progress deadline
   int handles_open_ = 0;
+  std::string peer_;
   HttpRequestParser parser_;
   std::string inbuf_;  // received, not yet parsed (pipelined requests wait here)
   std::shared_ptr<HttpExchange> current_;
@@ -325,6 +408,8 @@ class Connection {
   bool lingering_ = false;
   bool reading_ = false;
   bool request_timer_armed_ = false;
+  bool discarding_ = false;  // pipelined input past the bound: no longer kept
+  bool refusing_ = false;
 };
 
 // --- HttpExchange ---
@@ -389,9 +474,28 @@ Status HttpServer::listen() {
 void HttpServer::on_connection(uv_stream_t* listener, int status) {
   auto* self = static_cast<HttpServer*>(listener->data);
   if (status < 0 || self->closed_) return;
-  auto* c = new Connection(self);
-  self->connections_.push_back(c);
-  c->start(listener);
+  last_resort("accepting a connection", [&] {
+    // Past the cap a few connections at a time are told 503; beyond those,
+    // the connection is accepted and closed at once so the backlog drains.
+    const bool over = self->connection_count() >= self->opts_.max_connections;
+    if (over) {
+      ++self->refused_;
+      if (self->refused_ == 1 || self->refused_ % 1000 == 0)
+        std::fprintf(stderr, "moe-gateway: %zu connections open, the limit; refusing new ones (%llu so far)\n",
+                     self->connection_count(), static_cast<unsigned long long>(self->refused_));
+    }
+    if (over && self->refusing_ >= kMaxRefusing) {
+      auto* t = new uv_tcp_t;
+      uv_tcp_init(self->loop_, t);
+      uv_accept(listener, reinterpret_cast<uv_stream_t*>(t));
+      uv_close(reinterpret_cast<uv_handle_t*>(t), [](uv_handle_t* h) { delete reinterpret_cast<uv_tcp_t*>(h); });
+      return;
+    }
+    auto* c = new Connection(self, over);
+    if (over) ++self->refusing_;
+    self->connections_.push_back(c);
+    c->start(listener);
+  });
 }
 
 void HttpServer::close() {

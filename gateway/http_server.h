@@ -6,6 +6,14 @@
 // chunked transfer coding whose write queue is bounded: a client that reads
 // too slowly is dropped, exactly like one that disconnects.
 //
+// What a client can hold: at most max_connections connections (more are
+// answered 503 and closed, a few at a time, the rest closed at once), each
+// with at most one request's bytes waiting behind the one being answered
+// (past that the connection stops keeping input, closes after the current
+// response, and goes on reading only to notice the client leaving), and no
+// write that makes no progress for write_timeout_ms (then it is closed).
+// An exception escaping the handler is answered 500; none ends the process.
+//
 // Threading: everything runs on the loop thread given to the constructor.
 
 #include <cstddef>
@@ -33,6 +41,8 @@ struct HttpServerOptions {
   uint64_t request_timeout_ms = 30'000;    // a started request must be whole by then → 408
   uint64_t keepalive_timeout_ms = 60'000;  // an idle connection is closed after this
   size_t max_write_queue_bytes = 1 << 20;  // a stream further behind than this is dropped
+  size_t max_connections = 1024;           // open connections; past it 503 and close
+  uint64_t write_timeout_ms = 30'000;      // a write not done by then closes the connection
 };
 
 struct HttpResponse {
@@ -111,7 +121,9 @@ class HttpServer {
   // The loop must run on for the handles to finish closing.
   void close();
 
-  size_t connection_count() const { return connections_.size(); }
+  // Open connections, those being refused (503) not counted.
+  size_t connection_count() const { return connections_.size() - refusing_; }
+  uint64_t refused_connections() const { return refused_; }
 
  private:
   friend class Connection;
@@ -125,6 +137,8 @@ class HttpServer {
   bool closed_ = false;
   int bound_port_ = 0;
   std::vector<Connection*> connections_;
+  size_t refusing_ = 0;  // of connections_, those being answered 503
+  uint64_t refused_ = 0;
   std::vector<char> read_buf_;  // one read at a time on the loop thread
 };
 

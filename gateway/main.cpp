@@ -1,11 +1,14 @@
 // moe-gateway: the OpenAI-compatible HTTP front end.
+#include <algorithm>
 #include <csignal>
+#include <cstdlib>
 #include <map>
 #include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include <sys/resource.h>
 #include <uv.h>
 
 #include "gateway/expert_prediction.h"
@@ -37,6 +40,23 @@ struct Shutdown {
   }
 };
 
+// Raises the soft descriptor limit to the hard one and returns the soft
+// limit now in force.
+uint64_t raise_descriptor_limit() {
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0) return 1024;
+  if (rl.rlim_cur < rl.rlim_max) {
+    rlimit want = rl;
+    want.rlim_cur = rl.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &want) == 0) rl = want;
+  }
+  return uint64_t(rl.rlim_cur);
+}
+
+// Descriptors kept out of the connections' reach: the worker links and their
+// restarts, Redis, the loop's own, the supervisor's pipes, a few refusals.
+constexpr uint64_t kReservedDescriptors = 64;
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -55,6 +75,28 @@ int main(int argc, char** argv) {
     return 0;
   }
   const moe::gw::GatewayOptions& opts = cl->options;
+  auto keys = moe::gw::collect_api_keys(opts, std::getenv("MOE_API_KEY"));
+  if (!keys.ok()) {
+    std::fprintf(stderr, "moe-gateway: %s\n", keys.error().c_str());
+    return 2;
+  }
+  // Connections: what the descriptor limit allows after the reserve.
+  const uint64_t nofile = raise_descriptor_limit();
+  if (nofile < kReservedDescriptors + 8) {
+    std::fprintf(stderr, "moe-gateway: the descriptor limit (%llu) is too low; it needs at least %llu\n",
+                 (unsigned long long)nofile, (unsigned long long)(kReservedDescriptors + 8));
+    return 2;
+  }
+  size_t max_connections = std::min<uint64_t>(4096, nofile - kReservedDescriptors);
+  if (opts.max_connections > 0) {
+    if (opts.max_connections > nofile - kReservedDescriptors) {
+      std::fprintf(stderr, "moe-gateway: --max-connections %zu does not fit the descriptor limit %llu (at most %llu)\n",
+                   opts.max_connections, (unsigned long long)nofile,
+                   (unsigned long long)(nofile - kReservedDescriptors));
+      return 2;
+    }
+    max_connections = opts.max_connections;
+  }
 
   auto codec = moe::gw::load_model_text_codec(opts.model_path);
   if (!codec.ok()) {
@@ -88,10 +130,16 @@ int main(int argc, char** argv) {
   if (opts.redis_url.empty()) {
     std::fprintf(stderr, "moe-gateway: no --redis; sessions and expert state stay in this process\n");
   } else {
-    auto ep = moe::gw::parse_redis_url(opts.redis_url);
+    auto ep = moe::protocol::parse_redis_url(opts.redis_url);
     if (!ep.ok()) {
       std::fprintf(stderr, "moe-gateway: %s\n", ep.error().c_str());
       return 2;
+    }
+    if (!opts.redis_password_file.empty()) {
+      if (auto st = moe::protocol::read_redis_password_file(opts.redis_password_file, &ep.value()); !st.ok()) {
+        std::fprintf(stderr, "moe-gateway: %s\n", st.error().c_str());
+        return 2;
+      }
     }
     redis = std::make_unique<moe::gw::RedisClient>(loop, ep.value());
     moe::gw::RedisWorkerStreamsOptions wso;
@@ -119,13 +167,22 @@ int main(int argc, char** argv) {
 
   moe::gw::SessionStoreOptions sso;
   if (worker_streams) sso.events_key = worker_streams->events_key();
+  sso.ttl_s = opts.session_ttl_s;
+  sso.max_messages = opts.session_max_messages;
+  sso.max_bytes = opts.session_max_bytes;
+  sso.memory_bytes = opts.session_memory_bytes;
   moe::gw::SessionStore sessions(redis.get(), sso);
 
   moe::gw::GatewayMetrics metrics;
   moe::gw::ApiOptions api_opts;
   api_opts.sessions = &sessions;
   api_opts.served_model_name = opts.served_model_name;
-  api_opts.api_key = opts.api_key;
+  api_opts.api_keys = keys.value();
+  api_opts.max_request_tokens = opts.max_request_tokens;
+  api_opts.max_logprob_entries = opts.max_logprob_entries;
+  api_opts.max_response_bytes = opts.max_response_bytes;
+  api_opts.admission.max_caller_sequences = std::max(opts.max_caller_sequences, api_opts.max_choices);
+  api_opts.admission.max_waiting = std::max(opts.max_waiting, api_opts.max_choices);
   api_opts.predictor = predictor.get();
   if (worker_streams) api_opts.resident_sets = [ws = worker_streams.get()] { return ws->resident(); };
   moe::gw::OpenAiApi api(api_opts, engine.get(), text.get(), &metrics);
@@ -137,13 +194,18 @@ int main(int argc, char** argv) {
   http.request_timeout_ms = opts.request_timeout_ms;
   http.keepalive_timeout_ms = opts.keepalive_timeout_ms;
   http.max_write_queue_bytes = opts.max_write_queue_bytes;
+  http.write_timeout_ms = opts.write_timeout_ms;
+  http.max_connections = max_connections;
   moe::gw::HttpServer server(loop, http, &api);
+  api.watch_server(&server);
   if (auto st = server.listen(); !st.ok()) {
     std::fprintf(stderr, "moe-gateway: %s\n", st.error().c_str());
     return 1;
   }
-  std::fprintf(stderr, "moe-gateway %s: serving '%s' on http://%s:%d\n", MOE_VERSION, opts.served_model_name.c_str(),
-               opts.host.c_str(), server.port());
+  std::fprintf(stderr, "moe-gateway %s: serving '%s' on http://%s:%d (%s, up to %zu connections)\n", MOE_VERSION,
+               opts.served_model_name.c_str(), opts.host.c_str(), server.port(),
+               api_opts.api_keys.empty() ? "no API key" : (std::to_string(api_opts.api_keys.size()) + " API key(s)").c_str(),
+               max_connections);
 
   std::signal(SIGPIPE, SIG_IGN);
   Shutdown shutdown;

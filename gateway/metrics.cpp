@@ -75,7 +75,7 @@ uint64_t GatewayMetrics::requests(const std::string& endpoint, int status) const
   return it == requests_.end() ? 0 : it->second;
 }
 
-std::string GatewayMetrics::render(const SchedulerStats& stats, bool ready) const {
+std::string GatewayMetrics::render(const SchedulerStats& stats, bool ready, const GatewayGauges& g) const {
   std::string out;
   out += "# HELP moe_gateway_requests_total HTTP requests answered, by endpoint and status.\n";
   out += "# TYPE moe_gateway_requests_total counter\n";
@@ -109,6 +109,23 @@ std::string GatewayMetrics::render(const SchedulerStats& stats, bool ready) cons
                 "Requests whose client went away (or read too slowly) before the end.",
                 static_cast<double>(client_disconnects_));
   render_scalar(out, "moe_gateway_ready", "gauge", "1 once a worker can take steps.", ready ? 1 : 0);
+  render_scalar(out, "moe_gateway_connections", "gauge", "Open HTTP connections.", double(g.connections));
+  render_scalar(out, "moe_gateway_connections_refused_total", "counter",
+                "Connections answered 503 because --max-connections were open.", double(g.connections_refused));
+  render_scalar(out, "moe_gateway_sequences_admitted", "gauge",
+                "Sequences admitted and not yet finished, every caller together.", double(g.sequences_admitted));
+  render_scalar(out, "moe_gateway_callers", "gauge", "Callers with sequences in flight.", double(g.callers));
+  render_scalar(out, "moe_gateway_admission_refused_total", "counter",
+                "Requests answered 429 (a caller's bound or the waiting bound).", double(g.admission_refused));
+  render_scalar(out, "moe_gateway_generations", "gauge", "Requests being generated or answered.",
+                double(g.generations));
+  render_scalar(out, "moe_gateway_sessions_in_memory", "gauge", "Sessions the gateway's mirror holds.",
+                double(g.sessions_in_memory));
+  render_scalar(out, "moe_gateway_session_memory_bytes", "gauge", "Bytes the session mirror holds.",
+                double(g.session_memory_bytes));
+  render_scalar(out, "moe_gateway_internal_errors_total", "counter",
+                "Exceptions caught by the last-resort handlers (each answered 500 or logged).",
+                double(g.internal_errors));
   if (stats.predicting) {
     render_scalar(out, "moe_gateway_prediction_requests_total", "counter",
                   "Finished requests whose expert prediction was checked against their use.",

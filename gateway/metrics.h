@@ -30,6 +30,20 @@ class LatencyHistogram {
   double sum_ = 0.0;
 };
 
+// What the gateway itself holds right now: the gauges that show a leak or a
+// flood (docs/security.md), filled by whoever renders the metrics.
+struct GatewayGauges {
+  size_t connections = 0;              // open HTTP connections
+  uint64_t connections_refused = 0;    // answered 503 past --max-connections
+  int sequences_admitted = 0;          // in flight, every caller
+  size_t callers = 0;                  // callers with sequences in flight
+  uint64_t admission_refused = 0;      // requests answered 429
+  size_t generations = 0;              // requests being generated or answered
+  size_t sessions_in_memory = 0;       // the session store's mirror
+  size_t session_memory_bytes = 0;
+  uint64_t internal_errors = 0;        // exceptions the last resort caught
+};
+
 class GatewayMetrics {
  public:
   // One finished HTTP exchange (for a stream: counted when its head is sent).
@@ -44,7 +58,7 @@ class GatewayMetrics {
   uint64_t requests(const std::string& endpoint, int status) const;
 
   // The whole exposition text.
-  std::string render(const SchedulerStats& stats, bool ready) const;
+  std::string render(const SchedulerStats& stats, bool ready, const GatewayGauges& gauges = {}) const;
 
  private:
   std::map<std::pair<std::string, int>, uint64_t> requests_;  // (endpoint, status) → count

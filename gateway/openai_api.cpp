@@ -6,6 +6,8 @@
 #include <uv.h>
 
 #include "gateway/generation.h"
+#include "gateway/json_body.h"
+#include "gateway/last_resort.h"
 #include "gateway/prediction_debug.h"
 
 namespace moe::gw {
@@ -36,8 +38,11 @@ OpenAiApi::OpenAiApi(ApiOptions opts, Scheduler* scheduler, const TextCodec* cod
       scheduler_(scheduler),
       codec_(codec),
       metrics_(metrics),
+      admission_(opts_.admission),
       started_at_(static_cast<int64_t>(std::time(nullptr))),
-      rng_(std::random_device{}()) {}
+      rng_(std::random_device{}()) {
+  for (const std::string& k : opts_.api_keys) key_owners_.push_back(SessionStore::owner_of_key(k));
+}
 
 std::string OpenAiApi::new_id(const char* prefix) {
   static const char* hex = "0123456789abcdef";
@@ -48,14 +53,18 @@ std::string OpenAiApi::new_id(const char* prefix) {
   return id;
 }
 
-bool OpenAiApi::authorised(const HttpRequest& req) const {
-  if (opts_.api_key.empty()) return true;
+int OpenAiApi::key_index(const HttpRequest& req) const {
   const std::string* h = req.header("authorization");
-  if (!h || h->size() < 7) return false;
+  if (!h || h->size() < 7) return -1;
   std::string scheme = h->substr(0, 7);
   for (char& c : scheme) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (scheme != "bearer ") return false;
-  return constant_time_equal(h->substr(7), opts_.api_key);
+  if (scheme != "bearer ") return -1;
+  const std::string given = h->substr(7);
+  // Every key is compared, so the time taken says nothing of which matched.
+  int found = -1;
+  for (size_t i = 0; i < opts_.api_keys.size(); ++i)
+    if (constant_time_equal(given, opts_.api_keys[i]) && found < 0) found = int(i);
+  return found;
 }
 
 void OpenAiApi::reply(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint, HttpResponse r) {
@@ -72,9 +81,12 @@ HttpResponse OpenAiApi::protocol_error(int status, const std::string& message) {
                      : status == 408 ? "request_timeout"
                      : status == 431 ? "request_header_too_large"
                      : status == 411 ? "length_required"
+                     : status == 503 ? "too_many_connections"
+                     : status >= 500 ? "internal_error"
                                      : "bad_request";
   metrics_->count_request("invalid", status);
-  return api_error_response(ApiError{status, message, "invalid_request_error", "", code});
+  return api_error_response(
+      ApiError{status, message, status >= 500 ? "server_error" : "invalid_request_error", "", code});
 }
 
 void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
@@ -98,20 +110,30 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
   } else if (path == kDebugExperts && opts_.predictor) {
     route = {kDebugExperts, "POST"};
   }
+  // The key first: without it nothing, not even which routes exist, is told.
+  Caller caller;
+  if (route.endpoint != kHealth && !opts_.api_keys.empty()) {
+    const int k = key_index(req);
+    if (k < 0) {
+      HttpResponse r = api_error_response(ApiError{
+          401,
+          req.header("authorization") ? "Incorrect API key provided." : "You didn't provide an API key. Send it as "
+                                                                         "'Authorization: Bearer KEY'.",
+          "invalid_request_error", "", "invalid_api_key"});
+      r.headers.emplace_back("WWW-Authenticate", "Bearer");
+      reply(ex, route.endpoint ? route.endpoint : "unknown", std::move(r));
+      return;
+    }
+    caller.id = "key:" + key_owners_[size_t(k)];
+    caller.session_owner = key_owners_[size_t(k)];
+  } else {
+    caller.id = "addr:" + req.peer;
+    caller.session_owner = "open";
+  }
   if (!route.endpoint) {
     reply_error(ex, "unknown",
                 ApiError{404, "Unknown request URL: " + req.method + " " + path + ".", "invalid_request_error", "",
                          "unknown_url"});
-    return;
-  }
-  if (route.endpoint != kHealth && !authorised(req)) {
-    HttpResponse r = api_error_response(ApiError{
-        401,
-        req.header("authorization") ? "Incorrect API key provided." : "You didn't provide an API key. Send it as "
-                                                                       "'Authorization: Bearer KEY'.",
-        "invalid_request_error", "", "invalid_api_key"});
-    r.headers.emplace_back("WWW-Authenticate", "Bearer");
-    reply(ex, route.endpoint, std::move(r));
     return;
   }
   if (req.method != route.method) {
@@ -123,65 +145,88 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
     reply(ex, route.endpoint, std::move(r));
     return;
   }
-  if (route.endpoint == kChat) return completions(ApiKind::chat, ex);
-  if (route.endpoint == kCompletions) return completions(ApiKind::completion, ex);
+  if (route.endpoint == kChat) return completions(ApiKind::chat, ex, caller);
+  if (route.endpoint == kCompletions) return completions(ApiKind::completion, ex, caller);
   if (route.endpoint == kModels) return models(ex, path);
   if (route.endpoint == kHealth) return health(ex);
   if (route.endpoint == kDebugExperts) return debug_experts(ex);
   metrics(ex);
 }
 
-void OpenAiApi::completions(ApiKind kind, const std::shared_ptr<HttpExchange>& ex) {
+void OpenAiApi::completions(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller) {
+  const char* endpoint = kind == ApiKind::chat ? kChat : kCompletions;
+  ParsedJson parsed = parse_json_body(ex->request().body);
+  if (auto* err = std::get_if<ApiError>(&parsed)) return reply_error(ex, endpoint, *err);
+  json body = std::move(std::get<json>(parsed));
   // Sessions (chat only): `session_id` in the body or an X-Session-Id header
-  // names a stored conversation; its messages go before the new ones.
-  std::string session_id;
+  // names a stored conversation of this caller; its turns go before the new
+  // ones. "new" asks the server for a fresh id.
+  SessionKey session;
+  bool fresh = false;
   if (kind == ApiKind::chat && opts_.sessions) {
-    if (const std::string* h = ex->request().header("x-session-id")) session_id = *h;
-    const std::string& body = ex->request().body;
-    if (session_id.empty() && body.find("\"session_id\"") != std::string::npos) {
-      json j = json::parse(body, nullptr, false);
-      if (j.is_object() && j.contains("session_id") && j["session_id"].is_string()) session_id = j["session_id"];
+    std::string id;
+    if (const std::string* h = ex->request().header("x-session-id")) id = *h;
+    if (id.empty() && body.is_object()) {
+      auto it = body.find("session_id");
+      if (it != body.end() && !it->is_null()) {
+        if (!it->is_string())
+          return reply_error(ex, kChat, invalid_param("session_id", "'session_id' must be a string.", "invalid_type"));
+        id = it->get<std::string>();
+      }
     }
-    if (!session_id.empty() && !SessionStore::valid_id(session_id)) {
+    if (body.is_object()) body.erase("session_id");
+    if (id == "new") {
+      id = SessionStore::issue_id();
+      fresh = true;
+    } else if (!id.empty() && !SessionStore::valid_id(id)) {
       return reply_error(ex, kChat,
                          ApiError{400, "session_id must be 1-128 characters of letters, digits, '_', '-', '.', ':'.",
                                   "invalid_request_error", "session_id", "invalid_session_id"});
+    } else if (!id.empty() && opts_.api_keys.empty() && !SessionStore::issued_shape(id)) {
+      // Without API keys nobody is known: only an id the server issued
+      // (unguessable) keeps a conversation private.
+      return reply_error(ex, kChat,
+                         ApiError{400,
+                                  "Without API keys this server issues session ids itself: send \"session_id\": "
+                                  "\"new\" and use the X-Session-Id of the response.",
+                                  "invalid_request_error", "session_id", "invalid_session_id"});
     }
+    if (!id.empty()) session = SessionKey{caller.session_owner, id};
   }
-  if (session_id.empty()) return run_completion(kind, ex, "", json());
-  opts_.sessions->load(session_id, [this, kind, ex, session_id](json prior) {
-    run_completion(kind, ex, session_id, std::move(prior));
+  if (session.id.empty() || fresh) return run_completion(kind, ex, caller, body, session, {});
+  opts_.sessions->load(session, [this, kind, ex, caller, body = std::move(body), session](ChatMessages prior) {
+    // The client may have gone while Redis answered: then nothing runs.
+    if (!ex->open()) {
+      metrics_->count_disconnect();
+      return;
+    }
+    run_completion(kind, ex, caller, body, session, std::move(prior));
   });
 }
 
-void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const std::string& session_id,
-                               json prior) {
+void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller,
+                               const json& body, const SessionKey& session, ChatMessages prior) {
   const char* endpoint = kind == ApiKind::chat ? kChat : kCompletions;
-  // With a session: the stored messages, then this request's, make the prompt.
-  std::string merged_body;
-  json conversation;
-  if (!session_id.empty()) {
-    json j = json::parse(ex->request().body, nullptr, false);
-    if (j.is_object() && j.contains("messages") && j["messages"].is_array()) {
-      conversation = prior.is_array() ? prior : json::array();
-      for (auto& m : j["messages"]) conversation.push_back(m);
-      j["messages"] = conversation;
-      j.erase("session_id");
-      merged_body = j.dump(-1, ' ', false, json::error_handler_t::replace);
-    }
-  }
-  const std::string& body = merged_body.empty() ? ex->request().body : merged_body;
   RequestLimits limits;
   limits.served_model_name = opts_.served_model_name;
   limits.max_context = scheduler_->ready() ? scheduler_->max_context() : 0;
   limits.max_choices = opts_.max_choices;
-  ParsedRequest parsed = parse_completion_request(kind, body, *codec_, limits);
+  limits.max_request_tokens = opts_.max_request_tokens;
+  limits.max_logprob_entries = opts_.max_logprob_entries;
+  ParsedRequest parsed = parse_completion_request(kind, body, *codec_, limits, prior);
   if (auto* err = std::get_if<ApiError>(&parsed)) return reply_error(ex, endpoint, *err);
   if (!scheduler_->ready()) {
     return reply_error(ex, endpoint,
                        ApiError{503, "The engine is not ready yet; retry shortly.", "server_error", "", "engine_not_ready"});
   }
   CompletionRequest req = std::move(std::get<CompletionRequest>(parsed));
+  const int sequences = static_cast<int>(req.prompts.size()) * req.n;
+  auto admitted = admission_.admit(caller.id, sequences, scheduler_->stats().waiting);
+  if (auto* err = std::get_if<ApiError>(&admitted)) {
+    HttpResponse r = api_error_response(*err);
+    r.headers.emplace_back("Retry-After", std::to_string(admission_.limits().retry_after_s));
+    return reply(ex, endpoint, std::move(r));
+  }
   uint64_t seed = req.seed_given ? req.sampling.seed : rng_();
 
   GenerationContext ctx;
@@ -193,12 +238,18 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
   ctx.created = static_cast<int64_t>(std::time(nullptr));
   ctx.start_ns = uv_hrtime();
   ctx.degraded = scheduler_->stats().degraded;
-  if (!session_id.empty() && conversation.is_array()) {
-    ctx.extra_headers.emplace_back("X-Session-Id", session_id);
+  ctx.request_serial = next_request_serial_++;
+  ctx.max_response_bytes = opts_.max_response_bytes;
+  ctx.ticket = std::move(std::get<AdmissionTicket>(admitted));
+  if (!session.id.empty()) {
+    ctx.extra_headers.emplace_back("X-Session-Id", session.id);
+    // The stored turns, this request's (validated) turns and the reply.
+    ChatMessages conversation = std::move(prior);
+    conversation.insert(conversation.end(), req.messages.begin(), req.messages.end());
     SessionStore* store = opts_.sessions;
-    ctx.on_complete = [store, session_id, conversation](const std::string& text) mutable {
-      conversation.push_back({{"role", "assistant"}, {"content", text}});
-      store->save(session_id, conversation);
+    ctx.on_complete = [store, session, conversation = std::move(conversation)](const std::string& text) mutable {
+      conversation.push_back({"assistant", text});
+      store->save(session, std::move(conversation));
     };
   }
   auto gen = std::make_shared<Generation>(std::move(ctx), std::move(req), ex);
@@ -210,7 +261,7 @@ void OpenAiApi::models(const std::shared_ptr<HttpExchange>& ex, const std::strin
   HttpResponse r;
   r.headers = {{"Content-Type", "application/json"}};
   if (path == kModels) {
-    r.body = json{{"object", "list"}, {"data", json::array({model})}}.dump();
+    r.body = json_text(json{{"object", "list"}, {"data", json::array({model})}});
     return reply(ex, kModels, std::move(r));
   }
   std::string id = path.substr(std::string(kModels).size() + 1);
@@ -219,7 +270,7 @@ void OpenAiApi::models(const std::shared_ptr<HttpExchange>& ex, const std::strin
                        ApiError{404, "The model '" + id + "' does not exist.", "invalid_request_error", "model",
                                 "model_not_found"});
   }
-  r.body = model.dump(-1, ' ', false, json::error_handler_t::replace);
+  r.body = json_text(model);
   reply(ex, kModels, std::move(r));
 }
 
@@ -230,7 +281,7 @@ void OpenAiApi::health(const std::shared_ptr<HttpExchange>& ex) {
   r.status = ready ? 200 : 503;
   r.headers = {{"Content-Type", "application/json"}};
   if (s.degraded) r.headers.emplace_back("X-Moe-Degraded", "1");
-  r.body = json{{"status", ready ? "ok" : "starting"}, {"degraded", s.degraded}}.dump();
+  r.body = json_text(json{{"status", ready ? "ok" : "starting"}, {"degraded", s.degraded}});
   reply(ex, kHealth, std::move(r));
 }
 
@@ -239,7 +290,21 @@ void OpenAiApi::metrics(const std::shared_ptr<HttpExchange>& ex) {
   r.headers = {{"Content-Type", "text/plain; version=0.0.4; charset=utf-8"}};
   // Counted before rendering so that this scrape sees itself.
   metrics_->count_request(kMetrics, 200);
-  r.body = metrics_->render(scheduler_->stats(), scheduler_->ready());
+  GatewayGauges g;
+  if (server_) {
+    g.connections = server_->connection_count();
+    g.connections_refused = server_->refused_connections();
+  }
+  g.sequences_admitted = admission_.in_flight();
+  g.callers = admission_.callers();
+  g.admission_refused = admission_.refused();
+  g.generations = Generation::live();
+  if (opts_.sessions) {
+    g.sessions_in_memory = opts_.sessions->in_memory();
+    g.session_memory_bytes = opts_.sessions->memory_bytes();
+  }
+  g.internal_errors = escaped_exceptions();
+  r.body = metrics_->render(scheduler_->stats(), scheduler_->ready(), g);
   ex->respond(std::move(r));
 }
 

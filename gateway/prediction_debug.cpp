@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "gateway/completion_request.h"
+#include "gateway/json_body.h"
 #include "gateway/worker_choice.h"
 
 namespace moe::gw {
@@ -10,15 +12,19 @@ HttpResponse expert_prediction_response(const std::string& body, const TextCodec
                                         const PromptExpertPredictor& predictor,
                                         const std::map<std::string, std::string>& resident) {
   using json = nlohmann::json;
-  json in = json::parse(body, nullptr, false);
-  if (in.is_discarded() || !in.is_object())
+  ParsedJson parsed = parse_json_body(body);
+  if (auto* err = std::get_if<ApiError>(&parsed)) return api_error_response(*err);
+  const json& in = std::get<json>(parsed);
+  if (!in.is_object())
     return api_error_response(ApiError{400, "The body is not a JSON object.",
                                        "invalid_request_error", "", "invalid_json"});
   std::vector<int32_t> tokens;
   if (in.contains("prompt") && in["prompt"].is_string()) {
     tokens = codec.encode(in["prompt"].get<std::string>());
-  } else if (in.contains("messages") && in["messages"].is_array()) {
-    auto t = codec.encode_chat(in["messages"]);
+  } else if (in.contains("messages")) {
+    ChatMessages messages;
+    if (auto err = parse_chat_messages(in, &messages)) return api_error_response(*err);
+    auto t = codec.encode_chat(template_messages({}, messages));
     if (!t.ok()) return api_error_response(invalid_param("messages", t.error(), "invalid_value"));
     tokens = std::move(t.value());
   } else {
@@ -39,6 +45,7 @@ HttpResponse expert_prediction_response(const std::string& body, const TextCodec
   }
   json workers = json::array();
   for (const auto& [name, text] : resident) {
+    // Names come from Redis: whatever bytes they hold, json_text replaces.
     const ExpertSet set = parse_resident_set(text, predictor.n_layers(), predictor.n_experts());
     workers.push_back(
         {{"worker", name}, {"resident", set.count()}, {"match", prediction_match(pred, set, E)}});
@@ -57,7 +64,7 @@ HttpResponse expert_prediction_response(const std::string& body, const TextCodec
   HttpResponse r;
   r.status = 200;
   r.headers = {{"Content-Type", "application/json"}};
-  r.body = out.dump();
+  r.body = json_text(out);
   return r;
 }
 

@@ -4,6 +4,8 @@
 #include <hiredis/async.h>
 #include <hiredis/hiredis.h>
 
+#include "gateway/last_resort.h"
+
 #include <algorithm>
 #include <charconv>
 #include <cstdio>
@@ -15,34 +17,7 @@ constexpr uint64_t kConnectTimeoutMs = 1000;
 constexpr uint64_t kPingEveryMs = 1000;
 constexpr uint64_t kPingTimeoutMs = 3000;
 
-bool parse_int(std::string_view s, int* out) {
-  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
-  return ec == std::errc() && p == s.data() + s.size() && !s.empty();
-}
-
 }  // namespace
-
-Result<RedisEndpoint> parse_redis_url(const std::string& url) {
-  RedisEndpoint ep;
-  std::string rest = url;
-  if (rest.rfind("redis://", 0) == 0) rest = rest.substr(8);
-  if (rest.empty()) return make_error("Redis URL '" + url + "' names no host");
-  if (auto at = rest.find('@'); at != std::string::npos)
-    rest = rest.substr(at + 1);  // AUTH is not supported
-  if (auto slash = rest.find('/'); slash != std::string::npos) {
-    std::string db = rest.substr(slash + 1);
-    rest = rest.substr(0, slash);
-    if (!db.empty() && !parse_int(db, &ep.db))
-      return make_error("Redis URL '" + url + "': bad database number");
-  }
-  if (auto colon = rest.rfind(':'); colon != std::string::npos) {
-    if (!parse_int(rest.substr(colon + 1), &ep.port) || ep.port <= 0 || ep.port > 65535)
-      return make_error("Redis URL '" + url + "': bad port");
-    rest = rest.substr(0, colon);
-  }
-  if (!rest.empty()) ep.host = rest;
-  return ep;
-}
 
 RedisClient::RedisClient(uv_loop_t* loop, RedisEndpoint ep, uint64_t retry_max_ms)
     : loop_(loop), ep_(std::move(ep)), retry_max_ms_(retry_max_ms) {
@@ -138,16 +113,51 @@ void RedisClient::on_connect(const redisAsyncContext* ac, int status) {
     return;
   }
   uv_timer_stop(self->timer_);
-  self->connected_ = true;
-  self->retry_ms_ = 0;
-  if (self->ever_connected_) ++self->reconnects_;
-  std::fprintf(stderr, "moe-gateway: Redis at %s:%d connected%s\n", self->ep_.host.c_str(),
-               self->ep_.port, self->ever_connected_ ? " again" : "");
-  self->ever_connected_ = true;
-  self->down_logged_ = false;
-  if (self->ep_.db != 0)
-    self->command({"SELECT", std::to_string(self->ep_.db)}, [](const redisReply*) {});
-  if (self->on_connected_) self->on_connected_();
+  if (!self->ep_.auth()) return self->ready();
+  // Logged in before anything else is sent; until then commands fail at
+  // once, as while disconnected.
+  std::vector<std::string> auth = {"AUTH"};
+  if (!self->ep_.user.empty()) auth.push_back(self->ep_.user);
+  auth.push_back(self->ep_.password);
+  std::vector<const char*> argv;
+  std::vector<size_t> lens;
+  for (const auto& a : auth) {
+    argv.push_back(a.data());
+    lens.push_back(a.size());
+  }
+  auto* fn = new ReplyFn([self](const redisReply* r) {
+    if (r && r->type == REDIS_REPLY_STATUS) return self->ready();
+    const std::string why = r && r->type == REDIS_REPLY_ERROR ? std::string(r->str, r->len) : "no answer";
+    if (!self->auth_refused_logged_)
+      std::fprintf(stderr, "moe-gateway: Redis at %s refused the credentials: %s (retrying)\n",
+                   self->ep_.where().c_str(), why.c_str());
+    self->auth_refused_logged_ = true;
+    self->down_logged_ = true;  // said already
+    if (!self->ac_) return;
+    redisAsyncContext* ac = self->ac_;
+    self->ac_ = nullptr;
+    ac->data = nullptr;
+    redisAsyncFree(ac);
+    self->lost("AUTH refused");
+  });
+  if (redisAsyncCommandArgv(self->ac_, &RedisClient::on_reply, fn, int(argv.size()), argv.data(), lens.data()) !=
+      REDIS_OK) {
+    delete fn;
+    self->lost("cannot send AUTH");
+  }
+}
+
+void RedisClient::ready() {
+  connected_ = true;
+  auth_refused_logged_ = false;
+  retry_ms_ = 0;
+  if (ever_connected_) ++reconnects_;
+  std::fprintf(stderr, "moe-gateway: Redis at %s connected%s%s\n", ep_.where().c_str(), ep_.auth() ? " and logged in" : "",
+               ever_connected_ ? " again" : "");
+  ever_connected_ = true;
+  down_logged_ = false;
+  if (ep_.db != 0) command({"SELECT", std::to_string(ep_.db)}, [](const redisReply*) {});
+  if (on_connected_) on_connected_();
 }
 
 void RedisClient::on_disconnect(const redisAsyncContext* ac, int status) {
@@ -166,9 +176,9 @@ void RedisClient::lost(const char* why) {
   if (!down_logged_) {
     std::fprintf(
         stderr,
-        "moe-gateway: Redis at %s:%d unreachable (%s); sessions and state stay in this process, "
+        "moe-gateway: Redis at %s unreachable (%s); sessions and state stay in this process, "
         "reconnecting\n",
-        ep_.host.c_str(), ep_.port, why ? why : "?");
+        ep_.where().c_str(), why ? why : "?");
     down_logged_ = true;
   }
   schedule_retry();
@@ -213,7 +223,7 @@ void RedisClient::on_reply(redisAsyncContext*, void* reply, void* priv) {
   auto* fn = static_cast<ReplyFn*>(priv);
   ReplyFn f = std::move(*fn);
   delete fn;
-  if (f) f(static_cast<const redisReply*>(reply));
+  if (f) last_resort("a Redis reply", [&] { f(static_cast<const redisReply*>(reply)); });
 }
 
 }  // namespace moe::gw

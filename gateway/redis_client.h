@@ -16,20 +16,14 @@
 #include <vector>
 
 #include "model/result.h"
+#include "protocol/redis_endpoint.h"
 
 struct redisAsyncContext;
 struct redisReply;
 
 namespace moe::gw {
 
-struct RedisEndpoint {
-  std::string host = "127.0.0.1";
-  int port = 6379;
-  int db = 0;
-};
-
-// redis://host[:port][/db] (or host:port).
-Result<RedisEndpoint> parse_redis_url(const std::string& url);
+using protocol::RedisEndpoint;
 
 class RedisClient {
  public:
@@ -41,7 +35,9 @@ class RedisClient {
   RedisClient(const RedisClient&) = delete;
   RedisClient& operator=(const RedisClient&) = delete;
 
-  // Connects, and keeps reconnecting until destroyed. While connected it
+  // Connects (logging in first when the endpoint has a password; refused
+  // credentials are logged and retried with backoff, never silently
+  // ignored), and keeps reconnecting until destroyed. While connected it
   // sends a PING every second; one unanswered for 3 s ends the connection
   // (a Redis that froze, or died without the socket saying so), failing its
   // pending commands (nullptr replies) instead of leaving them waiting.
@@ -62,6 +58,7 @@ class RedisClient {
   static void on_connect(const redisAsyncContext* ac, int status);
   static void on_disconnect(const redisAsyncContext* ac, int status);
   static void on_reply(redisAsyncContext* ac, void* reply, void* priv);
+  void ready();  // connected, and logged in
   void connect_now();
   void heartbeat();
   void lost(const char* why);
@@ -74,6 +71,7 @@ class RedisClient {
   redisAsyncContext* ac_ = nullptr;
   bool connected_ = false;
   bool down_logged_ = false;
+  bool auth_refused_logged_ = false;
   bool ever_connected_ = false;
   bool closing_ = false;
   uint64_t reconnects_ = 0;

@@ -17,6 +17,13 @@ std::string text_of(const redisReply* r) {
   return "";
 }
 
+// Stream ids come from Redis too: at most 40 printable characters reach the log.
+std::string printable(const std::string& s) {
+  std::string out;
+  for (unsigned char c : s.substr(0, 40)) out += (c >= 0x20 && c < 0x7f) ? char(c) : '?';
+  return out;
+}
+
 bool all_digits(const std::string& s) {
   if (s.empty()) return false;
   for (char c : s)
@@ -39,6 +46,20 @@ bool is_expert_list(const std::string& s) {
   }
   return true;
 }
+
+// A worker's name as Redis may hold it: anyone who can write the stream
+// chooses these bytes, and they reach logs, metrics labels and JSON.
+bool plausible_worker_name(const std::string& s) {
+  if (s.empty() || s.size() > 128) return false;
+  for (unsigned char c : s)
+    if (c < 0x21 || c > 0x7e || c == '"' || c == '\\') return false;
+  return true;
+}
+
+// Distinct workers whose resident sets are kept; more are skipped.
+constexpr size_t kMaxWorkers = 256;
+// An expert list longer than this is not a worker's (the protocol's bound).
+constexpr size_t kMaxExpertListBytes = size_t(1) << 20;
 
 std::string field(const std::vector<std::string>& fields, const std::string& name, bool* found) {
   for (size_t i = 0; i + 1 < fields.size(); i += 2)
@@ -175,9 +196,10 @@ void RedisWorkerStreams::take(const std::string& stream, const std::string& id,
   const std::string worker = field(fields, "worker", &has_worker);
   if (stream == resident_key()) {
     const std::string experts = field(fields, "experts", &has_experts);
-    if (!has_worker || worker.empty() || !has_experts || !is_expert_list(experts)) {
+    if (!has_worker || !plausible_worker_name(worker) || !has_experts || experts.size() > kMaxExpertListBytes ||
+        !is_expert_list(experts) || (resident_.size() >= kMaxWorkers && !resident_.count(worker))) {
       ++skipped_;
-      std::fprintf(stderr, "moe-gateway: skipping garbage entry %s in %s\n", id.c_str(),
+      std::fprintf(stderr, "moe-gateway: skipping garbage entry %s in %s\n", printable(id).c_str(),
                    stream.c_str());
       return;
     }
@@ -187,9 +209,9 @@ void RedisWorkerStreams::take(const std::string& stream, const std::string& id,
   bool has_seq = false, has_layers = false;
   const std::string seq = field(fields, "seq", &has_seq);
   field(fields, "layers", &has_layers);
-  if (!has_worker || !has_seq || !all_digits(seq) || !has_layers) {
+  if (!has_worker || !plausible_worker_name(worker) || !has_seq || !all_digits(seq) || !has_layers) {
     ++skipped_;
-    std::fprintf(stderr, "moe-gateway: skipping garbage entry %s in %s\n", id.c_str(),
+    std::fprintf(stderr, "moe-gateway: skipping garbage entry %s in %s\n", printable(id).c_str(),
                  stream.c_str());
     return;
   }

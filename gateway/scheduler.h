@@ -30,6 +30,10 @@ struct SequenceRequest {
   int max_new_tokens = 16;
   Sampling sampling;
   std::vector<int32_t> stop_ids;  // generation ends after emitting one of these (EOS)
+  // The request it belongs to (its choices share it): waiting sequences are
+  // admitted round-robin across groups, so a request of many choices cannot
+  // hold back the requests that came after it.
+  uint64_t group = 0;
 };
 
 struct TokenEvent {

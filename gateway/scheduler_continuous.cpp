@@ -5,6 +5,8 @@
 #include <filesystem>
 #include <variant>
 
+#include "gateway/last_resort.h"
+
 namespace moe::gw {
 
 namespace pr = moe::protocol;
@@ -22,7 +24,7 @@ ContinuousScheduler::ContinuousScheduler(uv_loop_t* loop, std::vector<std::strin
     WorkerLink::Callbacks cb;
     cb.on_ready = [this, i](const pr::Hello& h) { on_ready(i, h); };
     cb.on_frame = [this, i](const pr::Frame& f) { on_frame(i, f); };
-    cb.on_down = [this, i](const std::string&) { on_down(i); };
+    cb.on_down = [this, i](const std::string&, bool unresponsive) { on_down(i, unresponsive); };
     Worker& w = workers_[i];
     w.link = std::make_unique<WorkerLink>(loop_, lo, std::move(cb));
     w.name = std::filesystem::path(worker_sockets[i]).stem().string();
@@ -179,7 +181,7 @@ void ContinuousScheduler::send_releases(size_t w, std::vector<uint64_t> ids) {
 void ContinuousScheduler::request_kick() {
   if (!uv_is_active(reinterpret_cast<uv_handle_t*>(kick_timer_)))
     uv_timer_start(kick_timer_, [](uv_timer_t* t) {
-      if (auto* self = static_cast<ContinuousScheduler*>(t->data)) self->kick();
+      if (auto* self = static_cast<ContinuousScheduler*>(t->data)) last_resort("planning a step", [self] { self->kick(); });
     }, 0, 0);
 }
 
@@ -211,8 +213,12 @@ void ContinuousScheduler::on_ready(size_t w, const pr::Hello& h) {
   request_kick();
 }
 
-void ContinuousScheduler::on_down(size_t w) {
+void ContinuousScheduler::on_down(size_t w, bool unresponsive) {
   Worker& wk = workers_[w];
+  // Our own child gone silent (frozen, or stuck in a kernel) would never
+  // come back by itself: it is killed, and the supervisor restarts it.
+  if (unresponsive && supervisor_ && supervisor_->socket_path() == wk.link->socket_path())
+    supervisor_->kill_child("it stopped answering");
   // The worker's KV is gone: the step in flight will never be answered and
   // every sequence it held is recomputed wherever it goes next.
   wk.in_flight = false;

@@ -102,7 +102,7 @@ class ContinuousScheduler final : public Scheduler {
 
   void on_ready(size_t w, const protocol::Hello& h);
   void on_frame(size_t w, const protocol::Frame& f);
-  void on_down(size_t w);
+  void on_down(size_t w, bool unresponsive);
   void request_kick();  // plans on the next loop turn (never inside a caller's call)
   void kick();
   void assign_queued();

@@ -10,9 +10,56 @@ int BatchPolicy::blocks_for(int tokens) const {
   return (tokens + bt - 1) / bt;
 }
 
+void BatchPolicy::count_group(uint64_t group, int delta) {
+  Group& g = groups_[group];
+  g.sequences += delta;
+  if (g.sequences <= 0) groups_.erase(group);
+}
+
+std::vector<size_t> BatchPolicy::admission_order(size_t limit) const {
+  std::vector<size_t> order;
+  // Put back at the front: first, in queue order.
+  for (size_t i = 0; i < waiting_.size() && order.size() < limit; ++i)
+    if (seqs_.at(waiting_[i]).front) order.push_back(i);
+  if (order.size() >= limit) return order;
+  // The rest by group, each group's in queue order; groups by their last
+  // admission, then by their first place in the queue.
+  struct Pending {
+    uint64_t group;
+    uint64_t admitted;
+    std::vector<size_t> positions;
+  };
+  std::vector<Pending> pending;
+  std::unordered_map<uint64_t, size_t> slot;
+  for (size_t i = 0; i < waiting_.size(); ++i) {
+    const Seq& s = seqs_.at(waiting_[i]);
+    if (s.front) continue;
+    auto [it, fresh] = slot.try_emplace(s.req.group, pending.size());
+    if (fresh) {
+      auto g = groups_.find(s.req.group);
+      pending.push_back({s.req.group, g == groups_.end() ? 0 : g->second.admitted, {}});
+    }
+    pending[it->second].positions.push_back(i);
+  }
+  std::stable_sort(pending.begin(), pending.end(),
+                   [](const Pending& a, const Pending& b) { return a.admitted < b.admitted; });
+  for (size_t round = 0; order.size() < limit; ++round) {
+    bool any = false;
+    for (const Pending& p : pending) {
+      if (round >= p.positions.size()) continue;
+      any = true;
+      order.push_back(p.positions[round]);
+      if (order.size() >= limit) break;
+    }
+    if (!any) break;
+  }
+  return order;
+}
+
 void BatchPolicy::add(uint64_t id, SequenceRequest req, SequenceHints hints) {
   Seq s;
   s.context = req.prompt;
+  count_group(req.group, +1);
   s.req = std::move(req);
   s.hints = std::move(hints);
   seqs_[id] = std::move(s);
@@ -23,6 +70,7 @@ bool BatchPolicy::cancel(uint64_t id) {
   auto it = seqs_.find(id);
   if (it == seqs_.end()) return false;
   const bool admitted = it->second.admitted;
+  count_group(it->second.req.group, -1);
   seqs_.erase(it);
   waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), id), waiting_.end());
   running_.erase(std::remove(running_.begin(), running_.end(), id), running_.end());
@@ -97,6 +145,7 @@ void BatchPolicy::preempt(uint64_t id, StepPlan& plan) {
   Seq& s = seqs_.at(id);
   running_.erase(std::remove(running_.begin(), running_.end(), id), running_.end());
   s.admitted = false;
+  s.front = true;
   s.on_worker = 0;
   waiting_.push_front(id);
   plan.release.push_back(id);
@@ -113,6 +162,7 @@ StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected) {
       continue;
     }
     if (rejected) rejected->push_back({*it, {}, true, FinishReason::error, why});
+    count_group(seqs_.at(*it).req.group, -1);
     seqs_.erase(*it);
     it = waiting_.erase(it);
   }
@@ -201,23 +251,29 @@ StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected) {
   //    admission stops for this step (a small request never slips past a
   //    large one by size alone).
   while (budget > 0 && !waiting_.empty() && int(running_.size()) < limits_.max_batch_sequences) {
-    size_t pos = 0;
-    if (limits_.grouped_batching && waiting_.size() > 1) {
-      const size_t w = std::min(waiting_.size(), size_t(std::max(limits_.grouping_window, 1)));
-      std::vector<uint64_t> window(waiting_.begin(), waiting_.begin() + long(w));
-      if (seqs_.at(window[0]).skips < limits_.grouping_max_skips) pos = pick_grouped(window, step_experts);
+    const bool grouping = limits_.grouped_batching && waiting_.size() > 1;
+    const size_t w = grouping ? size_t(std::max(limits_.grouping_window, 1)) : 1;
+    const std::vector<size_t> order = admission_order(w);
+    size_t pick = 0;
+    if (grouping && order.size() > 1 && seqs_.at(waiting_[order[0]]).skips < limits_.grouping_max_skips) {
+      std::vector<uint64_t> window;
+      for (size_t pos : order) window.push_back(waiting_[pos]);
+      pick = pick_grouped(window, step_experts);
     }
+    const size_t pos = order[pick];
     const uint64_t id = waiting_[pos];
     Seq& s = seqs_.at(id);
     const int len = int(s.context.size());
     const int need = running_.empty() ? blocks_for(len + 1) : blocks_for(len) + limits_.headroom_blocks;
     if (committed_blocks() + need > total) break;
-    for (size_t i = 0; i < pos; ++i) ++seqs_.at(waiting_[i]).skips;  // overtaken
+    for (size_t i = 0; i < pick; ++i) ++seqs_.at(waiting_[order[i]]).skips;  // overtaken
     waiting_.erase(waiting_.begin() + long(pos));
     s.skips = 0;
+    s.front = false;
     step_experts.merge(s.hints.experts);
     s.admitted = true;
     s.admitted_at = ++admit_counter_;
+    if (auto g = groups_.find(s.req.group); g != groups_.end()) g->second.admitted = admit_counter_;
     s.on_worker = 0;
     running_.push_back(id);
     add_prefill(id);
@@ -266,6 +322,7 @@ std::vector<SequenceUpdate> BatchPolicy::apply(const StepPlan& plan, const std::
     if (u.finished) {
       if (release_after) release_after->push_back(c.seq_id);
       running_.erase(std::remove(running_.begin(), running_.end(), c.seq_id), running_.end());
+      count_group(s.req.group, -1);
       seqs_.erase(it);
     }
     if (u.finished || !u.tokens.empty()) updates.push_back(std::move(u));
@@ -284,6 +341,7 @@ std::vector<SequenceState> BatchPolicy::take_all() {
   seqs_.clear();
   running_.clear();
   waiting_.clear();
+  groups_.clear();
   return out;
 }
 
@@ -292,6 +350,7 @@ std::vector<SequenceState> BatchPolicy::take_waiting(size_t n) {
   std::vector<SequenceState> out;
   for (auto it = waiting_.end() - long(n); it != waiting_.end(); ++it) {
     Seq& s = seqs_.at(*it);
+    count_group(s.req.group, -1);
     out.push_back({*it, std::move(s.req), std::move(s.generated), std::move(s.hints)});
     seqs_.erase(*it);
   }
@@ -304,8 +363,10 @@ void BatchPolicy::add_resumed(SequenceState st, bool front) {
   s.context = st.req.prompt;
   s.context.insert(s.context.end(), st.generated.begin(), st.generated.end());
   s.generated = std::move(st.generated);
+  count_group(st.req.group, +1);
   s.req = std::move(st.req);
   s.hints = std::move(st.hints);
+  s.front = front;
   seqs_[st.id] = std::move(s);
   if (front)
     waiting_.push_front(st.id);
@@ -323,6 +384,7 @@ void BatchPolicy::worker_lost() {
   for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
     Seq& s = seqs_.at(*it);
     s.admitted = false;
+    s.front = true;
     s.on_worker = 0;
     waiting_.push_front(*it);
   }

@@ -11,6 +11,12 @@
 // by prefilling its prompt plus the tokens it already produced (those tokens
 // are never reported twice). A lost worker preempts everything the same way.
 //
+// Admission is round-robin across requests (SequenceRequest::group): the
+// next sequence admitted is the oldest waiting one of the request admitted
+// least recently, so a request of 128 choices does not hold back one that
+// came after it. Sequences put back at the front (preempted, or moved from a
+// lost worker) go before all of these.
+//
 // Expert-grouped batching (docs/expert-prediction.md): when more prefill
 // chunks or waiting requests compete for a step than its budget takes, the
 // ones whose predicted experts overlap most with what the step already uses
@@ -21,6 +27,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <unordered_map>
 #include <string>
 #include <vector>
 
@@ -150,7 +157,13 @@ class BatchPolicy {
     bool admitted = false;
     SequenceHints hints;
     int skips = 0;                   // passed over by grouped batching
+    bool front = false;              // put back at the front: admitted before the round-robin
   };
+  // Up to `limit` waiting sequences as positions in waiting_, in the order
+  // admission considers them: those put back at the front, then round-robin
+  // across groups (the group admitted least recently first).
+  std::vector<size_t> admission_order(size_t limit) const;
+  void count_group(uint64_t group, int delta);
   // Grouped batching: which of `candidates` (oldest first) goes next.
   size_t pick_grouped(const std::vector<uint64_t>& candidates, const ExpertSet& step) const;
   int blocks_for(int tokens) const;
@@ -164,6 +177,11 @@ class BatchPolicy {
   std::vector<uint64_t> running_;  // admission order
   uint64_t admit_counter_ = 0;
   uint64_t preemptions_ = 0;
+  struct Group {
+    int sequences = 0;       // waiting or running
+    uint64_t admitted = 0;   // admit_counter_ at its last admission (0: never)
+  };
+  std::unordered_map<uint64_t, Group> groups_;
 };
 
 }  // namespace moe::gw

@@ -1,20 +1,32 @@
 #pragma once
 // Conversations kept by id, so that a client can continue one through a
-// restarted gateway or another gateway instance: the messages live in Redis
-// (key moe:session:<id>, a JSON array, with a TTL renewed on every write),
-// mirrored in this process' memory (with the same TTL) for when Redis is not
-// configured or not reachable. Every save also appends a "session" event to
-// the workers' event stream (MAXLEN ~ bounded).
+// restarted gateway or another gateway instance.
+//
+// Who may read a session: its owner. With API keys the owner is the caller's
+// key (a digest of it names the session's namespace, so another key's
+// caller cannot reach it whatever id it sends); without keys nobody is known,
+// so ids are issued by the server (128 random bits) and knowing one is the
+// only way in.
+//
+// What is kept: role and text of each turn, nothing else a client sent;
+// at most `max_messages` turns and `max_bytes` of text per session (the
+// oldest turns go first, a leading system turn last), with a TTL renewed on
+// every write. The messages live in Redis (key moe:session:<owner>:<id>, a
+// JSON array) and in this process' memory (least recently used dropped past
+// `memory_bytes`) for when Redis is not configured or not reachable. What
+// comes back from Redis is validated like a request. Every save also appends
+// a "session" event to the workers' event stream (MAXLEN ~ bounded).
 //
 // Threading: loop thread only.
 
 #include <chrono>
 #include <cstdint>
 #include <functional>
-#include <nlohmann/json.hpp>
+#include <list>
 #include <string>
 #include <unordered_map>
 
+#include "gateway/chat_message.h"
 #include "gateway/redis_client.h"
 
 namespace moe::gw {
@@ -23,7 +35,15 @@ struct SessionStoreOptions {
   uint64_t ttl_s = 24 * 3600;
   std::string events_key;  // "" → no events
   uint64_t stream_max_len = 10000;
-  size_t max_sessions_in_memory = 100000;
+  size_t max_messages = 64;             // turns per session
+  size_t max_bytes = size_t(256) << 10;  // text per session
+  size_t memory_bytes = size_t(64) << 20;  // the in-process mirror, every session together
+};
+
+// A session as the store addresses it.
+struct SessionKey {
+  std::string owner;  // "k<digest of the API key>", or "open" for server-issued ids
+  std::string id;
 };
 
 class SessionStore {
@@ -33,26 +53,44 @@ class SessionStore {
 
   // A session id is 1..128 characters of [A-Za-z0-9_.:-].
   static bool valid_id(const std::string& id);
+  // A new id of the server's own shape: "s-" and 32 hex digits from the
+  // system's random source.
+  static std::string issue_id();
+  static bool issued_shape(const std::string& id);
+  // The owner of a key-holding caller's sessions.
+  static std::string owner_of_key(const std::string& api_key);
 
-  // The stored messages (an empty array for an unknown or expired session).
-  // Asks Redis when it is connected, else answers from memory at once.
-  void load(const std::string& id, std::function<void(nlohmann::json messages)> done);
-  // Replaces the session's messages (and renews its TTL).
-  void save(const std::string& id, const nlohmann::json& messages);
+  // The stored turns (empty for an unknown or expired session). Asks Redis
+  // when it is connected, else answers from memory at once.
+  void load(const SessionKey& key, std::function<void(ChatMessages)> done);
+  // Replaces the session's turns (capped) and renews its TTL.
+  void save(const SessionKey& key, ChatMessages messages);
 
-  size_t in_memory() const { return memory_.size(); }
+  // The newest turns that fit the caps, a leading system turn kept while it fits.
+  static ChatMessages capped(ChatMessages messages, size_t max_messages, size_t max_bytes);
+
+  size_t in_memory() const { return lru_.size(); }
+  size_t memory_bytes() const { return memory_bytes_; }
+  const SessionStoreOptions& options() const { return opts_; }
 
  private:
   struct Held {
-    nlohmann::json messages;
+    std::string key;
+    ChatMessages messages;
+    size_t bytes = 0;
     std::chrono::steady_clock::time_point expires;
   };
-  void remember(const std::string& id, const nlohmann::json& messages);
-  std::string key(const std::string& id) const { return "moe:session:" + id; }
+  void remember(const std::string& key, const ChatMessages& messages);
+  void forget(std::list<Held>::iterator it);
+  ChatMessages from_memory(const std::string& key);
+  ChatMessages from_redis(const std::string& key, std::string_view text) const;
+  static std::string redis_key(const SessionKey& k) { return "moe:session:" + k.owner + ":" + k.id; }
 
   RedisClient* redis_;
   SessionStoreOptions opts_;
-  std::unordered_map<std::string, Held> memory_;
+  std::list<Held> lru_;  // most recently used first
+  std::unordered_map<std::string, std::list<Held>::iterator> index_;
+  size_t memory_bytes_ = 0;
 };
 
 }  // namespace moe::gw

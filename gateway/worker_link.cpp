@@ -4,6 +4,10 @@
 #include <cstring>
 #include <memory>
 
+#include <poll.h>
+
+#include "gateway/last_resort.h"
+
 namespace moe::gw {
 
 namespace pr = moe::protocol;
@@ -59,26 +63,31 @@ void WorkerLink::on_connect(uv_connect_t* req, int status) {
   delete req;
   auto* self = pipe ? static_cast<WorkerLink*>(pipe->data) : nullptr;
   if (!self || self->pipe_ != pipe) return;  // closed meanwhile
-  if (status < 0) {
-    self->drop(std::string("connect: ") + uv_strerror(status));
-    return;
-  }
-  self->state_ = State::handshaking;
-  uv_read_start(reinterpret_cast<uv_stream_t*>(pipe), &WorkerLink::on_alloc, &WorkerLink::on_read);
-  pr::Hello h;
-  h.role = pr::Role::gateway;
-  h.instance = self->opts_.instance;
-  self->hello_request_id_ = self->next_request_id_++;
-  if (auto st = self->write_frame(pr::make_frame(self->hello_request_id_, h).value()); !st.ok()) {
-    self->drop(st.error());
-    return;
-  }
-  self->last_rx_ms_ = self->now_ms();
-  self->ping_outstanding_since_ms_ = 0;
-  uv_timer_start(self->timer_, &WorkerLink::on_timer, self->opts_.heartbeat_ms, self->opts_.heartbeat_ms);
+  if (!last_resort("a worker connection", [&] { self->connected(status); }) && self->pipe_ == pipe)
+    self->drop("internal error while connecting");
 }
 
-void WorkerLink::drop(const std::string& reason) {
+void WorkerLink::connected(int status) {
+  if (status < 0) {
+    drop(std::string("connect: ") + uv_strerror(status));
+    return;
+  }
+  state_ = State::handshaking;
+  uv_read_start(reinterpret_cast<uv_stream_t*>(pipe_), &WorkerLink::on_alloc, &WorkerLink::on_read);
+  pr::Hello h;
+  h.role = pr::Role::gateway;
+  h.instance = opts_.instance;
+  hello_request_id_ = next_request_id_++;
+  if (auto st = write_frame(pr::make_frame(hello_request_id_, h).value()); !st.ok()) {
+    drop(st.error());
+    return;
+  }
+  last_rx_ms_ = now_ms();
+  ping_outstanding_since_ms_ = 0;
+  uv_timer_start(timer_, &WorkerLink::on_timer, opts_.heartbeat_ms, opts_.heartbeat_ms);
+}
+
+void WorkerLink::drop(const std::string& reason, bool unresponsive) {
   const bool was_ready = state_ == State::ready;
   close_and_free(pipe_);
   pipe_ = nullptr;
@@ -87,7 +96,7 @@ void WorkerLink::drop(const std::string& reason) {
   schedule_retry();
   if (was_ready) {
     std::fprintf(stderr, "moe-gateway: worker %s down: %s\n", opts_.socket_path.c_str(), reason.c_str());
-    if (cb_.on_down) cb_.on_down(reason);  // may destroy nothing: the link outlives its callbacks
+    if (cb_.on_down) cb_.on_down(reason, unresponsive);  // may destroy nothing: the link outlives its callbacks
   }
 }
 
@@ -99,22 +108,38 @@ void WorkerLink::schedule_retry() {
 void WorkerLink::on_timer(uv_timer_t* t) {
   auto* self = static_cast<WorkerLink*>(t->data);
   if (!self) return;
-  if (self->state_ == State::idle) {
-    self->connect_now();
+  if (!last_resort("a worker link's timer", [self] { self->on_tick(); })) self->drop("internal error");
+}
+
+bool WorkerLink::bytes_waiting() const {
+  uv_os_fd_t fd = -1;
+  if (!pipe_ || uv_fileno(reinterpret_cast<const uv_handle_t*>(pipe_), &fd) != 0) return false;
+  pollfd p{fd, POLLIN, 0};
+  return ::poll(&p, 1, 0) > 0 && (p.revents & POLLIN);
+}
+
+void WorkerLink::on_tick() {
+  if (state_ == State::idle) {
+    connect_now();
     return;
   }
-  const uint64_t now = self->now_ms();
-  if (self->ping_outstanding_since_ms_ && now - self->last_rx_ms_ >= self->opts_.dead_after_ms) {
-    self->drop("no answer within " + std::to_string(self->opts_.dead_after_ms) + " ms");
+  const uint64_t now = now_ms();
+  const bool silent = now - last_rx_ms_ >= opts_.dead_after_ms;
+  if (silent && (ping_outstanding_since_ms_ || state_ == State::handshaking)) {
+    // This loop may have been the slow one: the worker's bytes are there.
+    if (bytes_waiting()) return;
+    if (state_ == State::handshaking) {
+      drop("no hello within " + std::to_string(opts_.dead_after_ms) + " ms", true);
+    } else {
+      drop("no answer within " + std::to_string(opts_.dead_after_ms) + " ms", true);
+    }
     return;
   }
-  if (self->state_ == State::ready && !self->ping_outstanding_since_ms_) {
-    self->ping_outstanding_since_ms_ = now;
+  if (state_ == State::ready && !ping_outstanding_since_ms_) {
+    ping_outstanding_since_ms_ = now;
     pr::Ping p;
     p.sent_us = now * 1000;
-    (void)self->write_frame(pr::make_frame(self->next_request_id_++, p).value());
-  } else if (self->state_ == State::handshaking && now - self->last_rx_ms_ >= self->opts_.dead_after_ms) {
-    self->drop("no hello within " + std::to_string(self->opts_.dead_after_ms) + " ms");
+    (void)write_frame(pr::make_frame(next_request_id_++, p).value());
   }
 }
 
@@ -127,26 +152,33 @@ void WorkerLink::on_read(uv_stream_t* s, ssize_t n, const uv_buf_t* buf) {
   std::unique_ptr<char[]> owned(buf->base);
   auto* self = static_cast<WorkerLink*>(s->data);
   if (!self) return;
+  // What a frame's handler throws (the scheduler, the observers behind it)
+  // costs this connection, never the process.
+  if (!last_resort("a worker's frame", [&] { self->on_read_bytes(n, buf); }) && self->pipe_)
+    self->drop("internal error while handling the worker's frame");
+}
+
+void WorkerLink::on_read_bytes(ssize_t n, const uv_buf_t* buf) {
   if (n < 0) {
-    self->drop(n == UV_EOF ? "the worker closed the connection" : std::string("read: ") + uv_strerror(int(n)));
+    drop(n == UV_EOF ? "the worker closed the connection" : std::string("read: ") + uv_strerror(int(n)));
     return;
   }
   if (n == 0) return;
-  self->last_rx_ms_ = self->now_ms();
-  self->decoder_.feed(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(buf->base), size_t(n)));
-  const uv_pipe_t* pipe = self->pipe_;
-  while (self->pipe_ == pipe && pipe) {
-    pr::DecodeEvent ev = self->decoder_.next();
+  last_rx_ms_ = now_ms();
+  decoder_.feed(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(buf->base), size_t(n)));
+  const uv_pipe_t* pipe = pipe_;
+  while (pipe_ == pipe && pipe) {
+    pr::DecodeEvent ev = decoder_.next();
     if (ev.status == pr::DecodeStatus::need_more) break;
     if (ev.status == pr::DecodeStatus::error) {
       if (ev.error.fatal) {
-        self->drop("bad frame from the worker: " + ev.error.message);
+        drop("bad frame from the worker: " + ev.error.message);
         return;
       }
       std::fprintf(stderr, "moe-gateway: worker sent an unknown command: %s\n", ev.error.message.c_str());
       continue;
     }
-    self->handle(ev.frame);
+    handle(ev.frame);
   }
 }
 
@@ -195,6 +227,11 @@ void WorkerLink::handle(const pr::Frame& f) {
 
 Status WorkerLink::write_frame(std::vector<uint8_t> bytes) {
   if (!pipe_) return make_error("not connected");
+  if (uv_stream_get_write_queue_size(reinterpret_cast<uv_stream_t*>(pipe_)) + bytes.size() > opts_.max_write_queue_bytes) {
+    // A worker that reads nothing of this much is as good as gone.
+    drop("the worker takes none of what is sent to it", true);
+    return make_error("the worker is not reading");
+  }
   auto* w = new WriteReq;
   w->bytes = std::move(bytes);
   uv_buf_t buf = uv_buf_init(reinterpret_cast<char*>(w->bytes.data()), unsigned(w->bytes.size()));

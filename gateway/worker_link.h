@@ -1,10 +1,15 @@
 #pragma once
 // A libuv client for one worker's Unix socket: connects (retrying with
 // backoff), says hello and checks the worker's version, sends frames, cuts
-// the replies into frames, and pings. A worker that answers nothing for
-// `dead_after_ms` while a ping is outstanding is marked down: the
-// connection is closed and reconnecting starts over. Everything runs on the
-// loop thread; callbacks are called there.
+// the replies into frames, and pings. A worker that sends nothing for
+// `dead_after_ms` while a ping is outstanding is marked down (unresponsive):
+// the connection is closed and reconnecting starts over. A worker in a long
+// step still sends a pong (request id 0) about twice a second while its step
+// makes progress (docs/protocol.md), so only a frozen worker, or one stuck in
+// a kernel that never returns, goes silent. Before declaring a worker dead
+// the link looks whether its bytes are merely waiting in the socket (this
+// loop was busy), so a slow gateway never kills a healthy worker.
+// Everything runs on the loop thread; callbacks are called there.
 //
 // Lifetime: the uv handles live on the heap and are closed by the
 // destructor, so a link may be destroyed at any time on the loop thread.
@@ -26,7 +31,8 @@ struct WorkerLinkOptions {
   std::string socket_path;
   std::string instance = "moe-gateway";
   uint64_t heartbeat_ms = 1000;
-  uint64_t dead_after_ms = 30000;  // a CPU step of a long prompt may take seconds
+  uint64_t dead_after_ms = 3000;   // silence while a ping is outstanding
+  size_t max_write_queue_bytes = size_t(256) << 20;  // a worker further behind is treated as gone
   uint64_t retry_min_ms = 20;
   uint64_t retry_max_ms = 1000;
   size_t max_frame_bytes = protocol::kMaxFrameBytes;
@@ -37,7 +43,9 @@ class WorkerLink {
   struct Callbacks {
     std::function<void(const protocol::Hello&)> on_ready;  // handshake done
     std::function<void(const protocol::Frame&)> on_frame;  // every later frame but pongs
-    std::function<void(const std::string&)> on_down;      // a ready link lost its worker
+    // A ready link lost its worker; `unresponsive`: it went silent (frozen)
+    // rather than closing the connection.
+    std::function<void(const std::string& reason, bool unresponsive)> on_down;
   };
 
   WorkerLink(uv_loop_t* loop, WorkerLinkOptions opts, Callbacks cb);
@@ -53,7 +61,7 @@ class WorkerLink {
   // Sends a message; its request id is returned. Fails when not ready.
   Result<uint64_t> send(const protocol::Message& m);
   // Drops the connection as if the worker died (tests, protocol violations).
-  void drop(const std::string& reason);
+  void drop(const std::string& reason, bool unresponsive = false);
 
  private:
   enum class State { idle, connecting, handshaking, ready };
@@ -65,6 +73,10 @@ class WorkerLink {
   void schedule_retry();
   Status write_frame(std::vector<uint8_t> bytes);
   void handle(const protocol::Frame& f);
+  void on_read_bytes(ssize_t n, const uv_buf_t* buf);
+  void on_tick();
+  void connected(int status);
+  bool bytes_waiting() const;  // the worker's bytes sit unread in the socket
   uint64_t now_ms() const { return uv_now(loop_); }
 
   uv_loop_t* loop_;

@@ -6,9 +6,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <sstream>
 
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include "gateway/last_resort.h"
 
 namespace moe::gw {
 
@@ -18,6 +22,26 @@ namespace {
 bool is_executable(const fs::path& p) {
   std::error_code ec;
   return fs::is_regular_file(p, ec) && ::access(p.c_str(), X_OK) == 0;
+}
+
+// The text of /proc/PID/cmdline with its NULs as spaces ("" when gone).
+std::string command_line(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/cmdline", std::ios::binary);
+  std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (char& c : s)
+    if (c == '\0') c = ' ';
+  return s;
+}
+
+int read_pid(const fs::path& file) {
+  std::ifstream in(file);
+  int pid = 0;
+  return (in >> pid) && pid > 0 ? pid : 0;
+}
+
+void write_pid(const fs::path& file, int pid) {
+  std::ofstream out(file, std::ios::trunc);
+  out << pid << '\n';
 }
 
 template <typename H>
@@ -49,12 +73,47 @@ Result<std::string> find_worker_binary(const std::string& explicit_path) {
   return make_error("cannot find moe-worker next to the gateway or on PATH");
 }
 
+size_t WorkerSupervisor::remove_stale_folders(const std::string& temp_dir) {
+  size_t removed = 0;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(temp_dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("moe-gateway-", 0) != 0 || !entry.is_directory(ec)) continue;
+    struct stat st{};
+    if (::lstat(entry.path().c_str(), &st) != 0 || st.st_uid != ::geteuid() || !S_ISDIR(st.st_mode)) continue;
+    const int gateway = read_pid(entry.path() / "gateway.pid");
+    if (gateway == 0) {
+      // No pid yet: a gateway may be making it this instant; only old ones go.
+      if (::time(nullptr) - st.st_mtime < 60) continue;
+    } else if (::kill(gateway, 0) == 0 && command_line(gateway).find("moe-gateway") != std::string::npos) {
+      continue;  // its gateway runs
+    }
+    // A child of a gone gateway that is still there (started before
+    // --parent-pid existed, or frozen) holds memory, maybe VRAM: it goes.
+    const int child = read_pid(entry.path() / "worker.pid");
+    if (child > 0 && command_line(child).find(entry.path().string()) != std::string::npos) {
+      std::fprintf(stderr, "moe-gateway: killing moe-worker %d left by a gone gateway in %s\n", child,
+                   entry.path().c_str());
+      ::kill(child, SIGKILL);
+    }
+    fs::remove_all(entry.path(), ec);
+    if (!ec) {
+      ++removed;
+      std::fprintf(stderr, "moe-gateway: removed the stale folder %s\n", entry.path().c_str());
+    }
+  }
+  return removed;
+}
+
 Result<std::unique_ptr<WorkerSupervisor>> WorkerSupervisor::start(uv_loop_t* loop, SupervisorOptions opts) {
   std::unique_ptr<WorkerSupervisor> s(new WorkerSupervisor(loop, std::move(opts)));
   std::error_code ec;
-  std::string tmpl = (fs::temp_directory_path(ec) / "moe-gateway-XXXXXX").string();
+  const fs::path temp = fs::temp_directory_path(ec);
+  remove_stale_folders(temp.string());
+  std::string tmpl = (temp / "moe-gateway-XXXXXX").string();
   if (!::mkdtemp(tmpl.data())) return make_error(std::string("mkdtemp: ") + std::strerror(errno));  // 0700
   s->dir_ = tmpl;
+  write_pid(fs::path(tmpl) / "gateway.pid", int(::getpid()));
   s->socket_path_ = tmpl + "/" + s->opts_.socket_name;
   s->backoff_ms_ = s->opts_.restart_min_ms;
   s->restart_timer_ = new uv_timer_t;
@@ -76,8 +135,16 @@ WorkerSupervisor::~WorkerSupervisor() {
 
 int WorkerSupervisor::child_pid() const { return proc_ ? proc_->pid : 0; }
 
+void WorkerSupervisor::kill_child(const char* why) {
+  if (!proc_) return;
+  std::fprintf(stderr, "moe-gateway: killing moe-worker (pid %d): %s\n", proc_->pid, why);
+  uv_process_kill(proc_, SIGKILL);
+}
+
 Status WorkerSupervisor::spawn() {
-  std::vector<std::string> args = {opts_.worker_bin, "--model", opts_.model_path, "--socket", socket_path_};
+  std::vector<std::string> args = {opts_.worker_bin, "--model",      opts_.model_path,
+                                   "--socket",       socket_path_,  "--parent-pid",
+                                   std::to_string(::getpid())};
   args.insert(args.end(), opts_.extra_args.begin(), opts_.extra_args.end());
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
@@ -104,6 +171,7 @@ Status WorkerSupervisor::spawn() {
   }
   proc_ = p;
   started_ms_ = uv_now(loop_);
+  write_pid(fs::path(dir_) / "worker.pid", p->pid);
   std::fprintf(stderr, "moe-gateway: started moe-worker (pid %d) on %s\n", p->pid, socket_path_.c_str());
   return {};
 }
@@ -112,6 +180,11 @@ void WorkerSupervisor::on_exit(uv_process_t* p, int64_t status, int signal) {
   auto* self = static_cast<WorkerSupervisor*>(p->data);
   close_and_free(p);
   if (!self) return;
+  last_resort("a worker's exit", [&] { self->exited(status, signal); });
+}
+
+void WorkerSupervisor::exited(int64_t status, int signal) {
+  WorkerSupervisor* self = this;
   self->proc_ = nullptr;
   std::fprintf(stderr, "moe-gateway: moe-worker exited (status %lld, signal %d); restarting in %llu ms\n",
                static_cast<long long>(status), signal, static_cast<unsigned long long>(self->backoff_ms_));
@@ -124,6 +197,11 @@ void WorkerSupervisor::on_exit(uv_process_t* p, int64_t status, int signal) {
 void WorkerSupervisor::on_restart_timer(uv_timer_t* t) {
   auto* self = static_cast<WorkerSupervisor*>(t->data);
   if (!self || self->proc_) return;
+  last_resort("restarting the worker", [self] { self->restart(); });
+}
+
+void WorkerSupervisor::restart() {
+  WorkerSupervisor* self = this;
   ++self->restarts_;
   if (auto st = self->spawn(); !st.ok()) {
     std::fprintf(stderr, "moe-gateway: %s\n", st.error().c_str());

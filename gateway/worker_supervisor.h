@@ -3,6 +3,12 @@
 // in a private temporary directory (0700), the child watched through its exit
 // callback and restarted with backoff when it dies. The WorkerLink that
 // talks to it reconnects by itself; the scheduler resubmits what was running.
+//
+// Nothing outlives the gateway: the child is started with --parent-pid, so
+// it exits when the gateway does, however the gateway ends (kill -9 too),
+// and the folder holds the gateway's and the child's pids, so that the next
+// gateway removes folders whose gateway is gone (and kills a child of such a
+// folder that is somehow still there) before it makes its own.
 
 #include <cstdint>
 #include <memory>
@@ -41,14 +47,24 @@ class WorkerSupervisor {
   WorkerSupervisor& operator=(const WorkerSupervisor&) = delete;
 
   const std::string& socket_path() const { return socket_path_; }
+  const std::string& folder() const { return dir_; }
   int child_pid() const;              // 0 while none runs
   uint64_t restarts() const { return restarts_; }
+  // SIGKILLs the running child (it stopped answering); it is restarted as
+  // after any exit.
+  void kill_child(const char* why);
+
+  // Removes the moe-gateway-* folders under `temp_dir` whose gateway is no
+  // longer running (killing a child still running there); returns how many.
+  static size_t remove_stale_folders(const std::string& temp_dir);
 
  private:
   WorkerSupervisor(uv_loop_t* loop, SupervisorOptions opts) : loop_(loop), opts_(std::move(opts)) {}
   Status spawn();
   static void on_exit(uv_process_t* p, int64_t status, int signal);
   static void on_restart_timer(uv_timer_t* t);
+  void exited(int64_t status, int signal);
+  void restart();
 
   uv_loop_t* loop_;
   SupervisorOptions opts_;

@@ -3,6 +3,7 @@
 // interface, so that the socket server does not care whether the CPU engine
 // or the CUDA engine computes. One thread drives a backend at a time.
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -64,6 +65,16 @@ class Backend {
   // error): the worker then says `break` and exits for supervision to
   // restart it, leaving the step unanswered so that the gateway reruns it.
   virtual std::string broken() const { return {}; }
+  // A counter the backend bumps as a step advances (a layer, an expert's
+  // copy): the worker's sign of life to the gateway during long steps.
+  // nullptr: none. Bumped from the step thread only; read by another.
+  virtual void set_progress(std::atomic<uint64_t>* progress) { progress_ = progress; }
+
+ protected:
+  void note_progress() const {
+    if (progress_) progress_->fetch_add(1, std::memory_order_relaxed);
+  }
+  std::atomic<uint64_t>* progress_ = nullptr;
 };
 
 struct CpuBackendOptions {

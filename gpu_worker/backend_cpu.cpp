@@ -38,6 +38,11 @@ class CpuBackend final : public Backend {
     });
   }
 
+  void set_progress(std::atomic<uint64_t>* progress) override {
+    Backend::set_progress(progress);
+    engine_->set_progress(progress);
+  }
+
   void release(uint64_t seq_id) override {
     engine_->release(seq_id);
     live_.erase(seq_id);

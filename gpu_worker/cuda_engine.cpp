@@ -181,6 +181,11 @@ void quantize_rows_q4_host(const uint16_t* w, const Q4MatrixLayout& m, uint8_t* 
 }  // namespace
 
 struct CudaEngine::Impl {
+  std::atomic<uint64_t>* progress = nullptr;  // CudaEngine::set_progress
+  void advanced() {
+    if (progress) progress->fetch_add(1, std::memory_order_relaxed);
+  }
+
   // ---- Model
   std::shared_ptr<ModelFiles> files;
   ModelDesc d;
@@ -1342,6 +1347,7 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
   const float eps = d.rms_eps;
   if (Status e = cuda::embedding_gather(embed, V, H, tokens, n, x, st); !e) return e;
   for (const DevLayer& L : layers) {
+    advanced();
     cuda::PagedKvPool kv{L.k_pool, L.v_pool, tables, max_blocks, kBlockTokens, d.n_kv_heads, d.head_dim};
     if (fuse) {
       if (Status e = gemv_rmsnorm(L.qkv_w, x, L.in_norm, nullptr, qkv, n); !e) return e;
@@ -1577,6 +1583,7 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     if (m.Lm > 0 && (m.all_resident || m.streaming))
       MOE_CUDA_TRY(cudaMemcpyAsync(m.ids_host, m.route_ids, size_t(m.Lm) * n * m.K * 4, cudaMemcpyDeviceToHost, m.st));
     MOE_CUDA_TRY(cudaStreamSynchronize(m.st));
+    m.advanced();
     if (share_scope.s) {
       share_scope.s->end(true);
       share_scope.s = nullptr;
@@ -1610,6 +1617,8 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
   }
   return out;
 }
+
+void CudaEngine::set_progress(std::atomic<uint64_t>* progress) { impl_->progress = progress; }
 
 void CudaEngine::release(uint64_t seq_id) {
   Impl& m = *impl_;

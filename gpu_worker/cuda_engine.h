@@ -9,6 +9,7 @@
 // Built only with the CUDA toolkit; this header needs no CUDA headers.
 
 #include <cstddef>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -106,6 +107,9 @@ class CudaEngine {
   // KV pool is short.
   Result<std::vector<SeqOutput>> step(std::span<const SeqInput> inputs);
   void release(uint64_t seq_id);
+  // A counter bumped as a step advances (each layer issued, each pass
+  // finished): the worker's sign of life during long steps. nullptr: none.
+  void set_progress(std::atomic<uint64_t>* progress);
 
   int kv_blocks_total() const;
   int kv_blocks_free() const;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include <fcntl.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include "gpu_worker/backend.h"
@@ -26,6 +27,9 @@ int g_stop_pipe_write = -1;
 void on_stop_signal(int) {
   const char c = 1;
   [[maybe_unused]] ssize_t n = ::write(g_stop_pipe_write, &c, 1);
+  // A worker stuck in a step never reads the pipe: SIGALRM's default action
+  // ends it 15 s from now if the orderly way has not.
+  ::alarm(15);
 }
 
 }  // namespace
@@ -46,6 +50,15 @@ int main(int argc, char** argv) {
     return 0;
   }
   const moe::worker::WorkerOptions& o = cl->options;
+  if (o.parent_pid > 0) {
+    // The kernel tells us when the parent goes (kill -9 included); if it
+    // went before this line, getppid() says so.
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != o.parent_pid) {
+      std::fprintf(stderr, "moe-worker: the parent process %d is already gone\n", o.parent_pid);
+      return 1;
+    }
+  }
   if (o.redis_url.empty()) std::fprintf(stderr, "moe-worker: no --redis; expert state stays in this process\n");
 
   int pipe_fds[2];
@@ -88,12 +101,15 @@ int main(int argc, char** argv) {
   so.socket_path = o.socket_path;
   so.max_frame_bytes = o.max_frame_bytes;
   so.vram_budget_bytes = o.vram_budget_bytes;
+  so.parent_pid = o.parent_pid;
+  so.stall_exit_s = o.stall_exit_s;
   // Redis state: re-warm the last resident set before saying hello, then
   // publish state and routing summaries, read the gateways' events.
   std::unique_ptr<moe::worker::WorkerRedisState> redis;
   if (!o.redis_url.empty()) {
     moe::worker::WorkerRedisOptions ro;
     ro.url = o.redis_url;
+    ro.password_file = o.redis_password_file;
     ro.model_id = (*backend)->describe().model_id;
     ro.consumer = std::filesystem::path(o.socket_path).stem().string();
     // Tests make the streams' bound small enough to see the trimming.

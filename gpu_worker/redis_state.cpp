@@ -56,28 +56,6 @@ std::string field(const std::vector<std::string>& fields, const std::string& nam
 
 }  // namespace
 
-Result<RedisEndpoint> parse_redis_url(const std::string& url) {
-  RedisEndpoint ep;
-  std::string rest = url;
-  if (rest.rfind("redis://", 0) == 0) rest = rest.substr(8);
-  if (rest.empty()) return make_error("Redis URL '" + url + "' names no host");
-  if (auto at = rest.find('@'); at != std::string::npos)
-    rest = rest.substr(at + 1);  // no AUTH support: ignored
-  if (auto slash = rest.find('/'); slash != std::string::npos) {
-    std::string db = rest.substr(slash + 1);
-    rest = rest.substr(0, slash);
-    if (!db.empty() && !parse_int(db, &ep.db))
-      return make_error("Redis URL '" + url + "': bad database number");
-  }
-  if (auto colon = rest.rfind(':'); colon != std::string::npos) {
-    if (!parse_int(rest.substr(colon + 1), &ep.port) || ep.port <= 0 || ep.port > 65535)
-      return make_error("Redis URL '" + url + "': bad port");
-    rest = rest.substr(0, colon);
-  }
-  if (!rest.empty()) ep.host = rest;
-  return ep;
-}
-
 std::string format_expert_list(const std::vector<protocol::ExpertRef>& experts) {
   std::string out;
   for (const auto& e : experts) {
@@ -116,6 +94,7 @@ Result<std::vector<protocol::ExpertRef>> parse_expert_list(const std::string& te
 struct WorkerRedisState::Conn {
   redisContext* ctx = nullptr;
   bool down_logged = false;
+  bool auth_logged = false;
   bool ever_up = false;
   Clock::time_point next_try{};
   int backoff_ms = 0;
@@ -144,7 +123,10 @@ struct WorkerRedisState::Conn {
 
 WorkerRedisState::WorkerRedisState(WorkerRedisOptions opts, Backend* backend)
     : opts_(std::move(opts)), backend_(backend) {
-  auto ep = parse_redis_url(opts_.url);
+  auto ep = protocol::parse_redis_url(opts_.url);
+  if (ep.ok() && !opts_.password_file.empty()) {
+    if (auto st = protocol::read_redis_password_file(opts_.password_file, &ep.value()); !st.ok()) ep = make_error(st.error());
+  }
   if (ep.ok()) {
     endpoint_ = ep.value();
     endpoint_ok_ = true;
@@ -170,16 +152,37 @@ bool WorkerRedisState::ensure_connected(Conn& c) {
   if (now < c.next_try) return false;
   timeval tv{opts_.timeout_ms / 1000, (opts_.timeout_ms % 1000) * 1000};
   c.ctx = redisConnectWithTimeout(endpoint_.host.c_str(), endpoint_.port, tv);
+  bool refused = false;
   if (c.ctx && !c.ctx->err) {
     redisSetTimeout(c.ctx, tv);
-    if (endpoint_.db != 0) c.cmd({"SELECT", std::to_string(endpoint_.db)});
+    if (endpoint_.auth()) {
+      std::vector<std::string> auth = {"AUTH"};
+      if (!endpoint_.user.empty()) auth.push_back(endpoint_.user);
+      auth.push_back(endpoint_.password);
+      Reply r = c.cmd(auth);
+      if (!r || r->type != REDIS_REPLY_STATUS) {
+        if (!c.auth_logged)
+          std::fprintf(stderr, "moe-worker: Redis at %s refused the credentials: %s (retrying)\n",
+                       endpoint_.where().c_str(), r ? reply_text(r.get()).c_str() : "no answer");
+        c.auth_logged = true;
+        c.down_logged = true;
+        refused = true;
+      }
+    }
+    if (!refused && endpoint_.db != 0) c.cmd({"SELECT", std::to_string(endpoint_.db)});
+  }
+  if (refused) {
+    c.close();
+    c.backoff_ms = std::clamp(c.backoff_ms * 2, 100, 5000);
+    c.next_try = now + std::chrono::milliseconds(c.backoff_ms);
+    return false;
   }
   if (!c.ctx || c.ctx->err) {
     if (!c.down_logged) {
       std::fprintf(
           stderr,
-          "moe-worker: Redis at %s:%d unreachable (%s); state stays in this process, retrying\n",
-          endpoint_.host.c_str(), endpoint_.port, c.ctx ? c.ctx->errstr : "no memory");
+          "moe-worker: Redis at %s unreachable (%s); state stays in this process, retrying\n",
+          endpoint_.where().c_str(), c.ctx ? c.ctx->errstr : "no memory");
       c.down_logged = true;
     }
     c.close();
@@ -188,9 +191,10 @@ bool WorkerRedisState::ensure_connected(Conn& c) {
     return false;
   }
   if (c.down_logged || !c.ever_up)
-    std::fprintf(stderr, "moe-worker: Redis at %s:%d connected\n", endpoint_.host.c_str(),
-                 endpoint_.port);
+    std::fprintf(stderr, "moe-worker: Redis at %s connected%s\n", endpoint_.where().c_str(),
+                 endpoint_.auth() ? " and logged in" : "");
   c.down_logged = false;
+  c.auth_logged = false;
   c.ever_up = true;
   c.backoff_ms = 0;
   group_ready_ = false;
@@ -437,8 +441,8 @@ void WorkerRedisState::run() {
       replayed_ = false;
       if (!c.down_logged) {
         std::fprintf(stderr,
-                     "moe-worker: lost Redis at %s:%d; state stays in this process, reconnecting\n",
-                     endpoint_.host.c_str(), endpoint_.port);
+                     "moe-worker: lost Redis at %s; state stays in this process, reconnecting\n",
+                     endpoint_.where().c_str());
         c.down_logged = true;
       }
       c.backoff_ms = 100;

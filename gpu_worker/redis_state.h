@@ -31,17 +31,11 @@
 #include "gpu_worker/backend.h"
 #include "gpu_worker/worker_server.h"
 #include "model/result.h"
+#include "protocol/redis_endpoint.h"
 
 namespace moe::worker {
 
-struct RedisEndpoint {
-  std::string host = "127.0.0.1";
-  int port = 6379;
-  int db = 0;
-};
-
-// redis://host[:port][/db] (also host:port without the scheme).
-Result<RedisEndpoint> parse_redis_url(const std::string& url);
+using protocol::RedisEndpoint;
 
 // "3:17 3:20 5:1" <-> [(3,17), (3,20), (5,1)]: layer:expert pairs. An empty
 // text is an empty list; anything else malformed is an error.
@@ -50,6 +44,7 @@ Result<std::vector<protocol::ExpertRef>> parse_expert_list(const std::string& te
 
 struct WorkerRedisOptions {
   std::string url;
+  std::string password_file;  // "" → the URL's credentials, if any
   std::string model_id;
   std::string consumer;  // this worker's name in the consumer group (stable across restarts)
   uint64_t stream_max_len = 10000;

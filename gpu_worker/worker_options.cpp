@@ -49,6 +49,7 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
     }
     static const char* const kValued[] = {"--model", "--socket", "--backend", "--threads", "--kv-blocks",
                                           "--max-frame-bytes", "--vram-budget", "--redis",
+                                          "--redis-password-file", "--parent-pid", "--stall-exit-s",
                                           "--max-step-tokens", "--expert-policy", "--prefetch", "--dense-weights",
                                           "--host-experts", "--misses"};
     bool known = false;
@@ -78,6 +79,13 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
       }
     } else if (name == "--redis") {
       o.redis_url = value;
+    } else if (name == "--redis-password-file") {
+      o.redis_password_file = value;
+    } else if (name == "--parent-pid" || name == "--stall-exit-s") {
+      auto v = parse_count(name, value);
+      if (!v.ok()) return make_error(v.error());
+      if (*v < 1) return make_error("option " + name + " needs a positive number, got '" + value + "'");
+      (name == "--parent-pid" ? o.parent_pid : o.stall_exit_s) = *v;
     } else if (name == "--max-step-tokens") {
       auto v = parse_count(name, value);
       if (!v.ok()) return make_error(v.error());
@@ -138,7 +146,14 @@ std::string worker_usage() {
          "  --misses stream|copy    under a budget, a decode step's missed experts are read by the kernels\n"
          "                          from pinned host memory over the link (stream, default), or copied\n"
          "                          into islands first (copy, the mode --prefetch acts in)\n"
-         "  --redis URL             Redis for warm-expert state and events (redis://HOST:PORT)\n"
+         "  --redis URL             Redis for warm-expert state and events\n"
+         "                          (redis://[[USER]:PASSWORD@]HOST[:PORT][/DB])\n"
+         "  --redis-password-file F the Redis password (or USER:PASSWORD), first line of F\n"
+         "  --parent-pid PID        exit (SIGTERM first) when process PID, the one that started\n"
+         "                          this worker, is gone (the gateway passes its own)\n"
+         "  --stall-exit-s N        a step that makes no progress for N s ends the worker (exit 3)\n"
+         "                          so that its supervisor restarts it (default 30); the gateway\n"
+         "                          fails over after 3 s without a sign of progress\n"
          "  --help, --version\n";
 }
 

@@ -19,6 +19,9 @@ struct WorkerOptions {
   size_t max_frame_bytes = 64u << 20;  // --max-frame-bytes
   uint64_t vram_budget_bytes = 0;      // --vram-budget (cuda only; 0: free memory less a margin)
   std::string redis_url;               // --redis
+  std::string redis_password_file;     // --redis-password-file
+  int parent_pid = 0;                  // --parent-pid: exit when that process (the parent) is gone
+  int stall_exit_s = 30;               // --stall-exit-s: a step without progress this long ends the process
   int max_step_tokens = 512;           // --max-step-tokens (cuda: tokens per forward pass)
   std::string expert_policy = "ours";  // --expert-policy lru|lfu|ours (cuda)
   bool prefetch = true;                // --prefetch on|off (cuda, under a budget)

@@ -7,6 +7,9 @@
 #include <filesystem>
 #include <variant>
 
+#include <csignal>
+#include <cstdlib>
+
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -33,12 +36,63 @@ uint64_t now_us() {
                       .count());
 }
 void set_nonblocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
+
+// Faults the integration tests inject through MOE_WORKER_FAULT, to prove
+// what the gateway does when a step never returns or runs long:
+//   hang-step=N      the Nth step (from 1) blocks for ever, making no progress
+//   slow-step=N:MS   the Nth step first runs MS ms longer, making progress
+struct InjectedFault {
+  uint64_t hang_step = 0;
+  uint64_t slow_step = 0;
+  uint64_t slow_ms = 0;
+};
+
+InjectedFault injected_fault() {
+  InjectedFault f;
+  const char* v = std::getenv("MOE_WORKER_FAULT");
+  if (!v) return f;
+  const std::string s = v;
+  if (s.rfind("hang-step=", 0) == 0) {
+    f.hang_step = std::strtoull(s.c_str() + 10, nullptr, 10);
+  } else if (s.rfind("slow-step=", 0) == 0) {
+    char* end = nullptr;
+    f.slow_step = std::strtoull(s.c_str() + 10, &end, 10);
+    if (end && *end == ':') f.slow_ms = std::strtoull(end + 1, nullptr, 10);
+  }
+  if (f.hang_step || f.slow_step)
+    std::fprintf(stderr, "moe-worker: MOE_WORKER_FAULT=%s (a test's injected fault)\n", s.c_str());
+  return f;
+}
+
+const InjectedFault& fault() {
+  static const InjectedFault f = injected_fault();
+  return f;
+}
+
+// The peer's user must be ours (or root).
+bool peer_allowed(int fd, std::string* why) {
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    *why = std::string("SO_PEERCRED: ") + std::strerror(errno);
+    return false;
+  }
+  if (cred.uid == ::geteuid() || cred.uid == 0) return true;
+  *why = "a process of uid " + std::to_string(cred.uid) + " (pid " + std::to_string(cred.pid) + ")";
+  return false;
+}
 }  // namespace
 
 WorkerServer::WorkerServer(Backend* backend, ServerOptions opts)
-    : backend_(backend), opts_(std::move(opts)), decoder_(opts_.max_frame_bytes), started_ms_(now_ms()) {}
+    : backend_(backend), opts_(std::move(opts)), decoder_(opts_.max_frame_bytes), started_ms_(now_ms()) {
+  backend_->set_progress(&progress_);
+  (void)fault();
+}
 
 WorkerServer::~WorkerServer() {
+  stop_beat_ = true;
+  if (beat_.joinable()) beat_.join();
+  backend_->set_progress(nullptr);
   if (client_fd_ >= 0) ::close(client_fd_);
   if (listen_fd_ >= 0) {
     ::close(listen_fd_);
@@ -82,8 +136,13 @@ Status WorkerServer::listen() {
 
 void WorkerServer::drop_client() {
   if (client_fd_ < 0) return;
-  ::close(client_fd_);
-  client_fd_ = -1;
+  {
+    std::lock_guard<std::mutex> lk(write_mu_);
+    ::close(client_fd_);
+    client_fd_ = -1;
+    out_.clear();
+    out_off_ = 0;
+  }
   // The gateway that held these sequences is gone; their KV is freed.
   for (uint64_t id : client_seqs_) {
     backend_->release(id);
@@ -92,20 +151,40 @@ void WorkerServer::drop_client() {
   client_seqs_.clear();
   said_hello_ = false;
   close_after_flush_ = false;
-  out_.clear();
-  out_off_ = 0;
   decoder_ = pr::FrameDecoder(opts_.max_frame_bytes);
+}
+
+void WorkerServer::refuse(int fd, const std::string& why) {
+  std::fprintf(stderr, "moe-worker: refusing a connection: %s\n", why.c_str());
+  const auto frame = pr::make_error_frame(0, uint8_t(pr::Command::hello), ErrorCode::busy, why);
+  [[maybe_unused]] ssize_t n = ::send(fd, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  ::close(fd);
 }
 
 void WorkerServer::accept_client() {
   const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
   if (fd < 0) return;
-  if (client_fd_ >= 0) std::fprintf(stderr, "moe-worker: a new gateway connection replaces the old one\n");
+  std::string why;
+  if (!peer_allowed(fd, &why)) return refuse(fd, why + " may not use this worker");
+  if (client_fd_ >= 0) {
+    // The current gateway may have left in the same instant (its EOF not yet read).
+    pollfd p{client_fd_, short(POLLIN | POLLRDHUP), 0};
+    if (::poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR))) drop_client();
+  }
+  if (client_fd_ >= 0) {
+    if (now_ms() - last_rx_ms_ < kLiveClientMs)
+      return refuse(fd, "a gateway is connected to this worker (one at a time)");
+    std::fprintf(stderr, "moe-worker: the connected gateway has been silent for %llu ms; the new one replaces it\n",
+                 (unsigned long long)(now_ms() - last_rx_ms_));
+  }
   drop_client();
+  std::lock_guard<std::mutex> lk(write_mu_);
   client_fd_ = fd;
+  last_rx_ms_ = now_ms();
 }
 
 void WorkerServer::queue(std::vector<uint8_t> bytes) {
+  std::lock_guard<std::mutex> lk(write_mu_);
   if (out_.empty()) {
     out_ = std::move(bytes);
     out_off_ = 0;
@@ -114,56 +193,74 @@ void WorkerServer::queue(std::vector<uint8_t> bytes) {
   }
 }
 
+bool WorkerServer::send_locked(const uint8_t* data, size_t n, size_t* sent) {
+  *sent = 0;
+  while (*sent < n) {
+    const ssize_t k = ::send(client_fd_, data + *sent, n - *sent, MSG_NOSIGNAL);
+    if (k > 0) {
+      *sent += size_t(k);
+      continue;
+    }
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    if (k < 0 && errno == EINTR) continue;
+    return false;
+  }
+  return true;
+}
+
 void WorkerServer::queue_error(uint64_t request_id, uint8_t command, ErrorCode code, const std::string& msg) {
   queue(pr::make_error_frame(request_id, command, code, msg));
 }
 
 bool WorkerServer::flush_some() {
-  while (client_fd_ >= 0 && out_off_ < out_.size()) {
-    const ssize_t n = ::send(client_fd_, out_.data() + out_off_, out_.size() - out_off_, MSG_NOSIGNAL);
-    if (n > 0) {
-      out_off_ += size_t(n);
-      continue;
+  bool ok = true;
+  {
+    std::lock_guard<std::mutex> lk(write_mu_);
+    if (client_fd_ < 0) return false;
+    size_t sent = 0;
+    ok = send_locked(out_.data() + out_off_, out_.size() - out_off_, &sent);
+    out_off_ += sent;
+    if (out_off_ == out_.size()) {
+      out_.clear();
+      out_off_ = 0;
     }
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
-    if (n < 0 && errno == EINTR) continue;
+  }
+  if (!ok) {
     drop_client();
     return false;
   }
-  if (out_off_ == out_.size()) {
-    out_.clear();
-    out_off_ = 0;
-  }
-  return client_fd_ >= 0;
+  return true;
 }
 
 void WorkerServer::flush_blocking() {
-  while (client_fd_ >= 0 && !out_.empty()) {
+  while (client_fd_ >= 0 && out_pending() > 0) {
     if (!flush_some()) return;
-    if (out_.empty()) return;
+    if (out_pending() == 0) return;
     pollfd p{client_fd_, POLLOUT, 0};
     if (::poll(&p, 1, 5000) <= 0) return;
   }
 }
 
 void WorkerServer::read_client() {
+  // One piece at a time: its frames are all handled (or wait for the output
+  // to drain) before the next is read.
   uint8_t buf[64 * 1024];
-  for (;;) {
-    const ssize_t n = ::recv(client_fd_, buf, sizeof(buf), 0);
-    if (n == 0) {
-      drop_client();
-      return;
-    }
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) drop_client();
-      break;
-    }
-    decoder_.feed(std::span<const uint8_t>(buf, size_t(n)));
-    if (size_t(n) < sizeof(buf)) break;
+  ssize_t n;
+  do {
+    n = ::recv(client_fd_, buf, sizeof(buf), 0);
+  } while (n < 0 && errno == EINTR);
+  if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) {
+    drop_client();
+    return;
   }
-  for (;;) {
-    if (client_fd_ < 0 || close_after_flush_) return;
+  if (n < 0) return;
+  last_rx_ms_ = now_ms();
+  decoder_.feed(std::span<const uint8_t>(buf, size_t(n)));
+  pump_frames();
+}
+
+void WorkerServer::pump_frames() {
+  while (client_fd_ >= 0 && !close_after_flush_ && !exit_requested_ && out_pending() < kOutHighWater) {
     pr::DecodeEvent ev = decoder_.next();
     if (ev.status == pr::DecodeStatus::need_more) return;
     if (ev.status == pr::DecodeStatus::error) {
@@ -171,8 +268,10 @@ void WorkerServer::read_client() {
       if (ev.error.fatal) close_after_flush_ = true;  // frame boundaries are lost
       continue;
     }
+    busy_since_ms_ = now_ms();
+    progress_.fetch_add(1, std::memory_order_relaxed);
     handle_frame(ev.frame);
-    if (exit_requested_) return;
+    busy_since_ms_ = 0;
   }
 }
 
@@ -191,6 +290,49 @@ void WorkerServer::report_kv_pressure() {
   p.level = level == 2 ? pr::PressureLevel::evict : pr::PressureLevel::warn;
   p.detail = "KV cache " + std::to_string(free) + " of " + std::to_string(total) + " blocks free";
   queue(pr::make_frame(0, p).value());
+}
+
+void WorkerServer::run_step(const pr::Frame& f, const pr::StepRequest& step) {
+  const pr::StepRequest* s = &step;
+  const uint64_t n = steps_ + 1;
+  if (fault().hang_step == n) {
+    std::fprintf(stderr, "moe-worker: injected fault: step %llu never returns\n", (unsigned long long)n);
+    for (;;) ::pause();
+  }
+  if (fault().slow_step == n) {
+    for (uint64_t t = 0; t < fault().slow_ms; t += 100) {
+      ::usleep(100'000);
+      progress_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  pr::StepReply reply = backend_->step(*s);
+
+    if (const std::string why = backend_->broken(); !why.empty()) {
+      pr::Pressure p;
+      p.level = pr::PressureLevel::break_;
+      p.detail = why;
+      queue(pr::make_frame(0, p).value());
+      std::fprintf(stderr, "moe-worker: the backend is broken (%s); exiting for a restart\n", why.c_str());
+      exit_requested_ = true;
+      exit_code_ = 3;
+      return;
+    }
+    if (opts_.hooks) opts_.hooks->after_step(*s, reply);
+    ++steps_;
+    for (size_t i = 0; i < reply.results.size(); ++i) {
+      const pr::StepResult& r = reply.results[i];
+      if (r.error != ErrorCode::none) continue;
+      client_seqs_.insert(r.seq_id);
+      tokens_ += s->sequences[i].tokens.size();
+      if (r.sampled) ++sampled_tokens_;
+    }
+    auto frame = pr::make_frame(f.request_id, reply, opts_.max_frame_bytes);
+    if (!frame.ok()) {
+      queue_error(f.request_id, f.command, ErrorCode::limit_exceeded, frame.error());
+      return;
+    }
+    queue(std::move(frame.value()));
+    report_kv_pressure();
 }
 
 void WorkerServer::handle_frame(const pr::Frame& f) {
@@ -228,33 +370,7 @@ void WorkerServer::handle_frame(const pr::Frame& f) {
     return;
   }
   if (auto* s = std::get_if<pr::StepRequest>(&*msg)) {
-    pr::StepReply reply = backend_->step(*s);
-    if (const std::string why = backend_->broken(); !why.empty()) {
-      pr::Pressure p;
-      p.level = pr::PressureLevel::break_;
-      p.detail = why;
-      queue(pr::make_frame(0, p).value());
-      std::fprintf(stderr, "moe-worker: the backend is broken (%s); exiting for a restart\n", why.c_str());
-      exit_requested_ = true;
-      exit_code_ = 3;
-      return;
-    }
-    if (opts_.hooks) opts_.hooks->after_step(*s, reply);
-    ++steps_;
-    for (size_t i = 0; i < reply.results.size(); ++i) {
-      const pr::StepResult& r = reply.results[i];
-      if (r.error != ErrorCode::none) continue;
-      client_seqs_.insert(r.seq_id);
-      tokens_ += s->sequences[i].tokens.size();
-      if (r.sampled) ++sampled_tokens_;
-    }
-    auto frame = pr::make_frame(f.request_id, reply, opts_.max_frame_bytes);
-    if (!frame.ok()) {
-      queue_error(f.request_id, f.command, ErrorCode::limit_exceeded, frame.error());
-      return;
-    }
-    queue(std::move(frame.value()));
-    report_kv_pressure();
+    run_step(f, *s);
   } else if (auto* rel = std::get_if<pr::ReleaseSequences>(&*msg)) {
     for (uint64_t id : rel->seq_ids) {
       backend_->release(id);
@@ -292,14 +408,74 @@ void WorkerServer::handle_frame(const pr::Frame& f) {
   }
 }
 
+void WorkerServer::beat_loop() {
+  using namespace std::chrono_literals;
+  uint64_t seen = progress_.load(std::memory_order_relaxed);
+  uint64_t changed_ms = now_ms(), last_beat_ms = 0, last_loop_ms = now_ms(), parent_gone_ms = 0;
+  while (!stop_beat_.load()) {
+    std::this_thread::sleep_for(100ms);
+    const uint64_t now = now_ms();
+    // A loop that took seconds means the whole process stood still
+    // (SIGSTOP): that is not the step's fault.
+    if (now - last_loop_ms > 2000) changed_ms = now;
+    last_loop_ms = now;
+    const uint64_t p = progress_.load(std::memory_order_relaxed);
+    if (p != seen) {
+      seen = p;
+      changed_ms = now;
+    }
+    if (opts_.parent_pid > 0 && ::getppid() != opts_.parent_pid) {
+      if (!parent_gone_ms) {
+        std::fprintf(stderr, "moe-worker: the process that started this worker (pid %d) is gone; exiting\n",
+                     opts_.parent_pid);
+        parent_gone_ms = now;
+        ::kill(::getpid(), SIGTERM);
+      } else if (now - parent_gone_ms > 10'000) {
+        std::fprintf(stderr, "moe-worker: still running 10 s after the parent left; exiting now\n");
+        std::_Exit(1);
+      }
+    }
+    const uint64_t busy_since = busy_since_ms_.load();
+    if (busy_since == 0) {
+      changed_ms = now;  // idle: the step thread answers pings itself
+      continue;
+    }
+    if (now - changed_ms >= uint64_t(opts_.stall_exit_s) * 1000) {
+      std::fprintf(stderr, "moe-worker: a step has made no progress for %d s; exiting (3) for a restart\n",
+                   opts_.stall_exit_s);
+      std::_Exit(3);
+    }
+    // A step that advances says so twice a second; a stuck one goes silent.
+    if (now - busy_since >= 500 && now - changed_ms < 1000 && now - last_beat_ms >= 500) {
+      last_beat_ms = now;
+      const auto frame = pr::make_frame(0, pr::Pong{0, now_us()}).value();
+      std::lock_guard<std::mutex> lk(write_mu_);
+      if (client_fd_ < 0) continue;
+      out_.insert(out_.end(), frame.begin(), frame.end());
+      size_t sent = 0;
+      if (send_locked(out_.data() + out_off_, out_.size() - out_off_, &sent)) out_off_ += sent;
+      if (out_off_ == out_.size()) {
+        out_.clear();
+        out_off_ = 0;
+      }
+    }
+  }
+}
+
 Status WorkerServer::run(int stop_fd) {
+  beat_ = std::thread([this] { beat_loop(); });
   for (;;) {
+    // Frames decoded earlier that waited for the output to drain.
+    if (client_fd_ >= 0 && decoder_.queued_events() > 0 && out_pending() < kOutHighWater) pump_frames();
     pollfd fds[3];
     nfds_t n = 0;
     fds[n++] = {stop_fd, POLLIN, 0};
     fds[n++] = {listen_fd_, POLLIN, 0};
     const bool have_client = client_fd_ >= 0;
-    if (have_client) fds[n++] = {client_fd_, short(POLLIN | (out_.empty() ? 0 : POLLOUT)), 0};
+    const size_t pending = out_pending();
+    // No more input while the gateway has not taken our output.
+    const bool want_input = pending < kOutHighWater && decoder_.queued_events() == 0;
+    if (have_client) fds[n++] = {client_fd_, short((want_input ? POLLIN : 0) | (pending ? POLLOUT : 0)), 0};
     const int rc = ::poll(fds, n, -1);
     if (rc < 0) {
       if (errno == EINTR) continue;

@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <future>
 #include <stdexcept>
@@ -117,7 +118,9 @@ void ScriptedScheduler::cancel(uint64_t id) {
 SchedulerStats ScriptedScheduler::stats() const {
   std::lock_guard<std::mutex> g(mu_);
   SchedulerStats s;
-  s.running = static_cast<int>(seqs_.size());
+  const int n = static_cast<int>(seqs_.size());
+  s.running = std::min(n, capacity_.load());
+  s.waiting = n - s.running;
   s.kv_blocks_used = s.running * 2;
   s.kv_blocks_total = 64;
   s.preemptions = 3;
@@ -149,7 +152,10 @@ void ScriptedScheduler::tick() {
   std::vector<uint64_t> ids;
   {
     std::lock_guard<std::mutex> g(mu_);
-    for (const auto& [id, s] : seqs_) ids.push_back(id);
+    for (const auto& [id, s] : seqs_) {
+      if (int(ids.size()) >= capacity_.load()) break;  // the rest wait
+      ids.push_back(id);
+    }
     if (ids.empty()) uv_timer_stop(&timer_);
   }
   int per_tick = tokens_per_tick_.load();
@@ -205,6 +211,7 @@ TestGateway::TestGateway(HttpServerOptions http, ApiOptions api, const TextCodec
   http.port = 0;
   http.host = "127.0.0.1";
   server_ = std::make_unique<HttpServer>(&loop_, http, api_.get());
+  api_->watch_server(server_.get());
   Status st = server_->listen();
   if (!st.ok()) throw std::runtime_error(st.error());
   port_ = server_->port();

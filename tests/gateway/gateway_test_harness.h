@@ -61,6 +61,8 @@ class ScriptedScheduler final : public Scheduler {
   std::atomic<int> max_context_{4096};
   std::atomic<int> tick_ms_{1};
   std::atomic<int> tokens_per_tick_{1};
+  // Sequences that run at once; the rest wait (reported as stats().waiting).
+  std::atomic<int> capacity_{1 << 30};
   void set_script(Script s);
   std::vector<SequenceRequest> submitted() const;
   std::vector<uint64_t> cancelled() const;
@@ -95,6 +97,9 @@ class TestGateway {
   ~TestGateway();
   int port() const { return port_; }
   ScriptedScheduler& scheduler() { return *scheduler_; }
+  // Read on the test thread while the loop runs: only for counters.
+  const HttpServer& server() const { return *server_; }
+  const OpenAiApi& api() const { return *api_; }
 
  private:
   uv_loop_t loop_{};

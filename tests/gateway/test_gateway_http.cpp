@@ -209,7 +209,7 @@ TEST_CASE("http: HTTP/1.0 gets Connection: close and a close-delimited stream", 
 
 TEST_CASE("http: --api-key guards every endpoint but /health", "[gateway][http][auth]") {
   ApiOptions api;
-  api.api_key = "sekret";
+  api.api_keys = {"sekret"};
   TestGateway gw({}, api);
   check_error_shape(http(gw.port(), "GET", "/v1/models"), 401, "invalid_api_key");
   check_error_shape(http(gw.port(), "GET", "/v1/models", "", "Authorization: Bearer wrong\r\n"), 401,
@@ -226,7 +226,9 @@ TEST_CASE("http: --api-key guards every endpoint but /health", "[gateway][http][
 TEST_CASE("http: a client that reads too slowly is dropped and its sequence cancelled", "[gateway][http]") {
   HttpServerOptions o;
   o.max_write_queue_bytes = 64 * 1024;
-  TestGateway gw(o);
+  ApiOptions api;
+  api.max_request_tokens = int64_t(1) << 40;  // the cost bound is not what this test is about
+  TestGateway gw(o, api);
   // Endless output, fast: the kernel buffers fill, then the write queue.
   gw.scheduler().set_script([](const SequenceRequest&, int) { return int32_t{'z'}; });
   gw.scheduler().tokens_per_tick_ = 100;

@@ -16,7 +16,7 @@ TEST_CASE("options: every option parses, defaults otherwise", "[gateway][options
   CHECK(o.workers == std::vector<std::string>{"unix:/tmp/a.sock", "unix:/tmp/b.sock"});
   CHECK(o.host == "127.0.0.1");
   CHECK(o.port == 9000);
-  CHECK(o.api_key == "k");
+  CHECK(o.api_keys == std::vector<std::string>{"k"});
   CHECK(o.max_body_bytes == 2048);
   CHECK(o.redis_url == "redis://127.0.0.1:6379");
   CHECK(o.request_timeout_ms == 50);

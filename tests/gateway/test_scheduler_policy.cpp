@@ -237,3 +237,52 @@ TEST_CASE("a lost worker puts every running sequence back in order, resuming aft
   CHECK(ups[0].tokens.size() == 1);
   CHECK(p.generated(1)->size() == 3);
 }
+
+TEST_CASE("admission is round-robin across requests: many choices do not hold back a later request",
+          "[scheduler][policy][admission]") {
+  // One prompt's worth of budget a step, and sequences that end at their
+  // first token: exactly one admission per step.
+  BatchPolicy p(limits(4, 1000));
+  auto in_group = [](uint64_t group) {
+    SequenceRequest r = req(4, 1);
+    r.group = group;
+    return r;
+  };
+  for (uint64_t id = 1; id <= 6; ++id) p.add(id, in_group(7));  // a request of six choices
+  p.add(10, in_group(8));                                        // then one of one
+  p.add(11, in_group(9));                                        // then another
+  std::vector<uint64_t> order;
+  for (int step = 0; step < 8; ++step) {
+    StepPlan s = p.plan();
+    for (const auto& c : s.chunks)
+      if (c.start_pos == 0) order.push_back(c.seq_id);  // admitted this step
+    std::vector<uint64_t> rel;
+    p.apply(s, answer(s), &rel);
+  }
+  // The first of the six, then each later request in turn, then the rest.
+  CHECK(order == std::vector<uint64_t>{1, 10, 11, 2, 3, 4, 5, 6});
+}
+
+TEST_CASE("sequences a lost worker held go before the round-robin", "[scheduler][policy][admission]") {
+  BatchPolicy p(limits(7, 1000));  // one 7-token prompt a step
+  auto in_group = [](uint64_t group) {
+    SequenceRequest r = req(7, 1);
+    r.group = group;
+    return r;
+  };
+  p.add(1, in_group(1));
+  p.add(2, in_group(2));
+  CHECK(picture(p.plan()) == "1:0+7s");  // 1 admitted (its group now the most recent)
+  p.worker_lost();                       // and put back at the front
+  p.add(3, in_group(3));
+  std::vector<uint64_t> order;
+  for (int step = 0; step < 3; ++step) {
+    StepPlan s = p.plan();
+    for (const auto& c : s.chunks)
+      if (c.start_pos == 0) order.push_back(c.seq_id);
+    std::vector<uint64_t> rel;
+    p.apply(s, answer(s), &rel);
+  }
+  // A plain round-robin would start with 2 and 3 (never admitted).
+  CHECK(order == std::vector<uint64_t>{1, 2, 3});
+}

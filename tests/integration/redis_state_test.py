@@ -134,24 +134,29 @@ def main():
             status, hdr, body = h.chat(c.http_port, msgs, 8, session)
             return status, hdr, body
 
-        s1, hd1, b1 = chat([{"role": "user", "content": "Once upon a time"}], "story-1")
-        check(s1 == 200 and hd1.get("x-session-id") == "story-1", f"first turn of session story-1 (HTTP {s1})")
+        # Without API keys the server issues the ids: "new" asks for one.
+        s1, hd1, b1 = chat([{"role": "user", "content": "Once upon a time"}], "new")
+        story1 = hd1.get("x-session-id", "")
+        check(s1 == 200 and re.fullmatch(r"s-[0-9a-f]{32}", story1) is not None,
+              f"first turn of a new session, id {story1!r} issued (HTTP {s1})")
+        key1 = "moe:session:open:" + story1
         connects = c.log("gateway").count("connected")
         c.kill9("gateway")
         c.start_gateway([sock])
         end = time.time() + 15
         while time.time() < end and c.log("gateway").count("connected") <= connects:
             time.sleep(0.05)
-        s2, _, b2 = chat([{"role": "user", "content": "and then"}], "story-1")
+        s2, _, b2 = chat([{"role": "user", "content": "and then"}], story1)
         s3, _, b3 = chat([{"role": "user", "content": "and then"}], None)
-        stored = json.loads(c.redis("GET", "moe:session:story-1") or "[]")
+        stored = json.loads(c.redis("GET", key1) or "[]")
         check(s2 == 200 and s3 == 200 and b2["usage"]["prompt_tokens"] > b3["usage"]["prompt_tokens"],
               f"the restarted gateway prepended the stored turn ({b2.get('usage', {}).get('prompt_tokens')} > "
               f"{b3.get('usage', {}).get('prompt_tokens')} prompt tokens)")
         check([m["role"] for m in stored] == ["user", "assistant", "user", "assistant"] and
               stored[1]["content"] == b1["choices"][0]["message"]["content"],
               f"Redis holds the whole conversation ({[m['role'] for m in stored]})")
-        ttl = int(c.redis("TTL", "moe:session:story-1").strip() or -2)
+        check(all(sorted(m) == ["content", "role"] for m in stored), "turns hold role and content only")
+        ttl = int(c.redis("TTL", key1).strip() or -2)
         check(ttl > 0, f"the session has a TTL ({ttl} s)")
 
         # ---- 5. Redis killed and restarted under load
@@ -169,8 +174,8 @@ def main():
         check(wait_log(c, "w1", r"lost Redis(.|\n)*Redis at \S+ connected", 20)
               is not None, "the worker reconnected")
         # Sessions work again through Redis.
-        s4, _, _ = chat([{"role": "user", "content": "after the restart"}], "story-2")
-        check(s4 == 200 and c.redis("EXISTS", "moe:session:story-2").strip() == "1",
+        s4, hd4, _ = chat([{"role": "user", "content": "after the restart"}], "new")
+        check(s4 == 200 and c.redis("EXISTS", "moe:session:open:" + hd4.get("x-session-id", "")).strip() == "1",
               "sessions are stored in the restarted Redis")
         # Bounded streams: many more summaries than the bound.
         errs = run_requests(c, 6 * MAX_LEN, max_tokens=2, concurrency=32)
@@ -187,7 +192,7 @@ def main():
         c.procs["redis"].send_signal(signal.SIGSTOP)
         try:
             t0 = time.time()
-            s5, _, _ = chat([{"role": "user", "content": "while Redis sleeps"}], "story-3")
+            s5, _, _ = chat([{"role": "user", "content": "while Redis sleeps"}], story1)
             took = time.time() - t0
             print(f"RESULT frozen Redis: a session turn answered in {took:.1f} s")
             check(s5 == 200 and took < 15, f"a session turn is answered while Redis is frozen (HTTP {s5}, {took:.1f} s)")

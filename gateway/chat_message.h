@@ -1,0 +1,18 @@
+#pragma once
+// One chat turn as the gateway keeps it: a role the API accepts and the
+// turn's text. Built only from validated request fields (or validated
+// stored turns), so that nothing else a client sent travels with it.
+
+#include <string>
+#include <vector>
+
+namespace moe::gw {
+
+struct ChatMessage {
+  std::string role;     // system, user, assistant or tool ("developer" arrives as system)
+  std::string content;  // the text (content parts joined)
+};
+
+using ChatMessages = std::vector<ChatMessage>;
+
+}  // namespace moe::gw
