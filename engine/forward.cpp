@@ -219,6 +219,7 @@ void ForwardPass::moe(const LayerWeights& lw, int moe_layer, const Batch& b,
         cpu::silu_mul(g.data(), u.data(), g.data(), L.inter);
         q4_matvec(ex.q4, L.down, g.data(), slot_out + size_t(r) * H);
       }
+      advanced();
       return;
     }
     const int I = ex.gate.out;
@@ -231,6 +232,7 @@ void ForwardPass::moe(const LayerWeights& lw, int moe_layer, const Batch& b,
     ex.down.apply(g.data(), y.data(), n, nullptr);
     for (int i = 0; i < n; ++i)
       std::memcpy(slot_out + size_t(rows[size_t(i)]) * H, &y[size_t(i) * H], sizeof(float) * H);
+    advanced();  // an expert done: a large model's layer is many of these
   });
 
   float* out = sized(mlp_out_, size_t(T) * H);

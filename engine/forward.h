@@ -52,7 +52,8 @@ class ForwardPass {
   // Runs the batch. logits: [logit_rows, vocab]. expert_counts (optional):
   // [segments, n_moe_layers * n_experts], incremented per routed token.
   void run(const Batch& b, float* logits, uint16_t* expert_counts, ForwardTrace* trace);
-  // Bumped after each attention and each MLP/MoE block (nullptr: none).
+  // Bumped after each attention, MLP/MoE block and routed expert (nullptr:
+  // none); from the pool's threads too, hence atomic.
   void set_progress(std::atomic<uint64_t>* progress) { progress_ = progress; }
 
  private:

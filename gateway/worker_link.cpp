@@ -1,5 +1,6 @@
 #include "gateway/worker_link.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -84,7 +85,9 @@ void WorkerLink::connected(int status) {
   }
   last_rx_ms_ = now_ms();
   ping_outstanding_since_ms_ = 0;
-  uv_timer_start(timer_, &WorkerLink::on_timer, opts_.heartbeat_ms, opts_.heartbeat_ms);
+  // Ticks four times per heartbeat: silence is judged to a quarter of it.
+  const uint64_t tick = std::max<uint64_t>(opts_.heartbeat_ms / 4, 1);
+  uv_timer_start(timer_, &WorkerLink::on_timer, tick, tick);
 }
 
 void WorkerLink::drop(const std::string& reason, bool unresponsive) {
@@ -135,8 +138,9 @@ void WorkerLink::on_tick() {
     }
     return;
   }
-  if (state_ == State::ready && !ping_outstanding_since_ms_) {
+  if (state_ == State::ready && !ping_outstanding_since_ms_ && now - last_ping_ms_ >= opts_.heartbeat_ms) {
     ping_outstanding_since_ms_ = now;
+    last_ping_ms_ = now;
     pr::Ping p;
     p.sent_us = now * 1000;
     (void)write_frame(pr::make_frame(next_request_id_++, p).value());

@@ -31,7 +31,7 @@ struct WorkerLinkOptions {
   std::string socket_path;
   std::string instance = "moe-gateway";
   uint64_t heartbeat_ms = 1000;
-  uint64_t dead_after_ms = 3000;   // silence while a ping is outstanding
+  uint64_t dead_after_ms = 2500;   // silence while a ping is outstanding
   size_t max_write_queue_bytes = size_t(256) << 20;  // a worker further behind is treated as gone
   uint64_t retry_min_ms = 20;
   uint64_t retry_max_ms = 1000;
@@ -92,6 +92,7 @@ class WorkerLink {
   uint64_t retry_ms_ = 0;
   uint64_t last_rx_ms_ = 0;
   uint64_t ping_outstanding_since_ms_ = 0;  // 0: none
+  uint64_t last_ping_ms_ = 0;
 };
 
 }  // namespace moe::gw

@@ -153,7 +153,7 @@ std::string worker_usage() {
          "                          this worker, is gone (the gateway passes its own)\n"
          "  --stall-exit-s N        a step that makes no progress for N s ends the worker (exit 3)\n"
          "                          so that its supervisor restarts it (default 30); the gateway\n"
-         "                          fails over after 3 s without a sign of progress\n"
+         "                          fails over within 3 s of the last sign of progress\n"
          "  --help, --version\n";
 }
 

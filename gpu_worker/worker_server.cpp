@@ -40,7 +40,8 @@ void set_nonblocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOC
 // Faults the integration tests inject through MOE_WORKER_FAULT, to prove
 // what the gateway does when a step never returns or runs long:
 //   hang-step=N      the Nth step (from 1) blocks for ever, making no progress
-//   slow-step=N:MS   the Nth step first runs MS ms longer, making progress
+//   slow-step=N:MS   from the Nth step on, each step first runs MS ms longer,
+//                    making progress all the while
 struct InjectedFault {
   uint64_t hang_step = 0;
   uint64_t slow_step = 0;
@@ -299,7 +300,7 @@ void WorkerServer::run_step(const pr::Frame& f, const pr::StepRequest& step) {
     std::fprintf(stderr, "moe-worker: injected fault: step %llu never returns\n", (unsigned long long)n);
     for (;;) ::pause();
   }
-  if (fault().slow_step == n) {
+  if (fault().slow_step && n >= fault().slow_step) {
     for (uint64_t t = 0; t < fault().slow_ms; t += 100) {
       ::usleep(100'000);
       progress_.fetch_add(1, std::memory_order_relaxed);
@@ -445,8 +446,9 @@ void WorkerServer::beat_loop() {
                    opts_.stall_exit_s);
       std::_Exit(3);
     }
-    // A step that advances says so twice a second; a stuck one goes silent.
-    if (now - busy_since >= 500 && now - changed_ms < 1000 && now - last_beat_ms >= 500) {
+    // A step that advances says so twice a second; one that made no progress
+    // for half a second goes silent.
+    if (now - busy_since >= 500 && now - changed_ms < 500 && now - last_beat_ms >= 500) {
       last_beat_ms = now;
       const auto frame = pr::make_frame(0, pr::Pong{0, now_us()}).value();
       std::lock_guard<std::mutex> lk(write_mu_);

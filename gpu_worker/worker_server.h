@@ -19,9 +19,10 @@
 // Liveness: while a step (or any frame's work) has run on the step thread
 // for 500 ms or more, a beat thread sends the gateway a pong (request id 0)
 // every 500 ms as long as the backend reports progress
-// (Backend::set_progress: it counts layers) within the last second. A step stuck in a kernel that never returns goes
-// silent, and the gateway fails over within 3 s; one stuck for
-// `stall_exit_s` ends the process (exit 3) so that its supervisor restarts
+// (Backend::set_progress: it counts layers and experts) within the last
+// 500 ms. A step stuck in a kernel that never returns goes silent, and the
+// gateway fails over within 3 s (half a second without progress, then 2.5 s
+// of silence); one stuck for `stall_exit_s` ends the process (exit 3) so that its supervisor restarts
 // it. The beat thread also ends the worker when `parent_pid` is gone.
 //
 // Error policy (docs/protocol.md): a recoverable frame error is answered with

@@ -44,12 +44,16 @@ class Cluster:
         self.redis_port = None
 
     # ---------------------------------------------------------------- redis
-    def start_redis(self, port=None):
+    def start_redis(self, port=None, extra=(), password=None):
+        """`password`: the default user's (requirepass); redis-cli then logs in."""
         self.redis_port = port or self.redis_port or free_port()
+        self.redis_password = password
         rdir = os.path.join(self.dir, "redis")
         os.makedirs(rdir, exist_ok=True)
+        auth = ["--requirepass", password] if password else []
         self._spawn("redis", ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
-                              "--dir", rdir, "--save", "", "--appendonly", "no", "--daemonize", "no"])
+                              "--dir", rdir, "--save", "", "--appendonly", "no", "--daemonize", "no", *auth,
+                              *extra])
         for _ in range(100):
             if self.redis("PING").strip() == "PONG":
                 return
@@ -60,7 +64,8 @@ class Cluster:
         return f"redis://127.0.0.1:{self.redis_port}"
 
     def redis(self, *args):
-        r = subprocess.run(["redis-cli", "-p", str(self.redis_port), "--raw", *args],
+        auth = ["-a", self.redis_password, "--no-auth-warning"] if getattr(self, "redis_password", None) else []
+        r = subprocess.run(["redis-cli", "-p", str(self.redis_port), *auth, "--raw", *args],
                            capture_output=True, text=True, timeout=10)
         return r.stdout
 
@@ -72,13 +77,15 @@ class Cluster:
             args += ["--redis", self.redis_url()]
         return args
 
-    def start_worker(self, name, redis=True, extra=()):
+    def start_worker(self, name, redis=True, extra=(), env=None):
         sock = os.path.join(self.dir, f"{name}.sock")
-        self._spawn(name, self.worker_args(name, sock, redis, extra))
+        self._spawn(name, self.worker_args(name, sock, redis, extra), env=env)
         return sock
 
-    def start_gateway(self, workers, fallback=None, redis=True, name="gateway", extra=()):
-        """Starts a gateway; returns its HTTP port (also self.http_port)."""
+    def start_gateway(self, workers, fallback=None, redis=True, name="gateway", extra=(), env=None, nofile=None,
+                      wait=True):
+        """Starts a gateway; returns its HTTP port (also self.http_port).
+        `nofile`: its descriptor limit (soft and hard)."""
         self.http_port = free_port()
         args = [os.environ["MOE_GATEWAY"], "--model", os.environ["MOE_MODEL"], "--host", "127.0.0.1",
                 "--port", str(self.http_port), *extra]
@@ -88,8 +95,9 @@ class Cluster:
             args += ["--fallback-worker", "unix:" + fallback]
         if redis and self.redis_port:
             args += ["--redis", self.redis_url()]
-        self._spawn(name, args)
-        self.wait_health(name=name)
+        self._spawn(name, args, env=env, nofile=nofile)
+        if wait:
+            self.wait_health(name=name)
         return self.http_port
 
     def wait_health(self, timeout=60, name="gateway"):
@@ -110,11 +118,19 @@ class Cluster:
         raise RuntimeError(name + " never became healthy:\n" + self.log(name))
 
     # ------------------------------------------------------------ processes
-    def _spawn(self, name, args):
+    def _spawn(self, name, args, env=None, nofile=None):
         path = os.path.join(self.dir, f"{name}.log")
         f = open(path, "ab")
         self.logs[name] = path
-        self.procs[name] = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
+        full_env = dict(os.environ, **(env or {}))
+
+        def limits():
+            if nofile:
+                import resource
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        self.procs[name] = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=full_env,
+                                            preexec_fn=limits if nofile else None)
 
     def kill9(self, name):
         p = self.procs[name]
