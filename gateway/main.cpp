@@ -181,8 +181,11 @@ int main(int argc, char** argv) {
   api_opts.max_request_tokens = opts.max_request_tokens;
   api_opts.max_logprob_entries = opts.max_logprob_entries;
   api_opts.max_response_bytes = opts.max_response_bytes;
-  api_opts.admission.max_caller_sequences = std::max(opts.max_caller_sequences, api_opts.max_choices);
-  api_opts.admission.max_waiting = std::max(opts.max_waiting, api_opts.max_choices);
+  // A request may not ask for more choices than one caller may have in flight
+  // (it could never run): n past that is a 400, not a 429 for ever.
+  api_opts.max_choices = std::min({api_opts.max_choices, opts.max_caller_sequences, opts.max_waiting});
+  api_opts.admission.max_caller_sequences = opts.max_caller_sequences;
+  api_opts.admission.max_waiting = opts.max_waiting;
   api_opts.predictor = predictor.get();
   if (worker_streams) api_opts.resident_sets = [ws = worker_streams.get()] { return ws->resident(); };
   moe::gw::OpenAiApi api(api_opts, engine.get(), text.get(), &metrics);

@@ -129,8 +129,14 @@ WorkerSupervisor::~WorkerSupervisor() {
     close_and_free(proc_);
   }
   close_and_free(restart_timer_);
-  std::error_code ec;
-  if (!dir_.empty()) fs::remove_all(dir_, ec);
+  // The child unlinks its socket as it exits, perhaps while the folder is
+  // being emptied: a few tries.
+  for (int i = 0; i < 20 && !dir_.empty(); ++i) {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+    if (!fs::exists(dir_, ec)) break;
+    ::usleep(10'000);
+  }
 }
 
 int WorkerSupervisor::child_pid() const { return proc_ ? proc_->pid : 0; }

@@ -99,3 +99,37 @@ test('headers that never end are cut off, and the server keeps serving', async (
   if (closed.got) assert.match(closed.got, /^HTTP\/1\.1 4(08|31)/);
   await stillServes();
 });
+
+test('numbers past a double and deep nesting are 400, and the server keeps serving', async () => {
+  const model = await modelId();
+  const msgs = '[{"role":"user","content":"hi"}]';
+  for (const extra of ['"max_tokens":1e400', '"temperature":-1e999', `"seed":${'9'.repeat(400)}`]) {
+    assertOpenAIError(await raw('POST', '/v1/chat/completions', `{"model":"${model}","messages":${msgs},${extra}}`), 400);
+  }
+  const deep = '['.repeat(200000) + ']'.repeat(200000);
+  const r = await raw('POST', '/v1/chat/completions',
+                      `{"model":"${model}","session_id":"new","messages":[{"role":"user","content":${deep}}]}`);
+  assertOpenAIError(r, 400);
+  assert.equal(r.json.error.code, 'nesting_too_deep');
+  await stillServes();
+});
+
+test('max_tokens near 2^63 and n x max_tokens past the bound are 400', async () => {
+  const model = await modelId();
+  const messages = [{ role: 'user', content: 'hi' }];
+  const huge = await raw('POST', '/v1/chat/completions',
+                         `{"model":"${model}","messages":[{"role":"user","content":"hi"}],"max_tokens":9223372036854775000}`);
+  assertOpenAIError(huge, 400);
+  assert.equal(huge.json.error.code, 'context_length_exceeded');
+  const costly = await chat({ model, messages, n: 128, logprobs: true, top_logprobs: 20 });
+  assertOpenAIError(costly, 400);
+  assert.equal(costly.json.error.code, 'request_too_costly');
+  await stillServes();
+});
+
+test('without the key an unknown route is 401, not 404', async () => {
+  const r = await fetch(baseURL + '/v1/nothing-here');
+  assert.equal(r.status, 401);
+  const s = await fetch(baseURL + '/.git/config', { headers: { authorization: 'Bearer wrong' } });
+  assert.equal(s.status, 401);
+});
