@@ -2,6 +2,8 @@
 # Installs the Debian 12 packages the project needs and builds it.
 # Usage: deploy/setup.sh [BUILD_DIR]   (default: build). Run as root on a
 # fresh machine; later runs skip what is already installed.
+# MOE_EXTRA_PACKAGES names more Debian packages (deploy/test.sh: clang and
+# its sanitizer runtimes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${1:-build}
@@ -9,7 +11,7 @@ BUILD_DIR=${1:-build}
 PACKAGES=(build-essential cmake ninja-build pkg-config ccache git
           libuv1-dev libflatbuffers-dev flatbuffers-compiler libhiredis-dev
           catch2 nlohmann-json3-dev libpcre2-dev libutf8proc-dev
-          redis-server supervisor curl python3)
+          redis-server supervisor curl python3 ${MOE_EXTRA_PACKAGES:-})
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

@@ -10,7 +10,11 @@
 #      MOE_STATE_DIR (BUILD_DIR/supervise: sockets, Redis data, logs/),
 #      FALLBACK_MODEL (the main model; it must share its tokenizer),
 #      BACKEND (cuda | cpu; default as above), WORKER_ARGS (more moe-worker
-#      options for the main worker, e.g. "--vram-budget 10GiB").
+#      options for the main worker, e.g. "--vram-budget 10GiB"),
+#      API_KEY_FILE (the gateway's keys, one a line; MOE_API_KEY in the
+#      environment works too: supervisord passes it on), REDIS_PASSWORD_FILE
+#      (a password for Redis, first line: Redis, the workers and the gateway
+#      read it from files, so it never shows in ps).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD_DIR:-build}
@@ -41,6 +45,30 @@ if [ -z "${BACKEND:-}" ]; then
   fi
 fi
 export MOE_WORKER_ARGS=${WORKER_ARGS:-}
+# The gateway's keys.
+MOE_GATEWAY_ARGS=""
+if [ -n "${API_KEY_FILE:-}" ]; then
+  [ -r "$API_KEY_FILE" ] || { echo "supervise: cannot read API_KEY_FILE $API_KEY_FILE" >&2; exit 1; }
+  MOE_GATEWAY_ARGS="--api-key-file $(cd "$(dirname "$API_KEY_FILE")" && pwd)/$(basename "$API_KEY_FILE")"
+fi
+[ -z "$MOE_GATEWAY_ARGS" ] && [ -z "${MOE_API_KEY:-}" ] &&
+  echo "supervise: no API_KEY_FILE or MOE_API_KEY: the API is open to whoever reaches $MOE_HOST:$MOE_PORT" >&2
+export MOE_GATEWAY_ARGS
+# Redis: its configuration in the state folder (0600), with the password if
+# one is given; the workers and the gateway read the same file.
+MOE_REDIS_AUTH_ARGS=""
+redis_conf=$state/run/redis.conf
+( umask 077
+  { echo "port $MOE_REDIS_PORT"; echo "bind 127.0.0.1"; echo "dir $state/run"; echo "appendonly yes"
+    if [ -n "${REDIS_PASSWORD_FILE:-}" ]; then
+      pw=$(head -n 1 "$REDIS_PASSWORD_FILE")
+      pw=${pw//\\/\\\\}; pw=${pw//\"/\\\"}
+      echo "requirepass \"$pw\""
+    fi; } > "$redis_conf" )
+if [ -n "${REDIS_PASSWORD_FILE:-}" ]; then
+  MOE_REDIS_AUTH_ARGS="--redis-password-file $(cd "$(dirname "$REDIS_PASSWORD_FILE")" && pwd)/$(basename "$REDIS_PASSWORD_FILE")"
+fi
+export MOE_REDIS_AUTH_ARGS
 export MOE_BACKEND=$BACKEND
 echo "supervise: $MOE_MODEL on $MOE_BACKEND, fallback $MOE_FALLBACK_MODEL on cpu, http://$MOE_HOST:$MOE_PORT," \
      "Redis on 127.0.0.1:$MOE_REDIS_PORT, logs in $MOE_LOG_DIR" >&2

@@ -43,7 +43,7 @@ class Dict {
   const Value* find(std::string_view key) const;
   Value* find(std::string_view key);
   void set(std::string key, Value value);
-  size_t size() const { return entries_.size(); }
+  size_t size() const;  // defined below Value: the pair needs it complete
   const std::vector<std::pair<std::string, Value>>& entries() const { return entries_; }
 
   bool is_namespace = false;  // made by namespace(): the only object `set a.b = …` may modify
@@ -129,6 +129,8 @@ class Value {
                std::shared_ptr<Dict>, std::shared_ptr<const Callable>>
       v_;
 };
+
+inline size_t Dict::size() const { return entries_.size(); }
 
 // str(v) as Python prints it ('' for undefined).
 std::string to_str(const Value& v);

@@ -35,7 +35,7 @@ void handle(const HttpRequest& req) {
   limits.served_model_name = "demo-moe";
   limits.max_context = 2048;
   ChatMessages prior = {{"system", "be brief"}, {"user", "earlier"}, {"assistant", "yes"}};
-  ParsedRequest chat = parse_completion_request(ApiKind::chat, req.body, codec(), limits, prior);
+  ParsedRequest chat = parse_completion_request(ApiKind::chat, std::string_view(req.body), codec(), limits, prior);
   if (auto* r = std::get_if<CompletionRequest>(&chat)) {
     ChatMessages all = prior;
     all.insert(all.end(), r->messages.begin(), r->messages.end());
@@ -43,7 +43,7 @@ void handle(const HttpRequest& req) {
   } else {
     (void)api_error_json(std::get<ApiError>(chat));
   }
-  (void)parse_completion_request(ApiKind::completion, req.body, codec(), limits);
+  (void)parse_completion_request(ApiKind::completion, std::string_view(req.body), codec(), limits);
 }
 
 }  // namespace
