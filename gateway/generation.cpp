@@ -84,12 +84,25 @@ void Generation::Choice::on_finished(FinishReason r, const std::string& msg) {
 }
 
 void Generation::internal_failure(const char* what) noexcept {
-  if (!last_resort(what, [&] { fail(ApiError{500, "Internal error while producing the response.", "server_error", "",
-                                              "internal_error"}); })) {
-    // Even the error could not be sent: give up on the exchange.
-    over_ = true;
-    last_resort(what, [&] { cancel_running(); });
-  }
+  // Whatever state the failure left (the response may have been over
+  // already, half built), the client is told and nothing runs on.
+  over_ = true;
+  ctx_.ticket.release();
+  last_resort(what, [&] { cancel_running(); });
+  const ApiError err{500, "Internal error while producing the response.", "server_error", "", "internal_error"};
+  const bool told = last_resort(what, [&] {
+    if (!ex_->open()) return;
+    if (req_.stream) {
+      ex_->send("data: " + api_error_json(err) + "\n\n");
+      ex_->send("data: [DONE]\n\n");
+      ex_->end();
+    } else {
+      ctx_.metrics->count_request(ctx_.endpoint, 500);
+      ex_->respond(api_error_response(err));
+    }
+  });
+  // Not even that: the stream (or what was begun of the response) is ended.
+  if (!told) last_resort(what, [&] { ex_->end(); });
 }
 
 bool Generation::hold(size_t bytes) {
@@ -104,6 +117,10 @@ bool Generation::hold(size_t bytes) {
 }
 
 void Generation::start(uint64_t seed) {
+  if (!last_resort("starting a request", [&] { begin(seed); })) internal_failure("starting a request");
+}
+
+void Generation::begin(uint64_t seed) {
   // A client gone before we started: nothing would ever release a kept
   // generation (it and its exchange would hold each other).
   if (!ex_->open()) {

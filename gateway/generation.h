@@ -85,6 +85,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
     void on_finished(FinishReason r, const std::string& msg) override;
   };
 
+  void begin(uint64_t seed);  // start()'s work; an exception fails the request
   void token(Choice& c, const TokenEvent& ev);
   void finished(Choice& c, FinishReason reason, const std::string& message);
   void finish_choice(Choice& c, const char* reason, const std::string& tail_text);

@@ -189,10 +189,15 @@ class Connection {
       close();
       return;
     }
-    // Bytes the client has not taken yet: they must go within the write timeout.
+    // Bytes the client has not taken yet: some must go within the write timeout.
     if (uv_stream_get_write_queue_size(stream()) > 0 &&
         !uv_is_active(reinterpret_cast<uv_handle_t*>(&write_timer_)))
-      uv_timer_start(&write_timer_, write_timer_cb, server_->opts_.write_timeout_ms, 0);
+      arm_write_timer();
+  }
+
+  void arm_write_timer() {
+    queued_at_arm_ = uv_stream_get_write_queue_size(stream());
+    uv_timer_start(&write_timer_, write_timer_cb, server_->opts_.write_timeout_ms, 0);
   }
 
   static void write_cb(uv_write_t* req, int status) {
@@ -208,8 +213,7 @@ class Connection {
       // Progress: the deadline starts again for what is still queued, if anything.
       if (!c->closing_) {
         uv_timer_stop(&c->write_timer_);
-        if (uv_stream_get_write_queue_size(c->stream()) > 0)
-          uv_timer_start(&c->write_timer_, write_timer_cb, c->server_->opts_.write_timeout_ms, 0);
+        if (uv_stream_get_write_queue_size(c->stream()) > 0) c->arm_write_timer();
       }
       if (last && !c->closing_) c->finish_exchange();
     });
@@ -217,8 +221,15 @@ class Connection {
 
   static void write_timer_cb(uv_timer_t* t) {
     auto* c = static_cast<Connection*>(t->data);
-    // A client that takes nothing keeps neither its connection nor its response.
-    if (!c->closing_) c->close();
+    if (c->closing_) return;
+    // A client that took some bytes made progress (a big response goes out
+    // in one write, whose completion comes only at its end).
+    if (uv_stream_get_write_queue_size(c->stream()) < c->queued_at_arm_) {
+      c->arm_write_timer();
+      return;
+    }
+    // One that takes nothing keeps neither its connection nor its response.
+    c->close();
   }
 
   // The response was written: release the exchange (and the handler's state),
@@ -306,15 +317,24 @@ class Connection {
   void fail_exchange() {
     keep_alive_ = false;
     auto ex = current_;
+    // Already answered (or half-answered) when it threw: nothing can be
+    // said any more; the connection goes.
+    if (!ex || !ex->open()) return close();
+    // Whatever the handler started (sequences in the scheduler) is stopped
+    // first: its state is released with the exchange.
+    if (ex->on_abort_) {
+      auto fn = std::move(ex->on_abort_);
+      last_resort("a failed request's abort", fn);
+    }
     const bool answered = last_resort("an HTTP 500", [&] {
-      if (!ex || !ex->open()) return;
+      if (!ex->open()) return;
       if (ex->streaming_) {
         ex->end();
       } else {
         ex->respond(server_->handler_->protocol_error(500, "internal error while handling the request"));
       }
     });
-    if (!answered || !ex) close();
+    if (!answered) close();
   }
 
   static void timer_cb(uv_timer_t* t) {
@@ -409,6 +429,7 @@ class Connection {
   bool reading_ = false;
   bool request_timer_armed_ = false;
   bool discarding_ = false;  // pipelined input past the bound: no longer kept
+  size_t queued_at_arm_ = 0;  // unsent bytes when the write deadline was armed
   bool refusing_ = false;
 };
 

@@ -43,8 +43,12 @@ RedisClient::~RedisClient() {
 void RedisClient::start() {
   connect_now();
   uv_timer_start(
-      ping_timer_, [](uv_timer_t* t) { static_cast<RedisClient*>(t->data)->heartbeat(); }, kPingEveryMs,
-      kPingEveryMs);
+      ping_timer_,
+      [](uv_timer_t* t) {
+        auto* self = static_cast<RedisClient*>(t->data);
+        last_resort("a Redis heartbeat", [self] { self->heartbeat(); });
+      },
+      kPingEveryMs, kPingEveryMs);
 }
 
 void RedisClient::heartbeat() {
@@ -89,16 +93,19 @@ void RedisClient::connect_now() {
   redisAsyncSetDisconnectCallback(ac, &RedisClient::on_disconnect);
   ac_ = ac;
   // A refused connection can end as a poll error the adapter does not pass
-  // on to hiredis: give up on this attempt after a while ourselves.
+  // on to hiredis, and a Redis can accept and then never answer AUTH: give
+  // up on this attempt after a while ourselves (ready() stops the timer).
   uv_timer_start(
       timer_,
       [](uv_timer_t* t) {
         auto* self = static_cast<RedisClient*>(t->data);
-        if (!self->ac_ || self->connected_) return;
-        self->ac_->data = nullptr;
-        redisAsyncFree(self->ac_);
-        self->ac_ = nullptr;
-        self->lost("connection attempt timed out");
+        last_resort("a Redis connection timeout", [self] {
+          if (!self->ac_ || self->connected_) return;
+          self->ac_->data = nullptr;
+          redisAsyncFree(self->ac_);
+          self->ac_ = nullptr;
+          self->lost("connection attempt timed out");
+        });
       },
       kConnectTimeoutMs, 0);
 }
@@ -106,13 +113,17 @@ void RedisClient::connect_now() {
 void RedisClient::on_connect(const redisAsyncContext* ac, int status) {
   auto* self = static_cast<RedisClient*>(ac->data);
   if (!self) return;
+  last_resort("a Redis connection", [&] { self->connected(ac, status); });
+}
+
+void RedisClient::connected(const redisAsyncContext* ac, int status) {
+  RedisClient* self = this;
   if (status != REDIS_OK) {
     // hiredis frees the context after this callback.
     self->ac_ = nullptr;
     self->lost(ac->errstr);
     return;
   }
-  uv_timer_stop(self->timer_);
   if (!self->ep_.auth()) return self->ready();
   // Logged in before anything else is sent; until then commands fail at
   // once, as while disconnected.
@@ -127,7 +138,8 @@ void RedisClient::on_connect(const redisAsyncContext* ac, int status) {
   }
   auto* fn = new ReplyFn([self](const redisReply* r) {
     if (r && r->type == REDIS_REPLY_STATUS) return self->ready();
-    const std::string why = r && r->type == REDIS_REPLY_ERROR ? std::string(r->str, r->len) : "no answer";
+    if (!r) return;  // the connection went meanwhile: on_disconnect says so and retries
+    const std::string why = r->type == REDIS_REPLY_ERROR ? std::string(r->str, r->len) : "an unexpected reply";
     if (!self->auth_refused_logged_)
       std::fprintf(stderr, "moe-gateway: Redis at %s refused the credentials: %s (retrying)\n",
                    self->ep_.where().c_str(), why.c_str());
@@ -143,11 +155,16 @@ void RedisClient::on_connect(const redisAsyncContext* ac, int status) {
   if (redisAsyncCommandArgv(self->ac_, &RedisClient::on_reply, fn, int(argv.size()), argv.data(), lens.data()) !=
       REDIS_OK) {
     delete fn;
+    redisAsyncContext* c = self->ac_;
+    self->ac_ = nullptr;
+    c->data = nullptr;
+    redisAsyncFree(c);
     self->lost("cannot send AUTH");
   }
 }
 
 void RedisClient::ready() {
+  uv_timer_stop(timer_);
   connected_ = true;
   auth_refused_logged_ = false;
   retry_ms_ = 0;
@@ -190,7 +207,7 @@ void RedisClient::schedule_retry() {
       timer_,
       [](uv_timer_t* t) {
         auto* self = static_cast<RedisClient*>(t->data);
-        self->connect_now();
+        last_resort("a Redis reconnection", [self] { self->connect_now(); });
       },
       retry_ms_, 0);
 }

@@ -58,6 +58,7 @@ class RedisClient {
   static void on_connect(const redisAsyncContext* ac, int status);
   static void on_disconnect(const redisAsyncContext* ac, int status);
   static void on_reply(redisAsyncContext* ac, void* reply, void* priv);
+  void connected(const redisAsyncContext* ac, int status);
   void ready();  // connected, and logged in
   void connect_now();
   void heartbeat();

@@ -2,6 +2,8 @@
 
 #include <hiredis/hiredis.h>
 
+#include "gateway/last_resort.h"
+
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -102,7 +104,7 @@ void RedisWorkerStreams::start() {
   uv_timer_start(
       timer_,
       [](uv_timer_t* t) {
-        if (auto* self = static_cast<RedisWorkerStreams*>(t->data)) self->poll();
+        if (auto* self = static_cast<RedisWorkerStreams*>(t->data)) last_resort("polling Redis", [self] { self->poll(); });
       },
       opts_.poll_ms, opts_.poll_ms);
 }

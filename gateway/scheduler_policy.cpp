@@ -11,9 +11,12 @@ int BatchPolicy::blocks_for(int tokens) const {
 }
 
 void BatchPolicy::count_group(uint64_t group, int delta) {
-  Group& g = groups_[group];
-  g.sequences += delta;
-  if (g.sequences <= 0) groups_.erase(group);
+  auto [it, fresh] = groups_.try_emplace(group);
+  // A new request takes its turn after those already waiting: it counts as
+  // admitted "now", so a request partly admitted earlier goes before it.
+  if (fresh) it->second.admitted = admit_counter_;
+  it->second.sequences += delta;
+  if (it->second.sequences <= 0) groups_.erase(it);
 }
 
 std::vector<size_t> BatchPolicy::admission_order(size_t limit) const {
@@ -250,24 +253,33 @@ StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected) {
   //    grouping_max_skips times, goes next. Whoever is picked must fit, else
   //    admission stops for this step (a small request never slips past a
   //    large one by size alone).
-  while (budget > 0 && !waiting_.empty() && int(running_.size()) < limits_.max_batch_sequences) {
-    const bool grouping = limits_.grouped_batching && waiting_.size() > 1;
-    const size_t w = grouping ? size_t(std::max(limits_.grouping_window, 1)) : 1;
-    const std::vector<size_t> order = admission_order(w);
+  // The round-robin order is computed once a step (ids, so admissions do
+  // not shift it): the request admitted least recently first, one sequence
+  // each, round after round, which is what recomputing after every
+  // admission would give.
+  const bool grouping = limits_.grouped_batching && waiting_.size() > 1;
+  const size_t window = grouping ? size_t(std::max(limits_.grouping_window, 1)) : 1;
+  std::vector<uint64_t> order;
+  {
+    const size_t want = std::min(waiting_.size(), window + size_t(std::max(budget, 0)));
+    for (size_t pos : admission_order(want)) order.push_back(waiting_[pos]);
+  }
+  size_t next = 0;  // order[next..] are the candidates still waiting
+  while (budget > 0 && next < order.size() && int(running_.size()) < limits_.max_batch_sequences) {
+    const size_t w = std::min(window, order.size() - next);
     size_t pick = 0;
-    if (grouping && order.size() > 1 && seqs_.at(waiting_[order[0]]).skips < limits_.grouping_max_skips) {
-      std::vector<uint64_t> window;
-      for (size_t pos : order) window.push_back(waiting_[pos]);
-      pick = pick_grouped(window, step_experts);
+    if (grouping && w > 1 && seqs_.at(order[next]).skips < limits_.grouping_max_skips) {
+      const std::vector<uint64_t> candidates(order.begin() + long(next), order.begin() + long(next + w));
+      pick = pick_grouped(candidates, step_experts);
     }
-    const size_t pos = order[pick];
-    const uint64_t id = waiting_[pos];
+    const uint64_t id = order[next + pick];
     Seq& s = seqs_.at(id);
     const int len = int(s.context.size());
     const int need = running_.empty() ? blocks_for(len + 1) : blocks_for(len) + limits_.headroom_blocks;
     if (committed_blocks() + need > total) break;
-    for (size_t i = 0; i < pick; ++i) ++seqs_.at(waiting_[order[i]]).skips;  // overtaken
-    waiting_.erase(waiting_.begin() + long(pos));
+    for (size_t i = 0; i < pick; ++i) ++seqs_.at(order[next + i]).skips;  // overtaken
+    order.erase(order.begin() + long(next + pick));
+    waiting_.erase(std::find(waiting_.begin(), waiting_.end(), id));
     s.skips = 0;
     s.front = false;
     step_experts.merge(s.hints.experts);

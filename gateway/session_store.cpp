@@ -3,7 +3,9 @@
 #include <hiredis/hiredis.h>
 #include <sys/random.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <random>
 #include <nlohmann/json.hpp>
 
 #include "gateway/json_body.h"
@@ -38,7 +40,13 @@ std::string SessionStore::issue_id() {
   size_t have = 0;
   while (have < sizeof(bytes)) {
     const ssize_t n = ::getrandom(bytes + have, sizeof(bytes) - have, 0);
-    if (n > 0) have += size_t(n);
+    if (n > 0) {
+      have += size_t(n);
+    } else if (errno != EINTR) {
+      // No getrandom (an old kernel): the C++ library's own source.
+      std::random_device rd;
+      for (; have < sizeof(bytes); ++have) bytes[have] = uint8_t(rd());
+    }
   }
   static const char* hex = "0123456789abcdef";
   std::string id = "s-";
@@ -74,7 +82,19 @@ ChatMessages SessionStore::capped(ChatMessages messages, size_t max_messages, si
     bytes += text_bytes(messages[first]);
   }
   ChatMessages out;
-  out.reserve(count);
+  out.reserve(count + 1);
+  if (first == messages.size() && messages.back().role.size() < max_bytes) {
+    // Not even the newest turn fits: its last bytes are kept (cut at a
+    // character boundary), rather than losing the whole conversation.
+    ChatMessage last = std::move(messages.back());
+    const size_t room = max_bytes - last.role.size() - (keep_system ? text_bytes(messages.front()) : 0);
+    size_t cut = last.content.size() > room ? last.content.size() - room : 0;
+    while (cut < last.content.size() && (static_cast<unsigned char>(last.content[cut]) & 0xC0) == 0x80) ++cut;
+    last.content.erase(0, cut);
+    if (keep_system) out.push_back(std::move(messages.front()));
+    out.push_back(std::move(last));
+    return out;
+  }
   if (keep_system) out.push_back(std::move(messages.front()));
   for (size_t i = first; i < messages.size(); ++i) out.push_back(std::move(messages[i]));
   return out;
@@ -119,7 +139,8 @@ ChatMessages SessionStore::from_redis(const std::string& key, std::string_view t
     std::fprintf(stderr, "moe-gateway: session %s in Redis: %s; ignored\n", key.c_str(), why);
     return ChatMessages{};
   };
-  if (text.size() > 4 * opts_.max_bytes + 4096) return bad("larger than a session may be");
+  // JSON escaping grows text at most sixfold (\u0000 for a control byte).
+  if (text.size() > 6 * opts_.max_bytes + 64 * opts_.max_messages + 4096) return bad("larger than a session may be");
   ParsedJson parsed = parse_json_body(text, 4);
   if (std::holds_alternative<ApiError>(parsed)) return bad("not JSON");
   const json& j = std::get<json>(parsed);

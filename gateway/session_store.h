@@ -66,7 +66,9 @@ class SessionStore {
   // Replaces the session's turns (capped) and renews its TTL.
   void save(const SessionKey& key, ChatMessages messages);
 
-  // The newest turns that fit the caps, a leading system turn kept while it fits.
+  // The newest turns that fit the caps, a leading system turn kept while it
+  // fits beside the newest; when not even the newest turn fits, the end of
+  // its text (the bytes that fit, cut at a character boundary).
   static ChatMessages capped(ChatMessages messages, size_t max_messages, size_t max_bytes);
 
   size_t in_memory() const { return lru_.size(); }

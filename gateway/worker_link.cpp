@@ -243,7 +243,8 @@ Status WorkerLink::write_frame(std::vector<uint8_t> bytes) {
     auto* wr = reinterpret_cast<WriteReq*>(req);
     auto* self = req->handle ? static_cast<WorkerLink*>(req->handle->data) : nullptr;
     delete wr;
-    if (status < 0 && self && status != UV_ECANCELED) self->drop(std::string("write: ") + uv_strerror(status));
+    if (status < 0 && self && status != UV_ECANCELED)
+      last_resort("a worker write's failure", [&] { self->drop(std::string("write: ") + uv_strerror(status)); });
   });
   if (rc < 0) {
     delete w;

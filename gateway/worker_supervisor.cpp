@@ -9,6 +9,8 @@
 #include <fstream>
 #include <sstream>
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -81,12 +83,17 @@ size_t WorkerSupervisor::remove_stale_folders(const std::string& temp_dir) {
     if (name.rfind("moe-gateway-", 0) != 0 || !entry.is_directory(ec)) continue;
     struct stat st{};
     if (::lstat(entry.path().c_str(), &st) != 0 || st.st_uid != ::geteuid() || !S_ISDIR(st.st_mode)) continue;
-    const int gateway = read_pid(entry.path() / "gateway.pid");
-    if (gateway == 0) {
-      // No pid yet: a gateway may be making it this instant; only old ones go.
+    if (read_pid(entry.path() / "gateway.pid") == int(::getpid())) continue;  // this process' own
+    // A live owner holds a lock on its gateway.pid for as long as it runs
+    // (whatever its program is called): a lock we can take means no owner.
+    const int fd = ::open((entry.path() / "gateway.pid").c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      // No pid file yet: a gateway may be making it this instant; only old ones go.
       if (::time(nullptr) - st.st_mtime < 60) continue;
-    } else if (::kill(gateway, 0) == 0 && command_line(gateway).find("moe-gateway") != std::string::npos) {
-      continue;  // its gateway runs
+    } else {
+      const bool owned = ::flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+      ::close(fd);
+      if (owned) continue;
     }
     // A child of a gone gateway that is still there (started before
     // --parent-pid existed, or frozen) holds memory, maybe VRAM: it goes.
@@ -113,7 +120,15 @@ Result<std::unique_ptr<WorkerSupervisor>> WorkerSupervisor::start(uv_loop_t* loo
   std::string tmpl = (temp / "moe-gateway-XXXXXX").string();
   if (!::mkdtemp(tmpl.data())) return make_error(std::string("mkdtemp: ") + std::strerror(errno));  // 0700
   s->dir_ = tmpl;
-  write_pid(fs::path(tmpl) / "gateway.pid", int(::getpid()));
+  // The pid file stays open and locked while this supervisor lives: the
+  // sign, for other gateways' cleanup, that the folder is in use.
+  const std::string pid_file = (fs::path(tmpl) / "gateway.pid").string();
+  s->lock_fd_ = ::open(pid_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (s->lock_fd_ < 0 || ::flock(s->lock_fd_, LOCK_EX) != 0)
+    return make_error("cannot lock " + pid_file + ": " + std::strerror(errno));
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  if (::write(s->lock_fd_, pid.data(), pid.size()) != ssize_t(pid.size()))
+    return make_error("cannot write " + pid_file + ": " + std::strerror(errno));
   s->socket_path_ = tmpl + "/" + s->opts_.socket_name;
   s->backoff_ms_ = s->opts_.restart_min_ms;
   s->restart_timer_ = new uv_timer_t;
@@ -137,6 +152,7 @@ WorkerSupervisor::~WorkerSupervisor() {
     if (!fs::exists(dir_, ec)) break;
     ::usleep(10'000);
   }
+  if (lock_fd_ >= 0) ::close(lock_fd_);
 }
 
 int WorkerSupervisor::child_pid() const { return proc_ ? proc_->pid : 0; }

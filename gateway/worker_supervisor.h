@@ -6,9 +6,10 @@
 //
 // Nothing outlives the gateway: the child is started with --parent-pid, so
 // it exits when the gateway does, however the gateway ends (kill -9 too),
-// and the folder holds the gateway's and the child's pids, so that the next
-// gateway removes folders whose gateway is gone (and kills a child of such a
-// folder that is somehow still there) before it makes its own.
+// and the folder holds the gateway's pid file, locked (flock) while the
+// supervisor lives, and the child's pid, so that the next gateway removes
+// folders nobody holds (and kills a child of such a folder that is somehow
+// still there) before it makes its own.
 
 #include <cstdint>
 #include <memory>
@@ -74,6 +75,7 @@ class WorkerSupervisor {
   uint64_t backoff_ms_ = 0;
   uint64_t started_ms_ = 0;
   uint64_t restarts_ = 0;
+  int lock_fd_ = -1;  // gateway.pid, locked while this supervisor lives
 };
 
 }  // namespace moe::gw

@@ -1,5 +1,6 @@
 #include "gpu_worker/worker_server.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -167,16 +168,27 @@ void WorkerServer::accept_client() {
   if (fd < 0) return;
   std::string why;
   if (!peer_allowed(fd, &why)) return refuse(fd, why + " may not use this worker");
+  bool waiting_bytes = false;
   if (client_fd_ >= 0) {
-    // The current gateway may have left in the same instant (its EOF not yet read).
+    // The current gateway may have left in the same instant (its EOF not yet
+    // read), or may have sent what we have not read yet (we were busy).
     pollfd p{client_fd_, short(POLLIN | POLLRDHUP), 0};
-    if (::poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR))) drop_client();
+    if (::poll(&p, 1, 0) > 0) {
+      if (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) {
+        drop_client();
+      } else if (p.revents & POLLIN) {
+        waiting_bytes = true;
+      }
+    }
   }
   if (client_fd_ >= 0) {
-    if (now_ms() - last_rx_ms_ < kLiveClientMs)
+    // Heard from lately, or only unheard because this thread was busy with
+    // its frames: live.
+    const uint64_t heard = std::max(last_rx_ms_, last_work_done_ms_);
+    if (waiting_bytes || now_ms() - heard < kLiveClientMs)
       return refuse(fd, "a gateway is connected to this worker (one at a time)");
     std::fprintf(stderr, "moe-worker: the connected gateway has been silent for %llu ms; the new one replaces it\n",
-                 (unsigned long long)(now_ms() - last_rx_ms_));
+                 (unsigned long long)(now_ms() - heard));
   }
   drop_client();
   std::lock_guard<std::mutex> lk(write_mu_);
@@ -273,6 +285,7 @@ void WorkerServer::pump_frames() {
     progress_.fetch_add(1, std::memory_order_relaxed);
     handle_frame(ev.frame);
     busy_since_ms_ = 0;
+    last_work_done_ms_ = now_ms();
   }
 }
 
@@ -468,7 +481,19 @@ Status WorkerServer::run(int stop_fd) {
   beat_ = std::thread([this] { beat_loop(); });
   for (;;) {
     // Frames decoded earlier that waited for the output to drain.
-    if (client_fd_ >= 0 && decoder_.queued_events() > 0 && out_pending() < kOutHighWater) pump_frames();
+    if (client_fd_ >= 0 && decoder_.queued_events() > 0 && out_pending() < kOutHighWater) {
+      pump_frames();
+      if (client_fd_ >= 0) flush_some();
+      if (exit_requested_) {
+        flush_blocking();
+        drop_client();
+        return {};
+      }
+      if (close_after_flush_) {
+        flush_blocking();
+        drop_client();
+      }
+    }
     pollfd fds[3];
     nfds_t n = 0;
     fds[n++] = {stop_fd, POLLIN, 0};
@@ -492,11 +517,13 @@ Status WorkerServer::run(int stop_fd) {
       drop_client();
       return {};
     }
-    if (fds[1].revents & POLLIN) accept_client();
+    // The gateway's input first: a connection waiting to be accepted is
+    // judged against a client whose latest bytes were read.
     if (have_client && client_fd_ >= 0 && n == 3 && fds[2].fd == client_fd_) {
       if (fds[2].revents & (POLLIN | POLLHUP | POLLERR)) read_client();
-      if (client_fd_ >= 0 && !flush_some()) continue;
+      if (client_fd_ >= 0) flush_some();
     }
+    if (fds[1].revents & POLLIN) accept_client();
     if (exit_requested_) {
       flush_blocking();
       drop_client();

@@ -124,6 +124,7 @@ class WorkerServer {
   std::unordered_set<uint64_t> client_seqs_;  // sequences the current gateway holds
   uint64_t started_ms_ = 0;
   uint64_t last_rx_ms_ = 0;  // when the current client last sent anything
+  uint64_t last_work_done_ms_ = 0;  // when the step thread last finished a frame
   uint64_t steps_ = 0, tokens_ = 0, sampled_tokens_ = 0;
   int kv_pressure_said_ = 0;  // 0 none, 1 warn, 2 evict: the last level sent since the pool was roomy
   int exit_code_ = 0;

@@ -339,6 +339,15 @@ TEST_CASE("hardening: the store keeps the newest turns within its caps", "[gatew
   REQUIRE(b.size() == 2);
   CHECK(b[0].content == "2");
   CHECK(b[1].content == "a2");
+  // Not even the newest fits: the end of its text stays (whole characters).
+  ChatMessages big = {{"user", "old"}, {"assistant", std::string(100, 'x') + "\xc3\xa9nd"}};
+  auto t = SessionStore::capped(big, 10, 20);
+  REQUIRE(t.size() == 1);
+  CHECK(t[0].role == "assistant");
+  CHECK(t[0].content == std::string(7, 'x') + "\xc3\xa9nd");  // 9 (role) + 11 bytes
+  auto cut = SessionStore::capped(big, 10, 12);  // 3 bytes of room would start inside the é
+  REQUIRE(cut.size() == 1);
+  CHECK(cut[0].content == "nd");
   auto s = SessionStore::capped(m, 100, 30);
   REQUIRE(s.size() == 3);
   CHECK(s[0].role == "system");
