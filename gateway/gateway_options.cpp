@@ -63,7 +63,7 @@ const std::vector<Numeric>& numeric_options() {
   return table;
 }
 
-const char* const kTextOptions[] = {"--model",  "--worker",       "--fallback-worker", "--host",
+const char* const kTextOptions[] = {"--model",  "--worker",       "--fallback-worker", "--worker-arg", "--host",
                                     "--api-key", "--api-key-file", "--served-model-name", "--redis",
                                     "--redis-password-file", "--predict", "--grouped-batching"};
 
@@ -82,7 +82,8 @@ std::string gateway_usage() {
          "\n"
          "The OpenAI-compatible HTTP front end: tokenises, applies the chat template,\n"
          "batches requests into steps of the worker(s) and streams the results. Without\n"
-         "--worker it starts and supervises its own moe-worker on the CPU.\n"
+         "--worker it starts and supervises its own moe-worker: on the GPU when one is\n"
+         "visible and the worker has CUDA, else on the CPU.\n"
          "\n"
          "  --model DIR|FILE          the model: a checkpoint folder (config.json, tokenizer.json)\n"
          "                            or a packed model file (required)\n"
@@ -92,6 +93,10 @@ std::string gateway_usage() {
          "                            weighed against its load\n"
          "  --fallback-worker unix:PATH  a worker (e.g. the CPU backend) that serves only while\n"
          "                            the others are down; running streams move to it and back\n"
+         "  --worker-arg ARG          an option for the gateway's own worker (without --worker),\n"
+         "                            repeatable: --worker-arg --vram-budget --worker-arg 10GiB.\n"
+         "                            Its backend is auto: the GPU when the worker was built with\n"
+         "                            CUDA and one is visible, else the CPU (/health says which)\n"
          "  --host ADDR               address to listen on (default 127.0.0.1)\n"
          "  --port N                  TCP port (default 8080; 0 picks a free one)\n"
          "\n"
@@ -206,6 +211,11 @@ Result<GatewayCommandLine> parse_gateway_args(const std::vector<std::string>& ar
       if (value.rfind("unix:", 0) != 0 || value.size() == 5)
         return make_error("option " + name + " needs unix:PATH, got '" + value + "'");
       (name == "--worker" ? o.workers.emplace_back() : o.fallback_worker) = value;
+    } else if (name == "--worker-arg") {
+      for (const char* own : {"--model", "--socket", "--parent-pid"})
+        if (value == own || value.rfind(std::string(own) + "=", 0) == 0)
+          return make_error("option --worker-arg: the gateway sets " + std::string(own) + " of its worker itself");
+      o.worker_args.push_back(value);
     } else if (name == "--host") {
       o.host = value;
     } else if (name == "--api-key") {
@@ -226,6 +236,8 @@ Result<GatewayCommandLine> parse_gateway_args(const std::vector<std::string>& ar
   }
   if (!cl.help && !cl.version) {
     if (o.model_path.empty()) return make_error("--model DIR|FILE is required (see --help)");
+    if (!o.worker_args.empty() && !o.workers.empty())
+      return make_error("--worker-arg is for the gateway's own worker; with --worker the workers are started elsewhere");
     if (o.served_model_name.empty()) o.served_model_name = base_name(o.model_path);
   }
   return cl;

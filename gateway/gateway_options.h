@@ -14,6 +14,7 @@ struct GatewayOptions {
   std::string model_path;             // --model: checkpoint folder or packed file
   std::vector<std::string> workers;   // --worker unix:PATH (repeatable): served at once
   std::string fallback_worker;        // --fallback-worker unix:PATH: served only while no --worker is up
+  std::vector<std::string> worker_args;  // --worker-arg ARG (repeatable): for the gateway's own worker
   std::string host = "127.0.0.1";     // --host
   int port = 8080;                    // --port (0: ephemeral)
   // Authentication: any of these keys opens every endpoint but /health.

@@ -200,7 +200,12 @@ void OpenAiApi::completions(ApiKind kind, const std::shared_ptr<HttpExchange>& e
       metrics_->count_disconnect();
       return;
     }
-    run_completion(kind, ex, caller, body, session, std::move(prior));
+    // Called from a Redis reply: a failure here must still answer the client.
+    if (!last_resort("a request after its session loaded",
+                     [&] { run_completion(kind, ex, caller, body, session, std::move(prior)); }) &&
+        ex->open())
+      reply_error(ex, kChat, ApiError{500, "Internal error while starting the request.", "server_error", "",
+                                      "internal_error"});
   });
 }
 
@@ -257,7 +262,12 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
 }
 
 void OpenAiApi::models(const std::shared_ptr<HttpExchange>& ex, const std::string& path) {
-  json model = {{"id", opts_.served_model_name}, {"object", "model"}, {"created", started_at_}, {"owned_by", "moe-serve"}};
+  const std::string backend = scheduler_->backend();
+  json model = {{"id", opts_.served_model_name},
+                {"object", "model"},
+                {"created", started_at_},
+                {"owned_by", "moe-serve"},
+                {"backend", backend.empty() ? json(nullptr) : json(backend)}};
   HttpResponse r;
   r.headers = {{"Content-Type", "application/json"}};
   if (path == kModels) {
@@ -281,7 +291,10 @@ void OpenAiApi::health(const std::shared_ptr<HttpExchange>& ex) {
   r.status = ready ? 200 : 503;
   r.headers = {{"Content-Type", "application/json"}};
   if (s.degraded) r.headers.emplace_back("X-Moe-Degraded", "1");
-  r.body = json_text(json{{"status", ready ? "ok" : "starting"}, {"degraded", s.degraded}});
+  const std::string backend = scheduler_->backend();
+  r.body = json_text(json{{"status", ready ? "ok" : "starting"},
+                          {"degraded", s.degraded},
+                          {"backend", backend.empty() ? json(nullptr) : json(backend)}});
   reply(ex, kHealth, std::move(r));
 }
 

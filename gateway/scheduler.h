@@ -102,6 +102,8 @@ class Scheduler {
   virtual SchedulerStats stats() const = 0;
   // Tokens of the longest sequence the worker accepts (prompt + generated).
   virtual int max_context() const = 0;
+  // The backend of the worker that serves now ("cpu", "cuda"; "" while none).
+  virtual std::string backend() const { return ""; }
 };
 
 }  // namespace moe::gw

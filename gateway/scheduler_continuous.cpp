@@ -62,6 +62,12 @@ int ContinuousScheduler::max_context() const {
   return 0;
 }
 
+std::string ContinuousScheduler::backend() const {
+  for (size_t i = 0; i < workers_.size(); ++i)
+    if (serving(i)) return workers_[i].link->worker_hello().backend;
+  return "";
+}
+
 uint64_t ContinuousScheduler::steps_sent() const {
   uint64_t n = 0;
   for (const auto& w : workers_) n += w.steps_sent;

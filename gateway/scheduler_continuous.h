@@ -73,6 +73,7 @@ class ContinuousScheduler final : public Scheduler {
   bool ready() const override;
   SchedulerStats stats() const override;
   int max_context() const override;
+  std::string backend() const override;
 
   uint64_t steps_sent() const;
   // Per worker, in the order given (tests, logs).

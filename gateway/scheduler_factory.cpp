@@ -41,6 +41,7 @@ Result<std::unique_ptr<Scheduler>> make_scheduler(uv_loop_t* loop, const Gateway
     SupervisorOptions sup;
     sup.worker_bin = bin.value();
     sup.model_path = opts.model_path;
+    sup.extra_args = opts.worker_args;
     auto s = WorkerSupervisor::start(loop, sup);
     if (!s.ok()) return make_error(s.error());
     supervisor = std::move(s.value());

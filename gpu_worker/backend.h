@@ -99,6 +99,9 @@ struct CudaBackendOptions {
 
 // True when this binary was built with the CUDA backend.
 bool cuda_backend_built();
+// Why the CUDA backend cannot run here ("" when it can): a build without the
+// toolkit, or no visible device. `device` gets the device's name and memory.
+std::string cuda_unavailable_reason(std::string* device = nullptr);
 // The CUDA backend (gpu_worker/cuda_engine.h); an error without a device or
 // in a binary built without CUDA.
 Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string& model_path, const CudaBackendOptions& opts);

@@ -55,10 +55,8 @@ class CudaBackend final : public Backend {
   int kv_blocks_free() const override { return engine_->kv_blocks_free(); }
   int sequences_active() const override { return int(live_.size()); }
 
-  size_t warm(const std::vector<protocol::ExpertRef>& experts) override { return engine_->warm(keys_of(experts)); }
-  void hint(const std::vector<protocol::ExpertRef>& experts) override {
-    engine_->warm(keys_of(experts), /*may_evict=*/true);
-  }
+  size_t warm(const std::vector<protocol::ExpertRef>& experts) override { return warm_in_pieces(experts, false); }
+  void hint(const std::vector<protocol::ExpertRef>& experts) override { warm_in_pieces(experts, true); }
   std::vector<protocol::ExpertRef> resident() const override {
     std::vector<protocol::ExpertRef> out;
     for (const ExpertKey& k : engine_->resident())
@@ -75,6 +73,7 @@ class CudaBackend final : public Backend {
     const int ml = moe_index_of_layer(engine_->desc(), req.layer);
     for (uint16_t e : req.experts) {
       const ExpertKey k{ml, e};
+      note_progress();
       if (engine_->warm(std::span<const ExpertKey>(&k, 1)) == 1)
         r.resident.push_back(e);
       else
@@ -122,6 +121,19 @@ class CudaBackend final : public Backend {
     return keys;
   }
 
+  // Copies in pieces of 16 experts, each a sign of progress: warming
+  // thousands of experts is not a stuck worker.
+  size_t warm_in_pieces(const std::vector<protocol::ExpertRef>& experts, bool may_evict) {
+    const std::vector<ExpertKey> keys = keys_of(experts);
+    size_t resident = 0;
+    for (size_t i = 0; i < keys.size(); i += 16) {
+      note_progress();
+      resident += engine_->warm(std::span<const ExpertKey>(keys.data() + i, std::min<size_t>(16, keys.size() - i)),
+                                may_evict);
+    }
+    return resident;
+  }
+
   std::unique_ptr<CudaEngine> engine_;
   std::string model_id_;
   std::unordered_set<uint64_t> live_;
@@ -131,6 +143,13 @@ class CudaBackend final : public Backend {
 }  // namespace
 
 bool cuda_backend_built() { return true; }
+
+std::string cuda_unavailable_reason(std::string* device) {
+  auto dev = cuda_device_summary();
+  if (!dev.ok()) return dev.error();
+  if (device) *device = dev.value();
+  return "";
+}
 
 Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string& model_path, const CudaBackendOptions& opts) {
   auto files = ModelFiles::open(model_path);

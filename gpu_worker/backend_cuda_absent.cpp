@@ -6,6 +6,8 @@ namespace moe::worker {
 
 bool cuda_backend_built() { return false; }
 
+std::string cuda_unavailable_reason(std::string*) { return "this moe-worker was built without the CUDA toolkit"; }
+
 Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string&, const CudaBackendOptions&) {
   return make_error("this moe-worker was built without the CUDA toolkit; rebuild with nvcc installed or use --backend cpu");
 }

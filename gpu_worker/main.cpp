@@ -74,8 +74,18 @@ int main(int argc, char** argv) {
   sigaction(SIGINT, &sa, nullptr);
   std::signal(SIGPIPE, SIG_IGN);
 
+  std::string backend_name = o.backend;
+  if (backend_name == "auto") {
+    std::string device;
+    const std::string why_not = moe::worker::cuda_unavailable_reason(&device);
+    backend_name = why_not.empty() ? "cuda" : "cpu";
+    if (why_not.empty())
+      std::fprintf(stderr, "moe-worker: the CUDA backend, on %s\n", device.c_str());
+    else
+      std::fprintf(stderr, "moe-worker: the CPU backend: %s\n", why_not.c_str());
+  }
   moe::Result<std::unique_ptr<moe::worker::Backend>> backend = moe::make_error("no backend");
-  if (o.backend == "cuda") {
+  if (backend_name == "cuda") {
     moe::worker::CudaBackendOptions co;
     co.vram_budget = o.vram_budget_bytes;
     co.kv_blocks = o.kv_blocks;

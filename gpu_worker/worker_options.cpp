@@ -62,7 +62,8 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
     if (name == "--model") o.model_path = value;
     else if (name == "--socket") o.socket_path = value;
     else if (name == "--backend") {
-      if (value != "cpu" && value != "cuda") return make_error("option --backend takes cpu or cuda, got '" + value + "'");
+      if (value != "auto" && value != "cpu" && value != "cuda")
+        return make_error("option --backend takes auto, cpu or cuda, got '" + value + "'");
       o.backend = value;
     } else if (name == "--threads" || name == "--kv-blocks") {
       auto v = parse_count(name, value);
@@ -124,7 +125,8 @@ std::string worker_usage() {
          "Loads a model and serves steps to one gateway over a Unix socket.\n"
          "  --model DIR|FILE        checkpoint folder or packed model file\n"
          "  --socket PATH           Unix socket to listen on (parent made 0700, socket 0600)\n"
-         "  --backend cpu|cuda      compute backend (default cpu)\n"
+         "  --backend auto|cpu|cuda compute backend (default auto: cuda when this build has it and a\n"
+         "                          GPU is visible, else cpu; the log says which and why)\n"
          "  --threads N             CPU threads (default: all cores); with cuda, the threads that\n"
          "                          compute missed experts on the host\n"
          "  --kv-blocks N           KV cache blocks (default: the backend's budget)\n"

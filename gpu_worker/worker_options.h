@@ -13,7 +13,7 @@ namespace moe::worker {
 struct WorkerOptions {
   std::string model_path;   // --model: checkpoint folder or packed file
   std::string socket_path;  // --socket: Unix socket to listen on
-  std::string backend = "cpu";  // --backend cpu|cuda
+  std::string backend = "auto";  // --backend auto|cpu|cuda (auto: cuda where it can run, else cpu)
   int threads = 0;              // --threads (0: all cores)
   int kv_blocks = 0;            // --kv-blocks (0: the backend's default)
   size_t max_frame_bytes = 64u << 20;  // --max-frame-bytes

@@ -83,3 +83,15 @@ TEST_CASE("options: expert prediction flags, their defaults and their errors", "
                            "--predict-half-life", "--predict-experts", "--grouping-max-skips"})
     CHECK(help.find(flag) != std::string::npos);
 }
+
+TEST_CASE("options: --worker-arg goes to the gateway's own worker, never beside --worker", "[gateway][options]") {
+  auto ok = parse_gateway_args({"--model", "m", "--worker-arg", "--vram-budget", "--worker-arg=10GiB"});
+  REQUIRE(ok.ok());
+  CHECK(ok->options.worker_args == std::vector<std::string>{"--vram-budget", "10GiB"});
+  auto both = parse_gateway_args({"--model", "m", "--worker", "unix:/tmp/w.sock", "--worker-arg", "--threads"});
+  REQUIRE_FALSE(both.ok());
+  CHECK(both.error().find("--worker-arg") != std::string::npos);
+  auto own = parse_gateway_args({"--model", "m", "--worker-arg", "--socket=/tmp/x"});
+  REQUIRE_FALSE(own.ok());
+  CHECK(own.error().find("--socket") != std::string::npos);
+}

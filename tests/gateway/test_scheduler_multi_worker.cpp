@@ -37,7 +37,7 @@ struct TwoWorkers {
       SupervisorOptions so;
       so.worker_bin = MOE_WORKER_BIN;
       so.model_path = scheduler_fixture();
-      so.extra_args = {"--threads", "1"};
+      so.extra_args = {"--threads", "1", "--backend", "cpu"};
       so.extra_args.insert(so.extra_args.end(), extra.begin(), extra.end());
       so.socket_name = name;
       auto s = WorkerSupervisor::start(&loop, so);

@@ -32,7 +32,7 @@ struct Rig {
     SupervisorOptions so;
     so.worker_bin = MOE_WORKER_BIN;
     so.model_path = scheduler_fixture();
-    so.extra_args = {"--threads", "1"};
+    so.extra_args = {"--threads", "1", "--backend", "cpu"};
     auto s = WorkerSupervisor::start(&loop, so);
     REQUIRE(s.ok());
     ContinuousSchedulerOptions o;

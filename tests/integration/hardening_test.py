@@ -195,6 +195,13 @@ def main():
 
         # ---- 4. kill -9 of a gateway with its own worker: no orphan, the folder cleaned
         c.start_gateway([], redis=False, name="embedded")
+        # Its own worker chose its backend and said why; /health and /v1/models say which serves.
+        chose = re.search(r"moe-worker: the (CPU|CUDA) backend", c.log("embedded"))
+        hc = http.client.HTTPConnection("127.0.0.1", c.http_port, timeout=10)
+        hc.request("GET", "/health")
+        health = json.loads(hc.getresponse().read())
+        check(chose is not None and health.get("backend") == chose.group(1).lower(),
+              f"backend: the embedded worker chose {chose and chose.group(1)}, /health says {health.get('backend')}")
         pid = child_pid(c, "embedded")
         folders = gateway_folders()
         mine = [f for f in folders if os.path.exists(os.path.join(f, "gateway.pid")) and
