@@ -61,6 +61,8 @@ class Backend {
   }
   // The expert counters of the stats reply (hits, misses, bytes, islands).
   virtual void fill_expert_stats(protocol::StatsReply& /*r*/) const {}
+  // One line on the device memory the process holds ("" without a device).
+  virtual std::string device_memory_summary() const { return {}; }
   // Non-empty once the backend can no longer compute (a sticky device
   // error): the worker then says `break` and exits for supervision to
   // restart it, leaving the step unanswered so that the gateway reruns it.

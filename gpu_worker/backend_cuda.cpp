@@ -42,6 +42,13 @@ class CudaBackend final : public Backend {
     return reply;
   }
 
+  std::string device_memory_summary() const override {
+    const DeviceMemory d = engine_->device_memory();
+    auto mib = [](uint64_t b) { return std::to_string((b + (1 << 19)) >> 20) + " MiB"; };
+    return "device memory: budget " + mib(d.budget) + ", context and libraries " + mib(d.base) + ", arena " +
+           mib(d.arena) + (d.measured ? ", now " + mib(d.now) + ", peak " + mib(d.peak) : ", not measured (no NVML)");
+  }
+
   void set_progress(std::atomic<uint64_t>* progress) override {
     Backend::set_progress(progress);
     engine_->set_progress(progress);

@@ -15,11 +15,16 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <optional>
+
+#include <sys/mman.h>
+#include <unistd.h>
 #include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "engine/weights.h"
+#include "gpu_worker/device_memory.h"
 #include "gpu_worker/eviction_policy.h"
 #include "gpu_worker/expert_predictor.h"
 #include "gpu_worker/host_experts.h"
@@ -57,6 +62,11 @@ constexpr int kBlockTokens = 16;
 constexpr int kMaxSampleRows = 64;  // sampled rows per forward pass
 constexpr size_t kAlign = 256;
 constexpr size_t kDefaultMargin = size_t(512) << 20;  // free memory the default budget leaves
+// Device memory CUDA graphs take when instantiated (decode graphs per batch
+// size, with and without the host's share), kept out of the arena.
+constexpr size_t kGraphReserve = size_t(64) << 20;
+// What a context and the libraries take when nothing can measure it.
+constexpr size_t kContextGuess = size_t(768) << 20;
 
 size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
@@ -182,6 +192,13 @@ void quantize_rows_q4_host(const uint16_t* w, const Q4MatrixLayout& m, uint8_t* 
 
 struct CudaEngine::Impl {
   std::atomic<uint64_t>* progress = nullptr;  // CudaEngine::set_progress
+  // What the process holds on the device (docs/cuda-worker.md).
+  std::unique_ptr<DeviceMemoryMeter> meter;  // null without NVML
+  uint64_t base_device_bytes = 0;             // the context and libraries, before the arena
+  uint64_t budget_bytes = 0;                  // --vram-budget (or the default), the whole process
+  mutable uint64_t peak_device_bytes = 0;     // the largest process_bytes() seen
+  uint64_t steps_since_check = 0;
+  bool over_budget_said = false;
   void advanced() {
     if (progress) progress->fetch_add(1, std::memory_order_relaxed);
   }
@@ -200,7 +217,7 @@ struct CudaEngine::Impl {
   int gu_stride = 0;        // row stride of the fused gate|up output
   int mlp_inter_max = 0;    // widest shared / dense MLP
   float attention_factor = 1.f;
-  std::vector<uint8_t*> quantised;  // experts quantised at load (freed at the end)
+  uint8_t* pinned_experts = nullptr;  // experts quantised at load, page-locked (freed at the end)
 
   struct DevLayer {
     bf16 *in_norm = nullptr, *post_norm = nullptr, *qkv_b = nullptr;
@@ -387,7 +404,7 @@ struct CudaEngine::Impl {
       if (p) (void)cudaFreeHost(p);
     if (routes_ready) (void)cudaEventDestroy(routes_ready);
     if (st) (void)cudaStreamDestroy(st);
-    for (uint8_t* p : quantised) std::free(p);
+    if (pinned_experts) (void)cudaFreeHost(pinned_experts);
   }
 
   Status carve_weights(Carver& c, bool upload);
@@ -631,38 +648,72 @@ void CudaEngine::Impl::carve_workspace(Carver& c) {
   dequant = dense != DenseDtype::bf16 ? c.take<bf16>(dequant_elems) : nullptr;
 }
 
+// Lets go of the process' pages of a mapped range it has read (a file
+// mapping: they stay in the page cache, reclaimable, and fault back in if
+// touched again), so that reading a checkpoint does not add it to the RSS.
+static void release_mapped(const void* p, size_t n) {
+  if (!p || n == 0) return;
+  const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+  const uintptr_t lo = uintptr_t(p) / page * page, hi = (uintptr_t(p) + n + page - 1) / page * page;
+  (void)::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+}
+
 Status CudaEngine::Impl::expert_source(ExpertHostSource& src) {
   src.n_layers = Lm;
   src.n_experts = E;
   src.blob_bytes = layout.blob_bytes;
   src.blobs.resize(size_t(Lm) * E);
+  if (host_weights->experts_q4) {
+    for (int l = 0; l < d.n_layers; ++l)
+      if (const int ml = d.moe_layer_index(l); ml >= 0)
+        for (int e = 0; e < E; ++e) src.blobs[size_t(ml) * E + e] = host_weights->layers[size_t(l)].experts[size_t(e)].q4;
+    return {};
+  }
+  // A checkpoint with float experts: quantised now, on every core, into one
+  // page-locked block for all of them (the arena uses it where it lies, no
+  // second copy); each layer's float pages are let go once read, so the host
+  // holds the INT4 experts and about one layer of the float model at a time.
+  const size_t total = size_t(Lm) * E * layout.blob_bytes;
+  MOE_CUDA_TRY(cudaHostAlloc(reinterpret_cast<void**>(&pinned_experts), total,
+                             cudaHostAllocPortable | cudaHostAllocMapped));
+  src.pinned_base = pinned_experts;
+  const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
+  const auto t0 = std::chrono::steady_clock::now();
+  double last_said = -10;
+  int done_layers = 0;
   for (int l = 0; l < d.n_layers; ++l) {
     const int ml = d.moe_layer_index(l);
     if (ml < 0) continue;
     const LayerWeights& lw = host_weights->layers[size_t(l)];
-    if (host_weights->experts_q4) {
-      for (int e = 0; e < E; ++e) src.blobs[size_t(ml) * E + e] = lw.experts[size_t(e)].q4;
-      continue;
-    }
-    // A checkpoint with float experts: quantise the layer's experts now, into
-    // one block per layer (pinned later by the arena).
-    auto* block = static_cast<uint8_t*>(std::aligned_alloc(4096, align_up(layout.blob_bytes * E, 4096)));
-    if (!block) return make_error("out of host memory quantising experts");
-    quantised.push_back(block);
-    std::vector<float> g, r;
-    for (int e = 0; e < E; ++e) {
-      const Mlp& m = lw.experts[size_t(e)];
-      uint8_t* blob = block + size_t(e) * layout.blob_bytes;
-      std::memset(blob, 0, layout.blob_bytes);
-      for (auto [lin, ml_layout] : {std::pair{&m.gate, &layout.gate}, std::pair{&m.up, &layout.up},
-                                    std::pair{&m.down, &layout.down}}) {
-        g.resize(size_t(lin->out) * lin->in);
-        for (int row = 0; row < lin->out; ++row) lin->row(row, g.data() + size_t(row) * lin->in);
-        q4_quantize_matrix(g.data(), *ml_layout, blob);
+    std::atomic<int> next{0};
+    auto work = [&] {
+      std::vector<float> g;
+      for (int e = next++; e < E; e = next++) {
+        const Mlp& m = lw.experts[size_t(e)];
+        uint8_t* blob = pinned_experts + (size_t(ml) * E + e) * layout.blob_bytes;
+        std::memset(blob, 0, layout.blob_bytes);
+        for (auto [lin, ml_layout] : {std::pair{&m.gate, &layout.gate}, std::pair{&m.up, &layout.up},
+                                      std::pair{&m.down, &layout.down}}) {
+          g.resize(size_t(lin->out) * lin->in);
+          for (int row = 0; row < lin->out; ++row) lin->row(row, g.data() + size_t(row) * lin->in);
+          q4_quantize_matrix(g.data(), *ml_layout, blob);
+          release_mapped(lin->bf16 ? static_cast<const void*>(lin->bf16) : lin->f32,
+                         size_t(lin->out) * lin->in * (lin->bf16 ? 2 : 4));
+        }
+        src.blobs[size_t(ml) * E + e] = blob;
       }
-      src.blobs[size_t(ml) * E + e] = blob;
+    };
+    std::vector<std::thread> team;
+    for (unsigned t = 1; t < threads; ++t) team.emplace_back(work);
+    work();
+    for (auto& t : team) t.join();
+    ++done_layers;
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (s - last_said >= 2.0 || done_layers == Lm) {
+      last_said = s;
+      std::fprintf(stderr, "moe-worker: experts to INT4 (group %d): %d of %d layers (%d %%), %.1f s\n",
+                   layout.group, done_layers, Lm, done_layers * 100 / Lm, s);
     }
-    std::fprintf(stderr, "moe-worker: quantised layer %d's %d experts to INT4 (group %d)\n", l, E, layout.group);
   }
   return {};
 }
@@ -670,15 +721,16 @@ Status CudaEngine::Impl::expert_source(ExpertHostSource& src) {
 // ---------------------------------------------------------------- creation
 
 Result<std::string> cuda_device_summary() {
+  // Nothing here makes a context: what the process holds is measured before
+  // one exists (CudaEngine::create).
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return make_error("no CUDA device");
   int dev = 0;
   MOE_CUDA_TRY(cudaGetDevice(&dev));
   cudaDeviceProp prop{};
   MOE_CUDA_TRY(cudaGetDeviceProperties(&prop, dev));
-  size_t free_b = 0, total_b = 0;
-  MOE_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
-  return std::string(prop.name) + ", " + format_bytes(free_b) + " free of " + format_bytes(total_b);
+  return std::string(prop.name) + " (sm_" + std::to_string(prop.major) + std::to_string(prop.minor) + ", " +
+         format_bytes(prop.totalGlobalMem) + ")";
 }
 
 Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFiles> files,
@@ -735,13 +787,63 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   }
   m.pack_bytes = m.pack_layout(m.T, kMaxSampleRows, m.T).bytes;
 
-  // Measure the fixed parts, plan the arena, then carve and fill it.
+  // The budget is the whole process's, as nvidia-smi shows it: first what
+  // the process holds without the arena (the context with its modules, the
+  // stream, cuBLASLt's handle and workspace), measured; the arena gets the
+  // rest, less a reserve for the CUDA graphs instantiated later.
+  int dev_index = 0;
+  MOE_CUDA_TRY(cudaGetDevice(&dev_index));
+  char bus[32] = {};
+  MOE_CUDA_TRY(cudaDeviceGetPCIBusId(bus, int(sizeof(bus)), dev_index));
+  auto meter = DeviceMemoryMeter::open(bus);
+  std::optional<uint64_t> used_before;
+  if (meter) {
+    if (auto u = (*meter)->device_used_bytes()) used_before = *u;
+  }
+  MOE_CUDA_TRY(cudaFree(nullptr));  // the context, now
+  MOE_CUDA_TRY(cudaStreamCreateWithFlags(&m.st, cudaStreamNonBlocking));
+  MOE_CUDA_TRY(cudaEventCreateWithFlags(&m.routes_ready, cudaEventDisableTiming));
+  {
+    auto cm = cuda::CublasLtMatmul::create();
+    if (!cm) return make_error(cm.error());
+    m.mm.reset(cm.value());
+  }
+  MOE_CUDA_TRY(cudaDeviceSynchronize());
   size_t free_b = 0, total_b = 0;
   MOE_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
-  const size_t budget = opts.vram_budget ? opts.vram_budget : (free_b > kDefaultMargin ? free_b - kDefaultMargin : 0);
-  if (budget > free_b)
-    return make_error("--vram-budget " + format_bytes(budget) + " exceeds the device's free memory (" +
-                      format_bytes(free_b) + ")");
+  // This process in NVML's list, else the device's use since before the
+  // context (nothing else runs on a worker's device), else a fixed guess.
+  std::string held_how;
+  if (meter) {
+    if (auto b = (*meter)->process_bytes()) {
+      m.base_device_bytes = *b;
+      held_how = "as NVML lists this process";
+    } else if (used_before) {
+      if (auto u = (*meter)->device_used_bytes(); u && *u >= *used_before) {
+        m.base_device_bytes = *u - *used_before;
+        held_how = "the device's use since before the context";
+      }
+    }
+  }
+  if (held_how.empty()) {
+    m.base_device_bytes = kContextGuess;
+    held_how = std::string("a guess: ") + (meter ? "NVML does not list this process" : meter.error());
+  }
+  m.meter = meter ? std::move(*meter) : nullptr;
+  const size_t budget = opts.vram_budget ? opts.vram_budget
+                                         : (free_b > kDefaultMargin ? free_b - kDefaultMargin + m.base_device_bytes : 0);
+  if (opts.vram_budget && budget > free_b + m.base_device_bytes)
+    return make_error("--vram-budget " + format_bytes(budget) + " exceeds what the device has for this process (" +
+                      format_bytes(free_b + m.base_device_bytes) + ")");
+  if (budget < m.base_device_bytes + kGraphReserve + (size_t(64) << 20))
+    return make_error("--vram-budget " + format_bytes(budget) + " leaves nothing for the model: the CUDA context and "
+                      "libraries hold " + format_bytes(m.base_device_bytes) + " (" + held_how + ")");
+  m.budget_bytes = budget;
+  const size_t arena_budget = budget - m.base_device_bytes - kGraphReserve;
+  std::fprintf(stderr, "moe-worker: the budget %s holds the CUDA context and libraries, %s (%s), %s kept for CUDA "
+               "graphs, and an arena of at most %s\n", format_bytes(budget).c_str(),
+               format_bytes(m.base_device_bytes).c_str(), held_how.c_str(), format_bytes(kGraphReserve).c_str(),
+               format_bytes(arena_budget).c_str());
   if (opts.dense_weights != "auto" && opts.dense_weights != "bf16" && opts.dense_weights != "int8" &&
       opts.dense_weights != "int4")
     return make_error("dense weights must be auto, bf16, int8 or int4, not '" + opts.dense_weights + "'");
@@ -754,7 +856,7 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     if (Status s = m.carve_weights(measure_w, false); !s) return make_error(s.error());
     m.carve_workspace(measure_ws);
     IslandPlanRequest req;
-    req.budget_bytes = budget;
+    req.budget_bytes = arena_budget;
     req.nonexpert_bytes = measure_w.used;
     req.workspace_bytes = measure_ws.used;
     req.kv_bytes_per_block = size_t(2) * d.n_layers * kBlockTokens * d.n_kv_heads * d.head_dim * 2;
@@ -830,8 +932,6 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   auto arena = IslandArena::create(m.plan, src);
   if (!arena) return make_error(arena.error());
   m.arena = std::move(*arena);
-  MOE_CUDA_TRY(cudaStreamCreateWithFlags(&m.st, cudaStreamNonBlocking));
-  MOE_CUDA_TRY(cudaEventCreateWithFlags(&m.routes_ready, cudaEventDisableTiming));
 
   Carver cw{m.arena->region(m.plan.nonexpert)};
   if (Status s = m.carve_weights(cw, true); !s) return make_error(s.error());
@@ -852,10 +952,6 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     const std::vector<float> inv = rope_frequencies(d, &m.attention_factor);
     MOE_CUDA_TRY(cudaMemcpy(m.inv_freq, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice));
   }
-
-  auto cm = cuda::CublasLtMatmul::create();
-  if (!cm) return make_error(cm.error());
-  m.mm.reset(cm.value());
 
   MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.pack_host), m.pack_bytes));
   MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.sampled_host), kMaxSampleRows * 4));
@@ -895,6 +991,7 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   }
   if (Status s = m.arena->synchronize(); !s) return make_error(s.error());
   MOE_CUDA_TRY(cudaStreamSynchronize(m.st));
+  if (m.meter) (void)eng->device_memory();  // the peak starts at the ready state
   std::fprintf(stderr, "moe-worker: cuda backend on %s; %s; dense weights %s%s; experts %s\n", dev->c_str(),
                m.plan.describe().c_str(), dense_name(m.dense),
                m.embed_host ? ", embedding in host memory" : "",
@@ -1615,10 +1712,38 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
       if (sp.top_logprobs > 0) o.top = cpu::top_logprobs(row, m.V, sp.top_logprobs);
     }
   }
+  // Now and then: nothing may have been allocated on the device since the
+  // start (the budget is the whole process's).
+  if (m.meter && ++m.steps_since_check >= 256) {
+    m.steps_since_check = 0;
+    const DeviceMemory dm = device_memory();
+    if (dm.measured && dm.now > m.budget_bytes && !m.over_budget_said) {
+      m.over_budget_said = true;
+      std::fprintf(stderr, "moe-worker: the process holds %s on the device, over its budget of %s\n",
+                   format_bytes(dm.now).c_str(), format_bytes(m.budget_bytes).c_str());
+    }
+  }
   return out;
 }
 
 void CudaEngine::set_progress(std::atomic<uint64_t>* progress) { impl_->progress = progress; }
+
+DeviceMemory CudaEngine::device_memory() const {
+  Impl& m = *impl_;
+  DeviceMemory d;
+  d.budget = m.budget_bytes;
+  d.base = m.base_device_bytes;
+  d.arena = m.plan.arena_bytes;
+  if (m.meter) {
+    if (auto b = m.meter->process_bytes()) {
+      d.now = *b;
+      d.measured = true;
+      m.peak_device_bytes = std::max(m.peak_device_bytes, *b);
+    }
+  }
+  d.peak = m.peak_device_bytes;
+  return d;
+}
 
 void CudaEngine::release(uint64_t seq_id) {
   Impl& m = *impl_;

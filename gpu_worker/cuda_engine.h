@@ -90,6 +90,16 @@ struct CudaExpertStats {
   ShareTimes share_times;            // those passes' shared layers: the host's time, the GPU's waits
 };
 
+// What the process holds on the device, the budget included (bytes).
+struct DeviceMemory {
+  uint64_t budget = 0;  // --vram-budget, or the default: the whole process's
+  uint64_t base = 0;    // the context and libraries, before the arena
+  uint64_t arena = 0;   // the one allocation the engine makes
+  uint64_t now = 0;     // the process now, as NVML lists it (0 without NVML)
+  uint64_t peak = 0;    // the largest `now` seen since the start
+  bool measured = false;  // `now` and `peak` are NVML's
+};
+
 class CudaEngine {
  public:
   // Loads `files` onto the current CUDA device. Refuses architectures the
@@ -107,6 +117,9 @@ class CudaEngine {
   // KV pool is short.
   Result<std::vector<SeqOutput>> step(std::span<const SeqInput> inputs);
   void release(uint64_t seq_id);
+  // What the process holds on the device now (reads NVML: not every step).
+  DeviceMemory device_memory() const;
+
   // A counter bumped as a step advances (each layer issued, each pass
   // finished): the worker's sign of life during long steps. nullptr: none.
   void set_progress(std::atomic<uint64_t>* progress);

@@ -52,7 +52,9 @@ Result<std::unique_ptr<IslandArena>> IslandArena::create(const IslandPlan& plan,
   }
 
   uintptr_t lo = 0, hi = 0;
-  if (blobs_form_one_range(src, &lo, &hi)) {
+  if (src.pinned_base) {
+    a->host_ = src.blobs;
+  } else if (blobs_form_one_range(src, &lo, &hi)) {
     const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
     const uintptr_t start = lo / page * page, end = (hi + page - 1) / page * page;
     // Read-only: a packed file is mapped PROT_READ.
@@ -64,7 +66,9 @@ Result<std::unique_ptr<IslandArena>> IslandArena::create(const IslandPlan& plan,
     else
       (void)cudaGetLastError();  // fall back to a page-locked copy below
   }
-  if (a->registered_base_) {
+  if (src.pinned_base) {
+    // used as it is
+  } else if (a->registered_base_) {
     a->host_ = src.blobs;
   } else {
     const size_t total = src.blobs.size() * src.blob_bytes;
@@ -77,7 +81,9 @@ Result<std::unique_ptr<IslandArena>> IslandArena::create(const IslandPlan& plan,
   }
   // The device's address of every pinned blob: the kernels read a streamed
   // miss through it over the link.
-  uint8_t* host_base = a->registered_base_ ? static_cast<uint8_t*>(a->registered_base_) : a->staging_;
+  uint8_t* host_base = src.pinned_base        ? const_cast<uint8_t*>(src.pinned_base)
+                       : a->registered_base_ ? static_cast<uint8_t*>(a->registered_base_)
+                                             : a->staging_;
   void* dev_base = nullptr;
   MOE_CUDA_TRY(cudaHostGetDevicePointer(&dev_base, host_base, 0));
   a->host_dev_.resize(a->host_.size());

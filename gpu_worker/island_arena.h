@@ -39,12 +39,16 @@ struct ExpertHostSource {
   int n_experts = 0;
   size_t blob_bytes = 0;
   std::vector<const uint8_t*> blobs;
+  // Set when every blob lies in this page-locked, mapped block (experts
+  // quantised at load): the arena uses it as it is. The owner frees it.
+  const uint8_t* pinned_base = nullptr;
 };
 
 class IslandArena {
  public:
   // Allocates plan.arena_bytes on the current device, pins the host blobs
-  // (registers their memory in place when they form one range, else copies
+  // (uses them as they are when the source says they are page-locked,
+  // registers their memory in place when they form one range, else copies
   // them into page-locked memory), creates the copy stream and the events.
   [[nodiscard]] static Result<std::unique_ptr<IslandArena>> create(const IslandPlan& plan,
                                                                    const ExpertHostSource& src);

@@ -35,6 +35,10 @@ void on_stop_signal(int) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Every kernel's module is loaded with the CUDA context, not at its first
+  // launch, so that what the process holds on the device is measured whole
+  // before the arena is sized (docs/cuda-worker.md). Set before any CUDA call.
+  ::setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   auto cl = moe::worker::parse_worker_args(std::vector<std::string>(argv + 1, argv + argc));
   if (!cl.ok()) {
     std::fprintf(stderr, "moe-worker: %s\n", cl.error().c_str());
@@ -151,6 +155,8 @@ int main(int argc, char** argv) {
                (unsigned long long)server.sampled_tokens(), (unsigned long long)st.expert_hits,
                (unsigned long long)st.expert_misses, double(st.bytes_copied) / 1e6,
                double(st.bytes_streamed) / 1e6, st.islands_used, st.islands_total);
+  if (const std::string dm = (*backend)->device_memory_summary(); !dm.empty())
+    std::fprintf(stderr, "moe-worker: %s\n", dm.c_str());
   if (!run.ok()) {
     std::fprintf(stderr, "moe-worker: %s\n", run.error().c_str());
     return 1;

@@ -16,6 +16,7 @@
 //                    [--steps N] [--prompt N] [--policy P] [--prefetch on|off]
 //                    [--dense-weights auto|bf16|int8|int4]
 //                    [--budget-dense-weights auto|bf16|int8|int4] [--json PATH]
+//                    [--model DIR|FILE] (a checkpoint folder or packed file instead of --shape)
 // --budget-dense-weights: the dtype under a budget (default: --dense-weights).
 #include <cuda_runtime.h>
 
@@ -40,6 +41,7 @@ using Clock = std::chrono::steady_clock;
 
 struct Options {
   std::string shape = "all";
+  std::string model;  // a checkpoint folder or packed file: its weights instead of a shape's
   std::vector<double> budgets_gib;  // empty: resident only
   int steps = 128, context = 128, prompt = 512;
   std::string policy = "ours";
@@ -227,6 +229,7 @@ int main(int argc, char** argv) {
     else if (a == "--threads") o.threads = std::atoi(val().c_str());
     else if (a == "--skip-resident") o.resident = false;
     else if (a == "--admit-per-pass") o.admit_per_pass = std::atoi(val().c_str());
+    else if (a == "--model") o.model = val();
     else if (a == "--budget-batches") {
       o.budget_batches.clear();
       for (const auto& b : split_list(val())) o.budget_batches.push_back(std::atoi(b.c_str()));
@@ -260,18 +263,38 @@ int main(int argc, char** argv) {
   }
   std::printf("moe-bench-engine on %s\n", dev->c_str());
   std::vector<bench::ModelShape> shapes;
-  if (o.shape == "qwen15" || o.shape == "all") shapes.push_back(bench::qwen15_moe_a27b());
-  if (o.shape == "qwen3" || o.shape == "all") shapes.push_back(bench::qwen3_30b_a3b());
+  if (!o.model.empty()) {
+    bench::ModelShape from_files{};
+    from_files.name = o.model;
+    shapes.push_back(from_files);
+  } else {
+    if (o.shape == "qwen15" || o.shape == "all") shapes.push_back(bench::qwen15_moe_a27b());
+    if (o.shape == "qwen3" || o.shape == "all") shapes.push_back(bench::qwen3_30b_a3b());
+  }
   std::vector<Row> rows;
   for (const auto& s : shapes) {
     const auto t0 = Clock::now();
-    auto model = bench::make_synthetic_model(s, 42);
+    // A checkpoint on disk, or weights made in memory.
+    Result<std::unique_ptr<bench::SyntheticModel>> model = make_error("no model");
+    if (!o.model.empty()) {
+      auto files = ModelFiles::open(o.model);
+      if (!files) {
+        std::fprintf(stderr, "moe-bench-engine: %s\n", files.error().c_str());
+        return 1;
+      }
+      auto m = std::make_unique<bench::SyntheticModel>();
+      m->files = std::move(*files);
+      model = std::move(m);
+    } else {
+      model = bench::make_synthetic_model(s, 42);
+    }
     if (!model) {
       std::fprintf(stderr, "moe-bench-engine: %s\n", model.error().c_str());
       return 1;
     }
-    std::printf("%s: weights made in %.1f s (experts %.2f GiB in host memory)\n", s.name.c_str(),
-                std::chrono::duration<double>(Clock::now() - t0).count(), (*model)->expert_bytes / double(1 << 30));
+    std::printf("%s: weights %s in %.1f s (experts %.2f GiB in host memory)\n", s.name.c_str(),
+                o.model.empty() ? "made" : "opened", std::chrono::duration<double>(Clock::now() - t0).count(),
+                (*model)->expert_bytes / double(1 << 30));
     std::vector<double> modes;
     if (o.resident || o.budgets_gib.empty()) modes.push_back(0);
     for (double b : o.budgets_gib) modes.push_back(b);
