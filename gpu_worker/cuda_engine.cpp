@@ -830,14 +830,19 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     held_how = std::string("a guess: ") + (meter ? "NVML does not list this process" : meter.error());
   }
   m.meter = meter ? std::move(*meter) : nullptr;
-  const size_t budget = opts.vram_budget ? opts.vram_budget
-                                         : (free_b > kDefaultMargin ? free_b - kDefaultMargin + m.base_device_bytes : 0);
-  if (opts.vram_budget && budget > free_b + m.base_device_bytes)
+  size_t budget = opts.vram_budget ? opts.vram_budget
+                                   : (free_b > kDefaultMargin ? free_b - kDefaultMargin + m.base_device_bytes : 0);
+  if (opts.arena_budget) budget = opts.arena_budget + m.base_device_bytes + kGraphReserve;
+  if (!opts.arena_budget && opts.vram_budget && budget > free_b + m.base_device_bytes)
     return make_error("--vram-budget " + format_bytes(budget) + " exceeds what the device has for this process (" +
                       format_bytes(free_b + m.base_device_bytes) + ")");
-  if (budget < m.base_device_bytes + kGraphReserve + (size_t(64) << 20))
+  // Nothing left for the arena at all: said here; too little for the model
+  // is the plan's to say (with what would fit).
+  if (budget <= m.base_device_bytes + kGraphReserve)
     return make_error("--vram-budget " + format_bytes(budget) + " leaves nothing for the model: the CUDA context and "
-                      "libraries hold " + format_bytes(m.base_device_bytes) + " (" + held_how + ")");
+                      "libraries hold " + format_bytes(m.base_device_bytes) + " (" + held_how + "), and " +
+                      format_bytes(kGraphReserve) + " is kept for CUDA graphs; the model's own part needs more (a "
+                      "larger budget says how much)");
   m.budget_bytes = budget;
   const size_t arena_budget = budget - m.base_device_bytes - kGraphReserve;
   std::fprintf(stderr, "moe-worker: the budget %s holds the CUDA context and libraries, %s (%s), %s kept for CUDA "

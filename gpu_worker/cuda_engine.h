@@ -26,7 +26,11 @@
 namespace moe {
 
 struct CudaEngineOptions {
-  size_t vram_budget = 0;     // 0: free device memory less a margin
+  size_t vram_budget = 0;     // the whole process on the device; 0: free device memory less a margin
+  // The arena alone instead (several engines in one process, as tests run
+  // them side by side, cannot each own the whole process): when set,
+  // vram_budget is ignored.
+  size_t arena_budget = 0;
   int kv_blocks = 0;          // exactly this many; 0: what the experts leave (at least kv_blocks_min, up to 8 GiB)
   int kv_blocks_min = 64;     // with kv_blocks 0: the worker refuses to start with fewer
   int max_step_tokens = 512;  // tokens per forward pass (larger steps run as several)

@@ -48,23 +48,36 @@ if [ "$part" = 1 ]; then
   du -sh $model
   echo "== the worker from the folder, 12 GiB, through the gateway"
   python3 "$here/bench/gateway/full_stack.py" --build $fake --model $model --shape qwen3-30b-a3b --budgets 12GiB \
-    --concurrency 1,8 --requests 3 --kv-blocks 512 --json "$out/full-stack-folder.json" 2>&1 | tee "$out/full-stack-folder.txt"
+    --concurrency 1,8 --requests 3 --kv-blocks 144 --json "$out/full-stack-folder.json" 2>&1 | tee "$out/full-stack-folder.txt"
   echo "== the engine alone on the same folder, 12 GiB"
   "$bin/moe-bench-engine" --model $model --vram-budget 12 --skip-resident --budget-batches 1,8 --routing router,uniform \
     --json "$out/engine-folder.json" 2>&1 | tee "$out/engine-folder.txt" | grep -E "tok/s|ready|MiB" | head -20
 fi
 
 if [ "$part" = 2 ]; then
+  if [ ! -f $model/config.json ]; then
+    python3 "$here/bench/gpu/make_checkpoint.py" --shape qwen3-30b-a3b --out $model --tokenizer "$tok" \
+      >"$out/make-checkpoint.txt" 2>&1 &
+    maker=$!
+    export MOE_TEST_DATA=$here/tests/data
+    "$bin/moe_cuda_engine_tests" >"$out/moe_cuda_engine_tests.txt" 2>&1
+    echo "   moe_cuda_engine_tests: exit $? -- $(grep -E 'test cases|passed|failed' "$out/moe_cuda_engine_tests.txt" | tail -1)"
+    wait $maker
+    tail -1 "$out/make-checkpoint.txt"
+  fi
   packed=/dev/shm/qwen3.moepack
   avail=$(df --output=avail -B1 /dev/shm | tail -1)
   if [ "${avail:-0}" -lt $((20 * 1024 * 1024 * 1024)) ]; then packed=/tmp/qwen3.moepack; fi
   echo "== moe convert to $packed"
   /usr/bin/time -v "$bin/moe" convert --model $model --out $packed 2>"$out/convert.txt"
   grep -E "wrote|Maximum resident|Elapsed" "$out/convert.txt" | sed 's/^/   /'
-  cp $model/tokenizer.json $model/tokenizer_config.json /tmp/ 2>/dev/null
-  echo "== the worker from the packed file (page cache warm), 8 and 6 GiB, through the gateway"
-  python3 "$here/bench/gateway/full_stack.py" --build $fake --model $packed --shape qwen3-30b-a3b --budgets 8GiB,6GiB \
-    --concurrency 1,8 --requests 3 --kv-blocks 512 --json "$out/full-stack-packed.json" 2>&1 | tee "$out/full-stack-packed.txt"
+  echo "== the worker from the packed file (page cache warm), 12, 8 and 6 GiB, through the gateway"
+  python3 "$here/bench/gateway/full_stack.py" --build $fake --model $packed --shape qwen3-30b-a3b \
+    --budgets 12GiB,8GiB,6GiB --concurrency 1,8 --requests 3 --kv-blocks 144 --json "$out/full-stack-packed.json" \
+    2>&1 | tee "$out/full-stack-packed.txt"
+  echo "== the engine alone on the packed file, the same budgets"
+  "$bin/moe-bench-engine" --model $packed --vram-budget 12,8,6 --skip-resident --budget-batches 1,8 --routing router \
+    --json "$out/engine-packed.json" 2>&1 | tee "$out/engine-packed.txt" | grep -E "tok/s|ready" | head -20
   echo "== deploy/run.sh's path: the gateway's own worker, no flags: which backend?"
   port=18080
   MOE_WORKER_BIN=$bin/moe-worker "$bin/moe-gateway" --model $packed --port $port --worker-arg --vram-budget \

@@ -165,8 +165,10 @@ std::shared_ptr<ModelFiles> open_files(const std::string& path) {
   return *f;
 }
 
+// Budgets here are the arena's (arena_budget): engines run side by side in
+// this process, and the context they share is not any one engine's.
 std::unique_ptr<CudaEngine> cuda_engine(const std::string& path, CudaEngineOptions o = {}) {
-  if (o.vram_budget == 0) o.vram_budget = size_t(1) << 30;
+  if (o.vram_budget == 0 && o.arena_budget == 0) o.arena_budget = size_t(1) << 30;
   if (o.kv_blocks == 0) o.kv_blocks = 256;
   auto e = CudaEngine::create(open_files(path), o);
   INFO((e.ok() ? std::string() : e.error()));
@@ -444,7 +446,7 @@ TEST_CASE("cuda engine: auto dense weights are the widest that keeps every exper
   for (int64_t islands : {full.total - 1, full.total - full.total * 3 / 10, full.total / 2, full.total / 8}) {
     INFO("bf16 in the arena would leave " << islands << " of " << full.total << " islands");
     CudaEngineOptions o;
-    o.vram_budget = full.budget_for(islands);
+    o.arena_budget = full.budget_for(islands);
     std::map<std::string, int64_t> forced;
     for (const char* dt : {"bf16", "int8", "int4"}) {
       o.dense_weights = dt;
@@ -541,7 +543,7 @@ TEST_CASE("cuda engine: under a budget of fewer islands than experts the output 
       o.dense_weights = "bf16";  // the same weights as `full`: only the islands differ
       // Room for a layer's experts and a third more: half the model's experts miss.
       int64_t islands = E + E / 3;
-      o.vram_budget = r.budget_for(islands);
+      o.arena_budget = r.budget_for(islands);
       auto small = cuda_engine(path, o);
       REQUIRE(small->expert_stats().host_embedding == run.host_embedding);
       if (run.host_embedding) {
@@ -609,7 +611,7 @@ TEST_CASE("cuda engine: misses computed on the host as well as copied or streame
     o.host_threads = 4;
     o.host_link_us = run.link_us;  // 1e6: a link this slow, the host takes every miss it may
     o.host_expert_us = run.host_us;
-    o.vram_budget = r.budget_for(r.E + r.E / 3);
+    o.arena_budget = r.budget_for(r.E + r.E / 3);
     auto small = cuda_engine(path, o);
     const int V = full->desc().vocab_size;
     std::vector<std::vector<int32_t>> prompts = {prompt(30, V, 1)};
@@ -651,11 +653,17 @@ TEST_CASE("cuda engine: a budget too small is refused saying what would fit; war
   SKIP_WITHOUT_GPU();
   const std::string path = packed("demo-moe");
   CudaEngineOptions tiny;
-  tiny.vram_budget = size_t(4) << 20;
+  tiny.arena_budget = size_t(4) << 20;
   tiny.kv_blocks = 256;
   auto e = CudaEngine::create(open_files(path), tiny);
   REQUIRE_FALSE(e.ok());
   CHECK(e.error().find("would fit") != std::string::npos);
+  // A whole-process budget below what the context holds says that.
+  CudaEngineOptions below;
+  below.vram_budget = size_t(64) << 20;
+  auto b = CudaEngine::create(open_files(path), below);
+  REQUIRE_FALSE(b.ok());
+  CHECK(b.error().find("CUDA context") != std::string::npos);
 
   const Resident r = resident(path);
   const auto& full = r.engine;
@@ -663,7 +671,7 @@ TEST_CASE("cuda engine: a budget too small is refused saying what would fit; war
   CudaEngineOptions o;
   o.dense_weights = "bf16";
   o.host_embedding = false;  // exactly 2E islands
-  o.vram_budget = r.budget_for(2 * E);
+  o.arena_budget = r.budget_for(2 * E);
   auto small = cuda_engine(path, o);
   CHECK(small->resident().empty());
   std::vector<ExpertKey> want;
