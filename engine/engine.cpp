@@ -144,6 +144,7 @@ Result<std::vector<SeqOutput>> CpuEngine::step(std::span<const SeqInput> inputs)
     if (in.sampling.logprobs || in.sampling.top_logprobs > 0)
       o.logprob = cpu::token_logprob(row, V, o.token);
     if (in.sampling.top_logprobs > 0) o.top = cpu::top_logprobs(row, V, in.sampling.top_logprobs);
+    if (in.score_token >= 0 && in.score_token < V) o.score_logprob = cpu::token_logprob(row, V, in.score_token);
   }
   return out;
 }

@@ -39,6 +39,10 @@ struct SeqInput {
   int32_t start_pos = 0;  // position of tokens[0] = the sequence's current length; 0 starts afresh
   bool sample = true;     // sample a next token after the last one
   SamplingParams sampling;
+  // With `sample`: the token whose raw log probability at the next position
+  // goes to SeqOutput::score_logprob (teacher-forced scoring: perplexity,
+  // the cost of a quantisation); -1: none.
+  int32_t score_token = -1;
 };
 
 struct SeqOutput {
@@ -46,6 +50,7 @@ struct SeqOutput {
   int32_t token = -1;  // the sampled token, -1 when not sampling
   float logprob = 0;   // raw-model log probability of `token` (before temperature)
   std::vector<std::pair<int32_t, float>> top;  // [top_logprobs] best tokens, raw log probabilities
+  float score_logprob = 0;  // raw log probability of SeqInput::score_token (when given)
   std::vector<uint16_t>
       expert_counts;  // [n_moe_layers * n_experts]: tokens of this step each expert served
 };

@@ -455,8 +455,10 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
   // summed on (`keep_int8`: the router's rows, lm_head) never go below INT8:
   // INT4's rounding would flip which experts a token gets and reorder the
   // vocabulary's close candidates.
+  // `keep_int8` 2: the router's rows with --router-weights bf16: never
+  // below bf16 (routing left exactly as the checkpoint computes it).
   auto linear_parts = [&](DenseW* dst, const std::vector<const Linear*>& parts, size_t pad_rows,
-                          bool keep_int8) -> Status {
+                          int keep_int8) -> Status {
     *dst = DenseW{};  // nothing of an earlier measuring pass (other dtype) survives
     const int cols = parts.front()->in;
     int rows = int(pad_rows);
@@ -487,7 +489,7 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
     }
     // The INT8 GEMV reads 16-byte runs of a row: a width not a multiple of
     // 16 keeps that matrix in bf16.
-    if (dense != DenseDtype::bf16 && cols % 16 == 0) {
+    if (dense != DenseDtype::bf16 && keep_int8 != 2 && cols % 16 == 0) {
       dequant_elems = std::max(dequant_elems, dst->elems());
       auto* qd = c.take<int8_t>(dst->elems());
       auto* sd = c.take<float>(size_t(rows));
@@ -514,7 +516,7 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
     return st;
   };
   auto linear = [&](DenseW* dst, std::initializer_list<const Linear*> parts, size_t pad_rows,
-                    bool keep_int8 = false) -> Status {
+                    int keep_int8 = 0) -> Status {
     return linear_parts(dst, std::vector<const Linear*>(parts), pad_rows, keep_int8);
   };
   auto vec = [&](bf16** dst, const std::vector<float>& v) -> Status {
@@ -568,11 +570,14 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
         rows += E;
       }
       L.mlp_rows = int(align_up(size_t(rows), 8));
-      if (Status s = linear_parts(&L.mlp_gu_w, parts, size_t(L.mlp_rows - rows), L.router_row >= 0); !s) return s;
+      if (Status s = linear_parts(&L.mlp_gu_w, parts, size_t(L.mlp_rows - rows),
+                                  L.router_row >= 0 ? (opts.router_bf16 ? 2 : 1) : 0);
+          !s)
+        return s;
       if (L.router_row >= 0) L.router_w = L.mlp_gu_w.slice(L.router_row, E);
       if (Status s = linear(&L.mlp_down_w, {&mlp->down}, 0); !s) return s;
     } else if (L.moe_index >= 0) {
-      if (Status s = linear(&L.router_w, {&lw.router}, 0, true); !s) return s;
+      if (Status s = linear(&L.router_w, {&lw.router}, 0, opts.router_bf16 ? 2 : 1); !s) return s;
     }
   }
   // The embedding is gathered by row, never multiplied: it stays bf16. Under
@@ -606,7 +611,7 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
   if (Status s = vec(&final_norm, w.final_norm); !s) return s;
   if (!head_is_embed) {
     const size_t before = dequant_elems;  // lm_head runs as GEMVs only
-    if (Status s = linear(&lm_head, {d.tie_embeddings ? &w.embed : &w.lm_head}, 0, true); !s) return s;
+    if (Status s = linear(&lm_head, {d.tie_embeddings ? &w.embed : &w.lm_head}, 0, 1); !s) return s;
     dequant_elems = before;
   }
   return {};
@@ -899,14 +904,17 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     }
     return p;
   };
-  // auto: the widest dtype that leaves every expert resident, else the one
-  // that leaves the most (INT4).
+  // auto: bf16 when it leaves every expert resident, else INT8. Never INT4
+  // unless asked: on the demo model's held-out text INT4 attention moves
+  // 3.6 % of the top-k routing choices and perplexity by 0.8 %, INT8 0.56 %
+  // and 0.02 % (bench/results/gpu-quality-2026-12-02.txt), for 3.5 % more
+  // islands (the Qwen3-30B shape at 12 GiB).
   DenseDtype chosen = DenseDtype::bf16;
   if (opts.dense_weights == "int8") chosen = DenseDtype::int8;
   if (opts.dense_weights == "int4") chosen = DenseDtype::int4;
   if (opts.dense_weights == "auto") {
     Result<IslandPlan> best = make_error("no plan");
-    for (DenseDtype dt : {DenseDtype::bf16, DenseDtype::int8, DenseDtype::int4}) {
+    for (DenseDtype dt : {DenseDtype::bf16, DenseDtype::int8}) {
       auto p = plan_dtype(dt);
       // With no plan at all, the narrowest dtype's refusal is the one to show.
       if (!best || (p && p->n_islands > best->n_islands)) {
@@ -914,6 +922,14 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
         chosen = dt;
       }
       if (best && best->n_islands >= all_experts) break;
+    }
+    // INT4 only when INT8 leaves no room at all (it says so at start).
+    if (!best) {
+      if (auto p = plan_dtype(DenseDtype::int4)) {
+        chosen = DenseDtype::int4;
+        std::fprintf(stderr, "moe-worker: INT8 non-expert weights leave no room in this budget; INT4 instead "
+                             "(about 0.8 %% perplexity, docs/cuda-worker.md)\n");
+      }
     }
   }
   // Measured again for the chosen dtype: the upload carve follows this one.
@@ -1678,7 +1694,7 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     if (s > 0) MOE_CUDA_TRY(cudaMemcpyAsync(m.sampled_host, m.sampled, size_t(s) * 4, cudaMemcpyDeviceToHost, m.st));
     for (int r = 0; r < s; ++r) {
       const SamplingParams& sp = inputs[sample_input[size_t(r)]].sampling;
-      if (sp.logprobs || sp.top_logprobs > 0)
+      if (sp.logprobs || sp.top_logprobs > 0 || inputs[sample_input[size_t(r)]].score_token >= 0)
         MOE_CUDA_TRY(cudaMemcpyAsync(m.logits_host + size_t(r) * m.V, m.logits + size_t(r) * m.V, size_t(m.V) * 4,
                                      cudaMemcpyDeviceToHost, m.st));
     }
@@ -1715,6 +1731,7 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
       const float* row = m.logits_host + size_t(r) * m.V;
       if (sp.logprobs || sp.top_logprobs > 0) o.logprob = cpu::token_logprob(row, m.V, o.token);
       if (sp.top_logprobs > 0) o.top = cpu::top_logprobs(row, m.V, sp.top_logprobs);
+      if (const int32_t st = inputs[i].score_token; st >= 0 && st < m.V) o.score_logprob = cpu::token_logprob(row, m.V, st);
     }
   }
   // Now and then: nothing may have been allocated on the device since the

@@ -31,6 +31,8 @@ struct CudaEngineOptions {
   // them side by side, cannot each own the whole process): when set,
   // vram_budget is ignored.
   size_t arena_budget = 0;
+  // The router's rows in bf16 whatever the dense dtype (else INT8 at least).
+  bool router_bf16 = false;
   int kv_blocks = 0;          // exactly this many; 0: what the experts leave (at least kv_blocks_min, up to 8 GiB)
   int kv_blocks_min = 64;     // with kv_blocks 0: the worker refuses to start with fewer
   int max_step_tokens = 512;  // tokens per forward pass (larger steps run as several)
@@ -42,9 +44,9 @@ struct CudaEngineOptions {
   int q4_group = 64;            // quantising a checkpoint whose experts are not INT4 yet
   // Non-expert matrices: bf16, int8 (one scale per row), int4 (groups of 64
   // inputs, docs/int4-experts.md; the router's rows and lm_head stay int8,
-  // a matrix narrower than 32-input runs too), or auto: the widest that
-  // leaves every expert resident, else int4 (the most islands). The
-  // embedding stays bf16.
+  // a matrix narrower than 32-input runs too), or auto: bf16 when every
+  // expert stays resident, else int8 (int4 only when int8 leaves no room;
+  // its cost in quality in docs/cuda-worker.md). The embedding stays bf16.
   std::string dense_weights = "auto";
   // Under a budget (not every expert fits), keep the embedding in mapped
   // pinned host memory: a step reads one row per token over the link, and

@@ -182,3 +182,24 @@ TEST_CASE("the KV block pool: accounting, errors, release", "[engine][kv]") {
     CHECK(sum == 9 * d.moe.top_k);
   }
 }
+
+TEST_CASE("score_token reports the raw log probability of a given next token", "[engine][score]") {
+  auto e = make_engine(fixture_dir("qwen3_moe"));
+  const std::vector<int32_t> prompt = {5, 17, 300, 42, 9, 77};
+  auto logits = e->forward_logits(prompt);
+  REQUIRE(logits.ok());
+  const int V = e->desc().vocab_size;
+  const float* last = logits->data() + size_t(prompt.size() - 1) * V;
+  const float mx = *std::max_element(last, last + V);
+  double z = 0;
+  for (int i = 0; i < V; ++i) z += std::exp(double(last[i] - mx));
+  for (int32_t next : {0, 123, V - 1}) {
+    SeqInput in = input(1, prompt, 0, SamplingParams{});
+    in.score_token = next;
+    auto out = e->step(std::span<const SeqInput>(&in, 1));
+    REQUIRE(out.ok());
+    const double want = double(last[next] - mx) - std::log(z);
+    CHECK(std::abs((*out)[0].score_logprob - want) < 1e-4);
+    e->release(1);
+  }
+}

@@ -3,7 +3,10 @@
 // connection, SIGTERM.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -51,14 +54,16 @@ const std::string kFixture = test_data() + "/fixtures/qwen3_moe";
 struct WorkerProcess {
   pid_t pid = -1;
   std::string dir, socket;
-  explicit WorkerProcess(std::vector<std::string> extra = {}) {
+  // `backend_defaults`: on the CUDA backend, a 2 GB budget and 512 KV blocks
+  // (cases that set their own leave them out).
+  explicit WorkerProcess(std::vector<std::string> extra = {}, bool backend_defaults = true) {
     char tmpl[] = "/tmp/moe-worker-test-XXXXXX";
     REQUIRE(::mkdtemp(tmpl));
     dir = tmpl;
     socket = dir + "/sub/w.sock";  // the worker creates sub/ itself
     std::vector<std::string> args = {worker_bin(), "--model", kFixture, "--socket", socket,
                                      "--threads", "1", "--backend", test_backend()};
-    if (test_backend() == "cuda") args.insert(args.end(), {"--vram-budget", "2G", "--kv-blocks", "512"});
+    if (test_backend() == "cuda" && backend_defaults) args.insert(args.end(), {"--vram-budget", "2G", "--kv-blocks", "512"});
     args.insert(args.end(), extra.begin(), extra.end());
     pid = ::fork();
     if (pid == 0) {
@@ -400,6 +405,80 @@ TEST_CASE("moe-worker exits 0 on SIGTERM after answering the step in flight", "[
   CHECK(ev.frame.command == uint8_t(pr::Command::step_reply));
   CHECK(w.wait_exit() == 0);
   CHECK_FALSE(fs::exists(w.socket));
+}
+
+// The device memory nvidia-smi shows for process `pid`, in MiB (-1: none shown).
+int gpu_mib_of(pid_t pid) {
+  FILE* f = ::popen("nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null", "r");
+  if (!f) return -1;
+  int found = -1;
+  char line[256];
+  while (std::fgets(line, sizeof(line), f)) {
+    long p = 0, mib = 0;
+    if (std::sscanf(line, "%ld, %ld", &p, &mib) == 2 && p == long(pid)) found = int(mib);
+  }
+  ::pclose(f);
+  return found;
+}
+
+TEST_CASE("moe-worker's whole process stays within --vram-budget as nvidia-smi shows it", "[worker]") {
+  if (test_backend() != "cuda") {
+    WARN("skipped: the device budget is a CUDA backend matter (MOE_TEST_WORKER_BACKEND=cuda on a GPU machine)");
+    return;
+  }
+  // The KV takes what the experts leave: the arena fills the budget, so the
+  // context, the libraries and the graphs captured later must fit beside it.
+  constexpr int kBudgetMiB = 1536;
+  WorkerProcess w({"--vram-budget", std::to_string(kBudgetMiB) + "MiB"}, false);
+  Client c(w.socket);
+  const pr::Hello h = c.hello();
+  REQUIRE(h.kv_blocks_total > 0);
+  const int at_ready = gpu_mib_of(w.pid);
+  REQUIRE(at_ready > 0);
+  std::atomic<bool> done{false};
+  std::atomic<int> peak{at_ready};
+  std::thread sampler([&] {
+    while (!done) {
+      peak = std::max(peak.load(), gpu_mib_of(w.pid));
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  });
+  // Prefill of 8 prompts of 300 tokens (several passes of --max-step-tokens),
+  // then decode at batch 8, then batch sizes 1..7 (each its own graph).
+  pr::StepRequest req;
+  std::vector<uint32_t> pos;
+  for (int s = 0; s < 8; ++s) {
+    std::vector<int32_t> prompt;
+    for (int i = 0; i < 300; ++i) prompt.push_back(1 + (i * 7 + s * 131) % 1000);
+    req.sequences.push_back(greedy(uint64_t(s + 1), prompt, 0));
+    pos.push_back(300);
+  }
+  uint64_t id = 10;
+  for (int step = 0; step < 60; ++step) {
+    const pr::StepReply r = c.step(id++, req);
+    REQUIRE(r.results.size() == req.sequences.size());
+    pr::StepRequest next;
+    const size_t keep = step < 30 ? 8 : size_t(8 - (step - 30) % 8);
+    for (size_t k = 0; k < r.results.size() && k < keep; ++k) {
+      REQUIRE(r.results[k].error == pr::ErrorCode::none);
+      const size_t p = size_t(r.results[k].seq_id - 1);
+      next.sequences.push_back(greedy(r.results[k].seq_id, {r.results[k].token}, pos[p]));
+      pos[p] += 1;
+    }
+    req = next;
+  }
+  done = true;
+  sampler.join();
+  const int after = gpu_mib_of(w.pid);
+  peak = std::max(peak.load(), after);
+  INFO("budget " << kBudgetMiB << " MiB, at ready " << at_ready << " MiB, peak " << peak << " MiB, after " << after
+                 << " MiB");
+  CHECK(peak <= kBudgetMiB);
+  // Nothing but the graphs of the batch sizes met (64 MiB kept for them) is
+  // allocated after the worker said it was ready.
+  CHECK(peak - at_ready <= 64);
+  ::kill(w.pid, SIGTERM);
+  CHECK(w.wait_exit() == 0);
 }
 
 TEST_CASE("moe-worker refuses bad command lines clearly", "[worker]") {
