@@ -5,7 +5,7 @@
 // at once (distinct experts per thread, as a layer's misses would be), set
 // against the copy: blob bytes / the link's measured bandwidth. Then the
 // latency that matters to the CUDA engine's miss split: ONE expert-token
-// with its rows spread over a thread pool (gpu_worker/host_experts.h), with
+// with its rows spread over a thread pool (cuda_engine/host_experts.h), with
 // f32 and with int8 inputs, at 1, 2, 4, ... threads.
 //   cpu_expert_bench [--link-gbs 52.3] [--seconds 2]
 #include <algorithm>
@@ -21,7 +21,7 @@
 #include <thread>
 #include <vector>
 
-#include "gpu_worker/host_experts.h"
+#include "cuda_engine/host_experts.h"
 #include "kernels/cpu/activation.h"
 #include "model/int4.h"
 #include "model/safetensors.h"
@@ -46,7 +46,7 @@ void run_expert(const uint8_t* blob, const moe::ExpertLayout& L, const float* x,
 }  // namespace
 
 int main(int argc, char** argv) {
-  double link_gbs = 52.3;  // moe-bench-gpu --copy-test on the H200's PCIe Gen5 x16
+  double link_gbs = 52.3;  // the link alone (moe-bench-kernels --only copy) on the H200's PCIe Gen5 x16
   double seconds = 2;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--link-gbs")) link_gbs = std::atof(argv[i + 1]);

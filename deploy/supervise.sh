@@ -19,7 +19,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD_DIR:-build}
 case $build in /*) ;; *) build=$root/$build ;; esac
-if [ ! -x "$build/gateway/moe-gateway" ] || [ ! -x "$build/gpu_worker/moe-worker" ]; then
+if [ ! -x "$build/gateway/moe-gateway" ] || [ ! -x "$build/worker/moe-worker" ]; then
   "$root/deploy/setup.sh" "$build"
 fi
 command -v supervisord >/dev/null || { echo "supervise: supervisord is not installed (deploy/setup.sh installs it)" >&2; exit 1; }
@@ -40,7 +40,7 @@ export MOE_HOST=${HOST:-127.0.0.1} MOE_PORT=${PORT:-8080} MOE_REDIS_PORT=${REDIS
 if [ -z "${BACKEND:-}" ]; then
   BACKEND=cpu
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 &&
-     "$build/gpu_worker/moe-worker" --help | grep -q "cuda backend: built"; then
+     "$build/worker/moe-worker" --help | grep -q "cuda backend: built"; then
     BACKEND=cuda
   fi
 fi

@@ -10,21 +10,10 @@ KvCache::KvCache(int n_layers, int n_blocks, int block_tokens, int n_kv, int qk_
     k_.emplace_back(new float[per_block_k * n_blocks]);
     v_.emplace_back(new float[per_block_v * n_blocks]);
   }
-  free_.reserve(size_t(n_blocks));
-  for (int b = n_blocks - 1; b >= 0; --b) free_.push_back(b);
 }
 
 size_t KvCache::block_bytes(int n_layers, int block_tokens, int n_kv, int qk_dim, int v_dim) {
   return size_t(n_layers) * block_tokens * n_kv * (size_t(qk_dim) + v_dim) * sizeof(float);
 }
-
-int32_t KvCache::allocate() {
-  if (free_.empty()) return -1;
-  const int32_t b = free_.back();
-  free_.pop_back();
-  return b;
-}
-
-void KvCache::release(int32_t block) { free_.push_back(block); }
 
 }  // namespace moe

@@ -1,6 +1,7 @@
 #pragma once
 // The KV cache: per layer, one pool of fixed-size blocks for keys and one for
-// values; a sequence owns a list of blocks (its block table). Capacity is
+// values; a sequence owns a list of blocks (its block table, handed out by
+// the engine's KvBlockPool, engine/kv_block_pool.h). Capacity is
 // counted in blocks so the scheduler can reason about it; running out is an
 // error the caller handles (by preempting), never an allocation.
 //
@@ -22,12 +23,7 @@ class KvCache {
   static size_t block_bytes(int n_layers, int block_tokens, int n_kv, int qk_dim, int v_dim);
 
   int blocks_total() const { return n_blocks_; }
-  int blocks_free() const { return int(free_.size()); }
   int block_tokens() const { return block_tokens_; }
-
-  // Takes one free block; -1 when none is left.
-  int32_t allocate();
-  void release(int32_t block);
 
   float* k(int layer) { return k_[size_t(layer)].get(); }  // [n_blocks, block_tokens, n_kv, qk_dim]
   float* v(int layer) { return v_[size_t(layer)].get(); }  // [n_blocks, block_tokens, n_kv, v_dim]
@@ -36,7 +32,6 @@ class KvCache {
   int n_blocks_, block_tokens_;
   // Uninitialised on purpose: pages are touched only when blocks are used.
   std::vector<std::unique_ptr<float[]>> k_, v_;
-  std::vector<int32_t> free_;  // a stack: the most recently freed block is reused first
 };
 
 }  // namespace moe

@@ -9,7 +9,7 @@
 #include <functional>
 #include <span>
 
-#include "engine/engine.h"
+#include "engine/cpu_engine.h"
 
 namespace moe {
 

@@ -76,17 +76,11 @@ class Loader {
   bool convert_;
 };
 
-#define MOE_CHECK(expr)                          \
-  do {                                           \
-    Status s_ = (expr);                          \
-    if (!s_.ok()) return make_error(s_.error()); \
-  } while (0)
-
 Status load_mlp(const Loader& L, const std::string& p, const char* gate, const char* up,
                 const char* down, int hidden, int inter, Mlp* m) {
-  MOE_CHECK(L.linear(p + gate, inter, hidden, &m->gate));
-  MOE_CHECK(L.linear(p + up, inter, hidden, &m->up));
-  MOE_CHECK(L.linear(p + down, hidden, inter, &m->down));
+  MOE_TRY(L.linear(p + gate, inter, hidden, &m->gate));
+  MOE_TRY(L.linear(p + up, inter, hidden, &m->up));
+  MOE_TRY(L.linear(p + down, hidden, inter, &m->down));
   return {};
 }
 
@@ -129,63 +123,63 @@ Result<std::unique_ptr<ModelWeights>> load_weights(const ModelFiles& files, bool
       return make_error("INT4 expert layout does not match the model's hidden/expert sizes");
   }
 
-  MOE_CHECK(L.linear("model.embed_tokens", d.vocab_size, H, &w->embed));
+  MOE_TRY(L.linear("model.embed_tokens", d.vocab_size, H, &w->embed));
   if (d.tie_embeddings || !L.has("lm_head.weight")) {
-    MOE_CHECK(L.linear("model.embed_tokens", d.vocab_size, H, &w->lm_head));
+    MOE_TRY(L.linear("model.embed_tokens", d.vocab_size, H, &w->lm_head));
   } else {
-    MOE_CHECK(L.linear("lm_head", d.vocab_size, H, &w->lm_head));
+    MOE_TRY(L.linear("lm_head", d.vocab_size, H, &w->lm_head));
   }
-  MOE_CHECK(L.vec("model.norm.weight", H, &w->final_norm));
+  MOE_TRY(L.vec("model.norm.weight", H, &w->final_norm));
 
   w->layers.resize(size_t(d.n_layers));
   for (int l = 0; l < d.n_layers; ++l) {
     LayerWeights& lw = w->layers[size_t(l)];
     const std::string p = "model.layers." + std::to_string(l) + ".";
-    MOE_CHECK(L.vec(p + "input_layernorm.weight", H, &lw.attn_norm));
-    MOE_CHECK(L.vec(p + "post_attention_layernorm.weight", H, &lw.mlp_norm));
+    MOE_TRY(L.vec(p + "input_layernorm.weight", H, &lw.attn_norm));
+    MOE_TRY(L.vec(p + "post_attention_layernorm.weight", H, &lw.mlp_norm));
 
     const std::string a = p + "self_attn.";
     if (d.attention == AttentionKind::mla) {
       const MlaConfig& m = d.mla;
       const int qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
       if (m.q_lora_rank > 0) {
-        MOE_CHECK(L.linear(a + "q_a_proj", m.q_lora_rank, H, &lw.q_a));
-        MOE_CHECK(L.vec(a + "q_a_layernorm.weight", m.q_lora_rank, &lw.q_a_norm));
-        MOE_CHECK(L.linear(a + "q_b_proj", d.n_heads * qk, m.q_lora_rank, &lw.q_b));
+        MOE_TRY(L.linear(a + "q_a_proj", m.q_lora_rank, H, &lw.q_a));
+        MOE_TRY(L.vec(a + "q_a_layernorm.weight", m.q_lora_rank, &lw.q_a_norm));
+        MOE_TRY(L.linear(a + "q_b_proj", d.n_heads * qk, m.q_lora_rank, &lw.q_b));
       } else {
-        MOE_CHECK(L.linear(a + "q_proj", d.n_heads * qk, H, &lw.q));
+        MOE_TRY(L.linear(a + "q_proj", d.n_heads * qk, H, &lw.q));
       }
-      MOE_CHECK(
+      MOE_TRY(
           L.linear(a + "kv_a_proj_with_mqa", m.kv_lora_rank + m.qk_rope_head_dim, H, &lw.kv_a));
-      MOE_CHECK(L.vec(a + "kv_a_layernorm.weight", m.kv_lora_rank, &lw.kv_a_norm));
-      MOE_CHECK(L.linear(a + "kv_b_proj", d.n_heads * (m.qk_nope_head_dim + m.v_head_dim),
+      MOE_TRY(L.vec(a + "kv_a_layernorm.weight", m.kv_lora_rank, &lw.kv_a_norm));
+      MOE_TRY(L.linear(a + "kv_b_proj", d.n_heads * (m.qk_nope_head_dim + m.v_head_dim),
                          m.kv_lora_rank, &lw.kv_b));
-      MOE_CHECK(L.linear(a + "o_proj", H, d.n_heads * m.v_head_dim, &lw.o));
+      MOE_TRY(L.linear(a + "o_proj", H, d.n_heads * m.v_head_dim, &lw.o));
     } else {
       const int hd = d.head_dim;
-      MOE_CHECK(L.linear(a + "q_proj", d.n_heads * hd, H, &lw.q));
-      MOE_CHECK(L.linear(a + "k_proj", d.n_kv_heads * hd, H, &lw.k));
-      MOE_CHECK(L.linear(a + "v_proj", d.n_kv_heads * hd, H, &lw.v));
-      MOE_CHECK(L.linear(a + "o_proj", H, d.n_heads * hd, &lw.o));
+      MOE_TRY(L.linear(a + "q_proj", d.n_heads * hd, H, &lw.q));
+      MOE_TRY(L.linear(a + "k_proj", d.n_kv_heads * hd, H, &lw.k));
+      MOE_TRY(L.linear(a + "v_proj", d.n_kv_heads * hd, H, &lw.v));
+      MOE_TRY(L.linear(a + "o_proj", H, d.n_heads * hd, &lw.o));
       if (d.qk_norm == QkNorm::per_head) {
-        MOE_CHECK(L.vec(a + "q_norm.weight", hd, &lw.q_norm));
-        MOE_CHECK(L.vec(a + "k_norm.weight", hd, &lw.k_norm));
+        MOE_TRY(L.vec(a + "q_norm.weight", hd, &lw.q_norm));
+        MOE_TRY(L.vec(a + "k_norm.weight", hd, &lw.k_norm));
       } else if (d.qk_norm == QkNorm::whole) {
-        MOE_CHECK(L.vec(a + "q_norm.weight", d.n_heads * hd, &lw.q_norm));
-        MOE_CHECK(L.vec(a + "k_norm.weight", d.n_kv_heads * hd, &lw.k_norm));
+        MOE_TRY(L.vec(a + "q_norm.weight", d.n_heads * hd, &lw.q_norm));
+        MOE_TRY(L.vec(a + "k_norm.weight", d.n_kv_heads * hd, &lw.k_norm));
       }
     }
 
     lw.moe = d.layer_is_moe[size_t(l)];
     if (!lw.moe) {
-      MOE_CHECK(load_mlp(L, p + "mlp.", "gate_proj", "up_proj", "down_proj", H, d.intermediate_size,
+      MOE_TRY(load_mlp(L, p + "mlp.", "gate_proj", "up_proj", "down_proj", H, d.intermediate_size,
                          &lw.dense));
       continue;
     }
     const MoeConfig& mc = d.moe;
     const bool mixtral = d.arch == Arch::mixtral;
     const std::string mp = p + (mixtral ? "block_sparse_moe." : "mlp.");
-    MOE_CHECK(L.linear(mp + "gate", mc.n_experts, H, &lw.router));
+    MOE_TRY(L.linear(mp + "gate", mc.n_experts, H, &lw.router));
     lw.experts.resize(size_t(mc.n_experts));
     for (int e = 0; e < mc.n_experts; ++e) {
       Mlp& ex = lw.experts[size_t(e)];
@@ -198,18 +192,18 @@ Result<std::unique_ptr<ModelWeights>> load_weights(const ModelFiles& files, bool
       }
       const std::string ep = mp + "experts." + std::to_string(e) + ".";
       if (mixtral)
-        MOE_CHECK(load_mlp(L, ep, "w1", "w3", "w2", H, mc.expert_intermediate, &ex));
+        MOE_TRY(load_mlp(L, ep, "w1", "w3", "w2", H, mc.expert_intermediate, &ex));
       else
-        MOE_CHECK(
+        MOE_TRY(
             load_mlp(L, ep, "gate_proj", "up_proj", "down_proj", H, mc.expert_intermediate, &ex));
     }
     if (mc.shared_intermediate > 0) {
       const std::string sp =
           mp + (d.arch == Arch::deepseek_v2 ? "shared_experts." : "shared_expert.");
-      MOE_CHECK(load_mlp(L, sp, "gate_proj", "up_proj", "down_proj", H, mc.shared_intermediate,
+      MOE_TRY(load_mlp(L, sp, "gate_proj", "up_proj", "down_proj", H, mc.shared_intermediate,
                          &lw.shared));
       if (mc.shared_expert_gate)
-        MOE_CHECK(L.linear(mp + "shared_expert_gate", 1, H, &lw.shared_gate));
+        MOE_TRY(L.linear(mp + "shared_expert_gate", 1, H, &lw.shared_gate));
     }
   }
   return w;

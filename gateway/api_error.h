@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "gateway/http_server.h"
+#include "gateway/http/http_server.h"
 
 namespace moe::gw {
 

@@ -11,16 +11,16 @@
 #include <sys/resource.h>
 #include <uv.h>
 
-#include "gateway/expert_prediction.h"
+#include "gateway/predict/expert_prediction.h"
 #include "gateway/gateway_options.h"
-#include "gateway/http_server.h"
+#include "gateway/http/http_server.h"
 #include "gateway/metrics.h"
-#include "gateway/model_text_codec.h"
-#include "gateway/openai_api.h"
-#include "gateway/redis_client.h"
-#include "gateway/redis_worker_streams.h"
-#include "gateway/session_store.h"
-#include "gateway/scheduler_factory.h"
+#include "gateway/api/model_text_codec.h"
+#include "gateway/api/openai_api.h"
+#include "gateway/state/redis_client.h"
+#include "gateway/state/redis_worker_streams.h"
+#include "gateway/state/session_store.h"
+#include "gateway/sched/scheduler_factory.h"
 #include "moe_version.h"
 
 namespace {

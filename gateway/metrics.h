@@ -11,7 +11,7 @@
 #include <string>
 #include <utility>
 
-#include "gateway/scheduler.h"
+#include "gateway/sched/scheduler.h"
 
 namespace moe::gw {
 

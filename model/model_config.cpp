@@ -82,11 +82,6 @@ class ConfigReader {
   std::string where_;
 };
 
-#define MOE_TRY(expr)                                           \
-  do {                                                          \
-    if (Status s_ = (expr); !s_) return make_error(s_.error()); \
-  } while (0)
-
 bool arch_from_model_type(const std::string& t, Arch* out) {
   static constexpr std::pair<const char*, Arch> kTypes[] = {
       {"qwen2_moe", Arch::qwen2_moe}, {"qwen3_moe", Arch::qwen3_moe},

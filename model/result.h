@@ -52,3 +52,11 @@ class [[nodiscard]] Status {
 inline Error make_error(std::string msg) { return Error{std::move(msg)}; }
 
 }  // namespace moe
+
+// Returns the failure of `expr` (a Status or a Result) from the enclosing
+// function, whose return type is a Status or any Result; goes on otherwise.
+#define MOE_TRY(expr)                                                   \
+  do {                                                                  \
+    if (auto&& moe_try_ = (expr); !moe_try_.ok())                       \
+      return ::moe::make_error(std::string(moe_try_.error()));           \
+  } while (0)

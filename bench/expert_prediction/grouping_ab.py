@@ -68,7 +68,7 @@ def run(args, mode):
     tmp = tempfile.mkdtemp(prefix="moe-grouping-")
     sock = os.path.join(tmp, "w.sock")
     port = free_port()
-    w = subprocess.Popen([os.path.join(args.build, "gpu_worker", "moe-worker"), "--model", MODEL, "--socket", sock,
+    w = subprocess.Popen([os.path.join(args.build, "worker", "moe-worker"), "--model", MODEL, "--socket", sock,
                           "--threads", str(args.threads), "--kv-blocks", str(args.kv_blocks)],
                          stderr=subprocess.DEVNULL)
     g = subprocess.Popen([os.path.join(args.build, "gateway", "moe-gateway"), "--model", MODEL, "--worker",

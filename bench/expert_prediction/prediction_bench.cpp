@@ -32,9 +32,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/engine.h"
-#include "gateway/expert_prediction.h"
-#include "gateway/model_text_codec.h"
+#include "engine/cpu_engine.h"
+#include "gateway/predict/expert_prediction.h"
+#include "gateway/api/model_text_codec.h"
 
 using namespace moe;
 using namespace moe::gw;

@@ -163,7 +163,7 @@ def main():
     ap.add_argument("--backend", default="cuda", help="the worker's (cpu: a dry run of this script)")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
-    worker_bin = os.path.join(a.build, "gpu_worker", "moe-worker")
+    worker_bin = os.path.join(a.build, "worker", "moe-worker")
     gateway_bin = os.path.join(a.build, "gateway", "moe-gateway")
     with open(os.path.join(a.model, "config.json") if os.path.isdir(a.model) else os.devnull) as f:
         cfg = json.load(f) if os.path.isdir(a.model) else {}

@@ -15,9 +15,9 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
-#include "gpu_worker/backend.h"
-#include "gpu_worker/model_hello.h"
-#include "gpu_worker/worker_server.h"
+#include "worker/backend.h"
+#include "worker/model_hello.h"
+#include "worker/worker_server.h"
 #include "model/model_files.h"
 
 namespace {

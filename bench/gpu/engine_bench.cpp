@@ -26,13 +26,15 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <optional>
+#include <type_traits>
 #include <unistd.h>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "bench/gpu/synthetic_model.h"
-#include "gpu_worker/cuda_engine.h"
+#include "cuda_engine/cuda_engine.h"
 
 namespace {
 
@@ -44,14 +46,14 @@ struct Options {
   std::string model;  // a checkpoint folder or packed file: its weights instead of a shape's
   std::vector<double> budgets_gib;  // empty: resident only
   int steps = 128, context = 128, prompt = 512;
-  std::string policy = "ours";
+  EvictionKind policy = EvictionKind::ours;
   bool prefetch = true;
-  std::string dense_weights = "auto";
-  std::string budget_dense_weights;  // empty: dense_weights
+  DenseWeights dense_weights = DenseWeights::automatic;
+  std::optional<DenseWeights> budget_dense_weights;  // unset: dense_weights
   int fuse_max_tokens = 4;
   std::vector<std::string> routings = {"router"};
-  std::string host_experts = "auto";
-  std::string misses = "stream";
+  HostShareMode host_experts = HostShareMode::automatic;
+  MissMode misses = MissMode::stream;
   int threads = 0;
   bool resident = true;  // --skip-resident: the budgets' rows only
   std::vector<int> budget_batches = {1};  // decode batches under a budget
@@ -214,18 +216,30 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto val = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
+    // An enum option from its spelling; anything else ends with the usage.
+    bool bad = false;
+    auto choose = [&](auto& field) {
+      using E = std::remove_reference_t<decltype(field)>;
+      const std::string v = val();
+      if (auto c = parse_choice<E>(v)) {
+        field = *c;
+      } else {
+        std::fprintf(stderr, "moe-bench-engine: %s takes %s, got '%s'\n", a.c_str(), choice_list<E>().c_str(), v.c_str());
+        bad = true;
+      }
+    };
     if (a == "--shape") o.shape = val();
     else if (a == "--steps") o.steps = std::atoi(val().c_str());
     else if (a == "--context") o.context = std::atoi(val().c_str());
     else if (a == "--prompt") o.prompt = std::atoi(val().c_str());
-    else if (a == "--policy") o.policy = val();
+    else if (a == "--policy") choose(o.policy);
     else if (a == "--prefetch") o.prefetch = val() == "on";
-    else if (a == "--dense-weights") o.dense_weights = val();
-    else if (a == "--budget-dense-weights") o.budget_dense_weights = val();
+    else if (a == "--dense-weights") choose(o.dense_weights);
+    else if (a == "--budget-dense-weights") choose(o.budget_dense_weights.emplace());
     else if (a == "--fuse-max-tokens") o.fuse_max_tokens = std::atoi(val().c_str());
     else if (a == "--json") o.json = val();
-    else if (a == "--host-experts") o.host_experts = val();
-    else if (a == "--misses") o.misses = val();
+    else if (a == "--host-experts") choose(o.host_experts);
+    else if (a == "--misses") choose(o.misses);
     else if (a == "--threads") o.threads = std::atoi(val().c_str());
     else if (a == "--skip-resident") o.resident = false;
     else if (a == "--admit-per-pass") o.admit_per_pass = std::atoi(val().c_str());
@@ -255,6 +269,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "moe-bench-engine: unknown option %s\n", a.c_str());
       return usage();
     }
+    if (bad) return usage();
   }
   auto dev = cuda_device_summary();
   if (!dev) {
@@ -311,7 +326,7 @@ int main(int argc, char** argv) {
         eo.kv_blocks = std::max({batch * seq_blocks, prompt_blocks, gib == 0 ? 256 : 64});
         eo.policy = o.policy;
         eo.prefetch = o.prefetch;
-        eo.dense_weights = gib == 0 || o.budget_dense_weights.empty() ? o.dense_weights : o.budget_dense_weights;
+        eo.dense_weights = gib == 0 || !o.budget_dense_weights ? o.dense_weights : *o.budget_dense_weights;
         eo.fuse_max_tokens = o.fuse_max_tokens;
         eo.uniform_routing_seed = routing == "uniform" ? 0x5eed : 0;
         eo.host_experts = o.host_experts;

@@ -23,8 +23,8 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 model=/tmp/qwen3
 # The layout full_stack.py expects of a build folder.
 fake=/tmp/moe-bin
-mkdir -p $fake/gpu_worker $fake/gateway
-ln -sf "$bin/moe-worker" $fake/gpu_worker/moe-worker
+mkdir -p $fake/worker $fake/gateway
+ln -sf "$bin/moe-worker" $fake/worker/moe-worker
 ln -sf "$bin/moe-gateway" $fake/gateway/moe-gateway
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 echo "== $(date -u +%FT%TZ) part $part on $(nvidia-smi -L | head -1)"

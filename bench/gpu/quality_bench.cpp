@@ -21,7 +21,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "gpu_worker/cuda_engine.h"
+#include "cuda_engine/cuda_engine.h"
 
 namespace {
 
@@ -40,7 +40,7 @@ Result<Run> run(std::shared_ptr<ModelFiles> files, const std::string& variant, c
   const int windows = int((ids.size() - 2) / size_t(ctx)) + 1;
   CudaEngineOptions eo;
   const size_t plus = variant.find('+');
-  eo.dense_weights = variant.substr(0, plus);
+  eo.dense_weights = parse_choice<DenseWeights>(variant.substr(0, plus)).value();
   eo.router_bf16 = plus != std::string::npos;
   eo.kv_blocks = windows * ((ctx + 1 + 15) / 16) + 16;
   eo.max_context = ctx + 16;

@@ -125,7 +125,7 @@ def main():
     a = ap.parse_args()
     build = os.path.abspath(a.build)
     os.environ.setdefault("MOE_GATEWAY", os.path.join(build, "gateway", "moe-gateway"))
-    os.environ.setdefault("MOE_WORKER", os.path.join(build, "gpu_worker", "moe-worker"))
+    os.environ.setdefault("MOE_WORKER", os.path.join(build, "worker", "moe-worker"))
     os.environ.setdefault("MOE_MODEL", os.path.join(root, "models", "demo-moe"))
     import redis_harness as h
     h.need_redis()

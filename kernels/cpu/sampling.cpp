@@ -25,7 +25,7 @@ static int32_t argmax(const float* logits, int vocab) {
   return best;
 }
 
-int32_t sample_token(const float* logits, int vocab, const SampleParams& p, int64_t position) {
+int32_t sample_token(const float* logits, int vocab, const SampleDraw& p, int64_t position) {
   if (p.temperature <= 0.0f || p.top_k == 1) return argmax(logits, vocab);
   const float mx = logits[argmax(logits, vocab)];
   const double inv_t = 1.0 / p.temperature;

@@ -8,20 +8,15 @@
 #include <utility>
 #include <vector>
 
-namespace moe::cpu {
+#include "kernels/sample_draw.h"
 
-struct SampleParams {
-  float temperature = 1.0f;  // <= 0: greedy
-  float top_p = 1.0f;        // keep the smallest set of best tokens whose probability reaches top_p
-  int top_k = 0;             // 0: no limit
-  uint64_t seed = 0;
-};
+namespace moe::cpu {
 
 // A uniform number in [0, 1) from (seed, position).
 double sample_uniform(uint64_t seed, int64_t position);
 
 // logits: [vocab]. Greedy picks the highest logit (the lowest id among equals).
-int32_t sample_token(const float* logits, int vocab, const SampleParams& p, int64_t position);
+int32_t sample_token(const float* logits, int vocab, const SampleDraw& p, int64_t position);
 
 // log softmax of the raw logits at `token`. logits: [vocab].
 float token_logprob(const float* logits, int vocab, int32_t token);

@@ -1,7 +1,8 @@
 #pragma once
 // The GPU's half of a streamed pass's host share (kernels/cuda/share_slot.h):
 // one warp (the MoE layer's router kernel itself at one token, given
-// SharePublishArgs through router_topk; share_publish's own kernel at more)
+// SharePublishArgs through router_topk, or draw_uniform_experts when the
+// draw replaces the router's ids; share_publish's own kernel at more)
 // posts the layer's missed (token, expert) pairs and how many of each one's
 // intermediate rows the host computes, with the tokens' normed states;
 // after the GPU's own part, share_collect waits for the host's sums and

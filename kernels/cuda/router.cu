@@ -36,7 +36,7 @@ __device__ void draw_uniform(int32_t* row, int n, int k, int32_t position, int32
 }
 
 __global__ void router_kernel(const float* logits, int stride, int tokens, int n, int k, bool renorm,
-                              float scale, int32_t* ids, float* weights, UniformDraw draw, SharePublishArgs publish) {
+                              float scale, int32_t* ids, float* weights, SharePublishArgs publish) {
   detail::allow_next_grid();
   detail::wait_prior_grid();
   extern __shared__ float sh[];
@@ -92,32 +92,33 @@ __global__ void router_kernel(const float* logits, int stride, int tokens, int n
     if (renorm) w /= picked;
     weights[size_t(t) * k + j] = w * scale;
   }
-  // The ids of uniform routing in place of the winners (the same lane wrote them).
-  if (draw.seed != 0 && lane == 0)
-    draw_uniform(ids + size_t(t) * k, n, k, draw.positions[t], draw.seq_of_token[t], draw.layer, draw.seed);
   if (publish.slot) {
     __syncwarp();  // the ids and weights above, written by other lanes
     share_publish_warp(publish, lane);
   }
 }
 
-// One thread per token.
-__global__ void uniform_route_kernel(int32_t* ids, int tokens, int n, int k, const int32_t* positions,
-                                     const int32_t* seq_of_token, int layer, uint64_t seed) {
+// One thread per token. With a share to post the grid is one warp (at most
+// kShareMaxTokens tokens), which then posts it from the drawn ids.
+__global__ void draw_uniform_kernel(UniformDraw draw, int32_t* ids, int tokens, int n, int k,
+                                    SharePublishArgs publish) {
   detail::allow_next_grid();
-  detail::wait_prior_grid();
+  detail::wait_prior_grid();  // the router's ids, which this overwrites
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t >= tokens) return;
-  draw_uniform(ids + size_t(t) * k, n, k, positions[t], seq_of_token[t], layer, seed);
+  if (t < tokens)
+    draw_uniform(ids + size_t(t) * k, n, k, draw.positions[t], draw.seq_of_token[t], draw.layer, draw.seed);
+  if (publish.slot) {
+    __syncwarp();  // the drawn ids, written by other lanes
+    share_publish_warp(publish, int(threadIdx.x));
+  }
 }
 
 }  // namespace
 
 Status router_topk(const float* logits, int tokens, int n_experts, int top_k, bool renormalize, float scale,
-                   int32_t* ids, float* weights, cudaStream_t stream, int logits_stride, const UniformDraw& draw,
+                   int32_t* ids, float* weights, cudaStream_t stream, int logits_stride,
                    const SharePublishArgs* publish) {
   MOE_CUDA_REQUIRE(logits && ids && weights, "null pointer");
-  MOE_CUDA_REQUIRE(draw.seed == 0 || (draw.positions && draw.seq_of_token), "uniform draw without positions");
   MOE_CUDA_REQUIRE(tokens > 0 && n_experts > 0 && n_experts <= 1024, "n_experts must be in [1, 1024]");
   MOE_CUDA_REQUIRE(top_k > 0 && top_k <= n_experts, "top_k must be in [1, n_experts]");
   MOE_CUDA_REQUIRE(logits_stride == 0 || logits_stride >= n_experts, "logits_stride must be >= n_experts");
@@ -127,17 +128,23 @@ Status router_topk(const float* logits, int tokens, int n_experts, int top_k, bo
                    "publish: one token, this call's ids and weights, top_k <= 16");
   const SharePublishArgs none;
   const size_t smem = size_t(kWarps) * n_experts * sizeof(float);
-  MOE_CUDA_TRY(detail::launch_pdl(router_kernel, dim3((tokens + kWarps - 1) / kWarps), dim3(kWarps * 32), smem, stream, logits, logits_stride ? logits_stride : n_experts, tokens, n_experts, top_k, renormalize, scale, ids, weights, draw, publish ? *publish : none));
+  MOE_CUDA_TRY(detail::launch_pdl(router_kernel, dim3((tokens + kWarps - 1) / kWarps), dim3(kWarps * 32), smem, stream, logits, logits_stride ? logits_stride : n_experts, tokens, n_experts, top_k, renormalize, scale, ids, weights, publish ? *publish : none));
   MOE_CUDA_LAUNCHED();
   return {};
 }
 
-Status uniform_route(int32_t* ids, int tokens, int n_experts, int top_k, const int32_t* positions,
-                     const int32_t* seq_of_token, int layer, uint64_t seed, cudaStream_t stream) {
-  MOE_CUDA_REQUIRE(ids && positions && seq_of_token, "null pointer");
-  MOE_CUDA_REQUIRE(tokens > 0 && top_k > 0 && top_k <= n_experts, "top_k must be in [1, n_experts]");
-  MOE_CUDA_TRY(detail::launch_pdl(uniform_route_kernel, dim3((tokens + 127) / 128), dim3(128), 0, stream, ids, tokens,
-                                  n_experts, top_k, positions, seq_of_token, layer, seed));
+Status draw_uniform_experts(const UniformDraw& draw, int32_t* ids, int tokens, int n_experts, int top_k,
+                            cudaStream_t stream, const SharePublishArgs* publish) {
+  MOE_CUDA_REQUIRE(ids && draw.positions && draw.seq_of_token, "null pointer");
+  MOE_CUDA_REQUIRE(tokens > 0 && n_experts > 0 && top_k > 0 && top_k <= n_experts, "top_k must be in [1, n_experts]");
+  MOE_CUDA_REQUIRE(!publish || (publish->tokens == tokens && tokens <= kShareMaxTokens && publish->ids == ids &&
+                                publish->route_w && publish->top_k == top_k && top_k <= kShareMaxTopK &&
+                                publish->slot),
+                   "publish: at most 8 tokens, this call's ids, the router's weights, top_k <= 16");
+  const SharePublishArgs none;
+  const int block = publish ? 32 : 128;
+  MOE_CUDA_TRY(detail::launch_pdl(draw_uniform_kernel, dim3((tokens + block - 1) / block), dim3(block), 0, stream,
+                                  draw, ids, tokens, n_experts, top_k, publish ? *publish : none));
   MOE_CUDA_LAUNCHED();
   return {};
 }

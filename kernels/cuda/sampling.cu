@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kThreads) argmax_kernel(const float* logits, i
 }
 
 __global__ void __launch_bounds__(kThreads)
-    sample_kernel(const float* logits, int vocab, const SampleRowParams* params, const int64_t* positions,
+    sample_kernel(const float* logits, int vocab, const SampleDraw* params, const int64_t* positions,
                   int32_t* tokens) {
   detail::allow_next_grid();
   detail::wait_prior_grid();
@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ unsigned s_prefix, s_mask, s_remaining, s_count;
   __shared__ double seg[kThreads];
   const float* row = logits + size_t(blockIdx.x) * vocab;
-  const SampleRowParams p = params[blockIdx.x];
+  const SampleDraw p = params[blockIdx.x];
   const Best top = block_argmax(row, vocab, scratch);
   if (p.temperature <= 0.f || p.top_k == 1) {
     if (threadIdx.x == 0) tokens[blockIdx.x] = top.i;
@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-Status sample_tokens(const float* logits, int rows, int vocab, const SampleRowParams* params,
+Status sample_tokens(const float* logits, int rows, int vocab, const SampleDraw* params,
                      const int64_t* positions, int32_t* tokens, cudaStream_t stream) {
   MOE_CUDA_REQUIRE(logits && params && positions && tokens, "null pointer");
   MOE_CUDA_REQUIRE(rows > 0 && vocab > 0, "rows and vocab must be positive");

@@ -13,21 +13,15 @@
 
 #include <cstdint>
 
+#include "kernels/sample_draw.h"
 #include "model/result.h"
 
 namespace moe::cuda {
 
 constexpr int kMaxCandidates = 1024;
 
-struct SampleRowParams {
-  float temperature = 1.f;
-  float top_p = 1.f;
-  int top_k = 0;  // 0: no limit
-  uint64_t seed = 0;
-};
-
 // logits: [rows, vocab] f32; params, positions: [rows] (device); tokens: [rows].
-Status sample_tokens(const float* logits, int rows, int vocab, const SampleRowParams* params,
+Status sample_tokens(const float* logits, int rows, int vocab, const SampleDraw* params,
                      const int64_t* positions, int32_t* tokens, cudaStream_t stream);
 
 // Greedy only: tokens[r] = argmax logits[r, :].

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/engine.h"
+#include "engine/cpu_engine.h"
 #include "model/model_files.h"
 #include "model/safetensors.h"
 #include "tests/reference_tensors.h"  // ints()

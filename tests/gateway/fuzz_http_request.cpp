@@ -11,11 +11,11 @@
 #include <string>
 #include <string_view>
 
-#include "gateway/completion_request.h"
-#include "gateway/http_parser.h"
+#include "gateway/api/completion_request.h"
+#include "gateway/http/http_parser.h"
 #include "gateway/json_body.h"
-#include "gateway/model_text_codec.h"
-#include "gateway/session_store.h"
+#include "gateway/api/model_text_codec.h"
+#include "gateway/state/session_store.h"
 
 using namespace moe::gw;
 

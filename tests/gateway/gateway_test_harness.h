@@ -15,11 +15,11 @@
 
 #include <uv.h>
 
-#include "gateway/http_server.h"
+#include "gateway/http/http_server.h"
 #include "gateway/metrics.h"
-#include "gateway/openai_api.h"
-#include "gateway/scheduler.h"
-#include "gateway/text_codec.h"
+#include "gateway/api/openai_api.h"
+#include "gateway/sched/scheduler.h"
+#include "gateway/api/text_codec.h"
 
 namespace moe::gw::test {
 

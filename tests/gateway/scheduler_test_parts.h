@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "gateway/scheduler.h"
+#include "gateway/sched/scheduler.h"
 #include "model/safetensors.h"
 #include "tests/reference_tensors.h"
 

@@ -232,7 +232,7 @@ TEST_CASE("sampling: greedy, seeded determinism, top-k and top-p limits", "[kern
   REQUIRE(sample_token(logits.data(), vocab, {1.0f, 1.0f, 1, 1}, 0) == best);
 
   // Same (seed, position): same token; across positions the draws vary.
-  SampleParams p{1.0f, 1.0f, 0, 42};
+  moe::SampleDraw p{1.0f, 1.0f, 0, 42};
   std::set<int> seen;
   for (int pos = 0; pos < 200; ++pos) {
     const int a = sample_token(logits.data(), vocab, p, pos);

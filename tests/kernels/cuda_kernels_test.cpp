@@ -25,6 +25,7 @@
 #include "kernels/cuda/cuda_check.cuh"
 #include "kernels/cuda/dense_matmul.cuh"
 #include "kernels/cuda/embedding.cuh"
+#include "kernels/cuda/host_share.cuh"
 #include "kernels/cuda/norm.cuh"
 #include "kernels/cuda/q4_gemm.cuh"
 #include "kernels/cuda/q4_gemv.cuh"
@@ -439,6 +440,39 @@ TEST_CASE("cuda router softmax + top-k matches the CPU", "[cuda][router]") {
   }
 }
 
+namespace {
+
+// The uniform draw as router.cuh states it, on the host: a hash of (seed,
+// layer, position, sequence) per token, each pick moved to the next free
+// index when already taken. Pins the kernel's ids bit for bit, so that
+// uniform-routing figures measured before and after a change are of the
+// same routes.
+uint64_t mix64_host(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+std::vector<int32_t> uniform_draw_host(int n, int k, const std::vector<int32_t>& pos,
+                                       const std::vector<int32_t>& seq, int layer, uint64_t seed) {
+  std::vector<int32_t> ids(pos.size() * size_t(k));
+  for (size_t t = 0; t < pos.size(); ++t) {
+    const uint64_t key = (uint64_t(layer) << 40) ^ (uint64_t(uint32_t(pos[t])) << 8) ^ uint64_t(uint32_t(seq[t]));
+    uint64_t h = mix64_host(seed ^ mix64_host(key));
+    int32_t* row = ids.data() + t * size_t(k);
+    for (int j = 0; j < k; ++j) {
+      h = mix64_host(h);
+      int e = int(h % uint64_t(n));
+      while (std::find(row, row + j, e) != row + j) e = (e + 1) % n;
+      row[j] = e;
+    }
+  }
+  return ids;
+}
+
+}  // namespace
+
 TEST_CASE("cuda uniform routing draws distinct experts evenly and deterministically", "[cuda][router]") {
   SKIP_WITHOUT_GPU();
   const int n = 128, k = 8, tokens = 4096;
@@ -446,13 +480,15 @@ TEST_CASE("cuda uniform routing draws distinct experts evenly and deterministica
   for (int t = 0; t < tokens; ++t) pos[size_t(t)] = t / 8, seq[size_t(t)] = t % 8;
   Dev<int32_t> dpos(pos), dseq(seq), did(size_t(tokens) * k);
   auto draw = [&](int layer, uint64_t seed) {
-    REQUIRE_OK(moe::cuda::uniform_route(did.p, tokens, n, k, dpos.p, dseq.p, layer, seed, nullptr));
+    REQUIRE_OK(moe::cuda::draw_uniform_experts({dpos.p, dseq.p, layer, seed}, did.p, tokens, n, k, nullptr));
     return did.get();
   };
   const auto a = draw(3, 7), b = draw(3, 7), c = draw(4, 7), d = draw(3, 8);
   CHECK(a == b);  // a function of (seed, layer, position, sequence) only
   CHECK(a != c);
   CHECK(a != d);
+  CHECK(a == uniform_draw_host(n, k, pos, seq, 3, 7));
+  CHECK(d == uniform_draw_host(n, k, pos, seq, 3, 8));
   std::vector<int> count(n, 0);
   for (int t = 0; t < tokens; ++t) {
     std::vector<int32_t> row(a.begin() + t * k, a.begin() + (t + 1) * k);
@@ -472,11 +508,13 @@ TEST_CASE("cuda uniform routing draws distinct experts evenly and deterministica
   // k = n: every expert once.
   const std::vector<int32_t> one_pos = {5}, one_seq = {0};
   Dev<int32_t> p1(one_pos), s1(one_seq), all{size_t(n)};
-  REQUIRE_OK(moe::cuda::uniform_route(all.p, 1, n, n, p1.p, s1.p, 0, 1, nullptr));
+  REQUIRE_OK(moe::cuda::draw_uniform_experts({p1.p, s1.p, 0, 1}, all.p, 1, n, n, nullptr));
   auto ids = all.get();
+  CHECK(ids == uniform_draw_host(n, n, one_pos, one_seq, 0, 1));
   std::sort(ids.begin(), ids.end());
   for (int i = 0; i < n; ++i) CHECK(ids[size_t(i)] == i);
-  // Inside router_topk: the same ids, the router's own weights.
+  // After router_topk, as a pass runs it: the draw's ids, the router's own
+  // weights untouched.
   std::vector<float> logits(size_t(tokens) * n);
   std::mt19937 rng(9);
   std::normal_distribution<float> nd(0.f, 2.f);
@@ -484,10 +522,98 @@ TEST_CASE("cuda uniform routing draws distinct experts evenly and deterministica
   Dev<float> dl(logits), w0(size_t(tokens) * k), w1(size_t(tokens) * k);
   Dev<int32_t> routed(size_t(tokens) * k);
   REQUIRE_OK(moe::cuda::router_topk(dl.p, tokens, n, k, true, 1.f, routed.p, w0.p, nullptr));
-  const moe::cuda::UniformDraw ud{dpos.p, dseq.p, 3, 7};
-  REQUIRE_OK(moe::cuda::router_topk(dl.p, tokens, n, k, true, 1.f, routed.p, w1.p, nullptr, 0, ud));
+  const auto w0_h = w0.get();
+  const auto routed_h = routed.get();
+  REQUIRE_OK(moe::cuda::router_topk(dl.p, tokens, n, k, true, 1.f, routed.p, w1.p, nullptr));
+  REQUIRE_OK(moe::cuda::draw_uniform_experts({dpos.p, dseq.p, 3, 7}, routed.p, tokens, n, k, nullptr));
   CHECK(routed.get() == a);
-  CHECK(w1.get() == w0.get());
+  CHECK(routed_h != a);
+  CHECK(w1.get() == w0_h);
+  // A bad call is refused, not launched.
+  CHECK(!moe::cuda::draw_uniform_experts({nullptr, dseq.p, 0, 1}, did.p, tokens, n, k, nullptr).ok());
+  CHECK(!moe::cuda::draw_uniform_experts({dpos.p, dseq.p, 0, 1}, did.p, tokens, n, n + 1, nullptr).ok());
+}
+
+TEST_CASE("cuda uniform draw posts the host's share from the drawn ids", "[cuda][router]") {
+  SKIP_WITHOUT_GPU();
+  // The draw kernel's own post must equal share_publish run after it, for
+  // one token (where the router would post it itself) and for several.
+  const int n = 128, k = 8, hidden = 64, inter = 64;
+  for (int tokens : {1, 3}) {
+    INFO("tokens " << tokens);
+    std::mt19937 rng(uint32_t(20 + tokens));
+    std::vector<int32_t> pos(static_cast<size_t>(tokens)), seq(static_cast<size_t>(tokens));
+    for (int t = 0; t < tokens; ++t) pos[size_t(t)] = 40 + t, seq[size_t(t)] = t;
+    std::vector<uint8_t> on_gpu(static_cast<size_t>(n));
+    for (int e = 0; e < n; ++e) on_gpu[size_t(e)] = uint8_t(e % 2);  // odd experts on the GPU
+    std::vector<uint16_t> rows(size_t(tokens) * k + 1, uint16_t(16));  // the host's rows of each miss
+    std::vector<bf16> xn(size_t(tokens) * hidden);
+    for (auto& v : xn) v = to_bf16(std::normal_distribution<float>(0.f, 1.f)(rng));
+    const auto logits = randn(size_t(tokens) * n, rng, 2.f);
+    const std::vector<uint32_t> pass = {77};
+    Dev<int32_t> dpos(pos), dseq(seq);
+    Dev<uint8_t> don(on_gpu);
+    Dev<uint16_t> drows(rows);
+    Dev<bf16> dxn(xn);
+    Dev<float> dl(logits), dw(size_t(tokens) * k);
+    Dev<uint32_t> dpass(pass);
+    struct Out {
+      Dev<int32_t> ids, gpu_ids, gpu_split;
+      Dev<moe::ShareSlot> slot{1};
+      Dev<bf16> x_host;
+      Dev<uint32_t> count{1};
+      Out(int tokens, int k, int hidden)
+          : ids(size_t(tokens) * k), gpu_ids(size_t(tokens) * k), gpu_split(size_t(tokens) * k),
+            x_host(size_t(tokens) * hidden) {}
+    };
+    auto args = [&](Out& o) {
+      moe::cuda::SharePublishArgs a;
+      a.tokens = tokens;
+      a.ids = o.ids.p;
+      a.route_w = dw.p;
+      a.on_gpu = don.p;
+      a.rows = drows.p;
+      a.top_k = k;
+      a.n_experts = n;
+      a.inter = inter;
+      a.xn = dxn.p;
+      a.hidden = hidden;
+      a.slot = o.slot.p;
+      a.x_host = o.x_host.p;
+      a.pass = dpass.p;
+      a.gpu_ids = o.gpu_ids.p;
+      a.gpu_split = o.gpu_split.p;
+      a.host_count = o.count.p;
+      return a;
+    };
+    const moe::cuda::UniformDraw ud{dpos.p, dseq.p, 2, 5};
+    Out fused(tokens, k, hidden), apart(tokens, k, hidden);
+    const auto fa = args(fused), pa = args(apart);
+    REQUIRE_OK(moe::cuda::router_topk(dl.p, tokens, n, k, true, 1.f, fused.ids.p, dw.p, nullptr));
+    REQUIRE_OK(moe::cuda::draw_uniform_experts(ud, fused.ids.p, tokens, n, k, nullptr, &fa));
+    REQUIRE_OK(moe::cuda::router_topk(dl.p, tokens, n, k, true, 1.f, apart.ids.p, dw.p, nullptr));
+    REQUIRE_OK(moe::cuda::draw_uniform_experts(ud, apart.ids.p, tokens, n, k, nullptr));
+    REQUIRE_OK(moe::cuda::share_publish(pa, nullptr));
+    const auto ids = fused.ids.get();
+    CHECK(ids == uniform_draw_host(n, k, pos, seq, 2, 5));
+    CHECK(ids == apart.ids.get());
+    const auto s1 = fused.slot.get(), s2 = apart.slot.get();
+    REQUIRE(s1[0].posted == 77);
+    int missed = 0;
+    for (int32_t e : ids) missed += on_gpu[size_t(e)] ? 0 : 1;
+    REQUIRE(missed > 0);
+    CHECK(s1[0].count == uint32_t(missed));
+    CHECK(std::memcmp(&s1[0], &s2[0], sizeof(moe::ShareSlot)) == 0);
+    CHECK(fused.gpu_ids.get() == apart.gpu_ids.get());
+    CHECK(fused.gpu_split.get() == apart.gpu_split.get());
+    CHECK(fused.count.get() == apart.count.get());
+    const auto x1 = fused.x_host.get(), x2 = apart.x_host.get();
+    CHECK(std::memcmp(x1.data(), x2.data(), x1.size() * sizeof(bf16)) == 0);
+    // More tokens than one warp's post takes are refused.
+    auto big = fa;
+    big.tokens = 9;
+    CHECK(!moe::cuda::draw_uniform_experts(ud, fused.ids.p, 9, n, k, nullptr, &big).ok());
+  }
 }
 
 namespace {
@@ -803,21 +929,16 @@ TEST_CASE("cuda sampling picks the CPU twin's token", "[cuda][sampling]") {
     const int rows = 16;
     auto logits = randn(size_t(rows) * c.vocab, rng, c.sd);
     logits[5] = logits[7] = 1e3f;  // a tie at the top of row 0: the lower id wins
-    std::vector<moe::cuda::SampleRowParams> params(rows);
+    std::vector<moe::SampleDraw> params(rows);
     std::vector<int64_t> positions(rows);
     std::vector<int32_t> ref(rows);
     for (int r = 0; r < rows; ++r) {
       params[r] = {c.temperature, c.top_p, c.top_k, uint64_t(1000 + r)};
       positions[r] = 3 * r + 1;
-      moe::cpu::SampleParams sp;
-      sp.temperature = c.temperature;
-      sp.top_p = c.top_p;
-      sp.top_k = c.top_k;
-      sp.seed = params[r].seed;
-      ref[r] = moe::cpu::sample_token(logits.data() + size_t(r) * c.vocab, c.vocab, sp, positions[r]);
+      ref[r] = moe::cpu::sample_token(logits.data() + size_t(r) * c.vocab, c.vocab, params[r], positions[r]);
     }
     Dev<float> dl(logits);
-    Dev<moe::cuda::SampleRowParams> dp(params);
+    Dev<moe::SampleDraw> dp(params);
     Dev<int64_t> dpos(positions);
     Dev<int32_t> dt(rows);
     REQUIRE_OK(moe::cuda::sample_tokens(dl.p, rows, c.vocab, dp.p, dpos.p, dt.p, nullptr));

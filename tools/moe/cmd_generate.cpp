@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/engine.h"
+#include "engine/cpu_engine.h"
 #include "model/model_files.h"
 #include "tokenizer/chat_template.h"
 #include "tools/moe/commands.h"

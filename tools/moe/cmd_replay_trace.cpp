@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "gpu_worker/trace_replay.h"
+#include "replay/trace_replay.h"
 #include "model/int4.h"
 #include "model/model_config.h"
 #include "tools/moe/commands.h"

@@ -1,0 +1,296 @@
+// CudaEngine::create: the budget measured against the process, the plan, the
+// arena, the weights uploaded, the experts placed.
+#include "cuda_engine/engine_impl.h"
+
+namespace moe {
+
+Result<std::string> cuda_device_summary() {
+  // Nothing here makes a context: what the process holds is measured before
+  // one exists (CudaEngine::create).
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return make_error("no CUDA device");
+  int dev = 0;
+  MOE_CUDA_TRY(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  MOE_CUDA_TRY(cudaGetDeviceProperties(&prop, dev));
+  return std::string(prop.name) + " (sm_" + std::to_string(prop.major) + std::to_string(prop.minor) + ", " +
+         format_bytes(prop.totalGlobalMem) + ")";
+}
+
+Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFiles> files,
+                                                       const CudaEngineOptions& opts) {
+  auto dev = cuda_device_summary();
+  if (!dev) return make_error("the cuda backend needs a CUDA device: " + dev.error());
+  const ModelDesc& d = files->desc();
+  if (d.attention != AttentionKind::gqa)
+    return make_error(std::string("the cuda backend does not run ") + arch_name(d.arch) +
+                      " (multi-head latent attention); use --backend cpu");
+  if (d.moe.topk_method != "greedy")
+    return make_error("the cuda backend has no group-limited expert selection (" + d.moe.topk_method + ")");
+  if (opts.max_step_tokens < 1 || opts.max_step_tokens > 8192)
+    return make_error("max_step_tokens must be in [1, 8192]");
+  if (opts.fuse_max_tokens < 0 || opts.fuse_max_tokens > cuda::kGemvMaxTokens)
+    return make_error("fuse_max_tokens must be in [0, 8]");
+
+  std::unique_ptr<CudaEngine> eng(new CudaEngine());
+  eng->impl_ = std::make_unique<Impl>();
+  Impl& m = *eng->impl_;
+  m.files = std::move(files);
+  m.d = d;
+  m.opts = opts;
+  m.hidden = d.hidden_size;
+  m.q_width = d.n_heads * d.head_dim;
+  m.qkv_width = (d.n_heads + 2 * d.n_kv_heads) * d.head_dim;
+  m.n_experts = d.moe.n_experts;
+  m.top_k = d.moe.top_k;
+  m.n_moe_layers = d.n_moe_layers();
+  m.vocab = d.vocab_size;
+  m.max_pass_tokens = opts.max_step_tokens;
+  m.max_context = opts.max_context > 0 ? opts.max_context : std::min(d.max_position > 0 ? d.max_position : 4096, 32768);
+  m.max_blocks = (m.max_context + kBlockTokens - 1) / kBlockTokens;
+
+  auto w = load_weights(*m.files, /*convert_f32=*/false, /*use_q4=*/m.files->experts_q4());
+  if (!w) return make_error(w.error());
+  m.host_weights = std::move(*w);
+  if (m.n_moe_layers > 0) {
+    m.layout = m.host_weights->experts_q4 ? m.host_weights->q4_layout
+                                          : expert_layout(m.hidden, d.moe.expert_intermediate, opts.q4_group);
+    m.grouped_ok = cuda::q4_grouped_supported(m.layout);
+    m.h_rows = size_t(m.grouped_ok ? std::min(m.max_pass_tokens, cuda::kGemvMaxTokens) : m.max_pass_tokens) * m.top_k;
+    if (m.grouped_ok) m.grouped_ws_bytes = cuda::q4_grouped_workspace_bytes(m.layout, m.max_pass_tokens, m.top_k, m.n_experts);
+  }
+  for (int l = 0; l < d.n_layers; ++l) {
+    const LayerWeights& lw = m.host_weights->layers[size_t(l)];
+    const Mlp* mlp = d.moe_layer_index(l) >= 0 ? (lw.shared.gate.present() ? &lw.shared : nullptr) : &lw.dense;
+    if (!mlp) continue;
+    m.mlp_inter_max = std::max(m.mlp_inter_max, mlp->gate.out);
+    const int rows = 2 * mlp->gate.out + (lw.shared_gate.present() ? 1 : 0) + (d.moe_layer_index(l) >= 0 ? m.n_experts : 0);
+    m.gu_stride = std::max(m.gu_stride, int(align_up(size_t(rows), 8)));
+  }
+  m.pack_bytes = m.pack_layout(m.max_pass_tokens, kMaxSampleRows, m.max_pass_tokens).bytes;
+
+  // The budget is the whole process's, as nvidia-smi shows it: first what
+  // the process holds without the arena (the context with its modules, the
+  // stream, cuBLASLt's handle and workspace), measured; the arena gets the
+  // rest, less a reserve for the CUDA graphs instantiated later.
+  int dev_index = 0;
+  MOE_CUDA_TRY(cudaGetDevice(&dev_index));
+  char bus[32] = {};
+  MOE_CUDA_TRY(cudaDeviceGetPCIBusId(bus, int(sizeof(bus)), dev_index));
+  auto meter = DeviceMemoryMeter::open(bus);
+  std::optional<uint64_t> used_before;
+  if (meter) {
+    if (auto u = (*meter)->device_used_bytes()) used_before = *u;
+  }
+  MOE_CUDA_TRY(cudaFree(nullptr));  // the context, now
+  MOE_CUDA_TRY(cudaStreamCreateWithFlags(&m.st, cudaStreamNonBlocking));
+  MOE_CUDA_TRY(cudaEventCreateWithFlags(&m.routes_ready, cudaEventDisableTiming));
+  {
+    auto cm = cuda::CublasLtMatmul::create();
+    if (!cm) return make_error(cm.error());
+    m.mm.reset(cm.value());
+  }
+  MOE_CUDA_TRY(cudaDeviceSynchronize());
+  size_t free_b = 0, total_b = 0;
+  MOE_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
+  // This process in NVML's list, else the device's use since before the
+  // context (nothing else runs on a worker's device), else a fixed guess.
+  std::string held_how;
+  if (meter) {
+    if (auto b = (*meter)->process_bytes()) {
+      m.base_device_bytes = *b;
+      held_how = "as NVML lists this process";
+    } else if (used_before) {
+      if (auto u = (*meter)->device_used_bytes(); u && *u >= *used_before) {
+        m.base_device_bytes = *u - *used_before;
+        held_how = "the device's use since before the context";
+      }
+    }
+  }
+  if (held_how.empty()) {
+    m.base_device_bytes = kContextGuess;
+    held_how = std::string("a guess: ") + (meter ? "NVML does not list this process" : meter.error());
+  }
+  m.meter = meter ? std::move(*meter) : nullptr;
+  size_t budget = opts.vram_budget ? opts.vram_budget
+                                   : (free_b > kDefaultMargin ? free_b - kDefaultMargin + m.base_device_bytes : 0);
+  if (opts.arena_budget) budget = opts.arena_budget + m.base_device_bytes + kGraphReserve;
+  if (!opts.arena_budget && opts.vram_budget && budget > free_b + m.base_device_bytes)
+    return make_error("--vram-budget " + format_bytes(budget) + " exceeds what the device has for this process (" +
+                      format_bytes(free_b + m.base_device_bytes) + ")");
+  // Nothing left for the arena at all: said here; too little for the model
+  // is the plan's to say (with what would fit).
+  if (budget <= m.base_device_bytes + kGraphReserve)
+    return make_error("--vram-budget " + format_bytes(budget) + " leaves nothing for the model: the CUDA context and "
+                      "libraries hold " + format_bytes(m.base_device_bytes) + " (" + held_how + "), and " +
+                      format_bytes(kGraphReserve) + " is kept for CUDA graphs; the model's own part needs more (a "
+                      "larger budget says how much)");
+  m.budget_bytes = budget;
+  const size_t arena_budget = budget - m.base_device_bytes - kGraphReserve;
+  std::fprintf(stderr, "moe-worker: the budget %s holds the CUDA context and libraries, %s (%s), %s kept for CUDA "
+               "graphs, and an arena of at most %s\n", format_bytes(budget).c_str(),
+               format_bytes(m.base_device_bytes).c_str(), held_how.c_str(), format_bytes(kGraphReserve).c_str(),
+               format_bytes(arena_budget).c_str());
+  auto plan_for = [&](DenseDtype dt) -> Result<IslandPlan> {
+    m.dense = dt;
+    m.dequant_elems = 0;
+    Carver measure_w, measure_ws;
+    MOE_TRY(m.carve_weights(measure_w, false));
+    m.carve_workspace(measure_ws);
+    IslandPlanRequest req;
+    req.budget_bytes = arena_budget;
+    req.nonexpert_bytes = measure_w.used;
+    req.workspace_bytes = measure_ws.used;
+    req.kv_bytes_per_block = size_t(2) * d.n_layers * kBlockTokens * d.n_kv_heads * d.head_dim * 2;
+    // Blocks the operator asked for are exactly what the pool gets.
+    req.kv_blocks_min = opts.kv_blocks > 0 ? opts.kv_blocks : std::max(opts.kv_blocks_min, 1);
+    req.kv_blocks_wanted = req.kv_blocks_min;
+    req.expert_blob_bytes = m.n_moe_layers > 0 ? m.layout.blob_bytes : kAlign;
+    req.n_total_experts = int64_t(m.n_moe_layers) * m.n_experts;
+    req.min_islands = m.n_moe_layers > 0 ? m.n_experts : 0;  // a prompt may route to every expert of a layer at once
+    auto plan = plan_islands(req);
+    if (!plan) return make_error(plan.error());
+    if (opts.kv_blocks == 0) {
+      // Unasked, KV takes what the experts leave, up to 8 GiB.
+      const size_t left = req.budget_bytes - plan->arena_bytes;
+      const int64_t extra = int64_t(std::min(left, size_t(8) << 30) / plan->kv_block_stride);
+      if (extra > 0) {
+        req.kv_blocks_wanted = plan->kv_blocks + extra;
+        plan = plan_islands(req);
+      }
+    }
+    return plan;
+  };
+  const int64_t all_experts = int64_t(m.n_moe_layers) * m.n_experts;
+  // A plan in one dtype. Under a budget the embedding may stay in host
+  // memory, its bytes going to islands (not when a bf16 lm_head shares it).
+  auto plan_dtype = [&](DenseDtype dt) -> Result<IslandPlan> {
+    m.embed_host = false;
+    auto p = plan_for(dt);
+    const bool embed_may_leave = !(d.tie_embeddings && dt == DenseDtype::bf16);
+    if (opts.host_embedding && embed_may_leave && m.n_moe_layers > 0 && !(p && p->n_islands >= all_experts)) {
+      m.embed_host = true;
+      auto ph = plan_for(dt);
+      if (ph && (!p || ph->n_islands > p->n_islands)) return ph;
+      m.embed_host = false;  // the measure's other results do not depend on it
+    }
+    return p;
+  };
+  // auto: bf16 when it leaves every expert resident, else INT8. Never INT4
+  // unless asked: on the demo model's held-out text INT4 attention moves
+  // 3.6 % of the top-k routing choices and perplexity by 0.8 %, INT8 0.56 %
+  // and 0.02 % (bench/results/gpu-quality-2026-12-02.txt), for 3.5 % more
+  // islands (the Qwen3-30B shape at 12 GiB).
+  DenseDtype chosen = DenseDtype::bf16;
+  if (opts.dense_weights == DenseWeights::int8) chosen = DenseDtype::int8;
+  if (opts.dense_weights == DenseWeights::int4) chosen = DenseDtype::int4;
+  if (opts.dense_weights == DenseWeights::automatic) {
+    Result<IslandPlan> best = make_error("no plan");
+    for (DenseDtype dt : {DenseDtype::bf16, DenseDtype::int8}) {
+      auto p = plan_dtype(dt);
+      // With no plan at all, the narrowest dtype's refusal is the one to show.
+      if (!best || (p && p->n_islands > best->n_islands)) {
+        best = std::move(p);
+        chosen = dt;
+      }
+      if (best && best->n_islands >= all_experts) break;
+    }
+    // INT4 only when INT8 leaves no room at all (it says so at start).
+    if (!best) {
+      if (auto p = plan_dtype(DenseDtype::int4)) {
+        chosen = DenseDtype::int4;
+        std::fprintf(stderr, "moe-worker: INT8 non-expert weights leave no room in this budget; INT4 instead "
+                             "(about 0.8 %% perplexity, docs/cuda-worker.md)\n");
+      }
+    }
+  }
+  // Measured again for the chosen dtype: the upload carve follows this one.
+  Result<IslandPlan> plan = plan_dtype(chosen);
+  if (!plan) return make_error(plan.error());
+  m.plan = *plan;
+  m.kv_blocks = int(std::min<int64_t>(m.plan.kv_blocks, INT32_MAX));
+  m.all_resident = m.n_moe_layers == 0 || m.plan.n_islands >= int64_t(m.n_moe_layers) * m.n_experts;
+
+  ExpertHostSource src;
+  if (m.n_moe_layers > 0) {
+    MOE_TRY(m.expert_source(src));
+  } else {
+    // A dense model: the arena still needs a source; one dummy layer.
+    src.n_layers = 1;
+    src.n_experts = 1;
+    src.blob_bytes = kAlign;
+    static const uint8_t zero[kAlign] = {};
+    src.blobs = {zero};
+  }
+  auto arena = IslandArena::create(m.plan, src);
+  if (!arena) return make_error(arena.error());
+  m.arena = std::move(*arena);
+
+  Carver cw{m.arena->region(m.plan.nonexpert)};
+  MOE_TRY(m.carve_weights(cw, true));
+  Carver cs{m.arena->region(m.plan.workspace)};
+  m.carve_workspace(cs);
+  // KV: per layer a K and a V pool of kv_blocks blocks.
+  const size_t pool_bytes = size_t(m.kv_blocks) * kBlockTokens * d.n_kv_heads * d.head_dim * 2;
+  uint8_t* kv = m.arena->region(m.plan.kv);
+  for (int l = 0; l < d.n_layers; ++l) {
+    m.layers[size_t(l)].k_pool = reinterpret_cast<bf16*>(kv + size_t(2 * l) * pool_bytes);
+    m.layers[size_t(l)].v_pool = reinterpret_cast<bf16*>(kv + size_t(2 * l + 1) * pool_bytes);
+  }
+  m.kv_pool = std::make_unique<KvBlockPool>(m.kv_blocks, kBlockTokens);
+
+  // RoPE table, as the CPU engine computes it.
+  {
+    const std::vector<float> inv = rope_frequencies(d, &m.attention_factor);
+    MOE_CUDA_TRY(cudaMemcpy(m.inv_freq, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice));
+  }
+
+  MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.pack_host), m.pack_bytes));
+  MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.sampled_host), kMaxSampleRows * 4));
+  MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.logits_host), size_t(kMaxSampleRows) * m.vocab * 4));
+  if (m.n_moe_layers > 0) {
+    MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.tables_host), size_t(m.n_moe_layers) * m.n_experts * sizeof(void*)));
+    MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.ids_host), size_t(m.n_moe_layers) * m.max_pass_tokens * m.top_k * 4));
+    std::memset(m.tables_host, 0, size_t(m.n_moe_layers) * m.n_experts * sizeof(void*));
+    std::unique_ptr<EvictionPolicy> pol;
+    switch (opts.policy) {
+      case EvictionKind::lru: pol = std::make_unique<LruPolicy>(); break;
+      case EvictionKind::lfu: pol = std::make_unique<LfuDecayPolicy>(); break;
+      case EvictionKind::ours: pol = std::make_unique<OursPolicy>(); break;
+    }
+    m.map = std::make_unique<ResidencyMap>(m.n_moe_layers, m.n_experts, m.plan.n_islands, m.layout.blob_bytes, std::move(pol));
+    m.predictor = std::make_unique<ExpertPredictor>(m.n_moe_layers, m.n_experts);
+    m.bound.resize(size_t(m.n_moe_layers));
+    MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.on_gpu_host), size_t(m.n_moe_layers) * m.n_experts));
+    if (!m.all_resident && opts.host_experts != HostShareMode::off) {
+      // Copy mode splits a layer's misses on the host's clock; streamed
+      // passes hand the host its share through mapped memory.
+      MOE_TRY(opts.misses == MissMode::copy ? m.start_host_experts() : m.start_host_share());
+    }
+    if (m.all_resident) {
+      // Every expert into its island now; the pointer tables never change.
+      for (int ml = 0; ml < m.n_moe_layers; ++ml)
+        for (int e = 0; e < m.n_experts; ++e) {
+          auto p = m.arena->request(*m.map, ml, e, m.st);
+          if (!p) return make_error(p.error());
+          m.tables_host[size_t(ml) * m.n_experts + e] = *p;
+          MOE_TRY(m.arena->release(*m.map, ml, e, m.st));
+        }
+      MOE_CUDA_TRY(cudaMemcpyAsync(m.blob_tables, m.tables_host, size_t(m.n_moe_layers) * m.n_experts * sizeof(void*),
+                                   cudaMemcpyHostToDevice, m.st));
+      ++m.residency_version;
+    }
+  }
+  MOE_TRY(m.arena->synchronize());
+  MOE_CUDA_TRY(cudaStreamSynchronize(m.st));
+  if (m.meter) (void)eng->device_memory();  // the peak starts at the ready state
+  std::fprintf(stderr, "moe-worker: cuda backend on %s; %s; dense weights %s%s; experts %s\n", dev->c_str(),
+               m.plan.describe().c_str(), dense_name(m.dense),
+               m.embed_host ? ", embedding in host memory" : "",
+               m.all_resident ? "all resident" : "under the budget (islands < experts)");
+  return Result<std::unique_ptr<CudaEngine>>(std::move(eng));
+}
+
+CudaEngine::~CudaEngine() = default;
+
+}  // namespace moe

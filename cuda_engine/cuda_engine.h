@@ -1,0 +1,105 @@
+#pragma once
+// The model on one GPU (docs/cuda-worker.md): bf16 non-expert weights, a
+// paged bf16 KV pool, INT4 experts in islands of one device arena sized by
+// the VRAM budget, the forward pass over the kernels of kernels/cuda, and
+// sampling on the device. The same step contract as moe::CpuEngine
+// (engine/engine.h), whose SeqInput / SeqOutput it takes.
+//
+// Thread ownership: one thread drives an engine (step, release, warm...).
+// Built only with the CUDA toolkit; this header needs no CUDA headers.
+
+#include <cstddef>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "cuda_engine/engine_options.h"
+#include "cuda_engine/host_share.h"
+#include "residency/island_plan.h"
+#include "residency/residency.h"
+#include "model/model_files.h"
+#include "model/result.h"
+
+namespace moe {
+
+
+// What the experts cost and where they are (the worker's stats reply).
+struct CudaExpertStats {
+  ResidencyStats residency;
+  int64_t islands_total = 0;
+  bool all_resident = false;
+  std::string dense_weights = "bf16";  // the non-expert matrices' dtype: bf16, int8 or int4
+  bool host_embedding = false;  // the embedding in host memory (under a budget)
+  uint64_t host_experts_served = 0;  // (layer, expert) misses computed on the host instead of copied
+  uint64_t host_expert_tokens = 0;   // their (token, expert) pairs
+  uint64_t bytes_streamed = 0;       // expert bytes kernels read from host memory (streamed misses)
+  uint64_t host_share_served = 0;    // (token, expert) misses of streamed passes the host's cores took rows of
+  ShareTimes share_times;            // those passes' shared layers: the host's time, the GPU's waits
+};
+
+// What the process holds on the device, the budget included (bytes).
+struct DeviceMemory {
+  uint64_t budget = 0;  // --vram-budget, or the default: the whole process's
+  uint64_t base = 0;    // the context and libraries, before the arena
+  uint64_t arena = 0;   // the one allocation the engine makes
+  uint64_t now = 0;     // the process now, as NVML lists it (0 without NVML)
+  uint64_t peak = 0;    // the largest `now` seen since the start
+  bool measured = false;  // `now` and `peak` are NVML's
+};
+
+class CudaEngine final : public Engine {
+ public:
+  // Loads `files` onto the current CUDA device. Refuses architectures the
+  // kernels do not cover (MLA) and budgets that cannot hold the model's
+  // fixed part, saying what would fit.
+  static Result<std::unique_ptr<CudaEngine>> create(std::shared_ptr<ModelFiles> files,
+                                                    const CudaEngineOptions& opts);
+  ~CudaEngine();
+  CudaEngine(const CudaEngine&) = delete;
+  CudaEngine& operator=(const CudaEngine&) = delete;
+
+  // The contract of engine/engine.h; steps run on the device's stream and
+  // return when their outputs are on the host.
+  Result<std::vector<SeqOutput>> step(std::span<const SeqInput> inputs) override;
+  void release(uint64_t seq_id) override;
+  void set_progress(std::atomic<uint64_t>* progress) override;
+  const ModelDesc& desc() const override;
+  int max_context() const override;
+  const KvBlockPool& kv_pool() const override;
+
+  // What the process holds on the device now (reads NVML: not every step).
+  DeviceMemory device_memory() const;
+
+  const IslandPlan& plan() const;
+
+  // ---- Experts
+  // Makes experts resident into free islands only (re-warm, load_expert);
+  // with may_evict (a gateway's warm hints) they may displace residents
+  // that are neither in use nor predicted. Returns how many of `experts`
+  // are resident (or on their way) afterwards.
+  size_t warm(std::span<const ExpertKey> experts, bool may_evict = false);
+  // Drops unpinned residents; returns the ones that could not be dropped.
+  std::vector<ExpertKey> unload(std::span<const ExpertKey> experts);
+  std::vector<ExpertKey> resident() const;  // ordered by (layer, expert)
+  uint64_t residency_version() const;
+  CudaExpertStats expert_stats() const;
+  // After a failed step: the device's sticky error ("" when the device is
+  // still usable and the failure was the step's own, e.g. a bad input).
+  std::string device_error() const;
+
+  struct Impl;
+
+ private:
+  CudaEngine() = default;
+  std::unique_ptr<Impl> impl_;
+};
+
+// One line about the device the engine would run on ("NVIDIA H200, 139.8 GiB
+// free of 139.8 GiB"), or an error when there is no usable device.
+Result<std::string> cuda_device_summary();
+
+}  // namespace moe

@@ -1,0 +1,388 @@
+// The CUDA engine's insides, shared by its files (docs/cuda-worker.md):
+// the Impl every part works on, the dense-matrix type and the sizes the
+// parts agree on. Private: only the files of cuda_engine/ include it.
+//   create.cpp          the budget, the plan, the arena, start-up
+//   weights.cpp         the non-expert weights carved and quantised, the
+//                       workspace, the experts' host source
+//   forward.cpp         one forward pass: layers, GEMVs, the MoE layer
+//   expert_binding.cpp  making a layer's experts resident (copy mode), the
+//                       public warm / unload / residency calls
+//   streamed_misses.cpp misses read over the link, the host's share
+//   step.cpp            steps: KV blocks, pass packing, CUDA graphs,
+//                       sampling, outputs
+#pragma once
+
+#include "cuda_engine/cuda_engine.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <numeric>
+#include <thread>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <optional>
+
+#include <sys/mman.h>
+#include <unistd.h>
+#include <type_traits>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "engine/weights.h"
+#include "cuda_engine/device_memory.h"
+#include "residency/eviction_policy.h"
+#include "residency/expert_predictor.h"
+#include "cuda_engine/host_experts.h"
+#include "cuda_engine/host_share.h"
+#include "residency/island_arena.h"
+#include "engine/forward.h"
+#include "kernels/cpu/sampling.h"
+#include "kernels/cuda/activation.cuh"
+#include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/cuda_check.cuh"
+#include "kernels/cuda/dense_matmul.cuh"
+#include "kernels/cuda/embedding.cuh"
+#include "kernels/cuda/host_share.cuh"
+#include "kernels/cuda/norm.cuh"
+#include "kernels/cuda/q4_gemm.cuh"
+#include "kernels/cuda/q4_gemv.cuh"
+#include "kernels/cuda/rope.cuh"
+#include "kernels/cuda/router.cuh"
+#include "kernels/cuda/sampling.cuh"
+#include "model/safetensors.h"
+
+namespace moe {
+
+// The parts' shared vocabulary (not part of the engine's interface).
+namespace cuda_engine_detail {
+
+using bf16 = __nv_bfloat16;
+
+inline constexpr int kBlockTokens = 16;
+inline constexpr int kMaxSampleRows = 64;  // sampled rows per forward pass
+inline constexpr size_t kAlign = 256;
+inline constexpr size_t kDefaultMargin = size_t(512) << 20;  // free memory the default budget leaves
+// Device memory CUDA graphs take when instantiated (decode graphs per batch
+// size, with and without the host's share), kept out of the arena.
+inline constexpr size_t kGraphReserve = size_t(64) << 20;
+// What a context and the libraries take when nothing can measure it.
+inline constexpr size_t kContextGuess = size_t(768) << 20;
+
+inline size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+// Hands out aligned pieces of one region. With a null base it only counts,
+// so the same code measures a region before the arena exists and carves it
+// after.
+struct Carver {
+  uint8_t* base = nullptr;
+  size_t used = 0;
+  template <typename T>
+  T* take(size_t count) {
+    used = align_up(used, kAlign);
+    T* p = base ? reinterpret_cast<T*>(base + used) : nullptr;
+    used += count * sizeof(T);
+    return p;
+  }
+};
+
+// The distinct valid experts among `count` routed ids, in order of first use.
+inline std::vector<int> distinct_experts(const int32_t* ids, int count, int n_experts) {
+  std::vector<int> used;
+  for (int i = 0; i < count; ++i)
+    if (ids[i] >= 0 && ids[i] < n_experts && std::find(used.begin(), used.end(), ids[i]) == used.end())
+      used.push_back(ids[i]);
+  return used;
+}
+
+inline std::vector<uint16_t> bf16_of(const std::vector<float>& v) {
+  std::vector<uint16_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = f32_to_bf16(v[i]);
+  return out;
+}
+
+// One dense matrix [rows, cols] on the device: bf16, INT8 with one f32
+// scale per row (w ~ scale[row] * q), or INT4 (q4: a matrix of its own in
+// the layout of docs/int4-experts.md, q4m its offsets from q4).
+struct DenseW {
+  const __nv_bfloat16* w = nullptr;
+  const int8_t* q = nullptr;
+  const float* scale = nullptr;
+  const uint8_t* q4 = nullptr;
+  Q4MatrixLayout q4m{};
+  int rows = 0, cols = 0;
+  explicit operator bool() const { return w || q || q4; }
+  bool quantised() const { return q || q4; }
+  size_t elems() const { return size_t(rows) * size_t(cols); }
+  // Rows [r0, r0 + n) as a matrix of their own.
+  DenseW slice(int r0, int n) const {
+    DenseW d = *this;
+    if (w) d.w = w + size_t(r0) * cols;
+    if (q) d.q = q + size_t(r0) * cols;
+    if (scale) d.scale = scale + r0;
+    if (q4) d.q4m = q4_row_slice(q4m, r0, n);
+    d.rows = n;
+    return d;
+  }
+};
+
+// The dtype of the non-expert matrices (the embedding stays bf16).
+enum class DenseDtype { bf16, int8, int4 };
+
+inline const char* dense_name(DenseDtype t) { return t == DenseDtype::int4 ? "int4" : t == DenseDtype::int8 ? "int8" : "bf16"; }
+// INT4 dense matrices: groups of 64 inputs (32 where the width needs it).
+inline constexpr int kDenseQ4Group = 64;
+
+}  // namespace cuda_engine_detail
+
+using namespace cuda_engine_detail;
+
+struct CudaEngine::Impl {
+  std::atomic<uint64_t>* progress = nullptr;  // CudaEngine::set_progress
+  // What the process holds on the device (docs/cuda-worker.md).
+  std::unique_ptr<DeviceMemoryMeter> meter;  // null without NVML
+  uint64_t base_device_bytes = 0;             // the context and libraries, before the arena
+  uint64_t budget_bytes = 0;                  // --vram-budget (or the default), the whole process
+  mutable uint64_t peak_device_bytes = 0;     // the largest process_bytes() seen
+  uint64_t steps_since_check = 0;
+  bool over_budget_said = false;
+  void advanced() {
+    if (progress) progress->fetch_add(1, std::memory_order_relaxed);
+  }
+
+  // ---- Model
+  std::shared_ptr<ModelFiles> files;
+  ModelDesc d;
+  CudaEngineOptions opts;
+  std::unique_ptr<ModelWeights> host_weights;  // mapping-backed views, the source of every upload
+  ExpertLayout layout{};
+  bool grouped_ok = false;
+  int hidden = 0, qkv_width = 0, q_width = 0, n_experts = 0, top_k = 0, n_moe_layers = 0, vocab = 0;
+  int max_context = 0, max_blocks = 0;
+  int max_pass_tokens = 0;                // tokens per pass
+  size_t h_rows = 0;        // rows of the GEMV expert scratch
+  int gu_stride = 0;        // row stride of the fused gate|up output
+  int mlp_inter_max = 0;    // widest shared / dense MLP
+  float attention_factor = 1.f;
+  uint8_t* pinned_experts = nullptr;  // experts quantised at load, page-locked (freed at the end)
+
+  struct DevLayer {
+    bf16 *in_norm = nullptr, *post_norm = nullptr, *qkv_b = nullptr;
+    bf16 *q_norm = nullptr, *k_norm = nullptr;
+    DenseW qkv_w, o_w;
+    int moe_index = -1;  // -1: dense MLP
+    DenseW router_w;
+    DenseW mlp_gu_w, mlp_down_w;  // shared expert or dense MLP
+    int mlp_inter = 0, mlp_rows = 0;                  // rows: gate | up | (gate logit) | (router), padded
+    int router_row = -1;                              // >= 0: the router's rows inside mlp_gu_w
+    bool mlp_gated = false;                           // Qwen2-MoE: sigmoid gate logit at row 2*inter
+    bf16 *k_pool = nullptr, *v_pool = nullptr;
+  };
+  std::vector<DevLayer> layers;
+  bf16 *embed = nullptr, *final_norm = nullptr;
+  DenseW lm_head;
+  DenseDtype dense = DenseDtype::bf16;  // non-expert matrices (the embedding stays bf16)
+  bool embed_host = false;        // the embedding lies in mapped pinned host memory, not the arena
+  bf16* embed_host_buf = nullptr; // its cudaHostAlloc'ed rows then
+  bf16* dequant = nullptr;        // prefill: a quantised matrix back in bf16 for cuBLASLt
+  size_t dequant_elems = 0;       // the largest such matrix
+
+  // ---- Device memory
+  IslandPlan plan;
+  std::unique_ptr<IslandArena> arena;
+  std::unique_ptr<ResidencyMap> map;
+  std::unique_ptr<ExpertPredictor> predictor;
+  std::unique_ptr<cuda::CublasLtMatmul> mm;
+  cudaStream_t st = nullptr;
+  cudaEvent_t routes_ready = nullptr;  // budget mode: a layer's routes are on the host
+  bool all_resident = false;
+  uint64_t residency_version = 0;
+
+  // workspace
+  float *x = nullptr, *qkv = nullptr, *router_logits = nullptr, *route_w = nullptr, *h = nullptr;
+  float *gu = nullptr, *tmp = nullptr, *xs = nullptr, *logits = nullptr, *inv_freq = nullptr;
+  int32_t *route_ids = nullptr, *sampled = nullptr;
+  bf16 *xn = nullptr, *q = nullptr, *attn = nullptr, *mh = nullptr, *xsn = nullptr;
+  const uint8_t** blob_tables = nullptr;  // [n_moe_layers, n_experts] device pointers
+  void* grouped_ws = nullptr;
+  size_t grouped_ws_bytes = 0;
+  uint8_t* pack_dev = nullptr;  // a pass's inputs (layout: PassPack)
+  size_t pack_bytes = 0;
+
+  // pinned host mirrors
+  uint8_t* pack_host = nullptr;
+  const uint8_t** tables_host = nullptr;  // [n_moe_layers, n_experts]
+  int32_t* ids_host = nullptr;            // [n_moe_layers, max_pass_tokens, top_k]
+  int32_t* sampled_host = nullptr;        // [kMaxSampleRows]
+  float* logits_host = nullptr;           // [kMaxSampleRows, vocab]
+
+  // ---- Misses split between the link and the host (budget mode, decode)
+  std::unique_ptr<HostExperts> host_x;   // null: every miss is copied
+  double link_us = 0;                    // one expert over the link (measured at start)
+  double host_us_token = 0;              // one expert-token on the host (measured at start)
+  static constexpr double kHostFixedUs = 25;  // state down, sum up, two fork-joins
+  bf16* xn_host = nullptr;               // [8, hidden] pinned: the layer's expert input
+  float* rw_host = nullptr;              // [8, top_k] pinned: route weights
+  float* hsum_host = nullptr;            // [8, hidden] pinned: the host experts' sum
+  int32_t* split_ids_host = nullptr;     // [8, top_k] pinned: ids with the host's pairs as -1
+  float* hsum = nullptr;                 // [8, hidden] device (workspace)
+  int32_t* split_ids = nullptr;          // [8, top_k] device (workspace)
+  std::vector<HostPair> host_pairs;      // this layer's, when bind_experts split it
+  uint64_t host_experts_served = 0, host_expert_tokens = 0;
+
+  // ---- Streamed misses (budget mode, decode; docs/cuda-worker.md)
+  // The pass in flight reads every expert through blob_tables: an island
+  // when the expert is resident and its copy has landed, else its pinned
+  // host blob over the link. Nothing is pinned, no host waits inside.
+  bool streaming = false;
+  bool stream_tables_stale = true;  // residency changed outside streamed passes: rebuild the tables
+  struct Landing {
+    ExpertKey key;
+    int64_t island;
+  };
+  std::vector<Landing> admitted;    // copied in after the last pass
+  std::vector<Landing> landing;     // copied in after the one before: read from their islands next
+  uint64_t bytes_streamed = 0;
+  uint8_t* on_gpu_host = nullptr;  // [n_moe_layers, n_experts] pinned: 1 where the table names an island
+  uint8_t* on_gpu = nullptr;       // [n_moe_layers, n_experts] device (workspace): what share_publish reads
+  Status upload_stream_tables();
+
+  // ---- The host's share of streamed decode passes (host_experts with
+  // misses "stream"; cuda_engine/host_share.h). Mapped pinned memory: one
+  // ShareSlot per MoE layer, then [n_moe_layers, kShareMaxTokens, hidden] bf16 states, then
+  // [n_moe_layers, kShareMaxTokens, hidden] f32 sums.
+  std::unique_ptr<HostShare> share;
+  uint8_t* share_host = nullptr;
+  ShareSlot* share_slots_dev = nullptr;
+  bf16* share_x_dev = nullptr;
+  float* share_sum_dev = nullptr;
+  uint16_t* share_rows = nullptr;    // [kShareMaxTokens * top_k + 1] device (workspace): share_rows_table
+  int32_t* share_split = nullptr;    // [kShareMaxTokens * top_k] device (workspace): Q4ExpertArgs::split
+  uint32_t* share_pass = nullptr;    // device (workspace): the pass number the kernels compare
+  uint32_t* share_count = nullptr;   // [n_moe_layers] device (workspace)
+  int32_t* share_ids = nullptr;      // [kShareMaxTokens * top_k] device (workspace): the GPU's experts, the host's as -1
+  uint32_t* pass_host = nullptr;     // pinned
+  uint32_t share_pass_no = 0;
+  bool sharing = false;              // this pass
+  // Misses a MoE layer of recent streamed passes (a moving average, from
+  // "many" at start). A shared layer costs ~4 µs of hand-overs (the Qwen3
+  // shape at 12 GiB with the router's routing, 0.03 misses a layer, went
+  // 387 -> 362 tok/s sharing every pass), and a miss the host takes rows
+  // of saves ~a third of its 53 µs over the link: passes share from a
+  // quarter of a miss a layer on.
+  // Kept per pass size: a pass of 8 tokens misses more experts a layer than
+  // one of 1, and its passes must not switch sharing on for the other's.
+  std::array<double, kShareMaxTokens + 1> share_misses = [] {
+    std::array<double, kShareMaxTokens + 1> a;
+    a.fill(8.0);  // "many" at start
+    return a;
+  }();
+  static constexpr double kShareMinMisses = 0.25;
+  static constexpr double kShareFixedUs = 8;   // post and collect, over the link both ways
+  static constexpr int kShareTimeoutMs = 5000;  // the host gone this long: the device traps
+  Status start_host_share();
+  Result<double> measure_link_us();
+  bool stream_pass(int n) const {
+    return !all_resident && opts.misses == MissMode::stream && n <= cuda::kGemvMaxTokens &&
+           size_t(n) * top_k < 4 * size_t(n_experts);
+  }
+  Status prepare_streamed_pass();
+  Status after_streamed_pass(int n);
+
+  // ---- Sequences and their KV blocks (the pools in the arena: DevLayer)
+  std::unique_ptr<KvBlockPool> kv_pool;
+  int kv_blocks = 0;
+
+  // ---- Decode graphs (resident and streamed passes), keyed by batch size
+  // and whether the host shares the pass (2 n + sharing)
+  struct Graph {
+    int seen = 0;
+    cudaGraphExec_t exec = nullptr;
+  };
+  std::map<int, Graph> graphs;
+
+  // Where a pass's inputs sit in the pack (a function of its sizes only, so
+  // that a captured graph's pointers stay valid for every pass of that size).
+  struct PassPack {
+    size_t tokens = 0, positions = 0, seq_of_token = 0, sample_rows = 0, sample_pos = 0,
+           params = 0, tables = 0, bytes = 0;
+  };
+  PassPack pack_layout(int n, int s, int pieces) const {
+    PassPack p;
+    size_t o = 0;
+    auto put = [&](size_t& field, size_t bytes) {
+      o = align_up(o, 16);
+      field = o;
+      o += bytes;
+    };
+    put(p.tokens, size_t(n) * 4);
+    put(p.positions, size_t(n) * 4);
+    put(p.seq_of_token, size_t(n) * 4);
+    put(p.sample_rows, size_t(std::max(s, 1)) * 4);
+    put(p.sample_pos, size_t(std::max(s, 1)) * 8);
+    put(p.params, size_t(std::max(s, 1)) * sizeof(SampleDraw));
+    put(p.tables, size_t(pieces) * max_blocks * 4);
+    p.bytes = o;
+    return p;
+  }
+
+  ~Impl() {
+    if (st) (void)cudaStreamSynchronize(st);
+    for (auto& [b, g] : graphs)
+      if (g.exec) (void)cudaGraphExecDestroy(g.exec);
+    arena.reset();
+    mm.reset();
+    if (pack_host) (void)cudaFreeHost(pack_host);
+    if (embed_host_buf) (void)cudaFreeHost(embed_host_buf);
+    if (tables_host) (void)cudaFreeHost(tables_host);
+    if (ids_host) (void)cudaFreeHost(ids_host);
+    if (sampled_host) (void)cudaFreeHost(sampled_host);
+    if (logits_host) (void)cudaFreeHost(logits_host);
+    for (void* p : {static_cast<void*>(xn_host), static_cast<void*>(rw_host), static_cast<void*>(hsum_host),
+                    static_cast<void*>(split_ids_host)})
+      if (p) (void)cudaFreeHost(p);
+    share.reset();  // its threads stop before the memory they read goes
+    for (void* p : {static_cast<void*>(share_host), static_cast<void*>(pass_host), static_cast<void*>(on_gpu_host)})
+      if (p) (void)cudaFreeHost(p);
+    if (routes_ready) (void)cudaEventDestroy(routes_ready);
+    if (st) (void)cudaStreamDestroy(st);
+    if (pinned_experts) (void)cudaFreeHost(pinned_experts);
+  }
+
+  Status carve_weights(Carver& c, bool upload);
+  void carve_workspace(Carver& c);
+  Status expert_source(ExpertHostSource& src);
+  Status forward(const PassPack& pk, int n, int s);
+  // positions / seq_of_token: the pass's, on the device (uniform routing
+  // draws from them); the layer's shared expert runs inside (see forward).
+  Status moe_layer(const DevLayer& L, int n, bool logits_ready, const int32_t* positions, const int32_t* seq_of_token,
+                   bool fuse);
+  // The shared expert or dense MLP from gu (its gate|up), added to x.
+  Status mlp(const DevLayer& L, int n, bool fuse);
+  // The layer's routed experts on the GPU (and the host's share, when
+  // bind_experts split the misses), added to x.
+  Status routed_experts(int ml, int n, const int32_t* ids);
+  // y[n, mat.rows] (+)= x mat^T, bf16 or INT8 weights; GEMV up to 8 rows of x,
+  // cuBLASLt above (an INT8 matrix is first turned back into bf16).
+  Status project(const DenseW& mat, const bf16* x, float* y, int n, bool acc);
+  Status gemv(const DenseW& mat, const bf16* x, float* y, int n, bool acc, const float* gate, int gate_stride);
+  Status gemv_rmsnorm(const DenseW& mat, const float* xf, const bf16* norm_w, bf16* xn_out, float* y, int n);
+  Status gemv_silu(const DenseW& mat, const float* gu_in, int stride, float* y, int n, const float* gate);
+  // Reads the layer's routes, makes its experts resident (or leaves misses
+  // to the host); `meanwhile` enqueues GPU work that does not depend on the
+  // routed experts while the host waits for the routes.
+  Status bind_experts(int ml, int n, const std::function<Status()>& meanwhile);
+  Status release_experts(int ml);
+  Status start_host_experts();
+  std::vector<std::vector<int>> bound;  // [n_moe_layers] experts pinned for the layer's kernels
+};
+
+}  // namespace moe

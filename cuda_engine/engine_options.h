@@ -1,0 +1,128 @@
+#pragma once
+// The CUDA engine's options and the choices they take as enums, parsed once
+// at a command line's edge (moe-worker, the benchmarks) with parse_choice
+// and named back with choice_name; the engine itself never sees a string.
+// Needs no CUDA headers.
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+
+namespace moe {
+
+enum class DenseWeights { automatic, bf16, int8, int4 };
+enum class HostShareMode { automatic, on, off };
+enum class MissMode { stream, copy };
+enum class EvictionKind { lru, lfu, ours };
+
+// The spelling of each choice on a command line.
+template <class E>
+struct ChoiceNames;
+template <>
+struct ChoiceNames<DenseWeights> {
+  static constexpr std::pair<const char*, DenseWeights> all[] = {
+      {"auto", DenseWeights::automatic}, {"bf16", DenseWeights::bf16}, {"int8", DenseWeights::int8},
+      {"int4", DenseWeights::int4}};
+};
+template <>
+struct ChoiceNames<HostShareMode> {
+  static constexpr std::pair<const char*, HostShareMode> all[] = {
+      {"auto", HostShareMode::automatic}, {"on", HostShareMode::on}, {"off", HostShareMode::off}};
+};
+template <>
+struct ChoiceNames<MissMode> {
+  static constexpr std::pair<const char*, MissMode> all[] = {{"stream", MissMode::stream}, {"copy", MissMode::copy}};
+};
+template <>
+struct ChoiceNames<EvictionKind> {
+  static constexpr std::pair<const char*, EvictionKind> all[] = {
+      {"lru", EvictionKind::lru}, {"lfu", EvictionKind::lfu}, {"ours", EvictionKind::ours}};
+};
+
+template <class E>
+std::optional<E> parse_choice(std::string_view text) {
+  for (const auto& [name, value] : ChoiceNames<E>::all)
+    if (text == name) return value;
+  return std::nullopt;
+}
+
+template <class E>
+const char* choice_name(E value) {
+  for (const auto& [name, v] : ChoiceNames<E>::all)
+    if (v == value) return name;
+  return "?";
+}
+
+// "a, b or c": for the message that refuses anything else.
+template <class E>
+std::string choice_list() {
+  std::string out;
+  const size_t n = std::size(ChoiceNames<E>::all);
+  for (size_t i = 0; i < n; ++i) {
+    if (i) out += i + 1 == n ? " or " : ", ";
+    out += ChoiceNames<E>::all[i].first;
+  }
+  return out;
+}
+
+struct CudaEngineOptions {
+  size_t vram_budget = 0;     // the whole process on the device; 0: free device memory less a margin
+  // The arena alone instead (several engines in one process, as tests run
+  // them side by side, cannot each own the whole process): when set,
+  // vram_budget is ignored.
+  size_t arena_budget = 0;
+  // The router's rows in bf16 whatever the dense dtype (else INT8 at least).
+  bool router_bf16 = false;
+  int kv_blocks = 0;          // exactly this many; 0: what the experts leave (at least kv_blocks_min, up to 8 GiB)
+  int kv_blocks_min = 64;     // with kv_blocks 0: the worker refuses to start with fewer
+  int max_step_tokens = 512;  // tokens per forward pass (larger steps run as several)
+  int max_context = 0;        // 0: the model's max_position (capped at 32768)
+  EvictionKind policy = EvictionKind::ours;  // which resident expert leaves its island
+  bool prefetch = true;         // budget mode: hint the next layer's predicted experts
+  bool graphs = true;           // resident mode: replay decode steps as CUDA graphs
+  int fuse_max_tokens = 4;      // up to this many tokens RMSNorm / SiLU are folded into the GEMVs (0..8)
+  int q4_group = 64;            // quantising a checkpoint whose experts are not INT4 yet
+  // Non-expert matrices: bf16, int8 (one scale per row), int4 (groups of 64
+  // inputs, docs/int4-experts.md; the router's rows and lm_head stay int8,
+  // a matrix narrower than 32-input runs too), or auto: bf16 when every
+  // expert stays resident, else int8 (int4 only when int8 leaves no room;
+  // its cost in quality in docs/cuda-worker.md). The embedding stays bf16.
+  DenseWeights dense_weights = DenseWeights::automatic;
+  // Under a budget (not every expert fits), keep the embedding in mapped
+  // pinned host memory: a step reads one row per token over the link, and
+  // its bytes become islands. Not done when a bf16 lm_head shares it.
+  bool host_embedding = true;
+  // Under a budget, the host's cores compute part of the misses from the
+  // pinned blobs while the link brings the rest. Streamed batch-1 passes:
+  // the first rows of every miss, by a table fixed at start from the two
+  // measured rates (cuda_engine/host_share.h); copy mode: whole misses, per
+  // layer on the host's running clock. host_threads 0: every hardware
+  // thread but two (stream) or all (copy). "on", "off", or "auto": on where
+  // the rates measured at start give the host any rows (in copy mode, where
+  // the host has at least two threads). Which rows the host computes (f32,
+  // the GPU half2) follows this machine's timings, and so may the last bits
+  // of the logits; "off" keeps a budget run bit-identical to a resident one.
+  HostShareMode host_experts = HostShareMode::automatic;
+  // Under a budget, how decode passes (up to 8 tokens, not a prompt) meet a
+  // miss: "stream", the expert kernels read it from pinned host memory over
+  // the link (no host round trip inside the pass, so the pass is a CUDA
+  // graph; experts the policy finds worth it are copied in after the pass,
+  // at most stream_admit_per_pass a pass); or "copy", the host waits for
+  // each layer's routes and copies the misses into islands first (with
+  // prefetch of predicted experts, and the host split above).
+  MissMode misses = MissMode::stream;
+  int stream_admit_per_pass = 8;
+  int host_threads = 0;
+  double host_link_us = 0;    // one expert over the link, µs; 0: measured at start (tests force a split with it)
+  double host_expert_us = 0;  // one expert on the host's cores (streamed passes), µs; 0: measured at start
+  // Benchmarks: 0, the router picks the experts; else every token's experts
+  // are drawn uniformly (distinct, the router's weights kept) from this seed,
+  // the layer, the position and the sequence: the uniform routing that the
+  // offload targets are stated for, which random router weights do not give.
+  uint64_t uniform_routing_seed = 0;
+};
+
+}  // namespace moe

@@ -1,0 +1,234 @@
+// One forward pass on the GPU: embedding, attention, the MoE layer and its
+// experts, the dense GEMVs, the final norm, lm_head and sampling.
+#include "cuda_engine/engine_impl.h"
+
+namespace moe {
+
+Status CudaEngine::Impl::gemv(const DenseW& mat, const bf16* xin, float* y, int n, bool acc, const float* gate,
+                              int gate_stride) {
+  if (mat.q4) return cuda::dense_gemv_q4(mat.q4, mat.q4m, xin, y, n, acc, gate, gate_stride, st);
+  if (mat.q) return cuda::dense_gemv_i8(mat.q, mat.scale, xin, y, n, mat.rows, mat.cols, acc, gate, gate_stride, st);
+  return cuda::dense_gemv_bf16(mat.w, xin, y, n, mat.rows, mat.cols, acc, gate, gate_stride, st);
+}
+
+Status CudaEngine::Impl::gemv_rmsnorm(const DenseW& mat, const float* xf, const bf16* norm_w, bf16* xn_out, float* y,
+                                      int n) {
+  if (mat.q4)
+    return cuda::dense_gemv_q4_rmsnorm(mat.q4, mat.q4m, xf, norm_w, d.rms_eps, xn_out, y, n, false, nullptr, 0, st);
+  if (mat.q)
+    return cuda::dense_gemv_i8_rmsnorm(mat.q, mat.scale, xf, norm_w, d.rms_eps, xn_out, y, n, mat.rows, mat.cols, false,
+                                       nullptr, 0, st);
+  return cuda::dense_gemv_bf16_rmsnorm(mat.w, xf, norm_w, d.rms_eps, xn_out, y, n, mat.rows, mat.cols, false, nullptr, 0, st);
+}
+
+Status CudaEngine::Impl::gemv_silu(const DenseW& mat, const float* gu_in, int stride, float* y, int n,
+                                   const float* gate) {
+  if (mat.q4) return cuda::dense_gemv_q4_silu(mat.q4, mat.q4m, gu_in, stride, y, n, true, gate, stride, st);
+  if (mat.q)
+    return cuda::dense_gemv_i8_silu(mat.q, mat.scale, gu_in, stride, y, n, mat.rows, mat.cols, true, gate, stride, st);
+  return cuda::dense_gemv_bf16_silu(mat.w, gu_in, stride, y, n, mat.rows, mat.cols, true, gate, stride, st);
+}
+
+Status CudaEngine::Impl::project(const DenseW& mat, const bf16* xin, float* y, int n, bool acc) {
+  if (n <= cuda::kGemvMaxTokens) return gemv(mat, xin, y, n, acc, nullptr, 0);
+  const bf16* w = mat.w;
+  if (mat.q4) {
+    MOE_TRY(cuda::dequantize_q4(mat.q4, mat.q4m, dequant, st));
+    w = dequant;
+  } else if (mat.q) {
+    MOE_TRY(cuda::dequantize_rows_i8(mat.q, mat.scale, mat.rows, mat.cols, dequant, st));
+    w = dequant;
+  }
+  return mm->matmul(xin, w, y, true, n, mat.rows, mat.cols, acc ? 1.f : 0.f, st);
+}
+
+Status CudaEngine::Impl::mlp(const DevLayer& L, int n, bool fuse) {
+  // SiLU(gate) * up, then down (scaled by the shared expert's gate), added to the residual.
+  const bool small = n <= cuda::kGemvMaxTokens;
+  const int I = L.mlp_inter;
+  const float* gate = L.mlp_gated ? gu + 2 * I : nullptr;
+  if (fuse) return gemv_silu(L.mlp_down_w, gu, gu_stride, x, n, gate);
+  MOE_TRY(cuda::silu_mul_fused(gu, mh, n, I, st, gu_stride));
+  if (small) return gemv(L.mlp_down_w, mh, x, n, true, gate, gu_stride);
+  if (gate) {
+    MOE_TRY(project(L.mlp_down_w, mh, tmp, n, false));
+    return cuda::gated_add(x, tmp, gate, gu_stride, n, hidden, st);
+  }
+  return project(L.mlp_down_w, mh, x, n, true);
+}
+
+Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, const int32_t* positions,
+                                   const int32_t* seq_of_token, bool fuse) {
+  const int ml = L.moe_index;
+  // The router's logits: inside the shared projection's output, already
+  // made by the fused norm + GEMV, or computed here from xn.
+  const float* logits = L.router_row >= 0 ? gu + L.router_row : router_logits;
+  const int stride = L.router_row >= 0 ? gu_stride : n_experts;
+  if (!logits_ready)
+    MOE_TRY(project(L.router_w, xn, router_logits, n, false));
+  int32_t* ids = route_ids + size_t(ml) * n * top_k;
+  // A shared pass posts the layer's share to the host: the router kernel
+  // itself for one token, a kernel of its own after it for more.
+  cuda::SharePublishArgs a;
+  if (sharing) {
+    a.tokens = n;
+    a.ids = ids;
+    a.route_w = route_w;
+    a.on_gpu = on_gpu + size_t(ml) * n_experts;
+    a.rows = share_rows;
+    a.top_k = top_k;
+    a.n_experts = n_experts;
+    a.inter = layout.inter;
+    a.xn = xn;
+    a.hidden = hidden;
+    a.slot = share_slots_dev + ml;
+    a.x_host = share_x_dev + size_t(ml) * kShareMaxTokens * hidden;
+    a.pass = share_pass;
+    a.gpu_ids = share_ids;
+    a.gpu_split = share_split;
+    a.host_count = share_count + ml;
+  }
+  // Uniform routing (benchmarks): the router's ids overwritten by a seeded
+  // draw, which then posts the one-token share in the router's place.
+  const bool uniform = opts.uniform_routing_seed != 0;
+  const cuda::SharePublishArgs* publish_one = sharing && n == 1 ? &a : nullptr;
+  MOE_TRY(cuda::router_topk(logits, n, n_experts, top_k, d.moe.norm_topk_prob, d.moe.routed_scaling, ids, route_w, st,
+                            stride, uniform ? nullptr : publish_one));
+  if (uniform)
+    MOE_TRY(cuda::draw_uniform_experts({positions, seq_of_token, ml, opts.uniform_routing_seed}, ids, n, n_experts,
+                                       top_k, st, publish_one));
+  if (sharing && n > 1)
+    MOE_TRY(cuda::share_publish(a, st));
+  auto shared = [&]() -> Status { return L.mlp_gu_w ? mlp(L, n, fuse) : Status{}; };
+  if (all_resident || streaming) {
+    MOE_TRY(shared());
+    if (!sharing) return routed_experts(ml, n, ids);
+    MOE_TRY(routed_experts(ml, n, share_ids));
+    return cuda::share_collect(share_slots_dev + ml, share_sum_dev + size_t(ml) * kShareMaxTokens * hidden, x, n, hidden,
+                               share_pass, share_count + ml, kShareTimeoutMs, st);
+  }
+  // Under a budget the layer's experts are pinned from bind_experts on; they
+  // are released whatever happens after, a failure included.
+  Status s = bind_experts(ml, n, shared);
+  if (s) s = routed_experts(ml, n, ids);
+  const Status r = release_experts(ml);
+  return s ? r : s;
+}
+
+Status CudaEngine::Impl::routed_experts(int ml, int n, const int32_t* ids) {
+  const bool small = n <= cuda::kGemvMaxTokens;
+  cuda::Q4ExpertArgs a;
+  a.layout = layout;
+  a.blobs = blob_tables + size_t(ml) * n_experts;
+  a.n_experts = n_experts;
+  a.expert_ids = host_pairs.empty() ? ids : split_ids;  // the host's pairs as -1: skipped
+  if (sharing) a.split = share_split;  // the host's rows of each shared miss
+  a.route_weights = route_w;
+  a.tokens = n;
+  a.top_k = top_k;
+  if (small || !grouped_ok) {
+    MOE_TRY(cuda::q4_expert_gate_up(a, xn, h, st));
+    MOE_TRY(cuda::q4_expert_down(a, h, x, true, st));
+  } else {
+    MOE_TRY(cuda::q4_grouped_moe(a, xn, x, grouped_ws, grouped_ws_bytes, st));
+  }
+  if (!host_pairs.empty()) {
+    // The GPU works on the hits and the copied misses meanwhile.
+    const auto t0 = std::chrono::steady_clock::now();
+    host_x->run(reinterpret_cast<const uint16_t*>(xn_host), n, host_pairs, hsum_host);
+    // The split follows what the host really takes (its cores may be busy).
+    const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+    host_us_token = 0.9 * host_us_token + 0.1 * us / double(host_pairs.size());
+    MOE_CUDA_TRY(cudaMemcpyAsync(hsum, hsum_host, size_t(n) * hidden * 4, cudaMemcpyHostToDevice, st));
+    return cuda::add_inplace(x, hsum, int64_t(n) * hidden, st);
+  }
+  return {};
+}
+
+Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
+  // Up to this many tokens RMSNorm and SiLU are folded into the GEMVs'
+  // staging (fewer launches); above, every block re-reading the f32 inputs
+  // costs more than the launches saved (docs/cuda.md).
+  const bool fuse = n <= opts.fuse_max_tokens;
+  const auto* tokens = reinterpret_cast<const int32_t*>(pack_dev + pk.tokens);
+  const auto* positions = reinterpret_cast<const int32_t*>(pack_dev + pk.positions);
+  const auto* seq_of_token = reinterpret_cast<const int32_t*>(pack_dev + pk.seq_of_token);
+  const auto* tables = reinterpret_cast<const int32_t*>(pack_dev + pk.tables);
+  const float eps = d.rms_eps;
+  MOE_TRY(cuda::embedding_gather(embed, vocab, hidden, tokens, n, x, st));
+  for (const DevLayer& L : layers) {
+    advanced();
+    cuda::PagedKvPool kv{L.k_pool, L.v_pool, tables, max_blocks, kBlockTokens, d.n_kv_heads, d.head_dim};
+    if (fuse) {
+      MOE_TRY(gemv_rmsnorm(L.qkv_w, x, L.in_norm, nullptr, qkv, n));
+    } else {
+      MOE_TRY(cuda::rmsnorm(x, L.in_norm, xn, n, hidden, eps, st));
+      MOE_TRY(project(L.qkv_w, xn, qkv, n, false));
+    }
+    cuda::QkvRopeArgs ra;
+    ra.qkv = qkv;
+    ra.bias = L.qkv_b;
+    ra.q_norm = L.q_norm;
+    ra.k_norm = L.k_norm;
+    ra.qk_norm_full_width = d.qk_norm == QkNorm::whole;
+    ra.eps = eps;
+    ra.positions = positions;
+    ra.seq_of_token = seq_of_token;
+    ra.inv_freq = inv_freq;
+    ra.attention_factor = attention_factor;
+    ra.tokens = n;
+    ra.n_heads = d.n_heads;
+    ra.q_out = q;
+    MOE_TRY(cuda::qkv_rope_store(ra, kv, st));
+    cuda::AttentionArgs aa;
+    aa.q = q;
+    aa.seq_of_token = seq_of_token;
+    aa.positions = positions;
+    aa.tokens = n;
+    aa.n_heads = d.n_heads;
+    aa.scale = 1.f / std::sqrt(float(d.head_dim));
+    aa.out = attn;
+    MOE_TRY(cuda::paged_attention(aa, kv, st));
+    MOE_TRY(project(L.o_w, attn, x, n, true));
+    // The normed state xn and the first projection after attention: the
+    // shared expert's / dense MLP's gate|up (with the router's rows when the
+    // layer has both), or the router alone. Small batches norm inside the GEMV.
+    bool logits_ready = false;
+    if (fuse && (L.mlp_gu_w || L.moe_index >= 0)) {
+      const DenseW& w = L.mlp_gu_w ? L.mlp_gu_w : L.router_w;
+      MOE_TRY(gemv_rmsnorm(w, x, L.post_norm, xn, L.mlp_gu_w ? gu : router_logits, n));
+      logits_ready = true;
+    } else {
+      MOE_TRY(cuda::rmsnorm(x, L.post_norm, xn, n, hidden, eps, st));
+      if (L.mlp_gu_w) {
+        MOE_TRY(project(L.mlp_gu_w, xn, gu, n, false));
+        logits_ready = L.router_row >= 0;
+      }
+    }
+    if (L.moe_index >= 0) {
+      // The shared expert runs between the router and the routed experts:
+      // under a budget it overlaps the host's wait for the routes and the
+      // misses' copies.
+      MOE_TRY(moe_layer(L, n, logits_ready, positions, seq_of_token, fuse));
+    } else if (L.mlp_gu_w) {
+      MOE_TRY(mlp(L, n, fuse));
+    }
+  }
+  if (s == 0) return {};
+  const auto* rows = reinterpret_cast<const int32_t*>(pack_dev + pk.sample_rows);
+  MOE_TRY(cuda::gather_rows_f32(x, rows, s, hidden, xs, st));
+  MOE_TRY(cuda::rmsnorm(xs, final_norm, xsn, s, hidden, eps, st));
+  if (lm_head.quantised()) {
+    // The quantised vocabulary projection is too large to turn back into bf16:
+    // GEMVs of up to 8 rows.
+    for (int r0 = 0; r0 < s; r0 += cuda::kGemvMaxTokens)
+      MOE_TRY(gemv(lm_head, xsn + size_t(r0) * hidden, logits + size_t(r0) * vocab,
+                          std::min(cuda::kGemvMaxTokens, s - r0), false, nullptr, 0));
+  } else {
+    MOE_TRY(project(lm_head, xsn, logits, s, false));
+  }
+  return cuda::sample_tokens(logits, s, vocab, reinterpret_cast<const SampleDraw*>(pack_dev + pk.params),
+                             reinterpret_cast<const int64_t*>(pack_dev + pk.sample_pos), sampled, st);
+}
+
+}  // namespace moe

@@ -1,0 +1,372 @@
+#include "gateway/api/completion_request.h"
+
+#include <limits>
+
+#include "gateway/json_body.h"
+
+namespace moe::gw {
+namespace {
+
+using json = nlohmann::json;
+
+// A present, non-null member, or nullptr.
+const json* member(const json& obj, const char* key) {
+  auto it = obj.find(key);
+  if (it == obj.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+std::optional<ApiError> wrong_type(const char* param, const char* what) {
+  return invalid_param(param, std::string("'") + param + "' must be " + what + ".", "invalid_type");
+}
+
+std::optional<ApiError> read_int(const json& body, const char* key, std::optional<int64_t>* out) {
+  const json* v = member(body, key);
+  if (!v) return std::nullopt;
+  if (!v->is_number_integer()) return wrong_type(key, "an integer");
+  if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    *out = std::numeric_limits<int64_t>::max();
+  } else {
+    *out = v->get<int64_t>();
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_number(const json& body, const char* key, std::optional<double>* out) {
+  const json* v = member(body, key);
+  if (!v) return std::nullopt;
+  if (!v->is_number()) return wrong_type(key, "a number");
+  *out = v->get<double>();
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_bool(const json& body, const char* key, std::optional<bool>* out) {
+  const json* v = member(body, key);
+  if (!v) return std::nullopt;
+  if (!v->is_boolean()) return wrong_type(key, "a boolean");
+  *out = v->get<bool>();
+  return std::nullopt;
+}
+
+// The text of one chat message's content: a string, or an array of
+// {"type": "text", "text": …} parts joined together.
+std::optional<ApiError> message_text(const json& content, size_t index, std::string* out) {
+  std::string param = "messages[" + std::to_string(index) + "].content";
+  if (content.is_null()) return std::nullopt;
+  if (content.is_string()) {
+    *out = content.get<std::string>();
+    return std::nullopt;
+  }
+  if (!content.is_array()) return invalid_param(param, "'" + param + "' must be a string or an array of parts.", "invalid_type");
+  for (const json& part : content) {
+    const json* type = part.is_object() ? member(part, "type") : nullptr;
+    if (!type || !type->is_string()) {
+      return invalid_param(param, "each part of '" + param + "' must be an object with a 'type'.", "invalid_type");
+    }
+    if (*type != "text") {
+      return invalid_param(param, "content parts of type '" + type->get<std::string>() + "' are not supported; only 'text'.");
+    }
+    const json* text = member(part, "text");
+    if (!text || !text->is_string()) return invalid_param(param, "a text part of '" + param + "' must have a string 'text'.", "invalid_type");
+    *out += text->get<std::string>();
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> chat_prompt(const json& body, const TextCodec& codec, const ChatMessages& prior,
+                                    ChatMessages* messages, std::vector<std::vector<int32_t>>* out) {
+  if (auto err = parse_chat_messages(body, messages)) return err;
+  // The template sees only validated roles and texts: the session's stored
+  // turns first, then this request's.
+  auto ids = codec.encode_chat(template_messages(prior, *messages));
+  if (!ids.ok()) return invalid_param("messages", "The chat template rejected the messages: " + ids.error());
+  out->push_back(std::move(ids.value()));
+  return std::nullopt;
+}
+
+std::optional<ApiError> completion_prompts(const json& body, const TextCodec& codec,
+                                           std::vector<std::vector<int32_t>>* out) {
+  const json* p = member(body, "prompt");
+  if (!p) return invalid_param("prompt", "Missing required parameter: 'prompt'.", "missing_required_parameter");
+  const char* kinds = "a string, an array of strings, an array of token ids or an array of token-id arrays";
+  auto token_ids = [&](const json& arr, std::vector<int32_t>* ids) -> std::optional<ApiError> {
+    for (const json& t : arr) {
+      if (!t.is_number_integer()) return wrong_type("prompt", kinds);
+      int64_t id = t.get<int64_t>();
+      if (id < 0 || id >= codec.vocab_size()) {
+        return invalid_param("prompt", "Token id " + std::to_string(id) + " in 'prompt' is outside the vocabulary [0, " +
+                                           std::to_string(codec.vocab_size()) + ").");
+      }
+      ids->push_back(static_cast<int32_t>(id));
+    }
+    return std::nullopt;
+  };
+  if (p->is_string()) {
+    out->push_back(codec.encode(p->get<std::string>()));
+  } else if (p->is_array()) {
+    if (p->empty()) return invalid_param("prompt", "'prompt' must not be empty.", "empty_array");
+    const json& first = p->front();
+    if (first.is_number_integer()) {
+      std::vector<int32_t> ids;
+      if (auto err = token_ids(*p, &ids)) return err;
+      out->push_back(std::move(ids));
+    } else {
+      for (const json& item : *p) {
+        if (item.is_string()) {
+          out->push_back(codec.encode(item.get<std::string>()));
+        } else if (item.is_array() && first.is_array()) {
+          std::vector<int32_t> ids;
+          if (auto err = token_ids(item, &ids)) return err;
+          out->push_back(std::move(ids));
+        } else {
+          return wrong_type("prompt", kinds);
+        }
+        if (!first.is_string() && item.is_string()) return wrong_type("prompt", kinds);
+      }
+    }
+  } else {
+    return wrong_type("prompt", kinds);
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<ApiError> parse_chat_messages(const json& body, ChatMessages* messages) {
+  const json* msgs = member(body, "messages");
+  if (!msgs) return invalid_param("messages", "Missing required parameter: 'messages'.", "missing_required_parameter");
+  if (!msgs->is_array()) return wrong_type("messages", "an array");
+  if (msgs->empty()) return invalid_param("messages", "'messages' must contain at least one message.", "empty_array");
+  for (size_t i = 0; i < msgs->size(); ++i) {
+    const json& m = (*msgs)[i];
+    std::string where = "messages[" + std::to_string(i) + "]";
+    if (!m.is_object()) return invalid_param(where, "'" + where + "' must be an object.", "invalid_type");
+    const json* role = member(m, "role");
+    if (!role) return invalid_param(where + ".role", "Missing required parameter: '" + where + ".role'.", "missing_required_parameter");
+    if (!role->is_string()) return invalid_param(where + ".role", "'" + where + ".role' must be a string.", "invalid_type");
+    std::string r = role->get<std::string>();
+    if (r != "system" && r != "user" && r != "assistant" && r != "tool" && r != "developer") {
+      return invalid_param(where + ".role", "Invalid value for '" + where + ".role': '" + r +
+                                                "'. Supported values are: 'system', 'developer', 'user', 'assistant' and 'tool'.",
+                           "invalid_value");
+    }
+    auto it = m.find("content");
+    if (it == m.end() && r != "assistant") {
+      return invalid_param(where + ".content", "Missing required parameter: '" + where + ".content'.", "missing_required_parameter");
+    }
+    std::string text;
+    if (it != m.end()) {
+      if (auto err = message_text(*it, i, &text)) return err;
+    }
+    // Templates written for OpenAI-style roles know "system"; "developer" is its newer name.
+    messages->push_back({r == "developer" ? "system" : r, std::move(text)});
+  }
+  return std::nullopt;
+}
+
+json template_messages(const ChatMessages& prior, const ChatMessages& messages) {
+  json rendered = json::array();
+  for (const ChatMessages* list : {&prior, &messages})
+    for (const ChatMessage& m : *list) rendered.push_back({{"role", m.role}, {"content", m.content}});
+  return rendered;
+}
+
+ParsedRequest parse_completion_request(ApiKind kind, std::string_view body_text, const TextCodec& codec,
+                                       const RequestLimits& limits, const ChatMessages& prior) {
+  ParsedJson body = parse_json_body(body_text);
+  if (auto* err = std::get_if<ApiError>(&body)) return *err;
+  return parse_completion_request(kind, std::get<json>(body), codec, limits, prior);
+}
+
+ParsedRequest parse_completion_request(ApiKind kind, const json& body, const TextCodec& codec,
+                                       const RequestLimits& limits, const ChatMessages& prior) {
+  if (!body.is_object()) {
+    return ApiError{400, "The request body must be a JSON object.", "invalid_request_error", "", "invalid_json"};
+  }
+
+  CompletionRequest req;
+  req.kind = kind;
+
+  const json* model = member(body, "model");
+  if (!model) return invalid_param("model", "Missing required parameter: 'model'.", "missing_required_parameter");
+  if (!model->is_string()) return *wrong_type("model", "a string");
+  req.model = model->get<std::string>();
+
+  // Sampling and output parameters: types first, then ranges.
+  std::optional<int64_t> max_tokens, max_completion_tokens, top_k, n, seed, top_logprobs, completion_logprobs;
+  std::optional<double> temperature, top_p;
+  std::optional<bool> stream, chat_logprobs, echo;
+  std::optional<ApiError> err;
+  if ((err = read_int(body, "max_tokens", &max_tokens)) || (err = read_int(body, "top_k", &top_k)) ||
+      (err = read_int(body, "n", &n)) || (err = read_int(body, "seed", &seed)) ||
+      (err = read_number(body, "temperature", &temperature)) || (err = read_number(body, "top_p", &top_p)) ||
+      (err = read_bool(body, "stream", &stream))) {
+    return *err;
+  }
+  if (kind == ApiKind::chat) {
+    if ((err = read_int(body, "max_completion_tokens", &max_completion_tokens)) ||
+        (err = read_bool(body, "logprobs", &chat_logprobs)) || (err = read_int(body, "top_logprobs", &top_logprobs))) {
+      return *err;
+    }
+  } else {
+    if ((err = read_int(body, "logprobs", &completion_logprobs)) || (err = read_bool(body, "echo", &echo))) return *err;
+  }
+
+  if (max_completion_tokens) max_tokens = max_completion_tokens;
+  const char* max_param = max_completion_tokens ? "max_completion_tokens" : "max_tokens";
+  if (max_tokens && *max_tokens <= 0) {
+    return invalid_param(max_param, std::string("'") + max_param + "' must be at least 1, got " +
+                                        std::to_string(*max_tokens) + ".", "invalid_value");
+  }
+  if (temperature && (*temperature < 0.0 || *temperature > 2.0)) {
+    return invalid_param("temperature", "'temperature' must be between 0 and 2.", "invalid_value");
+  }
+  if (top_p && (*top_p <= 0.0 || *top_p > 1.0)) {
+    return invalid_param("top_p", "'top_p' must be greater than 0 and at most 1.", "invalid_value");
+  }
+  if (top_k && *top_k < -1) return invalid_param("top_k", "'top_k' must be -1, 0 (off) or positive.", "invalid_value");
+  if (n && (*n < 1 || *n > limits.max_choices)) {
+    return invalid_param("n", "'n' must be between 1 and " + std::to_string(limits.max_choices) + ".", "invalid_value");
+  }
+  if (top_logprobs && (*top_logprobs < 0 || *top_logprobs > 20)) {
+    return invalid_param("top_logprobs", "'top_logprobs' must be between 0 and 20.", "invalid_value");
+  }
+  if (top_logprobs && *top_logprobs > 0 && !chat_logprobs.value_or(false)) {
+    return invalid_param("top_logprobs", "'top_logprobs' requires 'logprobs' to be true.", "invalid_value");
+  }
+  if (completion_logprobs && (*completion_logprobs < 0 || *completion_logprobs > 5)) {
+    return invalid_param("logprobs", "'logprobs' must be between 0 and 5.", "invalid_value");
+  }
+  if (echo.value_or(false)) return invalid_param("echo", "'echo' is not supported.", "unsupported_parameter");
+  if (const json* best_of = member(body, "best_of")) {
+    if (!best_of->is_number_integer() || best_of->get<int64_t>() != n.value_or(1)) {
+      return invalid_param("best_of", "'best_of' other than 'n' is not supported.", "unsupported_parameter");
+    }
+  }
+
+  if (const json* stop = member(body, "stop")) {
+    if (stop->is_string()) {
+      req.stop.push_back(stop->get<std::string>());
+    } else if (stop->is_array()) {
+      if (stop->size() > 4) return invalid_param("stop", "'stop' may hold at most 4 sequences.", "invalid_value");
+      for (const json& s : *stop) {
+        if (!s.is_string()) return *wrong_type("stop", "a string or an array of strings");
+        req.stop.push_back(s.get<std::string>());
+      }
+    } else {
+      return *wrong_type("stop", "a string or an array of strings");
+    }
+    for (const auto& s : req.stop) {
+      if (s.empty()) return invalid_param("stop", "'stop' sequences must not be empty.", "invalid_value");
+    }
+  }
+
+  if (const json* opts = member(body, "stream_options")) {
+    if (!opts->is_object()) return *wrong_type("stream_options", "an object");
+    if (!stream.value_or(false)) {
+      return invalid_param("stream_options", "'stream_options' is only allowed when 'stream' is true.", "invalid_value");
+    }
+    std::optional<bool> include_usage;
+    if (auto e = read_bool(*opts, "include_usage", &include_usage)) {
+      e->param = "stream_options.include_usage";
+      e->message = "'stream_options.include_usage' must be a boolean.";
+      return *e;
+    }
+    req.include_usage = include_usage.value_or(false);
+  }
+  if (const json* user = member(body, "user")) {
+    if (!user->is_string()) return *wrong_type("user", "a string");
+    req.user = user->get<std::string>();
+  }
+
+  // The model, after the parameters' shapes, so that a typo'd model name on
+  // an otherwise bad request reports the request's own mistake first.
+  if (req.model != limits.served_model_name) {
+    return ApiError{404, "The model '" + req.model + "' does not exist.", "invalid_request_error", "model",
+                    "model_not_found"};
+  }
+
+  // The prompt(s), tokenised.
+  if (kind == ApiKind::chat) {
+    if ((err = chat_prompt(body, codec, prior, &req.messages, &req.prompts))) return *err;
+  } else {
+    if ((err = completion_prompts(body, codec, &req.prompts))) return *err;
+  }
+  const char* prompt_param = kind == ApiKind::chat ? "messages" : "prompt";
+  req.n = static_cast<int>(n.value_or(1));
+  if (static_cast<int64_t>(req.prompts.size()) * req.n > limits.max_choices) {
+    return invalid_param("n", "'n' times the number of prompts must be at most " + std::to_string(limits.max_choices) + ".",
+                         "invalid_value");
+  }
+
+  size_t longest = 0;
+  for (const auto& p : req.prompts) {
+    if (p.empty()) return invalid_param(prompt_param, std::string("'") + prompt_param + "' is empty.", "invalid_value");
+    longest = std::max(longest, p.size());
+  }
+  if (limits.max_context > 0) {
+    const int64_t ctx = limits.max_context;
+    const int64_t room = ctx - static_cast<int64_t>(longest);  // tokens left for the completion
+    if (room <= 0) {
+      return invalid_param(prompt_param, "This model's maximum context length is " + std::to_string(ctx) +
+                                             " tokens. However, your prompt has " + std::to_string(longest) +
+                                             " tokens, which leaves no room for a completion.",
+                           "context_length_exceeded");
+    }
+    // Compared as "more than the room", never as a sum: max_tokens may be near 2^63.
+    if (max_tokens && *max_tokens > room) {
+      return invalid_param(max_param, "This model's maximum context length is " + std::to_string(ctx) +
+                                          " tokens. However, you requested " + std::to_string(longest) + " + " +
+                                          std::to_string(*max_tokens) + " tokens (" + std::to_string(longest) +
+                                          " in the prompt, " + std::to_string(*max_tokens) + " for the completion).",
+                           "context_length_exceeded");
+    }
+    req.max_new_tokens = static_cast<int>(max_tokens ? *max_tokens : room);
+  } else {
+    req.max_new_tokens = max_tokens ? static_cast<int>(std::min<int64_t>(*max_tokens, std::numeric_limits<int>::max()))
+                                    : std::numeric_limits<int>::max();
+  }
+  req.max_tokens_given = max_tokens.has_value();
+
+  req.sampling.temperature = static_cast<float>(temperature.value_or(1.0));
+  req.sampling.top_p = static_cast<float>(top_p.value_or(1.0));
+  req.sampling.top_k = top_k && *top_k > 0 ? static_cast<uint32_t>(std::min<int64_t>(*top_k, std::numeric_limits<int>::max())) : 0;
+  req.seed_given = seed.has_value();
+  req.sampling.seed = static_cast<uint64_t>(seed.value_or(0));
+  if (kind == ApiKind::chat) {
+    req.sampling.logprobs = chat_logprobs.value_or(false);
+    req.sampling.top_logprobs = req.sampling.logprobs ? static_cast<uint8_t>(top_logprobs.value_or(0)) : 0;
+  } else {
+    req.sampling.logprobs = completion_logprobs.has_value();
+    req.sampling.top_logprobs = static_cast<uint8_t>(completion_logprobs.value_or(0));
+  }
+  req.stream = stream.value_or(false);
+
+  // What the request costs at most, before anything runs (unknown while no
+  // worker said how long its context is and the request names no max_tokens).
+  if (limits.max_context == 0 && !max_tokens) return req;
+  const int64_t choices = static_cast<int64_t>(req.prompts.size()) * req.n;
+  const int64_t tokens = choices * req.max_new_tokens;  // ≤ 128 × 2^31: no overflow
+  if (tokens > limits.max_request_tokens) {
+    return invalid_param(max_tokens ? max_param : "n",
+                         "This request may generate " + std::to_string(choices) + " x " +
+                             std::to_string(req.max_new_tokens) + " = " + std::to_string(tokens) +
+                             " tokens, more than the server's limit of " + std::to_string(limits.max_request_tokens) +
+                             " per request; lower 'n' or '" + max_param + "'.",
+                         "request_too_costly");
+  }
+  if (req.sampling.logprobs && !req.stream) {
+    const int64_t entries = tokens * (1 + req.sampling.top_logprobs);
+    if (entries > limits.max_logprob_entries) {
+      return invalid_param(kind == ApiKind::chat ? "top_logprobs" : "logprobs",
+                           "A whole response with these logprobs may hold " + std::to_string(entries) +
+                               " entries (choices x max tokens x (1 + alternatives)), more than the server's limit of " +
+                               std::to_string(limits.max_logprob_entries) +
+                               "; lower 'n', '" + max_param + "' or the alternatives, or stream the response.",
+                           "request_too_costly");
+    }
+  }
+  return req;
+}
+
+}  // namespace moe::gw

@@ -1,0 +1,70 @@
+#pragma once
+// The body of POST /v1/chat/completions and POST /v1/completions, parsed and
+// validated into what the gateway submits: token-id prompts, sampling,
+// stop strings, choice count, streaming options. Every refusal is an
+// ApiError naming the offending parameter, in OpenAI's words where they exist.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gateway/api_error.h"
+#include "gateway/chat_message.h"
+#include "gateway/sched/scheduler.h"
+#include "gateway/api/text_codec.h"
+
+namespace moe::gw {
+
+enum class ApiKind { chat, completion };
+
+struct CompletionRequest {
+  ApiKind kind = ApiKind::chat;
+  std::string model;
+  std::vector<std::vector<int32_t>> prompts;  // choices = prompts.size() × n
+  int max_new_tokens = 0;                     // per choice, resolved against the context
+  bool max_tokens_given = false;
+  Sampling sampling;  // seed: of choice 0; choice i samples with seed + i
+  bool seed_given = false;
+  std::vector<std::string> stop;  // at most 4, non-empty
+  int n = 1;
+  bool stream = false;
+  bool include_usage = false;
+  std::string user;
+  // Chat: this request's messages, validated (what a session stores).
+  ChatMessages messages;
+};
+
+struct RequestLimits {
+  std::string served_model_name;
+  int max_context = 0;          // tokens; 0: unknown, not checked
+  int max_choices = 128;        // prompts × n
+  // What one request may cost: choices × max_new_tokens (the generated
+  // tokens it may ask for), and for a whole (not streamed) response with
+  // logprobs, choices × max_new_tokens × (1 + top_logprobs) entries held
+  // until the end. Past either: 400 request_too_costly.
+  int64_t max_request_tokens = int64_t(1) << 20;
+  int64_t max_logprob_entries = int64_t(1) << 18;
+};
+
+using ParsedRequest = std::variant<CompletionRequest, ApiError>;
+
+// `body` is the request's JSON (parse_json_body). `prior`: a chat session's
+// stored turns, rendered before the request's messages.
+ParsedRequest parse_completion_request(ApiKind kind, const nlohmann::json& body, const TextCodec& codec,
+                                       const RequestLimits& limits, const ChatMessages& prior = {});
+// The same from the body's text.
+ParsedRequest parse_completion_request(ApiKind kind, std::string_view body, const TextCodec& codec,
+                                       const RequestLimits& limits, const ChatMessages& prior = {});
+
+// The `messages` of a chat body, validated (role, text content or text
+// parts): all of a client's turns that the template or a session ever sees.
+std::optional<ApiError> parse_chat_messages(const nlohmann::json& body, ChatMessages* out);
+// Stored turns then new ones, as the chat template takes them.
+nlohmann::json template_messages(const ChatMessages& prior, const ChatMessages& messages);
+
+}  // namespace moe::gw

@@ -1,0 +1,355 @@
+#include "gateway/api/generation.h"
+
+#include <algorithm>
+#include <atomic>
+
+#include <uv.h>
+
+#include "gateway/json_body.h"
+#include "gateway/last_resort.h"
+
+namespace moe::gw {
+namespace {
+
+using json = nlohmann::json;
+
+// Token text may be part of a UTF-8 character; invalid bytes become U+FFFD.
+std::string dump(const json& j) { return json_text(j); }
+
+// What a logprob entry of a whole response costs in memory, roughly: the
+// JSON nodes of the token, its bytes and each alternative.
+size_t logprob_entry_bytes(int alternatives) { return 160 + size_t(alternatives) * 128; }
+
+json bytes_array(const std::string& s) {
+  json a = json::array();
+  for (unsigned char c : s) a.push_back(static_cast<int>(c));
+  return a;
+}
+
+}  // namespace
+
+namespace {
+std::atomic<size_t> g_live_generations{0};
+}  // namespace
+
+Generation::Generation(GenerationContext ctx, CompletionRequest req, std::shared_ptr<HttpExchange> ex)
+    : ctx_(std::move(ctx)), req_(std::move(req)), ex_(std::move(ex)) {
+  stop_ids_ = ctx_.codec->stop_token_ids();
+  g_live_generations.fetch_add(1, std::memory_order_relaxed);
+}
+
+Generation::~Generation() { g_live_generations.fetch_sub(1, std::memory_order_relaxed); }
+
+size_t Generation::live() { return g_live_generations.load(std::memory_order_relaxed); }
+
+bool Generation::is_stop_id(int32_t id) const {
+  return std::find(stop_ids_.begin(), stop_ids_.end(), id) != stop_ids_.end();
+}
+
+json Generation::empty_logprobs() const {
+  if (req_.kind == ApiKind::chat) return json{{"content", json::array()}};
+  return json{{"tokens", json::array()},
+              {"token_logprobs", json::array()},
+              {"top_logprobs", json::array()},
+              {"text_offset", json::array()}};
+}
+
+void Generation::add_logprobs(const TokenEvent& ev, size_t text_offset, json& into) const {
+  std::string tok = ctx_.codec->token_bytes(ev.token);
+  if (req_.kind == ApiKind::chat) {
+    json top = json::array();
+    for (const auto& [id, lp] : ev.top) {
+      std::string t = ctx_.codec->token_bytes(id);
+      top.push_back({{"token", t}, {"logprob", lp}, {"bytes", bytes_array(t)}});
+    }
+    into["content"].push_back({{"token", tok}, {"logprob", ev.logprob}, {"bytes", bytes_array(tok)}, {"top_logprobs", top}});
+  } else {
+    json top = json::object();
+    for (const auto& [id, lp] : ev.top) top[ctx_.codec->token_bytes(id)] = lp;
+    into["tokens"].push_back(tok);
+    into["token_logprobs"].push_back(ev.logprob);
+    into["top_logprobs"].push_back(top);
+    into["text_offset"].push_back(text_offset);
+  }
+}
+
+void Generation::Choice::on_token(const TokenEvent& ev) {
+  Generation* g = gen;
+  if (!last_resort("a token's text", [&] { g->token(*this, ev); })) g->internal_failure("a token's text");
+}
+
+void Generation::Choice::on_finished(FinishReason r, const std::string& msg) {
+  Generation* g = gen;
+  if (!last_resort("a sequence's end", [&] { g->finished(*this, r, msg); })) g->internal_failure("a sequence's end");
+}
+
+void Generation::internal_failure(const char* what) noexcept {
+  // Whatever state the failure left (the response may have been over
+  // already, half built), the client is told and nothing runs on.
+  over_ = true;
+  ctx_.ticket.release();
+  last_resort(what, [&] { cancel_running(); });
+  const ApiError err{500, "Internal error while producing the response.", "server_error", "", "internal_error"};
+  const bool told = last_resort(what, [&] {
+    if (!ex_->open()) return;
+    if (req_.stream) {
+      ex_->send("data: " + api_error_json(err) + "\n\n");
+      ex_->send("data: [DONE]\n\n");
+      ex_->end();
+    } else {
+      ctx_.metrics->count_request(ctx_.endpoint, 500);
+      ex_->respond(api_error_response(err));
+    }
+  });
+  // Not even that: the stream (or what was begun of the response) is ended.
+  if (!told) last_resort(what, [&] { ex_->end(); });
+}
+
+bool Generation::hold(size_t bytes) {
+  if (req_.stream) return true;
+  held_bytes_ += bytes;
+  if (held_bytes_ <= ctx_.max_response_bytes) return true;
+  fail(ApiError{400,
+                "The response grew past the server's limit of " + std::to_string(ctx_.max_response_bytes) +
+                    " bytes; ask for fewer tokens, choices or logprobs, or stream it.",
+                "invalid_request_error", "", "response_too_large"});
+  return false;
+}
+
+void Generation::start(uint64_t seed) {
+  if (!last_resort("starting a request", [&] { begin(seed); })) internal_failure("starting a request");
+}
+
+void Generation::begin(uint64_t seed) {
+  // A client gone before we started: nothing would ever release a kept
+  // generation (it and its exchange would hold each other).
+  if (!ex_->open()) {
+    over_ = true;
+    ctx_.ticket.release();
+    ctx_.metrics->count_disconnect();
+    return;
+  }
+  ex_->keep(shared_from_this());
+  ex_->on_abort([this] { abort(); });
+  if (req_.stream) {
+    HttpHeaders h = {{"Content-Type", "text/event-stream"}, {"Cache-Control", "no-cache"}};
+    if (ctx_.degraded) h.emplace_back("X-Moe-Degraded", "1");
+    h.insert(h.end(), ctx_.extra_headers.begin(), ctx_.extra_headers.end());
+    ex_->begin_stream(200, std::move(h));
+    ctx_.metrics->count_request(ctx_.endpoint, 200);
+  }
+  int n_prompts = static_cast<int>(req_.prompts.size());
+  for (int p = 0; p < n_prompts; ++p) {
+    ctx_.metrics->add_prompt_tokens(req_.prompts[p].size());
+    for (int i = 0; i < req_.n; ++i) {
+      auto c = std::make_unique<Choice>();
+      c->gen = this;
+      c->index = p * req_.n + i;
+      c->decoder = ctx_.codec->stream_decoder();
+      c->matcher = StopMatcher(req_.stop);
+      c->logprobs = empty_logprobs();
+      choices_.push_back(std::move(c));
+    }
+  }
+  if (req_.stream && req_.kind == ApiKind::chat) {
+    for (const auto& c : choices_) send_chunk(*c, "", nullptr, nullptr, true);
+  }
+  for (auto& c : choices_) {
+    SequenceRequest sr;
+    sr.prompt = req_.prompts[c->index / req_.n];
+    sr.max_new_tokens = req_.max_new_tokens;
+    sr.sampling = req_.sampling;
+    sr.sampling.seed = seed + static_cast<uint64_t>(c->index);
+    sr.stop_ids = stop_ids_;
+    sr.group = ctx_.request_serial;
+    c->last_token_ns = ctx_.start_ns;
+    c->seq = ctx_.scheduler->submit(std::move(sr), c.get());
+    c->submitted = true;
+    if (over_) return;  // the client left while we submitted
+  }
+}
+
+void Generation::token(Choice& c, const TokenEvent& ev) {
+  if (c.done || over_) return;
+  uint64_t now = uv_hrtime();
+  double since = static_cast<double>(now - c.last_token_ns) * 1e-9;
+  if (c.tokens == 0) {
+    ctx_.metrics->observe_ttft(since);
+  } else {
+    ctx_.metrics->observe_itl(since);
+  }
+  c.last_token_ns = now;
+  ++c.tokens;
+  ctx_.metrics->add_completion_tokens(1);
+
+  json chunk_logprobs;
+  bool stop_id = is_stop_id(ev.token);
+  if (req_.sampling.logprobs && !stop_id) {
+    if (req_.stream) {
+      chunk_logprobs = empty_logprobs();
+      add_logprobs(ev, c.text_bytes, chunk_logprobs);
+    } else {
+      if (!hold(logprob_entry_bytes(req_.sampling.top_logprobs))) return;
+      add_logprobs(ev, c.text_bytes, c.logprobs);
+    }
+  }
+  std::string piece = stop_id ? std::string() : c.decoder->push(ev.token);
+  StopMatcher::Step step = c.matcher.push(piece);
+  if (!hold(step.text.size())) return;
+  // A stream sends its text as it goes and keeps only what a session stores.
+  if (!req_.stream || (ctx_.on_complete && c.index == 0)) c.text += step.text;
+  c.text_bytes += step.text.size();
+  if (step.stopped) {
+    ctx_.scheduler->cancel(c.seq);
+    if (req_.stream && !chunk_logprobs.is_null()) send_chunk(c, step.text, &chunk_logprobs, nullptr, false);
+    finish_choice(c, "stop", req_.stream && !chunk_logprobs.is_null() ? std::string() : step.text);
+    return;
+  }
+  if (req_.stream && (!step.text.empty() || !chunk_logprobs.is_null())) {
+    send_chunk(c, step.text, chunk_logprobs.is_null() ? nullptr : &chunk_logprobs, nullptr, false);
+  }
+}
+
+void Generation::finished(Choice& c, FinishReason reason, const std::string& message) {
+  if (c.done || over_) return;
+  if (reason == FinishReason::error || reason == FinishReason::cancelled) {
+    c.done = true;
+    fail(message.empty() ? std::string("the engine ended the sequence") : message);
+    return;
+  }
+  StopMatcher::Step step = c.matcher.push(c.decoder->flush());
+  std::string tail = step.text + c.matcher.finish();
+  if (!hold(tail.size())) return;
+  if (!req_.stream || (ctx_.on_complete && c.index == 0)) c.text += tail;
+  c.text_bytes += tail.size();
+  finish_choice(c, step.stopped || reason == FinishReason::stop ? "stop" : "length", tail);
+}
+
+void Generation::finish_choice(Choice& c, const char* reason, const std::string& tail_text) {
+  c.done = true;
+  c.finish_reason = reason;
+  if (req_.stream) {
+    if (!tail_text.empty()) send_chunk(c, tail_text, nullptr, nullptr, false);
+    if (over_) return;
+    send_chunk(c, "", nullptr, reason, false);
+    if (over_) return;
+  }
+  if (++finished_ == static_cast<int>(choices_.size())) complete();
+}
+
+json Generation::usage() const {
+  int64_t prompt = 0, completion = 0;
+  for (const auto& p : req_.prompts) prompt += static_cast<int64_t>(p.size());
+  for (const auto& c : choices_) completion += c->tokens;
+  return {{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
+}
+
+void Generation::complete() {
+  over_ = true;
+  ctx_.ticket.release();
+  if (ctx_.degraded) ctx_.metrics->count_degraded_response();
+  if (ctx_.on_complete && !choices_.empty()) ctx_.on_complete(choices_[0]->text);
+  if (req_.stream) {
+    if (req_.include_usage) {
+      json u = {{"id", ctx_.response_id},
+                {"object", req_.kind == ApiKind::chat ? "chat.completion.chunk" : "text_completion"},
+                {"created", ctx_.created},
+                {"model", req_.model},
+                {"choices", json::array()},
+                {"usage", usage()}};
+      send_event(u);
+    }
+    ex_->send("data: [DONE]\n\n");
+    ex_->end();
+    return;
+  }
+  json choices = json::array();
+  for (const auto& c : choices_) {
+    json lp = req_.sampling.logprobs ? c->logprobs : json(nullptr);
+    if (req_.kind == ApiKind::chat) {
+      choices.push_back({{"index", c->index},
+                         {"message", {{"role", "assistant"}, {"content", c->text}}},
+                         {"logprobs", lp},
+                         {"finish_reason", c->finish_reason}});
+    } else {
+      choices.push_back({{"index", c->index}, {"text", c->text}, {"logprobs", lp}, {"finish_reason", c->finish_reason}});
+    }
+  }
+  json body = {{"id", ctx_.response_id},
+               {"object", req_.kind == ApiKind::chat ? "chat.completion" : "text_completion"},
+               {"created", ctx_.created},
+               {"model", req_.model},
+               {"choices", choices},
+               {"usage", usage()}};
+  HttpResponse r;
+  r.headers = {{"Content-Type", "application/json"}};
+  if (ctx_.degraded) r.headers.emplace_back("X-Moe-Degraded", "1");
+  r.headers.insert(r.headers.end(), ctx_.extra_headers.begin(), ctx_.extra_headers.end());
+  r.body = dump(body);
+  ctx_.metrics->count_request(ctx_.endpoint, 200);
+  ex_->respond(std::move(r));
+}
+
+void Generation::cancel_running() {
+  for (auto& c : choices_) {
+    if (!c->done) {
+      c->done = true;
+      if (c->submitted) ctx_.scheduler->cancel(c->seq);
+    }
+  }
+}
+
+void Generation::fail(const std::string& message) { fail(ApiError{500, message, "server_error", "", "engine_error"}); }
+
+void Generation::fail(const ApiError& err) {
+  if (over_) return;
+  over_ = true;
+  ctx_.ticket.release();
+  cancel_running();
+  if (req_.stream) {
+    ex_->send("data: " + api_error_json(err) + "\n\n");
+    ex_->send("data: [DONE]\n\n");
+    ex_->end();
+    return;
+  }
+  ctx_.metrics->count_request(ctx_.endpoint, err.status);
+  ex_->respond(api_error_response(err));
+}
+
+void Generation::abort() {
+  if (over_) return;
+  over_ = true;
+  ctx_.ticket.release();
+  ctx_.metrics->count_disconnect();
+  cancel_running();
+}
+
+void Generation::send_chunk(const Choice& c, const std::string& text, const json* logprobs, const char* finish,
+                            bool with_role) {
+  json choice;
+  if (req_.kind == ApiKind::chat) {
+    json delta = json::object();
+    if (with_role) delta["role"] = "assistant";
+    if (with_role || !text.empty()) delta["content"] = text;
+    choice = {{"index", c.index}, {"delta", delta}};
+  } else {
+    choice = {{"index", c.index}, {"text", text}};
+  }
+  choice["logprobs"] = logprobs ? *logprobs : json(nullptr);
+  choice["finish_reason"] = finish ? json(finish) : json(nullptr);
+  json chunk = {{"id", ctx_.response_id},
+                {"object", req_.kind == ApiKind::chat ? "chat.completion.chunk" : "text_completion"},
+                {"created", ctx_.created},
+                {"model", req_.model},
+                {"choices", json::array({choice})}};
+  if (req_.include_usage) chunk["usage"] = nullptr;
+  send_event(chunk);
+}
+
+void Generation::send_event(const json& payload) {
+  if (over_ && !ex_->open()) return;
+  // A failed send means the client is gone; abort() has then run already.
+  ex_->send("data: " + dump(payload) + "\n\n");
+}
+
+}  // namespace moe::gw

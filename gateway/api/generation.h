@@ -1,0 +1,123 @@
+#pragma once
+// One accepted completion request while it runs: a sequence per choice in
+// the scheduler, a detokeniser and a stop-string matcher per choice, and the
+// response, either streamed as Server-Sent Events chunk by chunk or built
+// whole at the end.
+//
+// Lifetime: owned by its HttpExchange (HttpExchange::keep) so that it
+// outlives its sequences; when the client goes away, every unfinished
+// sequence is cancelled at once. A generation whose client left before it
+// started is never kept (nothing would release it).
+//
+// Memory: a stream keeps no text or logprobs beyond what is being sent; a
+// whole response counts what it holds against max_response_bytes.
+// Threading: loop thread only (scheduler observers are called there).
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gateway/admission.h"
+#include "gateway/api/completion_request.h"
+#include "gateway/http/http_server.h"
+#include "gateway/metrics.h"
+#include "gateway/sched/scheduler.h"
+#include "gateway/api/stop_matcher.h"
+#include "gateway/api/text_codec.h"
+
+namespace moe::gw {
+
+struct GenerationContext {
+  Scheduler* scheduler = nullptr;
+  const TextCodec* codec = nullptr;
+  GatewayMetrics* metrics = nullptr;
+  std::string endpoint;       // metrics label
+  std::string response_id;    // "chatcmpl-…" / "cmpl-…"
+  int64_t created = 0;        // unix seconds
+  uint64_t start_ns = 0;      // uv_hrtime() when the request was accepted
+  bool degraded = false;      // adds X-Moe-Degraded: 1
+  uint64_t request_serial = 0;  // the scheduler starts sequences round-robin across these
+  // A whole (not streamed) response may hold at most this many bytes of
+  // text and logprobs; past it the request fails with 400 response_too_large.
+  size_t max_response_bytes = size_t(64) << 20;
+  AdmissionTicket ticket;     // released when the response is over
+  // Sessions: headers added to the response, and choice 0's text once the
+  // response completed (not after an error or a disconnect).
+  HttpHeaders extra_headers;
+  std::function<void(const std::string& text)> on_complete;
+};
+
+class Generation : public std::enable_shared_from_this<Generation> {
+ public:
+  Generation(GenerationContext ctx, CompletionRequest req, std::shared_ptr<HttpExchange> ex);
+  ~Generation();
+
+  // Generations alive in this process (the /metrics gauge that shows a leak).
+  static size_t live();
+
+  // Submits every choice's sequence and, for a stream, sends the head and
+  // the first (role) chunks. `seed` is choice 0's seed.
+  void start(uint64_t seed);
+
+ private:
+  struct Choice final : SequenceObserver {
+    Generation* gen = nullptr;
+    int index = 0;
+    uint64_t seq = 0;
+    bool submitted = false;
+    bool done = false;
+    std::unique_ptr<TokenTextStream> decoder;
+    StopMatcher matcher{{}};
+    std::string text;             // shown so far (a stream keeps it only for a session)
+    size_t text_bytes = 0;        // bytes of text shown so far
+    int tokens = 0;               // generated, stop ids included
+    uint64_t last_token_ns = 0;
+    std::string finish_reason;
+    nlohmann::json logprobs;      // accumulated for a whole response
+
+    // An exception from the text side (a bug) fails this request with a
+    // 500, never the process.
+    void on_token(const TokenEvent& ev) override;
+    void on_finished(FinishReason r, const std::string& msg) override;
+  };
+
+  void begin(uint64_t seed);  // start()'s work; an exception fails the request
+  void token(Choice& c, const TokenEvent& ev);
+  void finished(Choice& c, FinishReason reason, const std::string& message);
+  void finish_choice(Choice& c, const char* reason, const std::string& tail_text);
+  void complete();
+  void fail(const std::string& message);
+  void fail(const ApiError& error);
+  // Ends the request after an exception escaped the text side.
+  void internal_failure(const char* what) noexcept;
+  // Counts bytes a whole response will hold; false (and the request failed)
+  // past max_response_bytes.
+  bool hold(size_t bytes);
+  void abort();
+  void cancel_running();
+
+  // Logprob entries of one token, in the endpoint's shape, appended to `into`.
+  void add_logprobs(const TokenEvent& ev, size_t text_offset, nlohmann::json& into) const;
+  nlohmann::json empty_logprobs() const;
+  // One SSE event with one choice.
+  void send_chunk(const Choice& c, const std::string& text, const nlohmann::json* logprobs, const char* finish,
+                  bool with_role);
+  void send_event(const nlohmann::json& payload);
+  nlohmann::json usage() const;
+  bool is_stop_id(int32_t id) const;
+
+  GenerationContext ctx_;
+  CompletionRequest req_;
+  std::shared_ptr<HttpExchange> ex_;
+  std::vector<int32_t> stop_ids_;
+  std::vector<std::unique_ptr<Choice>> choices_;
+  int finished_ = 0;
+  bool over_ = false;  // response ended (completed, failed or aborted)
+  size_t held_bytes_ = 0;  // text and logprobs a whole response holds so far
+};
+
+}  // namespace moe::gw

@@ -1,0 +1,80 @@
+#include "gateway/api/model_text_codec.h"
+
+#include <algorithm>
+#include <optional>
+
+#include "model/model_files.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
+
+namespace moe::gw {
+namespace {
+
+class TokenizerStream final : public TokenTextStream {
+ public:
+  explicit TokenizerStream(const Tokenizer& tok) : dec_(tok, /*skip_special=*/true) {}
+  std::string push(int32_t id) override { return dec_.push(id); }
+  std::string flush() override { return dec_.flush(); }
+
+ private:
+  StreamDecoder dec_;
+};
+
+class ModelTextCodec final : public TextCodec {
+ public:
+  ModelTextCodec(std::unique_ptr<Tokenizer> tok, std::optional<ChatTemplate> tmpl, std::vector<int32_t> stop_ids)
+      : tok_(std::move(tok)), tmpl_(std::move(tmpl)), stop_ids_(std::move(stop_ids)) {}
+
+  std::vector<int32_t> encode(std::string_view text) const override { return tok_->encode(text, true); }
+
+  Result<std::vector<int32_t>> encode_chat(const nlohmann::json& messages) const override {
+    if (!tmpl_) return make_error("the model has no chat template; use /v1/completions");
+    auto text = tmpl_->render(messages, /*add_generation_prompt=*/true);
+    if (!text.ok()) return make_error(text.error());
+    // The template writes the special tokens (BOS included) itself.
+    return tok_->encode(text.value(), false);
+  }
+
+  std::unique_ptr<TokenTextStream> stream_decoder() const override { return std::make_unique<TokenizerStream>(*tok_); }
+
+  std::string token_bytes(int32_t id) const override {
+    int32_t one[1] = {id};
+    return tok_->decode(one, /*skip_special_tokens=*/false);
+  }
+
+  int vocab_size() const override { return tok_->vocab_size(); }
+  std::vector<int32_t> stop_token_ids() const override { return stop_ids_; }
+
+ private:
+  std::unique_ptr<Tokenizer> tok_;
+  std::optional<ChatTemplate> tmpl_;
+  std::vector<int32_t> stop_ids_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<TextCodec>> load_model_text_codec(const std::string& model_path) {
+  auto files = ModelFiles::open(model_path);
+  if (!files.ok()) return make_error(files.error());
+  const ModelFiles& f = *files.value();
+  std::string tok_json = f.tokenizer_file("tokenizer.json");
+  if (tok_json.empty()) return make_error(model_path + ": no tokenizer.json");
+  auto tok = Tokenizer::from_json(tok_json, f.tokenizer_file("tokenizer_config.json"));
+  if (!tok.ok()) return make_error(model_path + ": tokenizer.json: " + tok.error());
+
+  // A model without a chat template still serves completions.
+  auto found = chat_template_from_files({model_path, f.tokenizer_file("chat_template.jinja"),
+                                         f.tokenizer_file("tokenizer_config.json"), ""});
+  if (!found.ok()) return make_error("chat template: " + found.error());
+  std::optional<ChatTemplate> tmpl = std::move(found.value());
+  if (tmpl) tmpl->set_special_tokens(tok.value()->bos_token(), tok.value()->eos_token());
+
+  std::vector<int32_t> stop_ids = f.desc().eos_token_ids;
+  if (int32_t eos = tok.value()->eos_id(); eos >= 0 && std::find(stop_ids.begin(), stop_ids.end(), eos) == stop_ids.end()) {
+    stop_ids.push_back(eos);
+  }
+  if (stop_ids.empty()) return make_error(model_path + ": no EOS token id in config.json, generation_config.json or the tokenizer");
+  return std::unique_ptr<TextCodec>(std::make_unique<ModelTextCodec>(std::move(tok.value()), std::move(tmpl), std::move(stop_ids)));
+}
+
+}  // namespace moe::gw

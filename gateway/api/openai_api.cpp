@@ -1,0 +1,330 @@
+#include "gateway/api/openai_api.h"
+
+#include <ctime>
+
+#include <nlohmann/json.hpp>
+#include <uv.h>
+
+#include "gateway/api/generation.h"
+#include "gateway/json_body.h"
+#include "gateway/last_resort.h"
+#include "gateway/api/prediction_debug.h"
+
+namespace moe::gw {
+namespace {
+
+using json = nlohmann::json;
+
+// Route names used as the metrics' endpoint label (never raw paths, which a
+// client could make unbounded).
+constexpr const char* kChat = "/v1/chat/completions";
+constexpr const char* kCompletions = "/v1/completions";
+constexpr const char* kModels = "/v1/models";
+constexpr const char* kHealth = "/health";
+constexpr const char* kMetrics = "/metrics";
+constexpr const char* kDebugExperts = "/debug/experts";
+
+bool constant_time_equal(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+}  // namespace
+
+OpenAiApi::OpenAiApi(ApiOptions opts, Scheduler* scheduler, const TextCodec* codec, GatewayMetrics* metrics)
+    : opts_(std::move(opts)),
+      scheduler_(scheduler),
+      codec_(codec),
+      metrics_(metrics),
+      admission_(opts_.admission),
+      started_at_(static_cast<int64_t>(std::time(nullptr))),
+      rng_(std::random_device{}()) {
+  for (const std::string& k : opts_.api_keys) key_owners_.push_back(SessionStore::owner_of_key(k));
+}
+
+std::string OpenAiApi::new_id(const char* prefix) {
+  static const char* hex = "0123456789abcdef";
+  std::string id = prefix;
+  uint64_t a = rng_(), b = rng_();
+  for (int i = 0; i < 16; ++i) id += hex[(a >> (i * 4)) & 15];
+  for (int i = 0; i < 8; ++i) id += hex[(b >> (i * 4)) & 15];
+  return id;
+}
+
+int OpenAiApi::key_index(const HttpRequest& req) const {
+  const std::string* h = req.header("authorization");
+  if (!h || h->size() < 7) return -1;
+  std::string scheme = h->substr(0, 7);
+  for (char& c : scheme) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (scheme != "bearer ") return -1;
+  const std::string given = h->substr(7);
+  // Every key is compared, so the time taken says nothing of which matched.
+  int found = -1;
+  for (size_t i = 0; i < opts_.api_keys.size(); ++i)
+    if (constant_time_equal(given, opts_.api_keys[i]) && found < 0) found = int(i);
+  return found;
+}
+
+void OpenAiApi::reply(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint, HttpResponse r) {
+  metrics_->count_request(endpoint, r.status);
+  ex->respond(std::move(r));
+}
+
+void OpenAiApi::reply_error(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint, const ApiError& e) {
+  reply(ex, endpoint, api_error_response(e));
+}
+
+HttpResponse OpenAiApi::protocol_error(int status, const std::string& message) {
+  const char* code = status == 413   ? "request_too_large"
+                     : status == 408 ? "request_timeout"
+                     : status == 431 ? "request_header_too_large"
+                     : status == 411 ? "length_required"
+                     : status == 503 ? "too_many_connections"
+                     : status >= 500 ? "internal_error"
+                                     : "bad_request";
+  metrics_->count_request("invalid", status);
+  return api_error_response(
+      ApiError{status, message, status >= 500 ? "server_error" : "invalid_request_error", "", code});
+}
+
+void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
+  const HttpRequest& req = ex->request();
+  const std::string& path = req.path;
+  struct Route {
+    const char* endpoint;
+    const char* method;
+  };
+  Route route{nullptr, nullptr};
+  if (path == kChat) {
+    route = {kChat, "POST"};
+  } else if (path == kCompletions) {
+    route = {kCompletions, "POST"};
+  } else if (path == kModels || path.rfind("/v1/models/", 0) == 0) {
+    route = {kModels, "GET"};
+  } else if (path == kHealth) {
+    route = {kHealth, "GET"};
+  } else if (path == kMetrics) {
+    route = {kMetrics, "GET"};
+  } else if (path == kDebugExperts && opts_.predictor) {
+    route = {kDebugExperts, "POST"};
+  }
+  // The key first: without it nothing, not even which routes exist, is told.
+  Caller caller;
+  if (route.endpoint != kHealth && !opts_.api_keys.empty()) {
+    const int k = key_index(req);
+    if (k < 0) {
+      HttpResponse r = api_error_response(ApiError{
+          401,
+          req.header("authorization") ? "Incorrect API key provided." : "You didn't provide an API key. Send it as "
+                                                                         "'Authorization: Bearer KEY'.",
+          "invalid_request_error", "", "invalid_api_key"});
+      r.headers.emplace_back("WWW-Authenticate", "Bearer");
+      reply(ex, route.endpoint ? route.endpoint : "unknown", std::move(r));
+      return;
+    }
+    caller.id = "key:" + key_owners_[size_t(k)];
+    caller.session_owner = key_owners_[size_t(k)];
+  } else {
+    caller.id = "addr:" + req.peer;
+    caller.session_owner = SessionStore::open_owner();
+  }
+  if (!route.endpoint) {
+    reply_error(ex, "unknown",
+                ApiError{404, "Unknown request URL: " + req.method + " " + path + ".", "invalid_request_error", "",
+                         "unknown_url"});
+    return;
+  }
+  if (req.method != route.method) {
+    HttpResponse r = api_error_response(ApiError{405,
+                                                 "Method " + req.method + " is not allowed on " + path + "; use " +
+                                                     route.method + ".",
+                                                 "invalid_request_error", "", "method_not_allowed"});
+    r.headers.emplace_back("Allow", route.method);
+    reply(ex, route.endpoint, std::move(r));
+    return;
+  }
+  if (route.endpoint == kChat) return completions(ApiKind::chat, ex, caller);
+  if (route.endpoint == kCompletions) return completions(ApiKind::completion, ex, caller);
+  if (route.endpoint == kModels) return models(ex, path);
+  if (route.endpoint == kHealth) return health(ex);
+  if (route.endpoint == kDebugExperts) return debug_experts(ex);
+  metrics(ex);
+}
+
+void OpenAiApi::completions(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller) {
+  const char* endpoint = kind == ApiKind::chat ? kChat : kCompletions;
+  ParsedJson parsed = parse_json_body(ex->request().body);
+  if (auto* err = std::get_if<ApiError>(&parsed)) return reply_error(ex, endpoint, *err);
+  json body = std::move(std::get<json>(parsed));
+  // Sessions (chat only): `session_id` in the body or an X-Session-Id header
+  // names a stored conversation of this caller; its turns go before the new
+  // ones. "new" asks the server for a fresh id.
+  SessionKey session;
+  bool fresh = false;
+  if (kind == ApiKind::chat && opts_.sessions) {
+    std::string id;
+    if (const std::string* h = ex->request().header("x-session-id")) id = *h;
+    if (id.empty() && body.is_object()) {
+      auto it = body.find("session_id");
+      if (it != body.end() && !it->is_null()) {
+        if (!it->is_string())
+          return reply_error(ex, kChat, invalid_param("session_id", "'session_id' must be a string.", "invalid_type"));
+        id = it->get<std::string>();
+      }
+    }
+    if (body.is_object()) body.erase("session_id");
+    if (id == "new") {
+      id = SessionStore::issue_id();
+      fresh = true;
+    } else if (!id.empty() && !SessionStore::valid_id(id)) {
+      return reply_error(ex, kChat,
+                         ApiError{400, "session_id must be 1-128 characters of letters, digits, '_', '-', '.', ':'.",
+                                  "invalid_request_error", "session_id", "invalid_session_id"});
+    } else if (!id.empty() && opts_.api_keys.empty() && !SessionStore::issued_shape(id)) {
+      // Without API keys nobody is known: only an id the server issued
+      // (unguessable) keeps a conversation private.
+      return reply_error(ex, kChat,
+                         ApiError{400,
+                                  "Without API keys this server issues session ids itself: send \"session_id\": "
+                                  "\"new\" and use the X-Session-Id of the response.",
+                                  "invalid_request_error", "session_id", "invalid_session_id"});
+    }
+    if (!id.empty()) session = SessionKey{caller.session_owner, id};
+  }
+  if (session.id.empty() || fresh) return run_completion(kind, ex, caller, body, session, {});
+  opts_.sessions->load(session, [this, kind, ex, caller, body = std::move(body), session](ChatMessages prior) {
+    // The client may have gone while Redis answered: then nothing runs.
+    if (!ex->open()) {
+      metrics_->count_disconnect();
+      return;
+    }
+    // Called from a Redis reply: a failure here must still answer the client.
+    if (!last_resort("a request after its session loaded",
+                     [&] { run_completion(kind, ex, caller, body, session, std::move(prior)); }) &&
+        ex->open())
+      reply_error(ex, kChat, ApiError{500, "Internal error while starting the request.", "server_error", "",
+                                      "internal_error"});
+  });
+}
+
+void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller,
+                               const json& body, const SessionKey& session, ChatMessages prior) {
+  const char* endpoint = kind == ApiKind::chat ? kChat : kCompletions;
+  RequestLimits limits;
+  limits.served_model_name = opts_.served_model_name;
+  limits.max_context = scheduler_->ready() ? scheduler_->max_context() : 0;
+  limits.max_choices = opts_.max_choices;
+  limits.max_request_tokens = opts_.max_request_tokens;
+  limits.max_logprob_entries = opts_.max_logprob_entries;
+  ParsedRequest parsed = parse_completion_request(kind, body, *codec_, limits, prior);
+  if (auto* err = std::get_if<ApiError>(&parsed)) return reply_error(ex, endpoint, *err);
+  if (!scheduler_->ready()) {
+    return reply_error(ex, endpoint,
+                       ApiError{503, "The engine is not ready yet; retry shortly.", "server_error", "", "engine_not_ready"});
+  }
+  CompletionRequest req = std::move(std::get<CompletionRequest>(parsed));
+  const int sequences = static_cast<int>(req.prompts.size()) * req.n;
+  auto admitted = admission_.admit(caller.id, sequences, scheduler_->stats().waiting);
+  if (auto* err = std::get_if<ApiError>(&admitted)) {
+    HttpResponse r = api_error_response(*err);
+    r.headers.emplace_back("Retry-After", std::to_string(admission_.limits().retry_after_s));
+    return reply(ex, endpoint, std::move(r));
+  }
+  uint64_t seed = req.seed_given ? req.sampling.seed : rng_();
+
+  GenerationContext ctx;
+  ctx.scheduler = scheduler_;
+  ctx.codec = codec_;
+  ctx.metrics = metrics_;
+  ctx.endpoint = endpoint;
+  ctx.response_id = new_id(kind == ApiKind::chat ? "chatcmpl-" : "cmpl-");
+  ctx.created = static_cast<int64_t>(std::time(nullptr));
+  ctx.start_ns = uv_hrtime();
+  ctx.degraded = scheduler_->stats().degraded;
+  ctx.request_serial = next_request_serial_++;
+  ctx.max_response_bytes = opts_.max_response_bytes;
+  ctx.ticket = std::move(std::get<AdmissionTicket>(admitted));
+  if (!session.id.empty()) {
+    ctx.extra_headers.emplace_back("X-Session-Id", session.id);
+    // The stored turns, this request's (validated) turns and the reply.
+    ChatMessages conversation = std::move(prior);
+    conversation.insert(conversation.end(), req.messages.begin(), req.messages.end());
+    SessionStore* store = opts_.sessions;
+    ctx.on_complete = [store, session, conversation = std::move(conversation)](const std::string& text) mutable {
+      conversation.push_back({"assistant", text});
+      store->save(session, std::move(conversation));
+    };
+  }
+  auto gen = std::make_shared<Generation>(std::move(ctx), std::move(req), ex);
+  gen->start(seed);
+}
+
+void OpenAiApi::models(const std::shared_ptr<HttpExchange>& ex, const std::string& path) {
+  const std::string backend = scheduler_->backend();
+  json model = {{"id", opts_.served_model_name},
+                {"object", "model"},
+                {"created", started_at_},
+                {"owned_by", "moe-serve"},
+                {"backend", backend.empty() ? json(nullptr) : json(backend)}};
+  HttpResponse r;
+  r.headers = {{"Content-Type", "application/json"}};
+  if (path == kModels) {
+    r.body = json_text(json{{"object", "list"}, {"data", json::array({model})}});
+    return reply(ex, kModels, std::move(r));
+  }
+  std::string id = path.substr(std::string(kModels).size() + 1);
+  if (id != opts_.served_model_name) {
+    return reply_error(ex, kModels,
+                       ApiError{404, "The model '" + id + "' does not exist.", "invalid_request_error", "model",
+                                "model_not_found"});
+  }
+  r.body = json_text(model);
+  reply(ex, kModels, std::move(r));
+}
+
+void OpenAiApi::health(const std::shared_ptr<HttpExchange>& ex) {
+  bool ready = scheduler_->ready();
+  SchedulerStats s = scheduler_->stats();
+  HttpResponse r;
+  r.status = ready ? 200 : 503;
+  r.headers = {{"Content-Type", "application/json"}};
+  if (s.degraded) r.headers.emplace_back("X-Moe-Degraded", "1");
+  const std::string backend = scheduler_->backend();
+  r.body = json_text(json{{"status", ready ? "ok" : "starting"},
+                          {"degraded", s.degraded},
+                          {"backend", backend.empty() ? json(nullptr) : json(backend)}});
+  reply(ex, kHealth, std::move(r));
+}
+
+void OpenAiApi::metrics(const std::shared_ptr<HttpExchange>& ex) {
+  HttpResponse r;
+  r.headers = {{"Content-Type", "text/plain; version=0.0.4; charset=utf-8"}};
+  // Counted before rendering so that this scrape sees itself.
+  metrics_->count_request(kMetrics, 200);
+  GatewayGauges g;
+  if (server_) {
+    g.connections = server_->connection_count();
+    g.connections_refused = server_->refused_connections();
+  }
+  g.sequences_admitted = admission_.in_flight();
+  g.callers = admission_.callers();
+  g.admission_refused = admission_.refused();
+  g.generations = Generation::live();
+  if (opts_.sessions) {
+    g.sessions_in_memory = opts_.sessions->in_memory();
+    g.session_memory_bytes = opts_.sessions->memory_bytes();
+  }
+  g.internal_errors = escaped_exceptions();
+  r.body = metrics_->render(scheduler_->stats(), scheduler_->ready(), g);
+  ex->respond(std::move(r));
+}
+
+void OpenAiApi::debug_experts(const std::shared_ptr<HttpExchange>& ex) {
+  std::map<std::string, std::string> resident;
+  if (opts_.resident_sets) resident = opts_.resident_sets();
+  reply(ex, kDebugExperts, expert_prediction_response(ex->request().body, *codec_, *opts_.predictor, resident));
+}
+
+}  // namespace moe::gw

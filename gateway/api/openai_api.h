@@ -1,0 +1,96 @@
+#pragma once
+// The OpenAI-compatible HTTP API over a Scheduler: authentication, routing,
+// admission, the endpoints, and OpenAI-shaped errors.
+//
+//   POST /v1/chat/completions   POST /v1/completions   (stream: SSE)
+//   GET  /v1/models             GET  /v1/models/{id}
+//   GET  /health (no auth)      GET  /metrics (Prometheus text)
+//   POST /debug/experts         (the expert prediction for a prompt; 404 while --predict off)
+//
+// The API key is checked before anything else (an unknown route without a
+// key is 401, not 404), every body is parsed with parse_json_body's bounds,
+// and a request is admitted (Admission) before its sequences are queued.
+//
+// Threading: loop thread only.
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gateway/admission.h"
+#include "gateway/api/completion_request.h"
+#include "gateway/predict/expert_prediction.h"
+#include "gateway/http/http_server.h"
+#include "gateway/metrics.h"
+#include "gateway/sched/scheduler.h"
+#include "gateway/state/session_store.h"
+#include "gateway/api/text_codec.h"
+
+namespace moe::gw {
+
+struct ApiOptions {
+  std::string served_model_name = "demo-moe";
+  std::vector<std::string> api_keys;  // empty: no authentication; any one of them opens every endpoint
+  int max_choices = 128;              // prompts × n per request
+  int64_t max_request_tokens = int64_t(1) << 20;   // RequestLimits
+  int64_t max_logprob_entries = int64_t(1) << 18;  // RequestLimits
+  size_t max_response_bytes = size_t(64) << 20;    // a whole response's text and logprobs
+  AdmissionLimits admission;
+  SessionStore* sessions = nullptr;  // chat sessions by `session_id` / X-Session-Id (null: off)
+  const PromptExpertPredictor* predictor = nullptr;  // /debug/experts (null: 404)
+  // Worker name → its published resident set, for /debug/experts (may be unset).
+  std::function<std::map<std::string, std::string>()> resident_sets;
+};
+
+class OpenAiApi final : public HttpHandler {
+ public:
+  // All pointers must outlive the API object.
+  OpenAiApi(ApiOptions opts, Scheduler* scheduler, const TextCodec* codec, GatewayMetrics* metrics);
+
+  void handle(const std::shared_ptr<HttpExchange>& ex) override;
+  HttpResponse protocol_error(int status, const std::string& message) override;
+
+  const Admission& admission() const { return admission_; }
+  // The server whose connections /metrics reports (optional; set once it exists).
+  void watch_server(const HttpServer* server) { server_ = server; }
+
+ private:
+  // Who sent a request: what admission counts and whose sessions it may read.
+  struct Caller {
+    std::string id;             // "key:<digest>" or "addr:<client address>"
+    std::string session_owner;  // SessionKey::owner
+  };
+
+  void completions(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller);
+  // After the session's stored turns (if any) were loaded.
+  void run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller,
+                      const nlohmann::json& body, const SessionKey& session, ChatMessages prior);
+  void models(const std::shared_ptr<HttpExchange>& ex, const std::string& path);
+  void health(const std::shared_ptr<HttpExchange>& ex);
+  void metrics(const std::shared_ptr<HttpExchange>& ex);
+  void debug_experts(const std::shared_ptr<HttpExchange>& ex);
+  void reply(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint, HttpResponse r);
+  void reply_error(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint, const ApiError& e);
+  // The index of the key the request carries, -1 for none or a wrong one.
+  int key_index(const HttpRequest& req) const;
+  std::string new_id(const char* prefix);
+
+  ApiOptions opts_;
+  std::vector<std::string> key_owners_;  // SessionStore::owner_of_key of each key
+  Scheduler* scheduler_;
+  const TextCodec* codec_;
+  GatewayMetrics* metrics_;
+  Admission admission_;
+  int64_t started_at_;  // unix seconds, the models' "created"
+  std::mt19937_64 rng_;  // response ids and seeds of requests without one
+  uint64_t next_request_serial_ = 1;
+  const HttpServer* server_ = nullptr;
+};
+
+}  // namespace moe::gw

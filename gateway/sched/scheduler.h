@@ -1,0 +1,106 @@
+#pragma once
+// The seam between the OpenAI layer (requests, text, HTTP) and the engine
+// side (sequences, batches, workers). The OpenAI layer turns one request into
+// one sequence per choice, owns detokenisation and stop strings, and calls
+// cancel() when a stop string matched or the client went away. The scheduler
+// batches every running sequence into worker steps (continuous batching,
+// chunked prefill, KV admission, preemption) and reports tokens back.
+//
+// Threading: everything here runs on the gateway's libuv loop thread only;
+// observers are called on that thread.
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "protocol/messages.h"
+
+namespace moe::gw {
+
+// A request's sampling, in the form the step frame carries it (validated
+// and clamped where the request is read, gateway/completion_request.cpp).
+using Sampling = protocol::SamplingParams;
+
+struct SequenceRequest {
+  std::vector<int32_t> prompt;    // token ids, template applied
+  int max_new_tokens = 16;
+  Sampling sampling;
+  std::vector<int32_t> stop_ids;  // generation ends after emitting one of these (EOS)
+  // The request it belongs to (its choices share it): waiting sequences are
+  // admitted round-robin across groups, so a request of many choices cannot
+  // hold back the requests that came after it.
+  uint64_t group = 0;
+};
+
+struct TokenEvent {
+  int32_t token = 0;
+  float logprob = 0.0f;                           // when requested
+  std::vector<std::pair<int32_t, float>> top;     // when requested
+};
+
+enum class FinishReason { stop, length, cancelled, error };
+
+class SequenceObserver {
+ public:
+  virtual ~SequenceObserver() = default;
+  // A newly generated token, in order, never repeated (also across preemption
+  // and worker failover: the scheduler resumes from what it already reported).
+  virtual void on_token(const TokenEvent& ev) = 0;
+  // The sequence ended (EOS => stop, max_new_tokens => length). Final call.
+  virtual void on_finished(FinishReason reason, const std::string& error_message) = 0;
+};
+
+// One worker as the scheduler sees it (several serve at once).
+struct WorkerStats {
+  std::string name;         // its socket file's stem
+  bool ready = false;
+  bool fallback = false;
+  int running = 0;          // sequences admitted there
+  int waiting = 0;          // given to it, not yet admitted
+  uint64_t assigned = 0;    // sequences ever given to it
+  uint64_t steps = 0;       // steps sent to it
+};
+
+struct SchedulerStats {
+  int waiting = 0;        // submitted, not yet admitted
+  int running = 0;        // admitted (prefilling or decoding)
+  int kv_blocks_used = 0;
+  int kv_blocks_total = 0;
+  uint64_t preemptions = 0;
+  bool degraded = false;  // serving from the fallback worker
+  // Expert prediction (docs/expert-prediction.md); zeros while --predict off.
+  bool predicting = false;
+  uint64_t prediction_requests = 0;    // finished requests whose prediction was checked
+  uint64_t predicted_experts = 0;      // experts predicted for them
+  uint64_t prediction_hits = 0;        // of those, used by the request
+  uint64_t prediction_buckets = 0;     // LSH buckets the table knows
+  uint64_t routing_summaries_learned = 0;
+  uint64_t routing_summaries_foreign = 0;  // other LSH settings, or no bucket
+  uint64_t warm_hints_sent = 0;        // warm_hints frames sent before prefills
+  uint64_t steps_with_usage = 0;       // step replies that carried expert usage
+  uint64_t step_experts = 0;           // distinct (layer, expert) pairs those steps used, summed
+  uint64_t worker_expert_hits = 0;     // step replies' expert_hits, summed (experts found resident)
+  uint64_t worker_expert_misses = 0;   // step replies' expert_misses, summed (experts copied in)
+  uint64_t worker_pressure[3] = {0, 0, 0};  // pressure frames received: warn, evict, break
+  std::vector<WorkerStats> workers;    // per worker, in the order configured (may be empty)
+};
+
+class Scheduler {
+ public:
+  virtual ~Scheduler() = default;
+  // Queues a sequence; returns its id. `obs` must outlive the sequence (until
+  // on_finished, or until cancel() returns).
+  virtual uint64_t submit(SequenceRequest req, SequenceObserver* obs) = 0;
+  // Ends a sequence at once and frees its KV; no observer call follows.
+  virtual void cancel(uint64_t id) = 0;
+  // True once a worker has said hello and can take steps.
+  virtual bool ready() const = 0;
+  virtual SchedulerStats stats() const = 0;
+  // Tokens of the longest sequence the worker accepts (prompt + generated).
+  virtual int max_context() const = 0;
+  // The backend of the worker that serves now ("cpu", "cuda"; "" while none).
+  virtual std::string backend() const { return ""; }
+};
+
+}  // namespace moe::gw

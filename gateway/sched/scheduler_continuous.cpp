@@ -1,0 +1,484 @@
+#include "gateway/sched/scheduler_continuous.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <variant>
+
+#include "gateway/last_resort.h"
+
+namespace moe::gw {
+
+namespace pr = moe::protocol;
+
+ContinuousScheduler::ContinuousScheduler(uv_loop_t* loop, std::vector<std::string> worker_sockets,
+                                         ContinuousSchedulerOptions opts)
+    : loop_(loop), opts_(std::move(opts)) {
+  kick_timer_ = new uv_timer_t;
+  uv_timer_init(loop_, kick_timer_);
+  kick_timer_->data = this;
+  workers_.resize(worker_sockets.size());  // never resized again: callbacks keep indices
+  for (size_t i = 0; i < worker_sockets.size(); ++i) {
+    WorkerLinkOptions lo = opts_.link;
+    lo.socket_path = worker_sockets[i];
+    WorkerLink::Callbacks cb;
+    cb.on_ready = [this, i](const pr::Hello& h) { on_ready(i, h); };
+    cb.on_frame = [this, i](const pr::Frame& f) { on_frame(i, f); };
+    cb.on_down = [this, i](const std::string&, bool unresponsive) { on_down(i, unresponsive); };
+    Worker& w = workers_[i];
+    w.link = std::make_unique<WorkerLink>(loop_, lo, std::move(cb));
+    w.name = std::filesystem::path(worker_sockets[i]).stem().string();
+    w.fallback = opts_.last_is_fallback && worker_sockets.size() > 1 && i + 1 == worker_sockets.size();
+  }
+  for (auto& w : workers_) w.link->start();
+}
+
+ContinuousScheduler::~ContinuousScheduler() {
+  kick_timer_->data = nullptr;
+  uv_close(reinterpret_cast<uv_handle_t*>(kick_timer_), [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
+  workers_.clear();
+  supervisor_.reset();
+}
+
+bool ContinuousScheduler::serving(size_t w) const {
+  if (!workers_[w].link->ready()) return false;
+  if (!workers_[w].fallback) return true;
+  for (const Worker& o : workers_)
+    if (!o.fallback && o.link->ready()) return false;
+  return true;
+}
+
+bool ContinuousScheduler::ready() const {
+  for (const auto& w : workers_)
+    if (w.link->ready()) return true;
+  return false;
+}
+
+int ContinuousScheduler::max_context() const {
+  for (size_t i = 0; i < workers_.size(); ++i)
+    if (serving(i)) return int(workers_[i].link->worker_hello().max_context);
+  for (const auto& w : workers_)
+    if (w.link->ready()) return int(w.link->worker_hello().max_context);
+  return 0;
+}
+
+std::string ContinuousScheduler::backend() const {
+  for (size_t i = 0; i < workers_.size(); ++i)
+    if (serving(i)) return workers_[i].link->worker_hello().backend;
+  return "";
+}
+
+uint64_t ContinuousScheduler::steps_sent() const {
+  uint64_t n = 0;
+  for (const auto& w : workers_) n += w.steps_sent;
+  return n;
+}
+
+SchedulerStats ContinuousScheduler::stats() const {
+  SchedulerStats s;
+  s.waiting = int(queued_.size());
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    const Worker& w = workers_[i];
+    s.waiting += w.policy.waiting();
+    s.running += w.policy.running();
+    s.kv_blocks_used += w.policy.kv_blocks_used();
+    s.preemptions += w.policy.preemptions();
+    if (serving(i)) {
+      s.kv_blocks_total += w.policy.limits().kv_blocks_total;
+      if (w.fallback) s.degraded = true;
+    }
+    s.workers.push_back({w.name, w.link->ready(), w.fallback, w.policy.running(), w.policy.waiting(), w.assigned,
+                         w.steps_sent});
+  }
+  if (PromptExpertPredictor* p = opts_.predictor) {
+    const PredictionStats ps = p->stats();
+    s.predicting = true;
+    s.prediction_requests = ps.requests_scored;
+    s.predicted_experts = ps.predicted;
+    s.prediction_hits = ps.hits;
+    s.prediction_buckets = ps.buckets;
+    s.routing_summaries_learned = ps.summaries_learned;
+    s.routing_summaries_foreign = ps.summaries_foreign;
+    s.warm_hints_sent = warm_hints_sent_;
+  }
+  s.steps_with_usage = steps_with_usage_;
+  s.step_experts = step_experts_;
+  s.worker_expert_hits = worker_expert_hits_;
+  for (int i = 0; i < 3; ++i) s.worker_pressure[i] = pressure_frames_[i];
+  s.worker_expert_misses = worker_expert_misses_;
+  return s;
+}
+
+uint64_t ContinuousScheduler::submit(SequenceRequest req, SequenceObserver* obs) {
+  const uint64_t id = next_seq_id_++;
+  observers_[id] = obs;
+  SequenceState st;
+  st.id = id;
+  if (PromptExpertPredictor* p = opts_.predictor) {
+    Predicted& pr = predicted_[id];
+    pr.prediction = p->predict(req.prompt);
+    st.hints.experts = pr.prediction.set;
+    st.hints.route_tag = pr.prediction.tag;
+  }
+  st.req = std::move(req);
+  queued_.push_back(std::move(st));
+  request_kick();
+  return id;
+}
+
+void ContinuousScheduler::cancel(uint64_t id) {
+  observers_.erase(id);
+  prediction_done(id);
+  auto q = std::find_if(queued_.begin(), queued_.end(), [id](const SequenceState& s) { return s.id == id; });
+  if (q != queued_.end()) queued_.erase(q);
+  moved_.erase(id);
+  if (auto it = owner_.find(id); it != owner_.end()) {
+    const size_t w = it->second;
+    owner_.erase(it);
+    if (workers_[w].policy.cancel(id)) send_releases(w, {id});
+  }
+  request_kick();  // its blocks may let a waiting request in
+}
+
+void ContinuousScheduler::prediction_done(uint64_t id) {
+  auto it = predicted_.find(id);
+  if (it == predicted_.end()) return;
+  Predicted& pr = it->second;
+  const bool used = std::any_of(pr.usage.begin(), pr.usage.end(), [](float v) { return v > 0; });
+  if (used) {
+    opts_.predictor->score(pr.prediction, pr.usage);
+    if (opts_.learn_from_replies) opts_.predictor->learn(pr.prediction.bucket, pr.usage);
+  }
+  predicted_.erase(it);
+}
+
+void ContinuousScheduler::send_warm_hints(WorkerLink* link, uint64_t seq_id) {
+  auto it = predicted_.find(seq_id);
+  if (it == predicted_.end() || !it->second.prediction.known()) return;
+  const ExpertPrediction& pred = it->second.prediction;
+  // Hints address experts by the model's layer index (docs/protocol.md);
+  // the prediction's rows are MoE layers in the worker's moe_layers order.
+  const std::vector<uint16_t>& moe_layers = link->worker_hello().experts.moe_layers;
+  pr::WarmHints wh;
+  wh.seq_id = seq_id;
+  const size_t E = size_t(opts_.predictor->n_experts());
+  // Rank by rank across layers (every layer's best first), so a worker that
+  // can place only some of them places the likeliest of each layer.
+  size_t ranks = 0;
+  for (const auto& l : pred.experts) ranks = std::max(ranks, l.size());
+  for (size_t r = 0; r < ranks; ++r)
+    for (size_t l = 0; l < pred.experts.size(); ++l) {
+      if (r >= pred.experts[l].size()) continue;
+      const int e = pred.experts[l][r];
+      const uint16_t layer = l < moe_layers.size() ? moe_layers[l] : uint16_t(l);
+      wh.hints.push_back({layer, uint16_t(e), std::clamp(pred.p[l * E + size_t(e)], 0.0f, 1.0f)});
+    }
+  if (link->send(pr::Message(std::move(wh))).ok()) ++warm_hints_sent_;
+}
+
+void ContinuousScheduler::send_releases(size_t w, std::vector<uint64_t> ids) {
+  WorkerLink* l = workers_[w].link.get();
+  if (!l->ready() || ids.empty()) return;
+  pr::ReleaseSequences r;
+  r.seq_ids = std::move(ids);
+  (void)l->send(pr::Message(std::move(r)));
+}
+
+void ContinuousScheduler::request_kick() {
+  if (!uv_is_active(reinterpret_cast<uv_handle_t*>(kick_timer_)))
+    uv_timer_start(kick_timer_, [](uv_timer_t* t) {
+      if (auto* self = static_cast<ContinuousScheduler*>(t->data)) last_resort("planning a step", [self] { self->kick(); });
+    }, 0, 0);
+}
+
+void ContinuousScheduler::requeue(std::vector<SequenceState> seqs) {
+  for (auto it = seqs.rbegin(); it != seqs.rend(); ++it) {
+    owner_.erase(it->id);
+    moved_.insert(it->id);
+    queued_.push_front(std::move(*it));
+  }
+}
+
+void ContinuousScheduler::on_ready(size_t w, const pr::Hello& h) {
+  Worker& wk = workers_[w];
+  std::fprintf(stderr, "moe-gateway: worker %s ready (%s, %s, %u KV blocks of %u tokens, context %u)%s\n",
+               wk.link->socket_path().c_str(), h.model_id.c_str(), h.backend.c_str(), h.kv_blocks_total,
+               h.kv_block_tokens, h.max_context, wk.fallback ? ", the fallback" : "");
+  // Its KV holds nothing of ours (a fresh connection): plan from its limits.
+  PolicyLimits lim;
+  lim.max_step_tokens = opts_.max_step_tokens;
+  lim.kv_blocks_total = int(h.kv_blocks_total);
+  lim.kv_block_tokens = int(h.kv_block_tokens);
+  lim.max_context = int(h.max_context);
+  lim.headroom_blocks = opts_.headroom_blocks;
+  lim.grouped_batching = opts_.grouped_batching;
+  lim.grouping_max_skips = opts_.grouping_max_skips;
+  if (h.max_batch_sequences > 0) lim.max_batch_sequences = int(h.max_batch_sequences);
+  if (h.max_step_tokens > 0 && int(h.max_step_tokens) < lim.max_step_tokens) lim.max_step_tokens = int(h.max_step_tokens);
+  wk.policy.set_limits(lim);
+  request_kick();
+}
+
+void ContinuousScheduler::on_down(size_t w, bool unresponsive) {
+  Worker& wk = workers_[w];
+  // Our own child gone silent (frozen, or stuck in a kernel) would never
+  // come back by itself: it is killed, and the supervisor restarts it.
+  if (unresponsive && supervisor_ && supervisor_->socket_path() == wk.link->socket_path())
+    supervisor_->kill_child("it stopped answering");
+  // The worker's KV is gone: the step in flight will never be answered and
+  // every sequence it held is recomputed wherever it goes next.
+  wk.in_flight = false;
+  wk.in_flight_plan = {};
+  requeue(wk.policy.take_all());
+  request_kick();
+}
+
+void ContinuousScheduler::on_frame(size_t w, const pr::Frame& f) {
+  Worker& wk = workers_[w];
+  if (pr::Command(f.command) == pr::Command::pressure) {
+    auto p = pr::decode_pressure(f.payload);
+    if (!p.ok()) return;
+    const int level = int(p->level);
+    if (level >= 0 && level < 3) ++pressure_frames_[level];
+    std::fprintf(stderr, "moe-gateway: worker %s says %s: %s\n", wk.name.c_str(), pr::pressure_level_name(p->level),
+                 p->detail.c_str());
+    if (p->level == pr::PressureLevel::break_) {
+      // It is about to exit: move its sequences now rather than at the hang-up.
+      wk.link->drop("the worker said break: " + p->detail);
+      return;
+    }
+    wk.pressure = std::max(wk.pressure, level + 1);
+    return;
+  }
+  if (!wk.in_flight || f.request_id != wk.in_flight_request) {
+    if (pr::Command(f.command) == pr::Command::error) {
+      auto e = pr::decode_error(f.payload);
+      std::fprintf(stderr, "moe-gateway: worker error: %s\n", e.ok() ? e->message.c_str() : e.error().c_str());
+    }
+    return;
+  }
+  std::vector<ChunkResult> results;
+  if (pr::Command(f.command) == pr::Command::step_reply) {
+    auto reply = pr::decode_step_reply(f.payload);
+    if (reply.ok()) {
+      // How many distinct experts the step used: what grouped batching lowers.
+      std::vector<uint8_t> touched;
+      for (const pr::StepResult& r : reply->results) {
+        if (touched.size() < r.expert_usage.size()) touched.resize(r.expert_usage.size(), 0);
+        for (size_t i = 0; i < r.expert_usage.size(); ++i) touched[i] |= r.expert_usage[i] != 0;
+      }
+      if (!touched.empty()) {
+        ++steps_with_usage_;
+        step_experts_ += uint64_t(std::count(touched.begin(), touched.end(), uint8_t(1)));
+      }
+      // The worker's own count of experts found resident or copied in.
+      worker_expert_hits_ += reply->expert_hits;
+      worker_expert_misses_ += reply->expert_misses;
+      const double kv_total = double(reply->kv_blocks_free) + double(reply->kv_blocks_used);
+      if (wk.pressure && kv_total > 0 && reply->kv_blocks_free >= 0.2 * kv_total) {
+        wk.pressure = 0;
+        request_kick();
+      }
+      for (const pr::StepResult& r : reply->results) {
+        ChunkResult c;
+        c.seq_id = r.seq_id;
+        c.ok = r.error == pr::ErrorCode::none;
+        c.error = r.error_message;
+        c.sampled = r.sampled;
+        c.token.token = r.token;
+        c.token.logprob = r.logprob;
+        if (!r.expert_usage.empty()) {
+          if (auto it = predicted_.find(r.seq_id); it != predicted_.end()) {
+            auto& u = it->second.usage;
+            if (u.size() < r.expert_usage.size()) u.resize(r.expert_usage.size(), 0.0f);
+            for (size_t i = 0; i < r.expert_usage.size(); ++i) u[i] += float(r.expert_usage[i]);
+          }
+        }
+        for (const auto& t : r.top) c.token.top.emplace_back(t.token, t.logprob);
+        results.push_back(std::move(c));
+      }
+    } else {
+      std::fprintf(stderr, "moe-gateway: undecodable step reply: %s\n", reply.error().c_str());
+    }
+  } else if (pr::Command(f.command) == pr::Command::error) {
+    auto e = pr::decode_error(f.payload);
+    std::fprintf(stderr, "moe-gateway: the worker refused a step: %s\n", e.ok() ? e->message.c_str() : e.error().c_str());
+  }
+  // Sequences without a result finish with an error (apply() says so).
+  finish_step(w, results);
+}
+
+void ContinuousScheduler::finish_step(size_t w, const std::vector<ChunkResult>& results) {
+  Worker& wk = workers_[w];
+  wk.in_flight = false;
+  std::vector<uint64_t> release;
+  StepPlan plan = std::move(wk.in_flight_plan);
+  wk.in_flight_plan = {};
+  auto updates = wk.policy.apply(plan, results, &release);
+  for (const SequenceUpdate& u : updates)
+    if (u.finished) {
+      owner_.erase(u.seq_id);
+      prediction_done(u.seq_id);
+    }
+  send_releases(w, std::move(release));
+  kick();  // the next steps go out before observers run their (slower) text work
+  dispatch(updates);
+}
+
+void ContinuousScheduler::dispatch(std::vector<SequenceUpdate>& updates) {
+  for (SequenceUpdate& u : updates) {
+    for (const TokenEvent& ev : u.tokens) {
+      auto it = observers_.find(u.seq_id);
+      if (it == observers_.end()) break;  // cancelled, possibly by the previous token's observer call
+      it->second->on_token(ev);
+    }
+    if (!u.finished) continue;
+    auto it = observers_.find(u.seq_id);
+    if (it == observers_.end()) continue;
+    SequenceObserver* obs = it->second;
+    observers_.erase(it);
+    obs->on_finished(u.reason, u.error);
+  }
+}
+
+void ContinuousScheduler::assign_queued() {
+  std::vector<size_t> candidates;
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    if (workers_[i].pressure && workers_[i].policy.demand_blocks() == 0) workers_[i].pressure = 0;
+    if (serving(i) && !workers_[i].pressure) candidates.push_back(i);  // KV pressure: admit nothing new
+  }
+  if (candidates.empty() || queued_.empty()) return;
+
+  // Each worker as the choice sees it: its resident experts (from Redis) and
+  // its load, which grows with every sequence given to it in this round.
+  const PromptExpertPredictor* p = opts_.predictor;
+  std::map<std::string, std::string> resident;
+  if (p && opts_.resident_sets && candidates.size() > 1) resident = opts_.resident_sets();
+  std::vector<WorkerCandidate> view;
+  std::vector<double> demand, total;
+  for (size_t i : candidates) {
+    const Worker& wk = workers_[i];
+    WorkerCandidate c;
+    c.name = wk.name;
+    if (auto r = resident.find(wk.name); r != resident.end())
+      c.resident = parse_resident_set(r->second, p->n_layers(), p->n_experts());
+    view.push_back(std::move(c));
+    demand.push_back(wk.policy.demand_blocks());
+    total.push_back(std::max(wk.policy.limits().kv_blocks_total, 1));
+  }
+  const ExpertPrediction none;
+  std::vector<std::vector<SequenceState>> moved(candidates.size()), fresh(candidates.size());
+  while (!queued_.empty()) {
+    SequenceState s = std::move(queued_.front());
+    queued_.pop_front();
+    size_t k = 0;
+    if (candidates.size() > 1) {
+      for (size_t j = 0; j < view.size(); ++j) view[j].load = std::min(1.0, demand[j] / total[j]);
+      auto pi = predicted_.find(s.id);
+      const int chosen = choose_worker(pi != predicted_.end() ? pi->second.prediction : none,
+                                       p ? size_t(p->n_experts()) : 0, view, opts_.choice);
+      k = chosen < 0 ? 0 : size_t(chosen);
+    }
+    const Worker& wk = workers_[candidates[k]];
+    const int bt = std::max(wk.policy.limits().kv_block_tokens, 1);
+    demand[k] += double(s.req.prompt.size() + s.generated.size() + size_t(bt) - 1) / bt;
+    // Sequences that ran elsewhere go first, as a lost worker's would.
+    (moved_.erase(s.id) ? moved : fresh)[k].push_back(std::move(s));
+  }
+  for (size_t k = 0; k < candidates.size(); ++k) {
+    Worker& wk = workers_[candidates[k]];
+    for (auto it = moved[k].rbegin(); it != moved[k].rend(); ++it) {
+      owner_[it->id] = candidates[k];
+      ++wk.assigned;
+      wk.policy.add_resumed(std::move(*it), true);
+    }
+    for (SequenceState& s : fresh[k]) {
+      owner_[s.id] = candidates[k];
+      ++wk.assigned;
+      wk.policy.add_resumed(std::move(s), false);
+    }
+  }
+}
+
+void ContinuousScheduler::kick() {
+  // A main worker is ready again while the fallback holds sequences: they are
+  // released there and recomputed on the main workers, as after a lost worker.
+  bool main_ready = false;
+  for (const Worker& w : workers_) main_ready |= !w.fallback && w.link->ready();
+  for (size_t i = 0; i < workers_.size() && main_ready; ++i) {
+    Worker& fb = workers_[i];
+    if (!fb.fallback || fb.in_flight || fb.policy.running() + fb.policy.waiting() == 0) continue;
+    std::fprintf(stderr, "moe-gateway: a main worker is back; leaving %s\n", fb.link->socket_path().c_str());
+    send_releases(i, fb.policy.running_ids());
+    requeue(fb.policy.take_all());
+  }
+  assign_queued();
+  rebalance();
+  for (size_t i = 0; i < workers_.size(); ++i)
+    if (!workers_[i].in_flight && serving(i)) step(i);
+}
+
+void ContinuousScheduler::rebalance() {
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    Worker& idle = workers_[i];
+    if (!serving(i) || idle.in_flight || idle.policy.running() + idle.policy.waiting() > 0) continue;
+    size_t busiest = i;
+    for (size_t j = 0; j < workers_.size(); ++j)
+      if (j != i && serving(j) && workers_[j].policy.waiting() > (busiest == i ? 0 : workers_[busiest].policy.waiting()))
+        busiest = j;
+    if (busiest == i) continue;
+    // The younger half: what would wait longest where it is. At least one.
+    const size_t n = (size_t(workers_[busiest].policy.waiting()) + 1) / 2;
+    for (SequenceState& s : workers_[busiest].policy.take_waiting(n)) {
+      owner_[s.id] = i;
+      ++idle.taken_over;
+      idle.policy.add_resumed(std::move(s), false);
+    }
+  }
+}
+
+void ContinuousScheduler::step(size_t w) {
+  Worker& wk = workers_[w];
+  WorkerLink* link = wk.link.get();
+  std::vector<SequenceUpdate> rejected;
+  StepPlan plan = wk.policy.plan(&rejected);
+  send_releases(w, plan.release);
+  for (const SequenceUpdate& u : rejected) {
+    owner_.erase(u.seq_id);
+    prediction_done(u.seq_id);
+  }
+  if (!plan.chunks.empty()) {
+    // Warm hints go first, on the same socket, so the worker has them before
+    // the step that prefills the sequence from its start.
+    if (opts_.predictor && opts_.warm_hints)
+      for (const PlannedChunk& c : plan.chunks)
+        if (c.start_pos == 0) send_warm_hints(link, c.seq_id);
+    pr::StepRequest req;
+    req.report_expert_usage = opts_.report_expert_usage;
+    for (const PlannedChunk& c : plan.chunks) {
+      pr::StepSequence s;
+      s.seq_id = c.seq_id;
+      s.tokens = c.tokens;
+      s.start_pos = uint32_t(c.start_pos);
+      s.sample = c.sample;
+      s.route_bucket = c.route_tag;
+      // Sampling parameters travel with every chunk; the worker keeps none.
+      s.sampling = c.sampling;
+      req.sequences.push_back(std::move(s));
+    }
+    auto id = link->send(pr::Message(std::move(req)));
+    if (id.ok()) {
+      wk.in_flight = true;
+      wk.in_flight_request = *id;
+      wk.in_flight_plan = std::move(plan);
+      ++wk.steps_sent;
+    } else {
+      // The link failed under us; its on_down moves the sequences elsewhere.
+      std::fprintf(stderr, "moe-gateway: cannot send a step: %s\n", id.error().c_str());
+      wk.policy.worker_lost();
+    }
+  }
+  dispatch(rejected);
+}
+
+}  // namespace moe::gw

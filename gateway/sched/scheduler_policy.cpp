@@ -1,0 +1,406 @@
+#include "gateway/sched/scheduler_policy.h"
+
+#include <algorithm>
+#include <unordered_map>
+
+namespace moe::gw {
+
+int BatchPolicy::blocks_for(int tokens) const {
+  const int bt = std::max(limits_.kv_block_tokens, 1);
+  return (tokens + bt - 1) / bt;
+}
+
+void BatchPolicy::count_group(uint64_t group, int delta) {
+  auto [it, fresh] = groups_.try_emplace(group);
+  // A new request takes its turn after those already waiting: it counts as
+  // admitted "now", so a request partly admitted earlier goes before it.
+  if (fresh) it->second.admitted = admit_counter_;
+  it->second.sequences += delta;
+  if (it->second.sequences <= 0) groups_.erase(it);
+}
+
+std::vector<size_t> BatchPolicy::admission_order(size_t limit) const {
+  std::vector<size_t> order;
+  // Put back at the front: first, in queue order.
+  for (size_t i = 0; i < waiting_.size() && order.size() < limit; ++i)
+    if (seqs_.at(waiting_[i]).front) order.push_back(i);
+  if (order.size() >= limit) return order;
+  // The rest by group, each group's in queue order; groups by their last
+  // admission, then by their first place in the queue.
+  struct Pending {
+    uint64_t group;
+    uint64_t admitted;
+    std::vector<size_t> positions;
+  };
+  std::vector<Pending> pending;
+  std::unordered_map<uint64_t, size_t> slot;
+  for (size_t i = 0; i < waiting_.size(); ++i) {
+    const Seq& s = seqs_.at(waiting_[i]);
+    if (s.front) continue;
+    auto [it, fresh] = slot.try_emplace(s.req.group, pending.size());
+    if (fresh) {
+      auto g = groups_.find(s.req.group);
+      pending.push_back({s.req.group, g == groups_.end() ? 0 : g->second.admitted, {}});
+    }
+    pending[it->second].positions.push_back(i);
+  }
+  std::stable_sort(pending.begin(), pending.end(),
+                   [](const Pending& a, const Pending& b) { return a.admitted < b.admitted; });
+  for (size_t round = 0; order.size() < limit; ++round) {
+    bool any = false;
+    for (const Pending& p : pending) {
+      if (round >= p.positions.size()) continue;
+      any = true;
+      order.push_back(p.positions[round]);
+      if (order.size() >= limit) break;
+    }
+    if (!any) break;
+  }
+  return order;
+}
+
+void BatchPolicy::add(uint64_t id, SequenceRequest req, SequenceHints hints) {
+  Seq s;
+  s.context = req.prompt;
+  count_group(req.group, +1);
+  s.req = std::move(req);
+  s.hints = std::move(hints);
+  seqs_[id] = std::move(s);
+  waiting_.push_back(id);
+}
+
+bool BatchPolicy::cancel(uint64_t id) {
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) return false;
+  const bool admitted = it->second.admitted;
+  count_group(it->second.req.group, -1);
+  seqs_.erase(it);
+  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), id), waiting_.end());
+  running_.erase(std::remove(running_.begin(), running_.end(), id), running_.end());
+  return admitted;
+}
+
+int BatchPolicy::kv_blocks_used() const {
+  int used = 0;
+  for (uint64_t id : running_) used += blocks_for(seqs_.at(id).on_worker);
+  return used;
+}
+
+int BatchPolicy::committed_blocks() const {
+  int c = 0;
+  for (uint64_t id : running_) {
+    const Seq& s = seqs_.at(id);
+    c += blocks_for(std::max<int>(s.on_worker + 1, int(s.context.size())));
+  }
+  return c;
+}
+
+std::vector<uint64_t> BatchPolicy::running_ids() const { return running_; }
+
+int BatchPolicy::skips(uint64_t id) const {
+  auto it = seqs_.find(id);
+  return it == seqs_.end() ? 0 : it->second.skips;
+}
+
+size_t BatchPolicy::pick_grouped(const std::vector<uint64_t>& candidates, const ExpertSet& step) const {
+  // Passed over often enough: the oldest such goes now, whatever it shares.
+  for (size_t i = 0; i < candidates.size(); ++i)
+    if (seqs_.at(candidates[i]).skips >= limits_.grouping_max_skips) return i;
+  size_t best = 0;
+  double best_score = -1;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const ExpertSet& e = seqs_.at(candidates[i]).hints.experts;
+    const size_t n = e.count();
+    const double score = n == 0 ? 0.0 : double(e.overlap(step)) / double(n);
+    if (score > best_score) {  // ties: the older one
+      best = i;
+      best_score = score;
+    }
+  }
+  return best;
+}
+
+const std::vector<int32_t>* BatchPolicy::generated(uint64_t id) const {
+  auto it = seqs_.find(id);
+  return it == seqs_.end() ? nullptr : &it->second.generated;
+}
+
+bool BatchPolicy::can_ever_run(const Seq& s, std::string* why) const {
+  const int len = int(s.context.size());
+  if (s.req.prompt.empty()) {
+    *why = "the prompt is empty";
+    return false;
+  }
+  if (limits_.max_context > 0 && len + 1 > limits_.max_context) {
+    *why = "the prompt of " + std::to_string(len) + " tokens leaves no room in the context of " +
+           std::to_string(limits_.max_context);
+    return false;
+  }
+  if (blocks_for(len + 1) > limits_.kv_blocks_total) {
+    *why = "the prompt of " + std::to_string(len) + " tokens needs more KV blocks than the worker has (" +
+           std::to_string(limits_.kv_blocks_total) + ")";
+    return false;
+  }
+  return true;
+}
+
+void BatchPolicy::preempt(uint64_t id, StepPlan& plan) {
+  Seq& s = seqs_.at(id);
+  running_.erase(std::remove(running_.begin(), running_.end(), id), running_.end());
+  s.admitted = false;
+  s.front = true;
+  s.on_worker = 0;
+  waiting_.push_front(id);
+  plan.release.push_back(id);
+  ++preemptions_;
+}
+
+StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected) {
+  StepPlan plan;
+  // Requests that can never run leave the queue with an error.
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    std::string why;
+    if (can_ever_run(seqs_.at(*it), &why)) {
+      ++it;
+      continue;
+    }
+    if (rejected) rejected->push_back({*it, {}, true, FinishReason::error, why});
+    count_group(seqs_.at(*it).req.group, -1);
+    seqs_.erase(*it);
+    it = waiting_.erase(it);
+  }
+
+  // 1. Decode tokens (one per sequence whose prompt is on the worker); when
+  //    the blocks they need are not free, preempt the youngest sequence.
+  const int total = limits_.kv_blocks_total;
+  auto decode_need = [&] {
+    int need = 0;
+    for (uint64_t id : running_) {
+      const Seq& s = seqs_.at(id);
+      if (int(s.context.size()) - s.on_worker == 1) need += blocks_for(s.on_worker + 1) - blocks_for(s.on_worker);
+    }
+    return need;
+  };
+  while (!running_.empty() && decode_need() > total - kv_blocks_used()) preempt(running_.back(), plan);
+
+  int budget = limits_.max_step_tokens;
+  int free_blocks = total - kv_blocks_used();
+  for (uint64_t id : running_) {
+    Seq& s = seqs_.at(id);
+    if (int(s.context.size()) - s.on_worker != 1) continue;
+    free_blocks -= blocks_for(s.on_worker + 1) - blocks_for(s.on_worker);
+    plan.chunks.push_back({id, {s.context.back()}, s.on_worker, true, s.req.sampling, s.hints.route_tag});
+    --budget;
+  }
+  // The experts this step already touches (grouped batching adds to it).
+  ExpertSet step_experts;
+  for (const PlannedChunk& c : plan.chunks) step_experts.merge(seqs_.at(c.seq_id).hints.experts);
+
+  // 2. Prefill chunks of admitted sequences, oldest first, within the budget
+  //    and the free blocks.
+  auto add_prefill = [&](uint64_t id) {
+    Seq& s = seqs_.at(id);
+    const int bt = std::max(limits_.kv_block_tokens, 1);
+    const int remaining = int(s.context.size()) - s.on_worker;
+    const int fit = (blocks_for(s.on_worker) + free_blocks) * bt - s.on_worker;
+    const int n = std::min({remaining, budget, fit});
+    if (n <= 0) return;
+    PlannedChunk c;
+    c.seq_id = id;
+    c.start_pos = s.on_worker;
+    c.tokens.assign(s.context.begin() + s.on_worker, s.context.begin() + s.on_worker + n);
+    c.sample = n == remaining;
+    c.sampling = s.req.sampling;
+    c.route_tag = s.hints.route_tag;
+    free_blocks -= blocks_for(s.on_worker + n) - blocks_for(s.on_worker);
+    budget -= n;
+    plan.chunks.push_back(std::move(c));
+  };
+  std::vector<uint64_t> prefilling;
+  int prefill_tokens = 0;
+  for (uint64_t id : running_) {
+    const Seq& s = seqs_.at(id);
+    const int remaining = int(s.context.size()) - s.on_worker;
+    if (remaining <= 1) continue;
+    prefilling.push_back(id);
+    prefill_tokens += remaining;
+  }
+  if (!limits_.grouped_batching || prefill_tokens <= budget) {
+    for (uint64_t id : prefilling) {
+      if (budget <= 0) break;
+      add_prefill(id);
+      step_experts.merge(seqs_.at(id).hints.experts);
+    }
+  } else {
+    // More prefill than the step takes: overlap with the step decides, and
+    // every sequence left out this time counts one more skip.
+    while (budget > 0 && !prefilling.empty()) {
+      const size_t k = pick_grouped(prefilling, step_experts);
+      const uint64_t id = prefilling[k];
+      prefilling.erase(prefilling.begin() + long(k));
+      Seq& s = seqs_.at(id);
+      s.skips = 0;
+      add_prefill(id);
+      step_experts.merge(s.hints.experts);
+    }
+    for (uint64_t id : prefilling) ++seqs_.at(id).skips;
+  }
+
+  // 3. Admission, first come first served: the whole context must fit next to
+  //    what the admitted sequences will hold, plus headroom.
+  //    With grouped batching the pick among the first `grouping_window`
+  //    waiting requests goes by overlap; the head, once passed over
+  //    grouping_max_skips times, goes next. Whoever is picked must fit, else
+  //    admission stops for this step (a small request never slips past a
+  //    large one by size alone).
+  // The round-robin order is computed once a step (ids, so admissions do
+  // not shift it): the request admitted least recently first, one sequence
+  // each, round after round, which is what recomputing after every
+  // admission would give.
+  const bool grouping = limits_.grouped_batching && waiting_.size() > 1;
+  const size_t window = grouping ? size_t(std::max(limits_.grouping_window, 1)) : 1;
+  std::vector<uint64_t> order;
+  {
+    const size_t want = std::min(waiting_.size(), window + size_t(std::max(budget, 0)));
+    for (size_t pos : admission_order(want)) order.push_back(waiting_[pos]);
+  }
+  size_t next = 0;  // order[next..] are the candidates still waiting
+  while (budget > 0 && next < order.size() && int(running_.size()) < limits_.max_batch_sequences) {
+    const size_t w = std::min(window, order.size() - next);
+    size_t pick = 0;
+    if (grouping && w > 1 && seqs_.at(order[next]).skips < limits_.grouping_max_skips) {
+      const std::vector<uint64_t> candidates(order.begin() + long(next), order.begin() + long(next + w));
+      pick = pick_grouped(candidates, step_experts);
+    }
+    const uint64_t id = order[next + pick];
+    Seq& s = seqs_.at(id);
+    const int len = int(s.context.size());
+    const int need = running_.empty() ? blocks_for(len + 1) : blocks_for(len) + limits_.headroom_blocks;
+    if (committed_blocks() + need > total) break;
+    for (size_t i = 0; i < pick; ++i) ++seqs_.at(order[next + i]).skips;  // overtaken
+    order.erase(order.begin() + long(next + pick));
+    waiting_.erase(std::find(waiting_.begin(), waiting_.end(), id));
+    s.skips = 0;
+    s.front = false;
+    step_experts.merge(s.hints.experts);
+    s.admitted = true;
+    s.admitted_at = ++admit_counter_;
+    if (auto g = groups_.find(s.req.group); g != groups_.end()) g->second.admitted = admit_counter_;
+    s.on_worker = 0;
+    running_.push_back(id);
+    add_prefill(id);
+  }
+  return plan;
+}
+
+std::vector<SequenceUpdate> BatchPolicy::apply(const StepPlan& plan, const std::vector<ChunkResult>& results,
+                                               std::vector<uint64_t>* release_after) {
+  std::unordered_map<uint64_t, const ChunkResult*> by_id;
+  for (const ChunkResult& r : results) by_id[r.seq_id] = &r;
+  std::vector<SequenceUpdate> updates;
+  for (const PlannedChunk& c : plan.chunks) {
+    auto it = seqs_.find(c.seq_id);
+    if (it == seqs_.end() || !it->second.admitted) continue;  // cancelled meanwhile
+    Seq& s = it->second;
+    SequenceUpdate u;
+    u.seq_id = c.seq_id;
+    auto rit = by_id.find(c.seq_id);
+    if (rit == by_id.end() || !rit->second->ok) {
+      u.finished = true;
+      u.reason = FinishReason::error;
+      u.error = rit == by_id.end() ? "the worker returned no result for the sequence" : rit->second->error;
+    } else {
+      s.on_worker = c.start_pos + int(c.tokens.size());
+      if (c.sample && rit->second->sampled) {
+        const TokenEvent& ev = rit->second->token;
+        u.tokens.push_back(ev);
+        s.generated.push_back(ev.token);
+        s.context.push_back(ev.token);
+        const auto& stop = s.req.stop_ids;
+        if (std::find(stop.begin(), stop.end(), ev.token) != stop.end()) {
+          u.finished = true;
+          u.reason = FinishReason::stop;
+        } else if (int(s.generated.size()) >= s.req.max_new_tokens ||
+                   (limits_.max_context > 0 && int(s.context.size()) >= limits_.max_context)) {
+          u.finished = true;
+          u.reason = FinishReason::length;
+        }
+      } else if (c.sample) {
+        u.finished = true;
+        u.reason = FinishReason::error;
+        u.error = "the worker sampled no token";
+      }
+    }
+    if (u.finished) {
+      if (release_after) release_after->push_back(c.seq_id);
+      running_.erase(std::remove(running_.begin(), running_.end(), c.seq_id), running_.end());
+      count_group(s.req.group, -1);
+      seqs_.erase(it);
+    }
+    if (u.finished || !u.tokens.empty()) updates.push_back(std::move(u));
+  }
+  return updates;
+}
+
+std::vector<SequenceState> BatchPolicy::take_all() {
+  std::vector<SequenceState> out;
+  auto take = [&](uint64_t id) {
+    Seq& s = seqs_.at(id);
+    out.push_back({id, std::move(s.req), std::move(s.generated), std::move(s.hints)});
+  };
+  for (uint64_t id : running_) take(id);
+  for (uint64_t id : waiting_) take(id);
+  seqs_.clear();
+  running_.clear();
+  waiting_.clear();
+  groups_.clear();
+  return out;
+}
+
+std::vector<SequenceState> BatchPolicy::take_waiting(size_t n) {
+  n = std::min(n, waiting_.size());
+  std::vector<SequenceState> out;
+  for (auto it = waiting_.end() - long(n); it != waiting_.end(); ++it) {
+    Seq& s = seqs_.at(*it);
+    count_group(s.req.group, -1);
+    out.push_back({*it, std::move(s.req), std::move(s.generated), std::move(s.hints)});
+    seqs_.erase(*it);
+  }
+  waiting_.erase(waiting_.end() - long(n), waiting_.end());
+  return out;
+}
+
+void BatchPolicy::add_resumed(SequenceState st, bool front) {
+  Seq s;
+  s.context = st.req.prompt;
+  s.context.insert(s.context.end(), st.generated.begin(), st.generated.end());
+  s.generated = std::move(st.generated);
+  count_group(st.req.group, +1);
+  s.req = std::move(st.req);
+  s.hints = std::move(st.hints);
+  s.front = front;
+  seqs_[st.id] = std::move(s);
+  if (front)
+    waiting_.push_front(st.id);
+  else
+    waiting_.push_back(st.id);
+}
+
+int BatchPolicy::demand_blocks() const {
+  int d = committed_blocks();
+  for (uint64_t id : waiting_) d += blocks_for(int(seqs_.at(id).context.size()));
+  return d;
+}
+
+void BatchPolicy::worker_lost() {
+  for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
+    Seq& s = seqs_.at(*it);
+    s.admitted = false;
+    s.front = true;
+    s.on_worker = 0;
+    waiting_.push_front(*it);
+  }
+  running_.clear();
+}
+
+}  // namespace moe::gw

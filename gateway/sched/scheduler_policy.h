@@ -1,0 +1,187 @@
+#pragma once
+// The continuous-batching policy, without sockets: it decides what the next
+// worker step holds and folds the step's results back into the sequences.
+//
+// Every step carries each decoding sequence's one new token, then prefill
+// chunks (oldest first) up to the per-step token budget. A waiting request is
+// admitted only when the worker's KV blocks hold its whole prompt plus
+// headroom next to what the admitted sequences will need. When a decode step
+// would run out of blocks, the youngest sequence is preempted: released on
+// the worker and put back at the front of the queue, to be recomputed later
+// by prefilling its prompt plus the tokens it already produced (those tokens
+// are never reported twice). A lost worker preempts everything the same way.
+//
+// Admission is round-robin across requests (SequenceRequest::group): the
+// next sequence admitted is the oldest waiting one of the request admitted
+// least recently, so a request of 128 choices does not hold back one that
+// came after it. Sequences put back at the front (preempted, or moved from a
+// lost worker) go before all of these.
+//
+// Expert-grouped batching (docs/expert-prediction.md): when more prefill
+// chunks or waiting requests compete for a step than its budget takes, the
+// ones whose predicted experts overlap most with what the step already uses
+// go first, so one expert's weights serve several sequences. A sequence that
+// has been passed over `grouping_max_skips` times goes next regardless, so
+// none starves; sequences without a prediction keep first-come order.
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <unordered_map>
+#include <string>
+#include <vector>
+
+#include "gateway/predict/expert_set.h"
+#include "gateway/sched/scheduler.h"
+
+namespace moe::gw {
+
+struct PolicyLimits {
+  int max_step_tokens = 256;  // tokens of one step, decode and prefill together
+  int kv_blocks_total = 0;    // as the worker reported
+  int kv_block_tokens = 16;
+  int max_context = 0;        // prompt + generated, per sequence
+  int headroom_blocks = 1;    // kept free per admission for the first decodes
+  int max_batch_sequences = 4096;
+  bool grouped_batching = true;  // choose by predicted-expert overlap (else first come first served)
+  int grouping_max_skips = 4;    // times a sequence may be passed over before it goes next
+  int grouping_window = 16;      // waiting requests considered for admission at once
+};
+
+// What the gateway predicted for a sequence (expert_prediction.h).
+struct SequenceHints {
+  ExpertSet experts;        // predicted (layer, expert) pairs; empty: no prediction
+  uint64_t route_tag = 0;   // StepSequence.route_bucket
+};
+
+// One sequence's part of a step.
+struct PlannedChunk {
+  uint64_t seq_id = 0;
+  std::vector<int32_t> tokens;
+  int start_pos = 0;
+  bool sample = false;  // the last prefill chunk or a decode token
+  Sampling sampling;    // the request's, sent with every chunk
+  uint64_t route_tag = 0;
+};
+
+struct StepPlan {
+  std::vector<PlannedChunk> chunks;     // the step (empty: nothing to run)
+  std::vector<uint64_t> release;        // free these on the worker before the step
+  bool empty() const { return chunks.empty() && release.empty(); }
+};
+
+// What the worker answered for one chunk.
+struct ChunkResult {
+  uint64_t seq_id = 0;
+  bool ok = true;
+  std::string error;
+  bool sampled = false;
+  TokenEvent token;
+};
+
+// A sequence outside any worker's policy (moved between workers): what it
+// asked for and the tokens already reported to its observer.
+struct SequenceState {
+  uint64_t id = 0;
+  SequenceRequest req;
+  std::vector<int32_t> generated;
+  SequenceHints hints;
+};
+
+// What observers must hear after a step, in order.
+struct SequenceUpdate {
+  uint64_t seq_id = 0;
+  std::vector<TokenEvent> tokens;  // new tokens (at most one per step)
+  bool finished = false;
+  FinishReason reason = FinishReason::length;
+  std::string error;
+};
+
+class BatchPolicy {
+ public:
+  explicit BatchPolicy(PolicyLimits limits = {}) : limits_(limits) {}
+
+  void set_limits(const PolicyLimits& limits) { limits_ = limits; }
+  const PolicyLimits& limits() const { return limits_; }
+
+  // Queues a request at the back. A request that can never run (empty, longer
+  // than the context or the whole KV cache) finishes at the next plan() with
+  // an error update instead.
+  void add(uint64_t id, SequenceRequest req, SequenceHints hints = {});
+  // Forgets a sequence; true when the worker holds KV for it (send a release).
+  bool cancel(uint64_t id);
+
+  // The next step. Requests that can never run are reported in `rejected`.
+  StepPlan plan(std::vector<SequenceUpdate>* rejected = nullptr);
+  // Folds the worker's answers to `plan` back in (results of cancelled
+  // sequences are ignored). Finished sequences are forgotten; their ids are
+  // added to `release_after` so their KV is freed.
+  std::vector<SequenceUpdate> apply(const StepPlan& plan, const std::vector<ChunkResult>& results,
+                                    std::vector<uint64_t>* release_after);
+  // The worker lost its state (crash, reconnect): every admitted sequence
+  // goes back to the front of the queue, in admission order, to be
+  // recomputed from prompt + generated tokens.
+  void worker_lost();
+  // Removes every sequence, admitted ones first (admission order), then the
+  // queue in order. The caller releases the admitted ones on the worker if it
+  // still holds their KV (running_ids() before the call).
+  std::vector<SequenceState> take_all();
+  // Removes up to `n` sequences from the back of the queue (the youngest; none
+  // holds KV on the worker), oldest of them first.
+  std::vector<SequenceState> take_waiting(size_t n);
+  // Queues a sequence moved from another worker: it is recomputed from its
+  // prompt plus `generated`, whose tokens are not reported again.
+  void add_resumed(SequenceState s, bool front);
+  // KV blocks the admitted sequences will hold plus those the queue's
+  // prompts need: the worker's load as this policy sees it.
+  int demand_blocks() const;
+
+  // Observation (tests, stats).
+  int waiting() const { return int(waiting_.size()); }
+  int running() const { return int(running_.size()); }
+  int kv_blocks_used() const;  // blocks the admitted sequences hold on the worker
+  uint64_t preemptions() const { return preemptions_; }
+  std::vector<uint64_t> waiting_ids() const { return {waiting_.begin(), waiting_.end()}; }
+  std::vector<uint64_t> running_ids() const;  // in admission order
+  const std::vector<int32_t>* generated(uint64_t id) const;
+  bool knows(uint64_t id) const { return seqs_.count(id) != 0; }
+  int skips(uint64_t id) const;  // times passed over by grouped batching since last chosen
+
+ private:
+  struct Seq {
+    SequenceRequest req;
+    std::vector<int32_t> generated;  // reported to the observer already
+    std::vector<int32_t> context;    // prompt + generated, what the worker must hold
+    int on_worker = 0;               // tokens of `context` the worker holds
+    uint64_t admitted_at = 0;        // admission order (youngest = largest)
+    bool admitted = false;
+    SequenceHints hints;
+    int skips = 0;                   // passed over by grouped batching
+    bool front = false;              // put back at the front: admitted before the round-robin
+  };
+  // Up to `limit` waiting sequences as positions in waiting_, in the order
+  // admission considers them: those put back at the front, then round-robin
+  // across groups (the group admitted least recently first).
+  std::vector<size_t> admission_order(size_t limit) const;
+  void count_group(uint64_t group, int delta);
+  // Grouped batching: which of `candidates` (oldest first) goes next.
+  size_t pick_grouped(const std::vector<uint64_t>& candidates, const ExpertSet& step) const;
+  int blocks_for(int tokens) const;
+  int committed_blocks() const;  // blocks admitted sequences hold or will hold once prefilled
+  void preempt(uint64_t id, StepPlan& plan);
+  bool can_ever_run(const Seq& s, std::string* why) const;
+
+  PolicyLimits limits_;
+  std::map<uint64_t, Seq> seqs_;
+  std::deque<uint64_t> waiting_;
+  std::vector<uint64_t> running_;  // admission order
+  uint64_t admit_counter_ = 0;
+  uint64_t preemptions_ = 0;
+  struct Group {
+    int sequences = 0;       // waiting or running
+    uint64_t admitted = 0;   // admit_counter_ at its last admission (0: never)
+  };
+  std::unordered_map<uint64_t, Group> groups_;
+};
+
+}  // namespace moe::gw

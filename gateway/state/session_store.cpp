@@ -1,0 +1,191 @@
+#include "gateway/state/session_store.h"
+
+#include <hiredis/hiredis.h>
+#include <sys/random.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <random>
+#include <nlohmann/json.hpp>
+
+#include "gateway/json_body.h"
+#include "gateway/state/sha256.h"
+
+namespace moe::gw {
+
+using json = nlohmann::json;
+
+namespace {
+
+size_t text_bytes(const ChatMessage& m) { return m.role.size() + m.content.size(); }
+
+bool known_role(const std::string& r) { return r == "system" || r == "user" || r == "assistant" || r == "tool"; }
+
+}  // namespace
+
+SessionStore::SessionStore(RedisClient* redis, SessionStoreOptions opts) : redis_(redis), opts_(std::move(opts)) {}
+
+bool SessionStore::valid_id(const std::string& id) {
+  if (id.empty() || id.size() > 128) return false;
+  for (char c : id) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
+                    c == '-' || c == '.' || c == ':';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+std::string SessionStore::issue_id() {
+  uint8_t bytes[16];
+  size_t have = 0;
+  while (have < sizeof(bytes)) {
+    const ssize_t n = ::getrandom(bytes + have, sizeof(bytes) - have, 0);
+    if (n > 0) {
+      have += size_t(n);
+    } else if (errno != EINTR) {
+      // No getrandom (an old kernel): the C++ library's own source.
+      std::random_device rd;
+      for (; have < sizeof(bytes); ++have) bytes[have] = uint8_t(rd());
+    }
+  }
+  static const char* hex = "0123456789abcdef";
+  std::string id = "s-";
+  for (uint8_t b : bytes) {
+    id += hex[b >> 4];
+    id += hex[b & 15];
+  }
+  return id;
+}
+
+bool SessionStore::issued_shape(const std::string& id) {
+  if (id.size() != 34 || id.compare(0, 2, "s-") != 0) return false;
+  for (size_t i = 2; i < id.size(); ++i)
+    if (!((id[i] >= '0' && id[i] <= '9') || (id[i] >= 'a' && id[i] <= 'f'))) return false;
+  return true;
+}
+
+std::string SessionStore::owner_of_key(const std::string& api_key) {
+  return protocol::session_owner_of_key(sha256_hex(api_key).substr(0, 32));
+}
+
+ChatMessages SessionStore::capped(ChatMessages messages, size_t max_messages, size_t max_bytes) {
+  if (messages.empty() || max_messages == 0) return {};
+  // A leading system turn keeps its place while it fits beside the newest turn.
+  const bool has_system = messages.front().role == "system" && messages.size() > 1;
+  const bool keep_system = has_system && max_messages >= 2 &&
+                           text_bytes(messages.front()) + text_bytes(messages.back()) <= max_bytes;
+  size_t count = keep_system ? 1 : 0, bytes = keep_system ? text_bytes(messages.front()) : 0;
+  // The newest turns, as many as fit, back to front.
+  size_t first = messages.size();
+  const size_t floor = has_system ? 1 : 0;
+  while (first > floor && count < max_messages && bytes + text_bytes(messages[first - 1]) <= max_bytes) {
+    --first;
+    ++count;
+    bytes += text_bytes(messages[first]);
+  }
+  ChatMessages out;
+  out.reserve(count + 1);
+  if (first == messages.size() && messages.back().role.size() < max_bytes) {
+    // Not even the newest turn fits: its last bytes are kept (cut at a
+    // character boundary), rather than losing the whole conversation.
+    ChatMessage last = std::move(messages.back());
+    const size_t room = max_bytes - last.role.size() - (keep_system ? text_bytes(messages.front()) : 0);
+    size_t cut = last.content.size() > room ? last.content.size() - room : 0;
+    while (cut < last.content.size() && (static_cast<unsigned char>(last.content[cut]) & 0xC0) == 0x80) ++cut;
+    last.content.erase(0, cut);
+    if (keep_system) out.push_back(std::move(messages.front()));
+    out.push_back(std::move(last));
+    return out;
+  }
+  if (keep_system) out.push_back(std::move(messages.front()));
+  for (size_t i = first; i < messages.size(); ++i) out.push_back(std::move(messages[i]));
+  return out;
+}
+
+void SessionStore::forget(std::list<Held>::iterator it) {
+  memory_bytes_ -= it->bytes;
+  index_.erase(it->key);
+  lru_.erase(it);
+}
+
+void SessionStore::remember(const std::string& key, const ChatMessages& messages) {
+  if (auto it = index_.find(key); it != index_.end()) forget(it->second);
+  Held h;
+  h.key = key;
+  h.messages = messages;
+  h.bytes = key.size() + 64;
+  for (const ChatMessage& m : messages) h.bytes += text_bytes(m) + 32;
+  h.expires = std::chrono::steady_clock::now() + std::chrono::seconds(opts_.ttl_s);
+  if (h.bytes > opts_.memory_bytes) return;
+  while (!lru_.empty() && memory_bytes_ + h.bytes > opts_.memory_bytes) forget(std::prev(lru_.end()));
+  memory_bytes_ += h.bytes;
+  lru_.push_front(std::move(h));
+  index_[key] = lru_.begin();
+}
+
+ChatMessages SessionStore::from_memory(const std::string& key) {
+  auto it = index_.find(key);
+  if (it == index_.end()) return {};
+  auto held = it->second;
+  if (held->expires <= std::chrono::steady_clock::now()) {
+    forget(held);
+    return {};
+  }
+  lru_.splice(lru_.begin(), lru_, held);
+  return held->messages;
+}
+
+ChatMessages SessionStore::from_redis(const std::string& key, std::string_view text) const {
+  // Whatever Redis holds is checked like a request: it may be anyone's bytes.
+  auto bad = [&](const char* why) {
+    std::fprintf(stderr, "moe-gateway: session %s in Redis: %s; ignored\n", key.c_str(), why);
+    return ChatMessages{};
+  };
+  // JSON escaping grows text at most sixfold (\u0000 for a control byte).
+  if (text.size() > 6 * opts_.max_bytes + 64 * opts_.max_messages + 4096) return bad("larger than a session may be");
+  ParsedJson parsed = parse_json_body(text, 4);
+  if (std::holds_alternative<ApiError>(parsed)) return bad("not JSON");
+  const json& j = std::get<json>(parsed);
+  if (!j.is_array()) return bad("not a list of turns");
+  ChatMessages out;
+  for (const json& m : j) {
+    if (!m.is_object()) return bad("a turn is not an object");
+    auto r = m.find("role"), c = m.find("content");
+    if (r == m.end() || c == m.end() || !r->is_string() || !c->is_string()) return bad("a turn lacks role or content");
+    if (!known_role(r->get<std::string>())) return bad("a turn has an unknown role");
+    out.push_back({r->get<std::string>(), c->get<std::string>()});
+  }
+  return capped(std::move(out), opts_.max_messages, opts_.max_bytes);
+}
+
+void SessionStore::load(const SessionKey& sk, std::function<void(ChatMessages)> done) {
+  const std::string key = redis_key(sk);
+  if (!redis_ || !redis_->connected()) return done(from_memory(key));
+  redis_->command({"GET", key}, [this, key, done = std::move(done)](const redisReply* r) {
+    if (!r || r->type != REDIS_REPLY_STRING) return done(from_memory(key));  // gone, nil, or not ours
+    ChatMessages messages = from_redis(key, std::string_view(r->str, r->len));
+    remember(key, messages);
+    done(std::move(messages));
+  });
+}
+
+void SessionStore::save(const SessionKey& sk, ChatMessages messages) {
+  messages = capped(std::move(messages), opts_.max_messages, opts_.max_bytes);
+  const std::string key = redis_key(sk);
+  remember(key, messages);
+  if (!redis_ || !redis_->connected()) return;
+  json list = json::array();
+  for (const ChatMessage& m : messages) list.push_back({{"role", m.role}, {"content", m.content}});
+  redis_->command({"SET", key, json_text(list), "EX", std::to_string(opts_.ttl_s)}, [](const redisReply*) {});
+  if (!opts_.events_key.empty())
+    redis_->command(
+        protocol::stream_append_command(
+            opts_.events_key, opts_.stream_max_len,
+            protocol::session_event(sha256_hex(key).substr(0, 16), messages.size())),
+        [](const redisReply*) {});
+  // The turn's reply goes out right after this: the save must not wait for
+  // the loop's next turn (a gateway killed in between would lose it).
+  redis_->flush();
+}
+
+}  // namespace moe::gw

@@ -1,0 +1,700 @@
+// The CUDA engine against the CPU engine (itself checked against
+// transformers on the same checkpoints, tests/engine) on every fixture
+// architecture the GPU runs and on the demo model. Both engines read the
+// same packed file with INT4 experts, so the experts are bit-identical and
+// what differs is bf16 weights and activations on the GPU against f32 on
+// the CPU. Needs a CUDA device: without one every case prints
+// "SKIPPED: no CUDA device" and passes (CI has nvcc but no GPU).
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "engine/cpu_engine.h"
+#include "cuda_engine/cuda_engine.h"
+#include "kernels/cuda/cuda_check.cuh"
+#include "model/model_files.h"
+#include "model/int4.h"
+#include "model/packed_model.h"
+#include "model/safetensors.h"
+#include "tests/cuda_skip.h"
+#include "tests/model/safetensors_writer.h"
+
+namespace fs = std::filesystem;
+using namespace moe;
+
+
+namespace {
+
+// MOE_TEST_DATA in the environment overrides the build's path (a build
+// carried to another machine).
+std::string data_dir() {
+  const char* env = std::getenv("MOE_TEST_DATA");
+  return env ? std::string(env) : std::string(MOE_TEST_DATA);
+}
+std::string model_dir(const std::string& name) {
+  return name == "demo-moe" ? data_dir() + "/../../models/demo-moe" : data_dir() + "/fixtures/" + name;
+}
+
+// The model packed once per run, INT4 experts of group 64.
+std::string packed(const std::string& name) {
+  static std::map<std::string, std::string> done;
+  auto it = done.find(name);
+  if (it != done.end()) return it->second;
+  const fs::path dir = fs::temp_directory_path() / ("moe-cuda-engine-test-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string out = (dir / (name + ".moepack")).string();
+  PackOptions po;
+  po.group_size = 64;
+  po.threads = 2;
+  const Status s = write_packed_model(model_dir(name), out, po);
+  REQUIRE(s.ok());
+  done[name] = out;
+  return out;
+}
+
+// Fixture `name` with its non-expert matrices moved onto the grids the
+// engine quantises them to with --dense-weights int4, packed like packed():
+// per group of inputs (64, or the width's power of two) 16 levels s * (j -
+// zp), s a power of two, both ends taken, so INT4 keeps every weight
+// exactly; the matrices that stay INT8 in that mode (router rows, lm_head)
+// per row on the levels s * j, |j| <= 127, with 127 taken. Every such
+// weight is exact in bf16, so the CPU engine reads the very weights the GPU
+// dequantises.
+void snap_group_q4(float* v, int n) {
+  float lo = 0.f, hi = 0.f;
+  int at_lo = 0, at_hi = 1;
+  for (int j = 0; j < n; ++j) {
+    if (v[j] < v[at_lo]) at_lo = j;
+    if (v[j] > v[at_hi]) at_hi = j;
+    lo = std::min(lo, v[j]);
+    hi = std::max(hi, v[j]);
+  }
+  if (hi == lo) return;  // all zero: exact already
+  if (at_lo == at_hi) at_hi = (at_lo + 1) % n;
+  const float s = std::exp2(std::round(std::log2((hi - lo) / 15.f)));
+  const float zp = std::clamp(std::round(-lo / s), 0.f, 15.f);
+  for (int j = 0; j < n; ++j) v[j] = s * std::clamp(std::round(v[j] / s), -zp, 15.f - zp);
+  v[at_lo] = -zp * s;
+  v[at_hi] = (15.f - zp) * s;
+}
+
+void snap_row_i8(float* v, int n) {
+  int at = 0;
+  for (int j = 0; j < n; ++j)
+    if (std::fabs(v[j]) > std::fabs(v[at])) at = j;
+  if (v[at] == 0.f) return;
+  const float s = std::exp2(std::round(std::log2(std::fabs(v[at]) / 127.f)));
+  for (int j = 0; j < n; ++j) v[j] = s * std::clamp(std::round(v[j] / s), -127.f, 127.f);
+  v[at] = std::copysign(127.f * s, v[at]);
+}
+
+std::string grid_fixture(const std::string& name) {
+  static std::map<std::string, std::string> done;
+  auto it = done.find(name);
+  if (it != done.end()) return it->second;
+  const fs::path dir = fs::temp_directory_path() / ("moe-cuda-engine-test-" + std::to_string(::getpid())) /
+                       ("grid-" + name);
+  fs::create_directories(dir);
+  for (const auto& f : fs::directory_iterator(model_dir(name)))
+    if (f.path().filename() != "model.safetensors")
+      fs::copy_file(f.path(), dir / f.path().filename(), fs::copy_options::overwrite_existing);
+  auto ck = Checkpoint::open_dir(model_dir(name));
+  REQUIRE(ck.ok());
+  auto ends_with = [](const std::string& s, const std::string& t) {
+    return s.size() >= t.size() && s.compare(s.size() - t.size(), t.size(), t) == 0;
+  };
+  std::vector<std::vector<uint16_t>> store;
+  std::vector<TensorView> views;
+  for (const auto& [tname, t] : ck->tensors()) {
+    TensorView v = t;
+    if (t.shape.size() == 2 && tname.find(".experts.") == std::string::npos) {
+      // INT8 in that mode: the router's rows (a shared expert's gate|up
+      // share its matrix), and lm_head (the embedding when tied).
+      const bool router_rows = ends_with(tname, "mlp.gate.weight") || ends_with(tname, "block_sparse_moe.gate.weight") ||
+                               tname.find("shared_expert_gate") != std::string::npos ||
+                               (tname.find("shared_expert.") != std::string::npos &&
+                                tname.find("down_proj") == std::string::npos) ||
+                               tname == "lm_head.weight" || tname == "model.embed_tokens.weight";
+      const int rows = int(t.shape[0]), cols = int(t.shape[1]);
+      std::vector<float> w = to_f32(t);
+      const int g = q4_effective_group(cols, 64);
+      for (int r = 0; r < rows; ++r) {
+        float* row = w.data() + size_t(r) * cols;
+        if (router_rows)
+          snap_row_i8(row, cols);
+        else
+          for (int c = 0; c < cols; c += g) snap_group_q4(row + c, g);
+      }
+      std::vector<uint16_t> bits(w.size());
+      for (size_t i = 0; i < w.size(); ++i) {
+        bits[i] = f32_to_bf16(w[i]);
+        REQUIRE(bf16_to_f32(bits[i]) == w[i]);  // on the grid, exact in bf16
+      }
+      store.push_back(std::move(bits));
+      v.dtype = DType::bf16;
+      v.data = reinterpret_cast<const uint8_t*>(store.back().data());
+      v.nbytes = store.back().size() * 2;
+    }
+    views.push_back(v);
+  }
+  std::vector<const TensorView*> ptrs;
+  for (const TensorView& v : views) ptrs.push_back(&v);
+  test::write_safetensors((dir / "model.safetensors").string(), ptrs);
+  const std::string out = (dir.parent_path() / ("grid-" + name + ".moepack")).string();
+  PackOptions po;
+  po.group_size = 64;
+  po.threads = 2;
+  REQUIRE(write_packed_model(dir.string(), out, po).ok());
+  done[name] = out;
+  return out;
+}
+
+std::shared_ptr<ModelFiles> open_files(const std::string& path) {
+  auto f = ModelFiles::open(path);
+  REQUIRE(f.ok());
+  return *f;
+}
+
+// Budgets here are the arena's (arena_budget): engines run side by side in
+// this process, and the context they share is not any one engine's.
+std::unique_ptr<CudaEngine> cuda_engine(const std::string& path, CudaEngineOptions o = {}) {
+  if (o.vram_budget == 0 && o.arena_budget == 0) o.arena_budget = size_t(1) << 30;
+  if (o.kv_blocks == 0) o.kv_blocks = 256;
+  auto e = CudaEngine::create(open_files(path), o);
+  INFO((e.ok() ? std::string() : e.error()));
+  REQUIRE(e.ok());
+  return std::move(*e);
+}
+
+// An engine whose non-expert matrices are in `dtype`, checked to be.
+std::unique_ptr<CudaEngine> cuda_engine_dense(const std::string& path, const std::string& dtype) {
+  CudaEngineOptions o;
+  o.dense_weights = parse_choice<DenseWeights>(dtype).value();
+  auto e = cuda_engine(path, o);
+  REQUIRE(e->expert_stats().dense_weights == dtype);
+  return e;
+}
+
+// A model with every expert resident, and the budgets that leave fewer
+// islands (the same dense dtype, the embedding in the arena).
+struct Resident {
+  std::unique_ptr<CudaEngine> engine;
+  IslandPlan plan;
+  int E = 0;
+  int64_t total = 0;  // experts of all MoE layers
+  size_t budget_for(int64_t islands) const {
+    return plan.arena_bytes - size_t(total - islands) * plan.island_stride;
+  }
+};
+
+Resident resident(const std::string& path) {
+  Resident r;
+  r.engine = cuda_engine(path);
+  r.plan = r.engine->plan();
+  r.E = r.engine->desc().moe.n_experts;
+  r.total = int64_t(r.engine->desc().n_moe_layers()) * r.E;
+  return r;
+}
+
+std::unique_ptr<CpuEngine> cpu_engine(const std::string& path) {
+  EngineOptions o;
+  o.threads = 2;
+  auto e = CpuEngine::create(open_files(path), o);
+  REQUIRE(e.ok());
+  return std::move(*e);
+}
+
+std::vector<int32_t> prompt(int n, int vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> p(static_cast<size_t>(n));
+  for (int32_t& t : p) t = int32_t(rng() % uint32_t(std::min(vocab, 4000)));
+  return p;
+}
+
+// Log-probabilities of the same tokens agree within kLogprobTol (natural
+// log): bf16 weights and bf16 matmul inputs on the GPU against f32 on the
+// CPU. Where the two engines routed some token of the sequence to different
+// experts (a near tie in the router flips with rounding), its outputs from
+// then on differ by more; those are counted and held to kFlippedTol.
+constexpr double kLogprobTol = 0.06;
+constexpr double kFlippedTol = 0.6;
+
+struct Compare {
+  double max_lp_diff = 0, max_flipped_diff = 0, sum_diff = 0;
+  int n_diff = 0;
+  int tokens = 0, agree = 0, near_ties = 0, flipped = 0;
+  int unflipped_ties = 0;  // greedy disagreements where routing agreed
+};
+
+// One step's outputs: same sampled token unless the CPU's best two are
+// within the tolerance of each other; each of the CPU's top tokens has the
+// same log-probability on the GPU.
+void compare_outputs(const SeqOutput& c, const SeqOutput& g, bool routing_flipped, Compare& cmp,
+                     double agreed_tol = kLogprobTol, double flipped_tol = kFlippedTol) {
+  REQUIRE(c.top.size() >= 2);
+  REQUIRE(g.top.size() == c.top.size());
+  const double tol = routing_flipped ? flipped_tol : agreed_tol;
+  ++cmp.tokens;
+  cmp.flipped += routing_flipped ? 1 : 0;
+  if (c.token == g.token)
+    ++cmp.agree;
+  else {
+    ++cmp.near_ties;
+    cmp.unflipped_ties += routing_flipped ? 0 : 1;
+    CHECK(c.top[0].second - c.top[1].second < 2 * tol);
+  }
+  std::map<int32_t, float> glp(g.top.begin(), g.top.end());
+  for (const auto& [tok, lp] : c.top) {
+    if (!glp.count(tok)) {
+      // Ranks may swap at the bottom of the list; such a token must be close to the cut.
+      CHECK(lp - g.top.back().second < 2 * tol);
+      continue;
+    }
+    const double d = std::abs(double(glp[tok]) - lp);
+    if (routing_flipped) {
+      cmp.max_flipped_diff = std::max(cmp.max_flipped_diff, d);
+    } else {
+      cmp.max_lp_diff = std::max(cmp.max_lp_diff, d);
+      cmp.sum_diff += d;
+      ++cmp.n_diff;
+    }
+    CHECK(d < tol);
+  }
+}
+
+SeqInput input(uint64_t id, std::vector<int32_t> toks, int start) {
+  SeqInput in;
+  in.seq_id = id;
+  in.tokens = std::move(toks);
+  in.start_pos = start;
+  in.sampling.temperature = 0;
+  in.sampling.top_logprobs = 8;
+  in.sampling.logprobs = true;
+  return in;
+}
+
+// Sequences 1..n with these prompts, prefilled then decoded for steps - 1
+// steps on two engines fed the same inputs (each step decodes the first
+// engine's tokens); `check(step, i, a, b)` sees every pair of outputs. The
+// sequences are released from both at the end.
+void side_by_side(CudaEngine& a, CudaEngine& b, const std::vector<std::vector<int32_t>>& prompts, int steps,
+                  const std::function<void(int, size_t, const SeqOutput&, const SeqOutput&)>& check) {
+  std::vector<SeqInput> step;
+  std::vector<int> pos;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    step.push_back(input(uint64_t(i + 1), prompts[i], 0));
+    pos.push_back(int(prompts[i].size()));
+  }
+  for (int s = 0; s < steps; ++s) {
+    auto ra = a.step(step);
+    auto rb = b.step(step);
+    REQUIRE((ra.ok() && rb.ok()));
+    std::vector<SeqInput> next;
+    for (size_t i = 0; i < ra->size(); ++i) {
+      check(s, i, (*ra)[i], (*rb)[i]);
+      next.push_back(input(uint64_t(i + 1), {(*ra)[i].token}, pos[i]++));
+    }
+    step = std::move(next);
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    a.release(uint64_t(i + 1));
+    b.release(uint64_t(i + 1));
+  }
+}
+
+// Three prompts prefilled together, then decode steps batched, the CPU's
+// token fed to both engines (teacher forcing keeps them on one path).
+Compare run_against_cpu(CpuEngine& cpu, CudaEngine& gpu, int decode_steps, double agreed_tol = kLogprobTol,
+                        double flipped_tol = kFlippedTol) {
+  Compare cmp;
+  const int V = cpu.desc().vocab_size;
+  const int lens[3] = {5, 23, 61};
+  std::vector<SeqInput> step;
+  std::vector<int> pos(3);
+  std::vector<bool> flipped(3, false);  // the sequence's routing differed at some step
+  for (int i = 0; i < 3; ++i) {
+    step.push_back(input(uint64_t(i + 1), prompt(lens[i], V, uint32_t(100 + i)), 0));
+    pos[size_t(i)] = lens[i];
+  }
+  for (int s = 0; s <= decode_steps; ++s) {
+    auto c = cpu.step(step);
+    auto g = gpu.step(step);
+    REQUIRE(c.ok());
+    INFO((g.ok() ? std::string() : g.error()));
+    REQUIRE(g.ok());
+    REQUIRE(c->size() == g->size());
+    for (size_t i = 0; i < c->size(); ++i) {
+      REQUIRE((*c)[i].expert_counts.size() == (*g)[i].expert_counts.size());
+      if ((*c)[i].expert_counts != (*g)[i].expert_counts) flipped[i] = true;
+      compare_outputs((*c)[i], (*g)[i], flipped[i], cmp, agreed_tol, flipped_tol);
+    }
+    std::vector<SeqInput> next;
+    for (size_t i = 0; i < c->size(); ++i) {
+      next.push_back(input(uint64_t(i + 1), {(*c)[i].token}, pos[i]));
+      pos[i] += 1;
+    }
+    step = std::move(next);
+  }
+  return cmp;
+}
+
+}  // namespace
+
+TEST_CASE("cuda engine: every GQA fixture and the demo model match the CPU engine", "[cuda][engine]") {
+  SKIP_WITHOUT_GPU();
+  for (const std::string name : {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen2_dense", "demo-moe"}) {
+    SECTION(name) {
+      const std::string path = packed(name);
+      auto cpu = cpu_engine(path);
+      auto gpu = cuda_engine(path);
+      const Compare cmp = run_against_cpu(*cpu, *gpu, 12);
+      std::printf("cuda engine vs cpu, %-12s: %d outputs, %d same greedy token, %d near ties; |dlogprob| of "
+                  "the top 8 where routing agreed: max %.4f, mean %.4f; %d outputs after a routing flip: max %.4f\n",
+                  name.c_str(), cmp.tokens, cmp.agree, cmp.near_ties, cmp.max_lp_diff,
+                  cmp.n_diff ? cmp.sum_diff / cmp.n_diff : 0.0, cmp.flipped, cmp.max_flipped_diff);
+      CHECK(cmp.agree >= cmp.tokens - 2);
+    }
+  }
+}
+
+// INT8 non-expert matrices (one scale per row) add their rounding to bf16's.
+constexpr double kInt8LogprobTol = 0.15;
+
+TEST_CASE("cuda engine: INT8 dense weights stay close to the CPU engine", "[cuda][engine]") {
+  SKIP_WITHOUT_GPU();
+  for (const std::string name : {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen2_dense", "demo-moe"}) {
+    SECTION(name) {
+      const std::string path = packed(name);
+      auto cpu = cpu_engine(path);
+      auto gpu = cuda_engine_dense(path, "int8");
+      const Compare cmp = run_against_cpu(*cpu, *gpu, 12, kInt8LogprobTol);
+      std::printf("cuda engine (int8 dense) vs cpu, %-12s: %d outputs, %d same greedy token; |dlogprob| of the "
+                  "top 8 where routing agreed: max %.4f, mean %.4f; %d outputs after a routing flip: max %.4f\n",
+                  name.c_str(), cmp.tokens, cmp.agree, cmp.max_lp_diff, cmp.n_diff ? cmp.sum_diff / cmp.n_diff : 0.0,
+                  cmp.flipped, cmp.max_flipped_diff);
+      // On these random-weight fixtures many steps are near ties; the checks
+      // per output above hold every disagreement to the tolerance.
+      CHECK(cmp.agree >= cmp.tokens * 85 / 100);
+    }
+  }
+}
+
+TEST_CASE("cuda engine: INT4 dense weights on their own grid give the CPU engine's outputs", "[cuda][engine]") {
+  SKIP_WITHOUT_GPU();
+  // The checkpoints' non-expert matrices moved onto the grids the engine
+  // quantises to (grid_fixture): INT4 then holds exactly the weights the CPU
+  // engine reads, and the outputs must agree as closely as bf16's do. A
+  // wrong code, group, scale or row offset anywhere in the INT4 path shows.
+  for (const std::string name : {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen2_dense"}) {
+    SECTION(name) {
+      const std::string path = grid_fixture(name);
+      auto cpu = cpu_engine(path);
+      auto gpu = cuda_engine_dense(path, "int4");
+      const Compare cmp = run_against_cpu(*cpu, *gpu, 12);
+      std::printf("cuda engine (int4 dense, on-grid weights) vs cpu, %-12s: %d outputs, %d same greedy token, %d "
+                  "near ties (%d where routing agreed); |dlogprob| of the top 8 where routing agreed: max %.4f, "
+                  "mean %.4f; %d outputs after a routing flip: max %.4f\n",
+                  name.c_str(), cmp.tokens, cmp.agree, cmp.near_ties, cmp.unflipped_ties, cmp.max_lp_diff,
+                  cmp.n_diff ? cmp.sum_diff / cmp.n_diff : 0.0, cmp.flipped, cmp.max_flipped_diff);
+      // A router's near tie flips with the engines' rounding as in bf16 (the
+      // later outputs are held to kFlippedTol above); where routing agreed,
+      // the greedy tokens agree but for near ties.
+      CHECK(cmp.unflipped_ties <= 2);
+    }
+  }
+}
+
+// INT4 attention matrices (groups of 64) on real weights: each weight moves
+// by up to half a step of its group's range / 15, and the router's near ties
+// flip from the first step on, so every output is compared after a flip.
+constexpr double kInt4LogprobTol = 0.5, kInt4FlippedTol = 1.5;
+
+TEST_CASE("cuda engine: INT4 dense weights stay close to the CPU engine on the trained demo model",
+          "[cuda][engine]") {
+  SKIP_WITHOUT_GPU();
+  const std::string path = packed("demo-moe");
+  auto cpu = cpu_engine(path);
+  auto gpu = cuda_engine_dense(path, "int4");
+  const Compare cmp = run_against_cpu(*cpu, *gpu, 12, kInt4LogprobTol, kInt4FlippedTol);
+  std::printf("cuda engine (int4 dense) vs cpu, demo-moe: %d outputs, %d same greedy token; |dlogprob| of the top "
+              "8 where routing agreed: max %.4f, mean %.4f; %d outputs after a routing flip: max %.4f\n",
+              cmp.tokens, cmp.agree, cmp.max_lp_diff, cmp.n_diff ? cmp.sum_diff / cmp.n_diff : 0.0, cmp.flipped,
+              cmp.max_flipped_diff);
+  CHECK(cmp.agree >= cmp.tokens * 80 / 100);
+}
+
+TEST_CASE("cuda engine: auto dense weights are the widest that keeps every expert, else INT4", "[cuda][engine]") {
+  SKIP_WITHOUT_GPU();
+  const std::string path = packed("demo-moe");
+  const Resident full = resident(path);
+  CHECK(full.engine->expert_stats().dense_weights == "bf16");  // everything fits: bf16
+  // Budgets that leave, with bf16 weights in the arena, one island short,
+  // 30 % short, half and an eighth of the experts: the first is made up by
+  // the embedding leaving for host memory, the second by INT8; below that
+  // auto stays at INT8 (INT4 would leave more islands, at a cost in routing
+  // agreement auto does not take).
+  std::set<std::string> picked;
+  for (int64_t islands : {full.total - 1, full.total - full.total * 3 / 10, full.total / 2, full.total / 8}) {
+    INFO("bf16 in the arena would leave " << islands << " of " << full.total << " islands");
+    CudaEngineOptions o;
+    o.arena_budget = full.budget_for(islands);
+    std::map<std::string, int64_t> forced;
+    for (const char* dt : {"bf16", "int8", "int4"}) {
+      o.dense_weights = parse_choice<DenseWeights>(dt).value();
+      forced[dt] = cuda_engine(path, o)->plan().n_islands;
+    }
+    // Narrower non-expert weights leave more islands, up to every expert.
+    CHECK(forced["bf16"] <= forced["int8"]);
+    CHECK(forced["int8"] <= forced["int4"]);
+    if (forced["int8"] < full.total) CHECK(forced["int8"] < forced["int4"]);
+    const std::string want = forced["bf16"] >= full.total ? "bf16" : "int8";
+    o.dense_weights = DenseWeights::automatic;
+    auto e = cuda_engine(path, o);
+    CHECK(e->expert_stats().dense_weights == want);
+    CHECK(e->plan().n_islands == forced[want]);
+    picked.insert(want);
+  }
+  CHECK(picked.size() == 2);  // both branches of the choice were taken
+}
+
+TEST_CASE("cuda engine: DeepSeek-V2 (MLA) is refused with a message", "[cuda][engine]") {
+  SKIP_WITHOUT_GPU();
+  auto e = CudaEngine::create(open_files(model_dir("deepseek_v2")), {});
+  REQUIRE_FALSE(e.ok());
+  CHECK(e.error().find("multi-head latent attention") != std::string::npos);
+}
+
+TEST_CASE("cuda engine: a step cut into passes equals one pass; decode graphs equal eager steps", "[cuda][engine]") {
+  SKIP_WITHOUT_GPU();
+  const std::string path = packed("demo-moe");
+  CudaEngineOptions one, chunked, eager;
+  chunked.max_step_tokens = 7;  // the 61-token prompt runs as 9 chunks, the batch as several passes
+  eager.graphs = false;
+  auto a = cuda_engine(path, one);
+  auto b = cuda_engine(path, chunked);
+  auto c = cuda_engine(path, eager);
+  const int V = a->desc().vocab_size;
+  std::vector<SeqInput> step;
+  for (int i = 0; i < 3; ++i) step.push_back(input(uint64_t(i + 1), prompt(20 + 20 * i, V, uint32_t(7 + i)), 0));
+  std::vector<int> pos = {20, 40, 60};
+  std::vector<bool> flip(3, false);  // the sequence's routing differed at some step
+  for (int s = 0; s < 6; ++s) {
+    auto ra = a->step(step);
+    auto rb = b->step(step);
+    auto rc = c->step(step);
+    REQUIRE((ra.ok() && rb.ok() && rc.ok()));
+    std::vector<SeqInput> next;
+    for (size_t i = 0; i < ra->size(); ++i) {
+      // Chunks run other kernels (GEMV against cuBLASLt, expert GEMVs against
+      // the grouped GEMM): rounding differs, and may flip a router tie.
+      if ((*ra)[i].expert_counts != (*rb)[i].expert_counts) flip[i] = true;
+      const bool same_routing = !flip[i];
+      CHECK(std::abs((*ra)[i].logprob - (*rb)[i].logprob) < (same_routing ? kLogprobTol : kFlippedTol));
+      if (same_routing) CHECK((*ra)[i].token == (*rb)[i].token);
+      // The graph replays exactly the kernels the eager step runs.
+      CHECK((*ra)[i].token == (*rc)[i].token);
+      CHECK((*ra)[i].logprob == (*rc)[i].logprob);
+      CHECK((*ra)[i].expert_counts == (*rc)[i].expert_counts);
+      next.push_back(input(uint64_t(i + 1), {(*ra)[i].token}, pos[i]++));
+    }
+    step = std::move(next);
+  }
+}
+
+TEST_CASE("cuda engine: under a budget of fewer islands than experts the output is unchanged", "[cuda][engine]") {
+  SKIP_WITHOUT_GPU();
+  const std::string path = packed("demo-moe");
+  const Resident r = resident(path);
+  const auto& full = r.engine;
+  const int E = r.E;
+  const int64_t total = r.total;
+  REQUIRE(r.plan.n_islands == total);
+  // Some runs keep the embedding in host memory (rows read over the link):
+  // the same bytes, so the same outputs, and its room becomes islands.
+  // Decode misses copied into islands first, or read by the kernels from
+  // host memory (streamed, as decode graphs): the same bytes again.
+  struct Run {
+    std::string policy;
+    bool prefetch, host_embedding;
+    std::string misses;
+  };
+  for (const Run& run : {Run{"lru", false, false, "copy"}, Run{"lru", true, false, "copy"},
+                        Run{"ours", false, false, "copy"}, Run{"ours", true, false, "copy"},
+                        Run{"ours", true, true, "copy"}, Run{"lru", true, false, "stream"},
+                        Run{"ours", true, false, "stream"}, Run{"ours", true, true, "stream"}}) {
+    {
+      const std::string& policy = run.policy;
+      const bool prefetch = run.prefetch;
+      CudaEngineOptions o;
+      o.policy = parse_choice<EvictionKind>(policy).value();
+      o.prefetch = prefetch;
+      o.host_embedding = run.host_embedding;
+      o.misses = parse_choice<MissMode>(run.misses).value();
+      o.host_experts = HostShareMode::off;  // every miss copied or streamed: the GPU computes all, bit for bit
+      o.dense_weights = DenseWeights::bf16;  // the same weights as `full`: only the islands differ
+      // Room for a layer's experts and a third more: half the model's experts miss.
+      int64_t islands = E + E / 3;
+      o.arena_budget = r.budget_for(islands);
+      auto small = cuda_engine(path, o);
+      REQUIRE(small->expert_stats().host_embedding == run.host_embedding);
+      if (run.host_embedding) {
+        REQUIRE(small->plan().n_islands > islands);
+        islands = small->plan().n_islands;
+      }
+      REQUIRE(small->plan().n_islands == islands);
+      const int V = full->desc().vocab_size;
+      // Decode steps long enough for streamed experts to be admitted and read
+      // from their islands two passes later.
+      side_by_side(*full, *small, {prompt(30, V, 1), prompt(9, V, 2)}, 12,
+                   [](int, size_t, const SeqOutput& a, const SeqOutput& b) {
+                     CHECK(a.token == b.token);
+                     CHECK(a.logprob == b.logprob);
+                     CHECK(a.expert_counts == b.expert_counts);
+                   });
+      const CudaExpertStats st = small->expert_stats();
+      std::printf("cuda engine budget %s prefetch %s%s, misses %s: %lld islands of %lld experts, hits %llu misses "
+                  "%llu (streamed %llu, admitted %llu) prefetched %llu used %llu, %.1f MB copied, %.1f MB "
+                  "streamed\n",
+                  policy.c_str(), prefetch ? "on" : "off", run.host_embedding ? ", embedding on host" : "",
+                  run.misses.c_str(), (long long)islands, (long long)total, (unsigned long long)st.residency.hits,
+                  (unsigned long long)st.residency.misses, (unsigned long long)st.residency.streamed,
+                  (unsigned long long)st.residency.admissions, (unsigned long long)st.residency.prefetches,
+                  (unsigned long long)st.residency.prefetch_used, st.residency.bytes_copied / 1e6,
+                  st.bytes_streamed / 1e6);
+      CHECK_FALSE(st.all_resident);
+      CHECK(st.residency.misses > 0);
+      CHECK(st.residency.hits > 0);
+      CHECK(st.residency.islands_in_use <= islands);
+      if (run.misses == "stream") {
+        CHECK(st.residency.streamed > 0);
+        CHECK(st.bytes_streamed == st.residency.streamed * small->plan().expert_blob_bytes);
+      } else {
+        CHECK(st.residency.streamed == 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda engine: misses computed on the host as well as copied or streamed match the resident run",
+          "[cuda][engine]") {
+  SKIP_WITHOUT_GPU();
+  const std::string path = packed("demo-moe");
+  const Resident r = resident(path);
+  const auto& full = r.engine;
+  // Copy mode splits the misses of any decode pass; streamed passes share
+  // them with the host too, at one sequence and at two (passes of two
+  // tokens): whole experts, or their first rows (a link about as fast as
+  // the host).
+  struct Run {
+    std::string misses;
+    double link_us, host_us;
+    int sequences;
+  };
+  for (const Run& run : {Run{"copy", 1e6, 0, 2}, Run{"stream", 1e6, 0, 1}, Run{"stream", 50, 60, 1},
+                         Run{"stream", 50, 60, 2}}) {
+    const std::string& misses = run.misses;
+    INFO("misses " << misses << " link " << run.link_us << " sequences " << run.sequences);
+    CudaEngineOptions o;
+    o.dense_weights = DenseWeights::bf16;
+    o.host_embedding = false;
+    o.host_experts = HostShareMode::on;
+    o.misses = parse_choice<MissMode>(misses).value();
+    o.host_threads = 4;
+    o.host_link_us = run.link_us;  // 1e6: a link this slow, the host takes every miss it may
+    o.host_expert_us = run.host_us;
+    o.arena_budget = r.budget_for(r.E + r.E / 3);
+    auto small = cuda_engine(path, o);
+    const int V = full->desc().vocab_size;
+    std::vector<std::vector<int32_t>> prompts = {prompt(30, V, 1)};
+    if (run.sequences == 2) prompts.push_back(prompt(9, V, 2));
+    std::vector<bool> flip(prompts.size(), false);
+    int compared = 0, swaps = 0;
+    side_by_side(*full, *small, prompts, 12, [&](int s, size_t i, const SeqOutput& a, const SeqOutput& b) {
+      // The host's f32 matvec rounds otherwise than the GPU's half2 one: a
+      // router tie may flip later, after which outputs differ more. Likewise
+      // two near-equal top tokens may swap: then their logprobs agree within
+      // the bound too (both runs go on from the resident run's token).
+      if (a.expert_counts != b.expert_counts) flip[i] = true;
+      if (flip[i]) return;
+      swaps += a.token != b.token;
+      INFO("step " << s << ": tokens " << a.token << " and " << b.token << ", logprobs " << a.logprob << " and "
+                   << b.logprob);
+      CHECK(std::abs(a.logprob - b.logprob) < kLogprobTol);
+      ++compared;
+    });
+    CHECK(swaps <= 1);
+    const CudaExpertStats st = small->expert_stats();
+    const uint64_t host = misses == "copy" ? st.host_experts_served : st.host_share_served;
+    std::printf("cuda engine host+link split (%s, %d sequences): %llu misses computed on the host, %llu copied or "
+                "streamed, %d outputs compared before any routing flip (%d near-tie token swaps)\n",
+                misses.c_str(), run.sequences, (unsigned long long)host,
+                (unsigned long long)(st.residency.misses - st.residency.host_computed), compared, swaps);
+    CHECK(host > 0);
+    // Streamed: the map counts a (layer, expert) a pass once, the host each
+    // (token, expert) pair.
+    if (misses == "stream" && run.sequences == 1) CHECK(st.residency.host_computed == host);
+    if (misses == "stream") CHECK(st.residency.host_computed > 0);
+    if (misses == "stream") CHECK(st.residency.host_computed <= host);
+    CHECK(compared >= 10);
+  }
+}
+
+TEST_CASE("cuda engine: a budget too small is refused saying what would fit; warm and unload act on islands",
+          "[cuda][engine]") {
+  SKIP_WITHOUT_GPU();
+  const std::string path = packed("demo-moe");
+  CudaEngineOptions tiny;
+  tiny.arena_budget = size_t(4) << 20;
+  tiny.kv_blocks = 256;
+  auto e = CudaEngine::create(open_files(path), tiny);
+  REQUIRE_FALSE(e.ok());
+  CHECK(e.error().find("would fit") != std::string::npos);
+  // A whole-process budget below what the context holds says that.
+  CudaEngineOptions below;
+  below.vram_budget = size_t(64) << 20;
+  auto b = CudaEngine::create(open_files(path), below);
+  REQUIRE_FALSE(b.ok());
+  CHECK(b.error().find("CUDA context") != std::string::npos);
+
+  const Resident r = resident(path);
+  const auto& full = r.engine;
+  const int E = r.E;
+  CudaEngineOptions o;
+  o.dense_weights = DenseWeights::bf16;
+  o.host_embedding = false;  // exactly 2E islands
+  o.arena_budget = r.budget_for(2 * E);
+  auto small = cuda_engine(path, o);
+  CHECK(small->resident().empty());
+  std::vector<ExpertKey> want;
+  for (int e2 = 0; e2 < E; ++e2) want.push_back({1, e2});
+  CHECK(small->warm(want) == size_t(E));
+  CHECK(small->resident().size() == size_t(E));
+  const std::vector<ExpertKey> drop = {{1, 0}, {1, 5}};
+  CHECK(small->unload(drop).empty());
+  CHECK(small->resident().size() == size_t(E - 2));
+  // Every expert resident: nothing is unloaded.
+  CHECK(full->unload(drop).size() == 2);
+}
+
+TEST_CASE("cuda engine: a checkpoint folder is quantised at load exactly as the packed file", "[cuda][engine]") {
+  SKIP_WITHOUT_GPU();
+  auto a = cuda_engine(packed("qwen3_moe"));
+  auto b = cuda_engine(model_dir("qwen3_moe"));
+  const int V = a->desc().vocab_size;
+  std::vector<SeqInput> step = {input(1, prompt(17, V, 3), 0)};
+  auto ra = a->step(step);
+  auto rb = b->step(step);
+  REQUIRE((ra.ok() && rb.ok()));
+  CHECK((*ra)[0].token == (*rb)[0].token);
+  CHECK((*ra)[0].logprob == (*rb)[0].logprob);
+}

@@ -1,0 +1,414 @@
+// What no request or client may do to the gateway (docs/security.md), over
+// real TCP with the scheduler double: each case was a way to end, starve or
+// bloat the service, and the service must answer it with a clear error and
+// go on serving everyone else.
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <fstream>
+#include <regex>
+#include <stdexcept>
+
+#include <nlohmann/json.hpp>
+
+#include "gateway/gateway_options.h"
+#include "gateway/json_body.h"
+#include "gateway/state/session_store.h"
+#include "gateway_test_harness.h"
+
+using namespace moe::gw;
+using namespace moe::gw::test;
+using nlohmann::json;
+
+namespace {
+
+const char* kChat = "/v1/chat/completions";
+
+std::string chat_body(const std::string& content, const std::string& extra = "") {
+  return R"({"model":"demo-moe","messages":[{"role":"user","content":")" + content + R"("}])" +
+         (extra.empty() ? "" : "," + extra) + "}";
+}
+
+json error_of(const ClientResponse& r) {
+  INFO(r.body);
+  REQUIRE(r.ok);
+  json j = json::parse(r.body, nullptr, false);
+  REQUIRE(j.is_object());
+  REQUIRE(j["error"].is_object());
+  return j["error"];
+}
+
+void expect_error(const ClientResponse& r, int status, const char* code) {
+  INFO(r.body);
+  CHECK(r.status == status);
+  CHECK(error_of(r)["code"] == code);
+}
+
+// A short ordinary request is answered (the script is set to a short one).
+void still_serves(TestGateway& gw) {
+  gw.scheduler().tick_ms_ = 1;
+  gw.scheduler().set_script(spell("ok"));
+  auto r = http(gw.port(), "POST", kChat, chat_body("hi"));
+  INFO(r.body);
+  REQUIRE(r.status == 200);
+}
+
+// The value of one unlabelled series of /metrics.
+double metric(int port, const std::string& name, const std::string& auth = "") {
+  auto r = http(port, "GET", "/metrics", "", auth);
+  std::smatch m;
+  const std::regex re("\n" + name + " ([0-9.e+-]+)\n");
+  if (!std::regex_search(r.body, m, re)) return -1;
+  return std::stod(m[1]);
+}
+
+// The prompt the scheduler was given, as text (ByteCodec: one id per byte).
+std::string prompt_text(const SequenceRequest& r) {
+  std::string s;
+  for (int32_t id : r.prompt) s += char(id);
+  return s;
+}
+
+// A codec whose text side throws: what a bug in it would do.
+class ThrowingCodec final : public TextCodec {
+ public:
+  bool throw_in_template = true;
+  std::vector<int32_t> encode(std::string_view text) const override { return inner_.encode(text); }
+  moe::Result<std::vector<int32_t>> encode_chat(const json& messages) const override {
+    if (throw_in_template) throw std::runtime_error("template blew up");
+    return inner_.encode_chat(messages);
+  }
+  std::unique_ptr<TokenTextStream> stream_decoder() const override {
+    struct Bad final : TokenTextStream {
+      std::string push(int32_t) override { throw std::length_error("decoder blew up"); }
+      std::string flush() override { return ""; }
+    };
+    return std::make_unique<Bad>();
+  }
+  std::string token_bytes(int32_t id) const override { return inner_.token_bytes(id); }
+  int vocab_size() const override { return inner_.vocab_size(); }
+  std::vector<int32_t> stop_token_ids() const override { return inner_.stop_token_ids(); }
+
+ private:
+  ByteCodec inner_;
+};
+
+}  // namespace
+
+TEST_CASE("hardening: numbers outside the double range are 400, the gateway goes on", "[gateway][hardening]") {
+  TestGateway gw;
+  const std::string huge_int(400, '7');
+  for (const std::string& extra : {std::string(R"("max_tokens":1e400)"), std::string(R"("temperature":-1e999)"),
+                                   R"("seed":)" + huge_int, std::string(R"("stream_options":{"x":[1E+999]})")}) {
+    INFO(extra);
+    expect_error(http(gw.port(), "POST", kChat, chat_body("hi", extra)), 400, "invalid_json");
+  }
+  expect_error(http(gw.port(), "POST", "/v1/completions", R"({"model":"demo-moe","prompt":"x","n":1e400})"), 400,
+               "invalid_json");
+  still_serves(gw);
+}
+
+TEST_CASE("hardening: nesting past the bound is refused while parsing, sessions too", "[gateway][hardening]") {
+  SessionStore store(nullptr, {});
+  ApiOptions api;
+  api.sessions = &store;
+  TestGateway gw({}, api);
+  // 300,000 levels: the old merge of a session's turns recursed through them.
+  const std::string deep = std::string(300'000, '[') + std::string(300'000, ']');
+  const std::string body = R"({"model":"demo-moe","session_id":"new","messages":[{"role":"user","content":)" + deep +
+                           "}]}";
+  expect_error(http(gw.port(), "POST", kChat, body), 400, "nesting_too_deep");
+  expect_error(http(gw.port(), "POST", "/v1/completions", R"({"model":"demo-moe","prompt":)" + deep + "}"), 400,
+               "nesting_too_deep");
+  // Brackets inside strings are text, not nesting.
+  auto ok = http(gw.port(), "POST", kChat, chat_body(std::string(1000, '[')));
+  CHECK(ok.status == 200);
+  CHECK(json_nesting_depth(R"({"a":"[[[[{{{{","b":[1,[2]]})") == 3);
+  still_serves(gw);
+}
+
+TEST_CASE("hardening: a request's cost is bounded before it runs", "[gateway][hardening]") {
+  TestGateway gw;
+  gw.scheduler().max_context_ = 1 << 20;
+  // n x max_tokens past 2^20.
+  expect_error(http(gw.port(), "POST", kChat, chat_body("hi", R"("n":128,"max_tokens":100000)")), 400,
+               "request_too_costly");
+  // No max_tokens: the rest of a 2^20 context, 16 times over.
+  expect_error(http(gw.port(), "POST", kChat, chat_body("hi", R"("n":16)")), 400, "request_too_costly");
+  // Logprobs of a whole response: 16 x 1000 x 21 entries past 2^18.
+  const std::string lp = R"("n":16,"max_tokens":1000,"logprobs":true,"top_logprobs":20)";
+  expect_error(http(gw.port(), "POST", kChat, chat_body("hi", lp)), 400, "request_too_costly");
+  // The same streamed keeps nothing: allowed.
+  gw.scheduler().set_script(spell("ok"));
+  auto streamed = http(gw.port(), "POST", kChat, chat_body("hi", lp + R"(,"stream":true)"));
+  CHECK(streamed.status == 200);
+  CHECK(sse_events(streamed.body).back() == "[DONE]");
+  // max_tokens near 2^63 cannot overflow the context check.
+  expect_error(http(gw.port(), "POST", kChat, chat_body("hi", R"("max_tokens":9223372036854775000)")), 400,
+               "context_length_exceeded");
+  expect_error(http(gw.port(), "POST", "/v1/completions",
+                    R"({"model":"demo-moe","prompt":"x","max_tokens":9223372036854775807})"),
+               400, "context_length_exceeded");
+  still_serves(gw);
+}
+
+TEST_CASE("hardening: a whole response past --max-response-bytes fails; the stream of it does not", "[gateway][hardening]") {
+  ApiOptions api;
+  api.max_response_bytes = 4096;
+  TestGateway gw({}, api);
+  gw.scheduler().max_context_ = 1 << 20;
+  gw.scheduler().set_script([](const SequenceRequest&, int) { return int32_t{'x'}; });
+  gw.scheduler().tokens_per_tick_ = 50;
+  expect_error(http(gw.port(), "POST", kChat, chat_body("hi", R"("max_tokens":10000)")), 400, "response_too_large");
+  CHECK(eventually([&] { return gw.scheduler().active() == 0; }));
+  auto streamed = http(gw.port(), "POST", kChat, chat_body("hi", R"("max_tokens":10000,"stream":true)"));
+  CHECK(streamed.status == 200);
+  CHECK(streamed.body.find("response_too_large") == std::string::npos);
+  gw.scheduler().set_script(spell("ok"));
+  still_serves(gw);
+}
+
+TEST_CASE("hardening: sequences in flight are bounded per caller and waiting ones in total (429)",
+          "[gateway][hardening][admission]") {
+  ApiOptions api;
+  api.api_keys = {"key-a", "key-b"};
+  api.admission.max_caller_sequences = 4;
+  api.admission.max_waiting = 5;
+  TestGateway gw({}, api);
+  gw.scheduler().capacity_ = 0;  // nothing runs: everything admitted waits
+  const std::string a = "Authorization: Bearer key-a\r\n", b = "Authorization: Bearer key-b\r\n";
+  auto stream = [&](int n, const std::string& auth) {
+    auto c = std::make_unique<TestClient>(gw.port());
+    const std::string body = chat_body("hi", R"("stream":true,"n":)" + std::to_string(n));
+    c->send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + auth +
+            "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body);
+    c->read_until("\r\n\r\n");
+    return c;
+  };
+  auto first = stream(3, a);
+  REQUIRE(eventually([&] { return gw.scheduler().submitted().size() == 3; }));
+  // Caller a: 3 in flight, 2 more would be 5 > 4.
+  auto over = http(gw.port(), "POST", kChat, chat_body("hi", R"("n":2)"), a);
+  expect_error(over, 429, "too_many_sequences");
+  CHECK(over.headers["retry-after"] == "1");
+  // Caller b is not held back by a's bound, but 3 wait already: 3 + 3 > 5.
+  auto full = http(gw.port(), "POST", kChat, chat_body("hi", R"("n":3)"), b);
+  expect_error(full, 429, "queue_full");
+  CHECK(full.headers.count("retry-after") == 1);
+  auto second = stream(2, b);  // 3 + 2 = 5 waiting: allowed
+  REQUIRE(eventually([&] { return gw.scheduler().submitted().size() == 5; }));
+  // a's stream gone: its sequences are given back.
+  first->close();
+  REQUIRE(eventually([&] { return gw.scheduler().cancelled().size() == 3; }));
+  auto third = stream(3, a);
+  CHECK(eventually([&] { return gw.scheduler().submitted().size() == 8; }));
+  CHECK(metric(gw.port(), "moe_gateway_admission_refused_total", a) == 2);
+}
+
+TEST_CASE("hardening: a client that pipelines a megabyte and leaves is noticed mid-generation",
+          "[gateway][hardening][http]") {
+  TestGateway gw;
+  gw.scheduler().max_context_ = 1 << 20;
+  gw.scheduler().set_script([](const SequenceRequest&, int) { return int32_t{'z'}; });
+  gw.scheduler().tick_ms_ = 5;  // 100,000 tokens would take minutes
+  {
+    TestClient c(gw.port());
+    const std::string body = chat_body("hi", R"("max_tokens":100000)");
+    c.send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(body.size()) +
+           "\r\n\r\n" + body);
+    REQUIRE(eventually([&] { return gw.scheduler().submitted().size() == 1; }));
+    // Far more than one request's worth behind it, then gone.
+    const std::string junk(1 << 20, 'G');
+    c.send(junk);
+    c.send(junk);
+  }
+  CHECK(eventually([&] { return gw.scheduler().cancelled().size() == 1; }, 5000));
+  CHECK(gw.scheduler().active() == 0);
+  still_serves(gw);
+}
+
+TEST_CASE("hardening: past --max-connections new clients get 503, the others are served", "[gateway][hardening][http]") {
+  HttpServerOptions o;
+  o.max_connections = 4;
+  TestGateway gw(o);
+  std::vector<std::unique_ptr<TestClient>> idle;
+  for (int i = 0; i < 3; ++i) idle.push_back(std::make_unique<TestClient>(gw.port()));
+  // Three idle ones and this one: four.
+  TestClient fourth(gw.port());
+  fourth.send("GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n");
+  CHECK(fourth.read_response().status == 200);
+  auto refused = http(gw.port(), "GET", "/v1/models");
+  expect_error(refused, 503, "too_many_connections");
+  CHECK(refused.headers["connection"] == "close");
+  CHECK(refused.headers["retry-after"] == "1");
+  // One leaves: room again.
+  idle.pop_back();
+  CHECK(eventually([&] { return http(gw.port(), "GET", "/v1/models").status == 200; }));
+  fourth.send("GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
+  CHECK(fourth.read_response().status == 200);
+}
+
+TEST_CASE("hardening: a client that takes nothing of its response is closed after --write-timeout-ms",
+          "[gateway][hardening][http]") {
+  HttpServerOptions o;
+  o.write_timeout_ms = 300;
+  o.max_write_queue_bytes = size_t(1) << 30;  // the queue bound is not what closes it
+  ApiOptions api;
+  api.max_request_tokens = int64_t(1) << 40;
+  TestGateway gw(o, api);
+  gw.scheduler().set_script([](const SequenceRequest&, int) { return int32_t{'z'}; });
+  gw.scheduler().tokens_per_tick_ = 200;
+  gw.scheduler().max_context_ = 1 << 30;
+  TestClient c(gw.port());
+  c.shrink_receive_buffer();
+  const std::string body = R"({"model":"demo-moe","prompt":"x","stream":true})";
+  c.send("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" +
+         body);
+  c.read_until("\r\n\r\n");
+  // Never read again.
+  CHECK(eventually([&] { return gw.scheduler().cancelled().size() == 1; }, 10000));
+  CHECK(gw.scheduler().active() == 0);
+  still_serves(gw);
+}
+
+TEST_CASE("hardening: a session belongs to its caller's key; without keys ids are the server's",
+          "[gateway][hardening][sessions]") {
+  SessionStoreOptions so;
+  so.max_messages = 4;
+  SessionStore store(nullptr, so);
+  ApiOptions api;
+  api.sessions = &store;
+  api.api_keys = {"alice-key", "bob-key"};
+  TestGateway gw({}, api);
+  gw.scheduler().set_script(spell("ack"));
+  const std::string alice = "Authorization: Bearer alice-key\r\n", bob = "Authorization: Bearer bob-key\r\n";
+  auto turn = [&](const std::string& who, const std::string& text, const std::string& sid) {
+    return http(gw.port(), "POST", kChat, chat_body(text, R"("session_id":")" + sid + R"(")"), who);
+  };
+  REQUIRE(turn(alice, "alice secret", "notes").status == 200);
+  // Bob names the same id: an empty session of his own.
+  auto b1 = turn(bob, "bob here", "notes");
+  REQUIRE(b1.status == 200);
+  CHECK(b1.headers["x-session-id"] == "notes");
+  CHECK(prompt_text(gw.scheduler().submitted().back()).find("alice secret") == std::string::npos);
+  // Alice continues hers.
+  REQUIRE(turn(alice, "second", "notes").status == 200);
+  const std::string p = prompt_text(gw.scheduler().submitted().back());
+  CHECK(p.find("alice secret") != std::string::npos);
+  CHECK(p.find("bob here") == std::string::npos);
+  // Four turns kept: after the third exchange the first one is gone.
+  REQUIRE(turn(alice, "third", "notes").status == 200);
+  REQUIRE(turn(alice, "fourth", "notes").status == 200);
+  const std::string q = prompt_text(gw.scheduler().submitted().back());
+  CHECK(q == "user: second\nassistant: ack\nuser: third\nassistant: ack\nuser: fourth\nassistant:");
+}
+
+TEST_CASE("hardening: without API keys a session id must be one the server issued", "[gateway][hardening][sessions]") {
+  SessionStore store(nullptr, {});
+  ApiOptions api;
+  api.sessions = &store;
+  TestGateway gw({}, api);
+  gw.scheduler().set_script(spell("ack"));
+  // A guessable id is refused.
+  expect_error(http(gw.port(), "POST", kChat, chat_body("hi", R"("session_id":"story-1")")), 400,
+               "invalid_session_id");
+  expect_error(http(gw.port(), "POST", kChat, chat_body("hi", R"("session_id":17)")), 400, "invalid_type");
+  auto first = http(gw.port(), "POST", kChat, chat_body("remember me", R"("session_id":"new")"));
+  REQUIRE(first.status == 200);
+  const std::string id = first.headers["x-session-id"];
+  CHECK(std::regex_match(id, std::regex("s-[0-9a-f]{32}")));
+  auto second = http(gw.port(), "POST", kChat, chat_body("and now"), "X-Session-Id: " + id + "\r\n");
+  REQUIRE(second.status == 200);
+  CHECK(prompt_text(gw.scheduler().submitted().back()).find("remember me") != std::string::npos);
+  // Another new session shares nothing.
+  auto other = http(gw.port(), "POST", kChat, chat_body("fresh", R"("session_id":"new")"));
+  CHECK(other.headers["x-session-id"] != id);
+  CHECK(prompt_text(gw.scheduler().submitted().back()).find("remember me") == std::string::npos);
+}
+
+TEST_CASE("hardening: the store keeps the newest turns within its caps", "[gateway][hardening][sessions]") {
+  ChatMessages m = {{"system", "be brief"}, {"user", "1"}, {"assistant", "a1"}, {"user", "2"}, {"assistant", "a2"}};
+  auto c = SessionStore::capped(m, 3, 1 << 20);
+  REQUIRE(c.size() == 3);
+  CHECK(c[0].content == "be brief");  // the system turn stays while it fits
+  CHECK(c[1].content == "2");
+  CHECK(c[2].content == "a2");
+  // Bytes (role + content): the system turn (14) no longer fits beside the
+  // newest (11); the newest turns that fit stay.
+  auto b = SessionStore::capped(m, 100, 16);
+  REQUIRE(b.size() == 2);
+  CHECK(b[0].content == "2");
+  CHECK(b[1].content == "a2");
+  // Not even the newest fits: the end of its text stays (whole characters).
+  ChatMessages big = {{"user", "old"}, {"assistant", std::string(100, 'x') + "\xc3\xa9nd"}};
+  auto t = SessionStore::capped(big, 10, 20);
+  REQUIRE(t.size() == 1);
+  CHECK(t[0].role == "assistant");
+  CHECK(t[0].content == std::string(7, 'x') + "\xc3\xa9nd");  // 9 (role) + 11 bytes
+  auto cut = SessionStore::capped(big, 10, 12);  // 3 bytes of room would start inside the é
+  REQUIRE(cut.size() == 1);
+  CHECK(cut[0].content == "nd");
+  auto s = SessionStore::capped(m, 100, 30);
+  REQUIRE(s.size() == 3);
+  CHECK(s[0].role == "system");
+  CHECK(s[1].content == "2");
+  CHECK(s[2].content == "a2");
+}
+
+TEST_CASE("hardening: an exception in the text side is a 500 for that request only", "[gateway][hardening]") {
+  ThrowingCodec codec;
+  TestGateway gw({}, {}, &codec);
+  auto r = http(gw.port(), "POST", kChat, chat_body("hi"));
+  expect_error(r, 500, "internal_error");
+  CHECK(error_of(r)["type"] == "server_error");
+  // A whole response and a stream whose decoder throws mid-generation.
+  auto whole = http(gw.port(), "POST", "/v1/completions", R"({"model":"demo-moe","prompt":"x"})");
+  expect_error(whole, 500, "internal_error");
+  auto streamed = http(gw.port(), "POST", "/v1/completions", R"({"model":"demo-moe","prompt":"x","stream":true})");
+  CHECK(streamed.status == 200);
+  CHECK(streamed.body.find("internal_error") != std::string::npos);
+  CHECK(eventually([&] { return gw.scheduler().active() == 0; }));
+  CHECK(metric(gw.port(), "moe_gateway_internal_errors_total") >= 3);
+  CHECK(http(gw.port(), "GET", "/v1/models").status == 200);
+}
+
+TEST_CASE("hardening: without the key even unknown routes say nothing but 401", "[gateway][hardening][auth]") {
+  ApiOptions api;
+  api.api_keys = {"k1", "k2"};
+  TestGateway gw({}, api);
+  expect_error(http(gw.port(), "GET", "/no/such/route"), 401, "invalid_api_key");
+  expect_error(http(gw.port(), "POST", "/debug/experts", "{}"), 401, "invalid_api_key");
+  expect_error(http(gw.port(), "GET", "/no/such/route", "", "Authorization: Bearer k3\r\n"), 401, "invalid_api_key");
+  expect_error(http(gw.port(), "GET", "/no/such/route", "", "Authorization: Bearer k2\r\n"), 404, "unknown_url");
+  CHECK(http(gw.port(), "GET", "/v1/models", "", "Authorization: Bearer k1\r\n").status == 200);
+  CHECK(http(gw.port(), "GET", "/health").status == 200);
+}
+
+TEST_CASE("hardening: keys come from files and the environment; no timeout can be switched off",
+          "[gateway][hardening][options]") {
+  char path[] = "/tmp/moe-keys-XXXXXX";
+  const int fd = ::mkstemp(path);
+  REQUIRE(fd >= 0);
+  ::close(fd);
+  {
+    std::ofstream f(path);
+    f << "# the team's keys\n  first-key  \n\nsecond-key\n";
+  }
+  auto cl = parse_gateway_args({"--model", "m", "--api-key-file", path, "--api-key", "cli-key"});
+  REQUIRE(cl.ok());
+  auto keys = collect_api_keys(cl->options, "env-key");
+  REQUIRE(keys.ok());
+  CHECK(keys.value() == std::vector<std::string>{"cli-key", "first-key", "second-key", "env-key"});
+  {
+    std::ofstream f(path, std::ios::trunc);
+    f << "# nothing but comments\n";
+  }
+  CHECK_FALSE(collect_api_keys(cl->options, nullptr).ok());
+  std::remove(path);
+  CHECK_FALSE(collect_api_keys(cl->options, nullptr).ok());
+  for (const char* opt : {"--request-timeout-ms", "--keepalive-timeout-ms", "--write-timeout-ms"}) {
+    auto zero = parse_gateway_args({"--model", "m", opt, "0"});
+    REQUIRE_FALSE(zero.ok());
+    CHECK(zero.error().find(opt) != std::string::npos);
+  }
+}

@@ -1,0 +1,15 @@
+// A moe-worker built without the CUDA toolkit: the cuda backend is refused
+// with a message instead of being silently replaced.
+#include "worker/backend.h"
+
+namespace moe::worker {
+
+bool cuda_backend_built() { return false; }
+
+std::string cuda_unavailable_reason(std::string*) { return "this moe-worker was built without the CUDA toolkit"; }
+
+Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string&, const CudaEngineOptions&) {
+  return make_error("this moe-worker was built without the CUDA toolkit; rebuild with nvcc installed or use --backend cpu");
+}
+
+}  // namespace moe::worker
