@@ -1,6 +1,6 @@
 #include "worker/model_hello.h"
 
-#include <filesystem>
+#include "protocol/redis_schema.h"
 
 namespace moe::worker {
 
@@ -31,11 +31,6 @@ int model_layer_of_moe_index(const ModelDesc& d, int moe_index) {
   return -1;
 }
 
-std::string model_id_from_path(const std::string& model_path) {
-  std::filesystem::path p(model_path);
-  std::string id = p.filename().string();
-  if (id.empty()) id = p.parent_path().filename().string();
-  return id;
-}
+std::string model_id_from_path(const std::string& model_path) { return protocol::redis_model_name(model_path); }
 
 }  // namespace moe::worker

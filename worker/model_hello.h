@@ -18,7 +18,9 @@ protocol::Hello model_hello(const ModelDesc& d);
 int moe_index_of_layer(const ModelDesc& d, int model_layer);
 int model_layer_of_moe_index(const ModelDesc& d, int moe_index);
 
-// The model id a worker announces: the folder's or the packed file's name.
+// The model id a worker announces: the folder's or the packed file's name,
+// as the Redis schema names the model (protocol::redis_model_name), so that
+// the worker's hello and the gateway's keys agree by construction.
 std::string model_id_from_path(const std::string& model_path);
 
 }  // namespace moe::worker
