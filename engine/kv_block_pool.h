@@ -29,6 +29,7 @@ class KvBlockPool {
   int block_tokens() const { return block_tokens_; }
   int blocks_for(int tokens) const { return (tokens + block_tokens_ - 1) / block_tokens_; }
 
+  int sequences() const { return int(seqs_.size()); }  // those holding tokens
   int length(uint64_t seq) const;  // tokens held, -1 when the sequence is unknown
   int owned(uint64_t seq) const;   // blocks held, 0 when unknown
   const std::vector<int32_t>& table(uint64_t seq) const;  // its block table (empty when unknown)

@@ -1,10 +1,9 @@
 // The CPU backend: protocol steps onto moe::CpuEngine.
 #include <algorithm>
 #include <span>
-#include <unordered_set>
 
 #include "engine/cpu_engine.h"
-#include "worker/backend.h"
+#include "worker/engine_backend.h"
 #include "worker/model_hello.h"
 #include "residency/residency.h"
 #include "worker/step_translation.h"
@@ -12,44 +11,26 @@
 namespace moe::worker {
 namespace {
 
-class CpuBackend final : public Backend {
+class CpuBackend final : public EngineBackend {
  public:
   CpuBackend(std::unique_ptr<CpuEngine> engine, std::string model_id)
-      : residency_(engine->desc().n_moe_layers(), engine->desc().moe.n_experts,
+      : EngineBackend(*engine, std::move(model_id), "cpu"),
+        residency_(engine->desc().n_moe_layers(), engine->desc().moe.n_experts,
                    cpu_islands(engine->desc().n_moe_layers(), engine->desc().moe.n_experts), 0,
                    std::make_unique<LruPolicy>()),
-        engine_(std::move(engine)),
-        model_id_(std::move(model_id)) {}
+        engine_(std::move(engine)) {}
 
   // A quarter of all experts, as a small GPU's island budget would hold.
   static int64_t cpu_islands(int moe_layers, int experts) {
     return std::max<int64_t>(1, int64_t(moe_layers) * experts / 4);
   }
 
-  protocol::Hello describe() const override { return engine_hello(*engine_, model_id_, "cpu"); }
-
   protocol::StepReply step(const protocol::StepRequest& req) override {
     return run_engine_step(*engine_, req, [this](const Result<std::vector<SeqOutput>>& out) {
       if (!out.ok()) return;
-      for (const SeqOutput& o : *out) {
-        touch_experts(o.expert_counts);
-        live_.insert(o.seq_id);
-      }
+      for (const SeqOutput& o : *out) touch_experts(o.expert_counts);
     });
   }
-
-  void set_progress(std::atomic<uint64_t>* progress) override {
-    Backend::set_progress(progress);
-    engine_->set_progress(progress);
-  }
-
-  void release(uint64_t seq_id) override {
-    engine_->release(seq_id);
-    live_.erase(seq_id);
-  }
-  int kv_blocks_total() const override { return engine_->kv_blocks_total(); }
-  int kv_blocks_free() const override { return engine_->kv_blocks_free(); }
-  int sequences_active() const override { return int(live_.size()); }
 
   // Residency on this backend: every expert is readable from the mapped
   // model, so the map is bookkeeping of the experts a GPU worker of the same
@@ -95,8 +76,6 @@ class CpuBackend final : public Backend {
   uint64_t residency_version_ = 0;
 
   std::unique_ptr<CpuEngine> engine_;
-  std::string model_id_;
-  std::unordered_set<uint64_t> live_;  // sequences holding KV
 };
 
 }  // namespace

@@ -2,9 +2,8 @@
 #include <algorithm>
 #include <chrono>
 #include <span>
-#include <unordered_set>
 
-#include "worker/backend.h"
+#include "worker/engine_backend.h"
 #include "cuda_engine/cuda_engine.h"
 #include "worker/model_hello.h"
 #include "worker/step_translation.h"
@@ -12,21 +11,15 @@
 namespace moe::worker {
 namespace {
 
-class CudaBackend final : public Backend {
+class CudaBackend final : public EngineBackend {
  public:
   CudaBackend(std::unique_ptr<CudaEngine> engine, std::string model_id)
-      : engine_(std::move(engine)), model_id_(std::move(model_id)) {}
-
-  protocol::Hello describe() const override { return engine_hello(*engine_, model_id_, "cuda"); }
+      : EngineBackend(*engine, std::move(model_id), "cuda"), engine_(std::move(engine)) {}
 
   protocol::StepReply step(const protocol::StepRequest& req) override {
     const CudaExpertStats before = engine_->expert_stats();
     protocol::StepReply reply = run_engine_step(*engine_, req, [this](const Result<std::vector<SeqOutput>>& out) {
-      if (!out.ok()) {
-        if (broken_.empty()) broken_ = engine_->device_error();
-        return;
-      }
-      for (const SeqOutput& o : *out) live_.insert(o.seq_id);
+      if (!out.ok() && broken_.empty()) broken_ = engine_->device_error();
     });
     const CudaExpertStats after = engine_->expert_stats();
     if (after.all_resident) {
@@ -48,19 +41,6 @@ class CudaBackend final : public Backend {
     return "device memory: budget " + mib(d.budget) + ", context and libraries " + mib(d.base) + ", arena " +
            mib(d.arena) + (d.measured ? ", now " + mib(d.now) + ", peak " + mib(d.peak) : ", not measured (no NVML)");
   }
-
-  void set_progress(std::atomic<uint64_t>* progress) override {
-    Backend::set_progress(progress);
-    engine_->set_progress(progress);
-  }
-
-  void release(uint64_t seq_id) override {
-    engine_->release(seq_id);
-    live_.erase(seq_id);
-  }
-  int kv_blocks_total() const override { return engine_->kv_blocks_total(); }
-  int kv_blocks_free() const override { return engine_->kv_blocks_free(); }
-  int sequences_active() const override { return int(live_.size()); }
 
   size_t warm(const std::vector<protocol::ExpertRef>& experts) override { return warm_in_pieces(experts, false); }
   void hint(const std::vector<protocol::ExpertRef>& experts) override { warm_in_pieces(experts, true); }
@@ -142,8 +122,6 @@ class CudaBackend final : public Backend {
   }
 
   std::unique_ptr<CudaEngine> engine_;
-  std::string model_id_;
-  std::unordered_set<uint64_t> live_;
   std::string broken_;  // a sticky device error seen after a failed step
 };
 
