@@ -2,8 +2,8 @@
 // The model on one GPU (docs/cuda-worker.md): bf16 non-expert weights, a
 // paged bf16 KV pool, INT4 experts in islands of one device arena sized by
 // the VRAM budget, the forward pass over the kernels of kernels/cuda, and
-// sampling on the device. The same step contract as moe::CpuEngine
-// (engine/engine.h), whose SeqInput / SeqOutput it takes.
+// sampling on the device. An Engine (engine/engine.h) on the step contract
+// of engine/step.h, as moe::CpuEngine is.
 //
 // Thread ownership: one thread drives an engine (step, release, warm...).
 // Built only with the CUDA toolkit; this header needs no CUDA headers.

@@ -6,10 +6,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
+
+#include "model/result.h"
 
 namespace moe {
 
@@ -66,6 +69,15 @@ std::string choice_list() {
     out += ChoiceNames<E>::all[i].first;
   }
   return out;
+}
+
+// `value` given to command-line option `option` as a choice, or the
+// message that refuses it ("option --misses takes stream or copy, got 'x'").
+template <class E>
+Result<E> parse_option(std::string_view option, std::string_view value) {
+  if (auto c = parse_choice<E>(value)) return *c;
+  return make_error("option " + std::string(option) + " takes " + choice_list<E>() + ", got '" + std::string(value) +
+                    "'");
 }
 
 struct CudaEngineOptions {

@@ -63,13 +63,10 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
     // An enum option from its spelling, or the message that refuses it.
     std::string refusal;
     auto choose = [&](auto& field) {
-      using E = std::remove_reference_t<decltype(field)>;
-      if (auto c = parse_choice<E>(value)) {
-        field = *c;
-        return true;
-      }
-      refusal = "option " + name + " takes " + choice_list<E>() + ", got '" + value + "'";
-      return false;
+      auto c = parse_option<std::remove_reference_t<decltype(field)>>(name, value);
+      if (c) field = *c;
+      else refusal = c.error();
+      return c.ok();
     };
     if (name == "--model") o.model_path = value;
     else if (name == "--socket") o.socket_path = value;

@@ -219,14 +219,10 @@ int main(int argc, char** argv) {
     // An enum option from its spelling; anything else ends with the usage.
     bool bad = false;
     auto choose = [&](auto& field) {
-      using E = std::remove_reference_t<decltype(field)>;
-      const std::string v = val();
-      if (auto c = parse_choice<E>(v)) {
-        field = *c;
-      } else {
-        std::fprintf(stderr, "moe-bench-engine: %s takes %s, got '%s'\n", a.c_str(), choice_list<E>().c_str(), v.c_str());
-        bad = true;
-      }
+      auto c = parse_option<std::remove_reference_t<decltype(field)>>(a, val());
+      if (c) field = *c;
+      else std::fprintf(stderr, "moe-bench-engine: %s\n", c.error().c_str());
+      bad = bad || !c.ok();
     };
     if (a == "--shape") o.shape = val();
     else if (a == "--steps") o.steps = std::atoi(val().c_str());
