@@ -21,6 +21,7 @@
 #include "gateway/state/redis_worker_streams.h"
 #include "gateway/state/session_store.h"
 #include "gateway/sched/scheduler_factory.h"
+#include "model/model_files.h"
 #include "moe_version.h"
 
 namespace {
@@ -158,7 +159,15 @@ int main(int argc, char** argv) {
   auto resident_sets = [&worker_streams]() -> std::map<std::string, std::string> {
     return worker_streams ? worker_streams->resident() : std::map<std::string, std::string>{};
   };
-  auto scheduler = moe::gw::make_scheduler(loop, opts, predictor.get(), resident_sets);
+  // Every worker, the fallback included, must share this model's token ids
+  // (what its hello says of its model's vocabulary), or it is refused.
+  moe::gw::WorkerVocabulary vocabulary;
+  if (auto files = moe::ModelFiles::open(opts.model_path); files.ok()) {
+    vocabulary.model = moe::gw::redis_model_name(opts.model_path);
+    vocabulary.vocab_size = uint32_t(files.value()->desc().vocab_size);
+    vocabulary.eos_ids = files.value()->desc().eos_token_ids;
+  }
+  auto scheduler = moe::gw::make_scheduler(loop, opts, predictor.get(), resident_sets, std::move(vocabulary));
   if (!scheduler.ok()) {
     std::fprintf(stderr, "moe-gateway: %s\n", scheduler.error().c_str());
     return 1;

@@ -82,6 +82,7 @@ class ContinuousScheduler final : public Scheduler {
   uint64_t sequences_taken_over(size_t worker) const { return workers_[worker].taken_over; }
   size_t workers() const { return workers_.size(); }
   bool worker_ready(size_t worker) const { return workers_[worker].link->ready(); }
+  const std::string& worker_refused(size_t worker) const { return workers_[worker].link->refused(); }
 
  private:
   struct Worker {

@@ -15,8 +15,10 @@ namespace moe::gw {
 
 Result<std::unique_ptr<Scheduler>> make_scheduler(uv_loop_t* loop, const GatewayOptions& opts,
                                                   PromptExpertPredictor* predictor,
-                                                  std::function<std::map<std::string, std::string>()> resident_sets) {
+                                                  std::function<std::map<std::string, std::string>()> resident_sets,
+                                                  WorkerVocabulary vocabulary) {
   ContinuousSchedulerOptions so;
+  so.link.vocabulary = std::move(vocabulary);
   // With Redis, workers publish per-request routing summaries from the usage;
   // the predictor scores its predictions against it.
   so.report_expert_usage = !opts.redis_url.empty() || predictor != nullptr;

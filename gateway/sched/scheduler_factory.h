@@ -13,6 +13,7 @@
 #include "gateway/predict/expert_prediction.h"
 #include "gateway/gateway_options.h"
 #include "gateway/sched/scheduler.h"
+#include "gateway/sched/worker_link.h"
 #include "model/result.h"
 
 namespace moe::gw {
@@ -21,9 +22,11 @@ namespace moe::gw {
 // it cannot be set up. The loop must outlive it, and so must `predictor`
 // (null: no expert prediction).
 // `resident_sets` (optional) gives each worker's published resident experts
-// by worker name, for choosing among several workers.
+// by worker name, for choosing among several workers. `vocabulary`: what
+// every worker's hello must say of its model's token ids (the gateway's own
+// model's; empty: not checked), or the worker is refused.
 Result<std::unique_ptr<Scheduler>> make_scheduler(
     uv_loop_t* loop, const GatewayOptions& opts, PromptExpertPredictor* predictor = nullptr,
-    std::function<std::map<std::string, std::string>()> resident_sets = {});
+    std::function<std::map<std::string, std::string>()> resident_sets = {}, WorkerVocabulary vocabulary = {});
 
 }  // namespace moe::gw

@@ -30,7 +30,28 @@ struct WriteReq {
   std::vector<uint8_t> bytes;
 };
 
+std::string id_list(std::vector<int32_t> ids) {
+  std::sort(ids.begin(), ids.end());
+  std::string s;
+  for (int32_t id : ids) s += (s.empty() ? "" : " ") + std::to_string(id);
+  return s.empty() ? "none" : s;
+}
+
 }  // namespace
+
+Status check_vocabulary(const pr::Hello& h, const WorkerVocabulary& v) {
+  if (v.vocab_size == 0) return {};
+  std::vector<int32_t> want = v.eos_ids, got = h.eos_ids;
+  std::sort(want.begin(), want.end());
+  std::sort(got.begin(), got.end());
+  if (h.vocab_size == v.vocab_size && got == want) return {};
+  return make_error("its model " + (h.model_id.empty() ? std::string("(unnamed)") : "'" + h.model_id + "'") +
+                    " has a vocabulary of " + std::to_string(h.vocab_size) + " token ids (EOS " + id_list(h.eos_ids) +
+                    "), the gateway's model '" + v.model + "' one of " + std::to_string(v.vocab_size) + " (EOS " +
+                    id_list(v.eos_ids) +
+                    "): requests move between workers as token ids, so every worker, the fallback included, "
+                    "must serve a model with the gateway's tokenizer");
+}
 
 WorkerLink::WorkerLink(uv_loop_t* loop, WorkerLinkOptions opts, Callbacks cb)
     : loop_(loop), opts_(std::move(opts)), cb_(std::move(cb)), decoder_(opts_.max_frame_bytes) {
@@ -200,6 +221,15 @@ void WorkerLink::handle(const pr::Frame& f) {
         drop(st.error());
         return;
       }
+      if (auto st = check_vocabulary(*h, opts_.vocabulary); !st.ok()) {
+        if (st.error() != refused_) {
+          std::fprintf(stderr, "moe-gateway: worker %s refused: %s\n", opts_.socket_path.c_str(), st.error().c_str());
+          refused_ = st.error();
+        }
+        drop(st.error());
+        return;
+      }
+      refused_.clear();
       hello_ = std::move(h.value());
       state_ = State::ready;
       retry_ms_ = opts_.retry_min_ms;

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include <uv.h>
 
@@ -26,6 +27,20 @@
 #include "protocol/messages.h"
 
 namespace moe::gw {
+
+// The token ids every worker's model must share with the gateway's: running
+// requests move between workers (failover to the fallback and back) as token
+// ids, and the gateway encodes prompts and decodes replies with its own
+// tokenizer. Compared with what the worker's hello says of its model (the
+// vocabulary size and EOS ids of its config.json). vocab_size 0: no check.
+struct WorkerVocabulary {
+  std::string model;             // the gateway's model, named in the message
+  uint32_t vocab_size = 0;
+  std::vector<int32_t> eos_ids;  // any order
+};
+
+// ok, or why a worker whose hello is `h` cannot serve a gateway expecting `v`.
+[[nodiscard]] Status check_vocabulary(const protocol::Hello& h, const WorkerVocabulary& v);
 
 struct WorkerLinkOptions {
   std::string socket_path;
@@ -36,6 +51,9 @@ struct WorkerLinkOptions {
   uint64_t retry_min_ms = 20;
   uint64_t retry_max_ms = 1000;
   size_t max_frame_bytes = protocol::kMaxFrameBytes;
+  // A worker whose hello names another vocabulary is refused (never ready):
+  // logged once per reason, and the link keeps retrying in case it is replaced.
+  WorkerVocabulary vocabulary;
 };
 
 class WorkerLink {
@@ -57,6 +75,8 @@ class WorkerLink {
   bool ready() const { return state_ == State::ready; }
   const protocol::Hello& worker_hello() const { return hello_; }
   const std::string& socket_path() const { return opts_.socket_path; }
+  // Why its last hello was refused (check_vocabulary); empty once one is taken.
+  const std::string& refused() const { return refused_; }
 
   // Sends a message; its request id is returned. Fails when not ready.
   Result<uint64_t> send(const protocol::Message& m);
@@ -93,6 +113,7 @@ class WorkerLink {
   uint64_t last_rx_ms_ = 0;
   uint64_t ping_outstanding_since_ms_ = 0;  // 0: none
   uint64_t last_ping_ms_ = 0;
+  std::string refused_;  // why the last hello was refused (logged once)
 };
 
 }  // namespace moe::gw

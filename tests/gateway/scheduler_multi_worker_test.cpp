@@ -1,7 +1,8 @@
 // Several workers at once, over real moe-worker children on a fixture model:
 // sequences are spread over the workers and give the tokens of a one-worker
 // run; a worker killed mid-generation costs no token; and with a prediction
-// a request goes to the worker whose resident experts match it.
+// a request goes to the worker whose resident experts match it; a worker of
+// another vocabulary is refused.
 #include <uv.h>
 
 #include <catch2/catch.hpp>
@@ -16,6 +17,7 @@
 #include "gateway/predict/expert_prediction.h"
 #include "gateway/sched/scheduler_continuous.h"
 #include "gateway/sched/worker_supervisor.h"
+#include "model/model_config.h"
 #include "model/safetensors.h"
 #include "tests/gateway/scheduler_test_parts.h"
 
@@ -207,5 +209,53 @@ TEST_CASE("an idle worker takes over half the queue of a busy one", "[scheduler]
   for (const auto& c : run) {
     CHECK(c.reason == FinishReason::length);
     CHECK(c.tokens == run[0].tokens);
+  }
+}
+
+TEST_CASE("check_vocabulary: the same size and EOS ids pass, in any order; anything else names both",
+          "[scheduler][vocabulary]") {
+  moe::protocol::Hello h;
+  h.model_id = "small";
+  h.vocab_size = 1027;
+  h.eos_ids = {1026, 7};
+  WorkerVocabulary v{"big", 1027, {7, 1026}};
+  CHECK(check_vocabulary(h, v).ok());
+  CHECK(check_vocabulary(h, WorkerVocabulary{}).ok());  // no expectation: no check
+  h.vocab_size = 4099;
+  auto st = check_vocabulary(h, v);
+  REQUIRE_FALSE(st.ok());
+  CHECK_THAT(st.error(), Catch::Contains("'small' has a vocabulary of 4099 token ids (EOS 7 1026)") &&
+                             Catch::Contains("'big' one of 1027 (EOS 7 1026)") && Catch::Contains("tokenizer"));
+  h.vocab_size = 1027;
+  h.eos_ids = {1026};
+  CHECK_FALSE(check_vocabulary(h, v).ok());
+}
+
+TEST_CASE("a worker whose model has another vocabulary than the gateway's is refused, never ready",
+          "[scheduler][worker][vocabulary]") {
+  auto desc = moe::load_model_desc(scheduler_fixture());
+  REQUIRE(desc.ok());
+  for (bool same : {false, true}) {
+    uv_loop_t loop{};
+    uv_loop_init(&loop);
+    SupervisorOptions so;
+    so.worker_bin = MOE_WORKER_BIN;
+    so.model_path = scheduler_fixture();
+    so.extra_args = {"--threads", "1", "--backend", "cpu"};
+    auto s = WorkerSupervisor::start(&loop, so);
+    REQUIRE(s.ok());
+    ContinuousSchedulerOptions o;
+    // The demo model's vocabulary (4099 ids, EOS 4096), or the fixture's own.
+    o.link.vocabulary = same ? WorkerVocabulary{"qwen3_moe", uint32_t(desc->vocab_size), desc->eos_token_ids}
+                             : WorkerVocabulary{"demo-moe", 4099, {4096}};
+    auto sched = std::make_unique<ContinuousScheduler>(&loop, std::vector<std::string>{s.value()->socket_path()}, o);
+    run_loop_until(&loop, [&] { return sched->worker_ready(0) || !sched->worker_refused(0).empty(); });
+    CHECK(sched->worker_ready(0) == same);
+    CHECK(sched->worker_refused(0).empty() == same);
+    if (!same) CHECK_THAT(sched->worker_refused(0), Catch::Contains("'demo-moe' one of 4099"));
+    sched.reset();
+    s.value().reset();
+    for (int i = 0; i < 10; ++i) uv_run(&loop, UV_RUN_NOWAIT);
+    (void)uv_loop_close(&loop);
   }
 }
