@@ -15,14 +15,28 @@
 #      environment works too: supervisord passes it on), REDIS_PASSWORD_FILE
 #      (a password for Redis, first line: Redis, the workers and the gateway
 #      read it from files, so it never shows in ps).
+#   Programs from elsewhere than the build and PATH (a machine where nothing
+#   is installed, bench/e2e/failover_gpu.sh): GATEWAY_BIN, WORKER_BIN (the
+#   executables; default BUILD_DIR/gateway/moe-gateway, BUILD_DIR/worker/
+#   moe-worker; when both are given nothing is built), SUPERVISORD (the
+#   command that runs supervisord, words split, e.g. a wrapper setting
+#   PYTHONPATH; default supervisord), REDIS_SERVER (redis-server's path).
+#
+# Refused before anything starts: a FALLBACK_MODEL folder whose tokenizer.json
+# differs from the main model's (the fallback continues requests from their
+# token ids). A packed model file is not compared here; the gateway compares
+# every worker's vocabulary with its model's at hello and refuses another.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD_DIR:-build}
 case $build in /*) ;; *) build=$root/$build ;; esac
-if [ ! -x "$build/gateway/moe-gateway" ] || [ ! -x "$build/worker/moe-worker" ]; then
+export MOE_GATEWAY_BIN=${GATEWAY_BIN:-$build/gateway/moe-gateway} MOE_WORKER_BIN=${WORKER_BIN:-$build/worker/moe-worker}
+if [ ! -x "$MOE_GATEWAY_BIN" ] || [ ! -x "$MOE_WORKER_BIN" ]; then
+  if [ -n "${GATEWAY_BIN:-}${WORKER_BIN:-}" ]; then
+    echo "supervise: GATEWAY_BIN $MOE_GATEWAY_BIN or WORKER_BIN $MOE_WORKER_BIN is not an executable" >&2; exit 1
+  fi
   "$root/deploy/setup.sh" "$build"
 fi
-command -v supervisord >/dev/null || { echo "supervise: supervisord is not installed (deploy/setup.sh installs it)" >&2; exit 1; }
 
 state=${MOE_STATE_DIR:-$build/supervise}
 mkdir -p "$state/run" "$state/logs"
@@ -34,13 +48,30 @@ export MOE_MODEL=$(cd "$(dirname "$model")" && pwd)/$(basename "$model")
 # share the main model's tokenizer: by default it is the main model itself
 # (on the CPU); give FALLBACK_MODEL for a smaller one of the same vocabulary.
 export MOE_FALLBACK_MODEL=${FALLBACK_MODEL:-$MOE_MODEL}
+case $MOE_FALLBACK_MODEL in /*) ;; *) MOE_FALLBACK_MODEL=$(pwd)/$MOE_FALLBACK_MODEL ;; esac
+if [ "$MOE_FALLBACK_MODEL" != "$MOE_MODEL" ] && [ -d "$MOE_MODEL" ] && [ -d "$MOE_FALLBACK_MODEL" ]; then
+  main_tok=$(sha256sum < "$MOE_MODEL/tokenizer.json" 2>/dev/null || echo "none")
+  fb_tok=$(sha256sum < "$MOE_FALLBACK_MODEL/tokenizer.json" 2>/dev/null || echo "none")
+  if [ "$main_tok" != "$fb_tok" ]; then
+    echo "supervise: FALLBACK_MODEL $MOE_FALLBACK_MODEL has another tokenizer than $MOE_MODEL" \
+         "(their tokenizer.json differ): the fallback continues requests from their token ids, so" \
+         "both must share one tokenizer; give a fallback model of the same vocabulary, or none" >&2
+    exit 1
+  fi
+fi
 export MOE_HOST=${HOST:-127.0.0.1} MOE_PORT=${PORT:-8080} MOE_REDIS_PORT=${REDIS_PORT:-6390}
+export MOE_REDIS_SERVER=${REDIS_SERVER:-$(command -v redis-server || true)}
+[ -n "$MOE_REDIS_SERVER" ] && [ -x "$MOE_REDIS_SERVER" ] ||
+  { echo "supervise: redis-server is not installed (deploy/setup.sh installs it; or give REDIS_SERVER)" >&2; exit 1; }
+read -r -a supervisord_cmd <<< "${SUPERVISORD:-supervisord}"
+command -v "${supervisord_cmd[0]}" >/dev/null ||
+  { echo "supervise: supervisord is not installed (deploy/setup.sh installs it; or give SUPERVISORD)" >&2; exit 1; }
 # The main worker runs on the GPU when there is one and this moe-worker can
 # use it (a binary built without the CUDA toolkit says so in its --help).
 if [ -z "${BACKEND:-}" ]; then
   BACKEND=cpu
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 &&
-     "$build/worker/moe-worker" --help | grep -q "cuda backend: built"; then
+     "$MOE_WORKER_BIN" --help | grep -q "cuda backend: built"; then
     BACKEND=cuda
   fi
 fi
@@ -72,4 +103,4 @@ export MOE_REDIS_AUTH_ARGS
 export MOE_BACKEND=$BACKEND
 echo "supervise: $MOE_MODEL on $MOE_BACKEND, fallback $MOE_FALLBACK_MODEL on cpu, http://$MOE_HOST:$MOE_PORT," \
      "Redis on 127.0.0.1:$MOE_REDIS_PORT, logs in $MOE_LOG_DIR" >&2
-exec supervisord -n -c "$root/deploy/supervisord.conf"
+exec "${supervisord_cmd[@]}" -n -c "$root/deploy/supervisord.conf"
