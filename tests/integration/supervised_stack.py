@@ -7,8 +7,8 @@ bench/e2e/failover_gpu.py (the GPU machine, carried binaries).
 
 Everything started is stopped on close(): supervisord with SIGTERM (it stops
 its programs), then SIGKILL for any process whose command line names the
-private state folder (only this stack's processes can: the path is a fresh
-temp dir), so nothing is left behind even when supervisord itself is gone.
+private folder or whose working directory is in it (only this stack's
+processes can: the path is a fresh temp dir), so nothing is left behind even when supervisord itself is gone.
 """
 import http.client
 import json
@@ -121,7 +121,7 @@ class Stack:
                   self.worker_metric("moe_gateway_worker_ready", "fallback") == 1, timeout, "both workers ready")
 
     def own_pids(self):
-        """Every live process whose command line names our state folder."""
+        """Every live process whose command line names our folder, or working in it."""
         pids = []
         for d in os.listdir("/proc"):
             if not d.isdigit() or int(d) == os.getpid():
@@ -131,7 +131,11 @@ class Stack:
                     cmd = f.read()
             except OSError:
                 continue
-            if self.state.encode() in cmd or self.dir.encode() in cmd:
+            try:  # redis-server rewrites its command line, but works in state/run
+                cwd = os.readlink(f"/proc/{d}/cwd")
+            except OSError:
+                cwd = ""
+            if self.dir.encode() in cmd or cwd == self.dir or cwd.startswith(self.dir + "/"):
                 pids.append(int(d))
         return pids
 
