@@ -1,8 +1,40 @@
 // CudaEngine::create: the budget measured against the process, the plan, the
 // arena, the weights uploaded, the experts placed.
 #include "cuda_engine/engine_impl.h"
+#include "replay/routing_trace.h"
 
 namespace moe {
+
+Status CudaEngine::Impl::load_routing_trace(const std::string& path) {
+  auto tr = read_routing_trace(path, "routing_topk");
+  if (!tr) return make_error("routing trace " + path + ": " + tr.error());
+  const std::string shape = std::to_string(n_moe_layers) + " MoE layers, top-" + std::to_string(top_k) + " of " +
+                            std::to_string(n_experts) + " experts";
+  if (n_moe_layers == 0) return make_error("routing trace " + path + ": the model has no MoE layers");
+  if (tr->n_layers != n_moe_layers || tr->top_k != top_k || tr->n_experts > n_experts)
+    return make_error("routing trace " + path + " holds " + std::to_string(tr->n_layers) + " layers, top-" +
+                      std::to_string(tr->top_k) + " of " + std::to_string(tr->n_experts) +
+                      " experts; this model has " + shape + " (bench/e2e/traces/ maps recordings onto a shape)");
+  if (tr->steps.size() % size_t(n_moe_layers) != 0 || tr->steps.empty())
+    return make_error("routing trace " + path + ": every token needs a step at each layer");
+  trace_tokens = int(tr->steps.size() / size_t(n_moe_layers));
+  trace_host.assign(size_t(trace_tokens) * n_moe_layers * top_k, 0);
+  for (size_t i = 0; i < tr->steps.size(); ++i) {
+    const RoutingStep& s = tr->steps[i];
+    const size_t t = i / size_t(n_moe_layers);
+    if (s.layer != int(i % size_t(n_moe_layers)) || int(s.experts.size()) != top_k)
+      return make_error("routing trace " + path + ": step " + std::to_string(i) +
+                        " is not token-major with top-k experts at every layer");
+    for (int j = 0; j < top_k; ++j) {
+      const int e = s.experts[size_t(j)];
+      if (e < 0 || e >= n_experts) return make_error("routing trace " + path + ": expert out of range");
+      trace_host[(t * n_moe_layers + size_t(s.layer)) * top_k + j] = int16_t(e);
+    }
+  }
+  std::fprintf(stderr, "moe-worker: routing replayed from %s (%d tokens of %s)\n", path.c_str(), trace_tokens,
+               shape.c_str());
+  return {};
+}
 
 Result<std::string> cuda_device_summary() {
   // Nothing here makes a context: what the process holds is measured before
@@ -68,6 +100,7 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     m.gu_stride = std::max(m.gu_stride, int(align_up(size_t(rows), 8)));
   }
   m.pack_bytes = m.pack_layout(m.max_pass_tokens, kMaxSampleRows, m.max_pass_tokens).bytes;
+  if (!opts.routing_trace.empty()) MOE_TRY(m.load_routing_trace(opts.routing_trace));
 
   // The budget is the whole process's, as nvidia-smi shows it: first what
   // the process holds without the arena (the context with its modules, the
@@ -230,6 +263,8 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   MOE_TRY(m.carve_weights(cw, true));
   Carver cs{m.arena->region(m.plan.workspace)};
   m.carve_workspace(cs);
+  if (m.trace_dev)
+    MOE_CUDA_TRY(cudaMemcpy(m.trace_dev, m.trace_host.data(), m.trace_host.size() * 2, cudaMemcpyHostToDevice));
   // KV: per layer a K and a V pool of kv_blocks blocks.
   const size_t pool_bytes = size_t(m.kv_blocks) * kBlockTokens * d.n_kv_heads * d.head_dim * 2;
   uint8_t* kv = m.arena->region(m.plan.kv);

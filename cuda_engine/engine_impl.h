@@ -214,6 +214,12 @@ struct CudaEngine::Impl {
   const uint8_t** blob_tables = nullptr;  // [n_moe_layers, n_experts] device pointers
   void* grouped_ws = nullptr;
   size_t grouped_ws_bytes = 0;
+  int16_t* trace_dev = nullptr;  // --routing replay: [trace_tokens][n_moe_layers][top_k]
+  std::vector<int16_t> trace_host;
+  int trace_tokens = 0;
+  // Reads a recorded trace into trace_host, refusing one that is not of this
+  // model's MoE layers, top-k and experts (create.cpp).
+  Status load_routing_trace(const std::string& path);
   uint8_t* pack_dev = nullptr;  // a pass's inputs (layout: PassPack)
   size_t pack_bytes = 0;
 
@@ -312,7 +318,7 @@ struct CudaEngine::Impl {
   // Where a pass's inputs sit in the pack (a function of its sizes only, so
   // that a captured graph's pointers stay valid for every pass of that size).
   struct PassPack {
-    size_t tokens = 0, positions = 0, seq_of_token = 0, sample_rows = 0, sample_pos = 0,
+    size_t tokens = 0, positions = 0, seq_of_token = 0, routing_seq = 0, sample_rows = 0, sample_pos = 0,
            params = 0, tables = 0, bytes = 0;
   };
   PassPack pack_layout(int n, int s, int pieces) const {
@@ -326,6 +332,7 @@ struct CudaEngine::Impl {
     put(p.tokens, size_t(n) * 4);
     put(p.positions, size_t(n) * 4);
     put(p.seq_of_token, size_t(n) * 4);
+    put(p.routing_seq, size_t(n) * 4);
     put(p.sample_rows, size_t(std::max(s, 1)) * 4);
     put(p.sample_pos, size_t(std::max(s, 1)) * 8);
     put(p.params, size_t(std::max(s, 1)) * sizeof(SampleDraw));
@@ -361,9 +368,10 @@ struct CudaEngine::Impl {
   void carve_workspace(Carver& c);
   Status expert_source(ExpertHostSource& src);
   Status forward(const PassPack& pk, int n, int s);
-  // positions / seq_of_token: the pass's, on the device (uniform routing
-  // draws from them); the layer's shared expert runs inside (see forward).
-  Status moe_layer(const DevLayer& L, int n, bool logits_ready, const int32_t* positions, const int32_t* seq_of_token,
+  // positions / routing_seq: the pass's, on the device (benchmark routing
+  // forces experts from them: ForcedRouting); the layer's shared expert
+  // runs inside (see forward).
+  Status moe_layer(const DevLayer& L, int n, bool logits_ready, const int32_t* positions, const int32_t* routing_seq,
                    bool fuse);
   // The shared expert or dense MLP from gu (its gate|up), added to x.
   Status mlp(const DevLayer& L, int n, bool fuse);

@@ -135,6 +135,13 @@ struct CudaEngineOptions {
   // the layer, the position and the sequence: the uniform routing that the
   // offload targets are stated for, which random router weights do not give.
   uint64_t uniform_routing_seed = 0;
+  // Benchmarks: a recorded routing trace (replay/routing_trace.h: a
+  // .safetensors tensor "routing_topk" [layers, tokens, top_k] or JSON
+  // lines) of exactly this model's MoE layers, top-k and expert count, whose
+  // choices replace the router's: each sequence walks the trace in order
+  // from an offset of its own (kernels/cuda/router.cuh, ForcedRouting). Empty:
+  // off. Takes precedence over uniform_routing_seed.
+  std::string routing_trace;
 };
 
 }  // namespace moe

@@ -58,7 +58,7 @@ Status CudaEngine::Impl::mlp(const DevLayer& L, int n, bool fuse) {
 }
 
 Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, const int32_t* positions,
-                                   const int32_t* seq_of_token, bool fuse) {
+                                   const int32_t* routing_seq, bool fuse) {
   const int ml = L.moe_index;
   // The router's logits: inside the shared projection's output, already
   // made by the fused norm + GEMV, or computed here from xn.
@@ -88,15 +88,17 @@ Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, 
     a.gpu_split = share_split;
     a.host_count = share_count + ml;
   }
-  // Uniform routing (benchmarks): the router's ids overwritten by a seeded
-  // draw, which then posts the one-token share in the router's place.
-  const bool uniform = opts.uniform_routing_seed != 0;
+  // Benchmark routing (uniform or a replayed trace): the router's ids
+  // overwritten, and the one-token share posted from the forced ids in the
+  // router's place.
+  const bool forced = opts.uniform_routing_seed != 0 || trace_dev;
   const cuda::SharePublishArgs* publish_one = sharing && n == 1 ? &a : nullptr;
   MOE_TRY(cuda::router_topk(logits, n, n_experts, top_k, d.moe.norm_topk_prob, d.moe.routed_scaling, ids, route_w, st,
-                            stride, uniform ? nullptr : publish_one));
-  if (uniform)
-    MOE_TRY(cuda::draw_uniform_experts({positions, seq_of_token, ml, opts.uniform_routing_seed}, ids, n, n_experts,
-                                       top_k, st, publish_one));
+                            stride, forced ? nullptr : publish_one));
+  if (forced)
+    MOE_TRY(cuda::force_experts({positions, routing_seq, ml, opts.uniform_routing_seed, trace_dev, trace_tokens,
+                                 n_moe_layers},
+                                ids, n, n_experts, top_k, st, publish_one));
   if (sharing && n > 1)
     MOE_TRY(cuda::share_publish(a, st));
   auto shared = [&]() -> Status { return L.mlp_gu_w ? mlp(L, n, fuse) : Status{}; };
@@ -153,6 +155,7 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
   const auto* tokens = reinterpret_cast<const int32_t*>(pack_dev + pk.tokens);
   const auto* positions = reinterpret_cast<const int32_t*>(pack_dev + pk.positions);
   const auto* seq_of_token = reinterpret_cast<const int32_t*>(pack_dev + pk.seq_of_token);
+  const auto* routing_seq = reinterpret_cast<const int32_t*>(pack_dev + pk.routing_seq);
   const auto* tables = reinterpret_cast<const int32_t*>(pack_dev + pk.tables);
   const float eps = d.rms_eps;
   MOE_TRY(cuda::embedding_gather(embed, vocab, hidden, tokens, n, x, st));
@@ -209,7 +212,7 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
       // The shared expert runs between the router and the routed experts:
       // under a budget it overlaps the host's wait for the routes and the
       // misses' copies.
-      MOE_TRY(moe_layer(L, n, logits_ready, positions, seq_of_token, fuse));
+      MOE_TRY(moe_layer(L, n, logits_ready, positions, routing_seq, fuse));
     } else if (L.mlp_gu_w) {
       MOE_TRY(mlp(L, n, fuse));
     }

@@ -64,6 +64,7 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     auto* tok = reinterpret_cast<int32_t*>(m.pack_host + pk.tokens);
     auto* pos = reinterpret_cast<int32_t*>(m.pack_host + pk.positions);
     auto* sot = reinterpret_cast<int32_t*>(m.pack_host + pk.seq_of_token);
+    auto* rsq = reinterpret_cast<int32_t*>(m.pack_host + pk.routing_seq);
     auto* rows = reinterpret_cast<int32_t*>(m.pack_host + pk.sample_rows);
     auto* spos = reinterpret_cast<int64_t*>(m.pack_host + pk.sample_pos);
     auto* prm = reinterpret_cast<SampleDraw*>(m.pack_host + pk.params);
@@ -81,6 +82,7 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
         tok[t] = in.tokens[size_t(p.begin + j)];
         pos[t] = in.start_pos + p.begin + j;
         sot[t] = pi;
+        rsq[t] = int32_t(uint32_t(in.seq_id ^ (in.seq_id >> 32)));  // benchmark routing: the sequence, not its slot
       }
       pure_decode = pure_decode && p.count == 1 && p.sample;
       if (p.sample) {

@@ -277,6 +277,7 @@ void CudaEngine::Impl::carve_workspace(Carver& c) {
   sampled = c.take<int32_t>(kMaxSampleRows);
   inv_freq = c.take<float>(size_t(d.head_dim / 2));
   pack_dev = c.take<uint8_t>(pack_bytes);
+  trace_dev = trace_host.empty() ? nullptr : c.take<int16_t>(trace_host.size());
   dequant = dense != DenseDtype::bf16 ? c.take<bf16>(dequant_elems) : nullptr;
 }
 

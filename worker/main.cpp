@@ -88,6 +88,11 @@ int main(int argc, char** argv) {
     else
       std::fprintf(stderr, "moe-worker: the CPU backend: %s\n", why_not.c_str());
   }
+  if (backend_kind == moe::BackendChoice::cpu && o.routing != "router") {
+    std::fprintf(stderr, "moe-worker: --routing %s is a benchmark routing of the cuda backend; the CPU backend "
+                 "routes with the model's router\n", o.routing.c_str());
+    return 2;
+  }
   moe::Result<std::unique_ptr<moe::worker::Backend>> backend = moe::make_error("no backend");
   backend = backend_kind == moe::BackendChoice::cuda ? moe::worker::make_cuda_backend(o.model_path, o.cuda)
                                                       : moe::worker::make_cpu_backend(o.model_path, o.cpu);

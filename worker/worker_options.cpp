@@ -52,7 +52,7 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
                                           "--max-frame-bytes", "--vram-budget", "--redis",
                                           "--redis-password-file", "--parent-pid", "--stall-exit-s",
                                           "--max-step-tokens", "--expert-policy", "--prefetch", "--dense-weights",
-                                          "--host-experts", "--misses"};
+                                          "--host-experts", "--misses", "--routing"};
     bool known = false;
     for (const char* k : kValued) known = known || name == k;
     if (!known) return make_error("unknown option '" + a + "' (see --help)");
@@ -116,6 +116,17 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
       if (!choose(o.cuda.host_experts)) return make_error(refusal);
     } else if (name == "--misses") {
       if (!choose(o.cuda.misses)) return make_error(refusal);
+    } else if (name == "--routing") {
+      o.cuda.uniform_routing_seed = 0;
+      o.cuda.routing_trace.clear();
+      if (value == "uniform") {
+        o.cuda.uniform_routing_seed = 0x5eed;
+      } else if (value.rfind("replay:", 0) == 0 && value.size() > 7) {
+        o.cuda.routing_trace = value.substr(7);
+      } else if (value != "router") {
+        return make_error("option --routing takes router, uniform or replay:FILE, got '" + value + "'");
+      }
+      o.routing = value;
     }
   }
   if (!cl.help && !cl.version) {
@@ -156,6 +167,11 @@ std::string worker_usage() {
          "  --misses stream|copy    under a budget, a decode step's missed experts are read by the kernels\n"
          "                          from pinned host memory over the link (stream, default), or copied\n"
          "                          into islands first (copy, the mode --prefetch acts in)\n"
+         "  --routing R             benchmarks only: router (default, the model's own choice of experts),\n"
+         "                          uniform (each token's experts drawn uniformly, the router's weights\n"
+         "                          kept), or replay:FILE (the choices of a recorded trace of this\n"
+         "                          shape, bench/e2e/traces/, each sequence walking it from its own\n"
+         "                          offset); the outputs are then not the model's (cuda)\n"
          "  --redis URL             Redis for warm-expert state and events\n"
          "                          (redis://[[USER]:PASSWORD@]HOST[:PORT][/DB])\n"
          "  --redis-password-file F the Redis password (or USER:PASSWORD), first line of F\n"

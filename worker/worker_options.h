@@ -37,6 +37,10 @@ struct WorkerOptions {
   std::string redis_password_file;     // --redis-password-file
   int parent_pid = 0;                  // --parent-pid: exit when that process (the parent) is gone
   int stall_exit_s = 30;               // --stall-exit-s: a step without progress this long ends the process
+  // --routing: "router" (the model's own), or a benchmark routing of the
+  // cuda backend, "uniform" or "replay:FILE" (cuda.uniform_routing_seed /
+  // cuda.routing_trace hold what it asks for).
+  std::string routing = "router";
 };
 
 struct WorkerCommandLine {

@@ -437,7 +437,7 @@ Status bench_kernels(const ModelShape& s, const Options& o, Timer& t, std::vecto
       return moe::cuda::router_topk(router_logits, n, E, K, s.norm_topk, 1.f, scratch_ids, scratch_w, t.st);
     }));
     MOE_TRY(add("uniform expert draw" + tok, nl, double(n) * K * 4, 0, [&](int l) {
-      return moe::cuda::draw_uniform_experts({pos, seq, l, 7}, scratch_ids, n, E, K, t.st);
+      return moe::cuda::force_experts({pos, seq, l, 7}, scratch_ids, n, E, K, t.st);
     }));
     MOE_TRY(add("RoPE + KV store" + tok, nl, double(n) * W * 4 + double(n) * (QD * 2 + kv_token), 0,
                 [&](int l) { return rope(l, n, pos, seq); }));

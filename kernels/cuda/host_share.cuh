@@ -1,7 +1,7 @@
 #pragma once
 // The GPU's half of a streamed pass's host share (kernels/cuda/share_slot.h):
 // one warp (the MoE layer's router kernel itself at one token, given
-// SharePublishArgs through router_topk, or draw_uniform_experts when the
+// SharePublishArgs through router_topk, or force_experts when the
 // draw replaces the router's ids; share_publish's own kernel at more)
 // posts the layer's missed (token, expert) pairs and how many of each one's
 // intermediate rows the host computes, with the tokens' normed states;

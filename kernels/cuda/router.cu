@@ -10,7 +10,7 @@ namespace {
 
 constexpr int kWarps = 4;
 
-__device__ __forceinline__ uint64_t mix64(uint64_t z) {
+__host__ __device__ __forceinline__ uint64_t mix64(uint64_t z) {
   z += 0x9e3779b97f4a7c15ull;
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -100,13 +100,26 @@ __global__ void router_kernel(const float* logits, int stride, int tokens, int n
 
 // One thread per token. With a share to post the grid is one warp (at most
 // kShareMaxTokens tokens), which then posts it from the drawn ids.
-__global__ void draw_uniform_kernel(UniformDraw draw, int32_t* ids, int tokens, int n, int k,
-                                    SharePublishArgs publish) {
+__host__ __device__ int replay_row_of(int32_t seq, int32_t position, int trace_tokens) {
+  const uint64_t offset = mix64(0x7e91ace5ull ^ uint64_t(uint32_t(seq))) % uint64_t(trace_tokens);
+  return int((offset + uint64_t(uint32_t(position))) % uint64_t(trace_tokens));
+}
+
+__global__ void force_experts_kernel(ForcedRouting route, int32_t* ids, int tokens, int n, int k,
+                                     SharePublishArgs publish) {
   detail::allow_next_grid();
   detail::wait_prior_grid();  // the router's ids, which this overwrites
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t < tokens)
-    draw_uniform(ids + size_t(t) * k, n, k, draw.positions[t], draw.seq_of_token[t], draw.layer, draw.seed);
+  if (t < tokens) {
+    int32_t* row = ids + size_t(t) * k;
+    if (route.trace) {
+      const int r = replay_row_of(route.seq_of_token[t], route.positions[t], route.trace_tokens);
+      const int16_t* src = route.trace + (size_t(r) * route.trace_layers + route.layer) * k;
+      for (int j = 0; j < k; ++j) row[j] = src[j];
+    } else {
+      draw_uniform(row, n, k, route.positions[t], route.seq_of_token[t], route.layer, route.seed);
+    }
+  }
   if (publish.slot) {
     __syncwarp();  // the drawn ids, written by other lanes
     share_publish_warp(publish, int(threadIdx.x));
@@ -133,20 +146,26 @@ Status router_topk(const float* logits, int tokens, int n_experts, int top_k, bo
   return {};
 }
 
-Status draw_uniform_experts(const UniformDraw& draw, int32_t* ids, int tokens, int n_experts, int top_k,
-                            cudaStream_t stream, const SharePublishArgs* publish) {
-  MOE_CUDA_REQUIRE(ids && draw.positions && draw.seq_of_token, "null pointer");
+Status force_experts(const ForcedRouting& route, int32_t* ids, int tokens, int n_experts, int top_k,
+                     cudaStream_t stream, const SharePublishArgs* publish) {
+  MOE_CUDA_REQUIRE(ids && route.positions && route.seq_of_token, "null pointer");
   MOE_CUDA_REQUIRE(tokens > 0 && n_experts > 0 && top_k > 0 && top_k <= n_experts, "top_k must be in [1, n_experts]");
+  MOE_CUDA_REQUIRE(!route.trace || (route.trace_tokens > 0 && route.layer >= 0 && route.layer < route.trace_layers),
+                   "replay: the trace needs tokens and this layer");
   MOE_CUDA_REQUIRE(!publish || (publish->tokens == tokens && tokens <= kShareMaxTokens && publish->ids == ids &&
                                 publish->route_w && publish->top_k == top_k && top_k <= kShareMaxTopK &&
                                 publish->slot),
                    "publish: at most 8 tokens, this call's ids, the router's weights, top_k <= 16");
   const SharePublishArgs none;
   const int block = publish ? 32 : 128;
-  MOE_CUDA_TRY(detail::launch_pdl(draw_uniform_kernel, dim3((tokens + block - 1) / block), dim3(block), 0, stream,
-                                  draw, ids, tokens, n_experts, top_k, publish ? *publish : none));
+  MOE_CUDA_TRY(detail::launch_pdl(force_experts_kernel, dim3((tokens + block - 1) / block), dim3(block), 0, stream,
+                                  route, ids, tokens, n_experts, top_k, publish ? *publish : none));
   MOE_CUDA_LAUNCHED();
   return {};
+}
+
+int replay_row(int32_t seq, int32_t position, int trace_tokens) {
+  return replay_row_of(seq, position, trace_tokens);
 }
 
 }  // namespace moe::cuda

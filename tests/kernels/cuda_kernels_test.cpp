@@ -480,7 +480,7 @@ TEST_CASE("cuda uniform routing draws distinct experts evenly and deterministica
   for (int t = 0; t < tokens; ++t) pos[size_t(t)] = t / 8, seq[size_t(t)] = t % 8;
   Dev<int32_t> dpos(pos), dseq(seq), did(size_t(tokens) * k);
   auto draw = [&](int layer, uint64_t seed) {
-    REQUIRE_OK(moe::cuda::draw_uniform_experts({dpos.p, dseq.p, layer, seed}, did.p, tokens, n, k, nullptr));
+    REQUIRE_OK(moe::cuda::force_experts({dpos.p, dseq.p, layer, seed}, did.p, tokens, n, k, nullptr));
     return did.get();
   };
   const auto a = draw(3, 7), b = draw(3, 7), c = draw(4, 7), d = draw(3, 8);
@@ -508,7 +508,7 @@ TEST_CASE("cuda uniform routing draws distinct experts evenly and deterministica
   // k = n: every expert once.
   const std::vector<int32_t> one_pos = {5}, one_seq = {0};
   Dev<int32_t> p1(one_pos), s1(one_seq), all{size_t(n)};
-  REQUIRE_OK(moe::cuda::draw_uniform_experts({p1.p, s1.p, 0, 1}, all.p, 1, n, n, nullptr));
+  REQUIRE_OK(moe::cuda::force_experts({p1.p, s1.p, 0, 1}, all.p, 1, n, n, nullptr));
   auto ids = all.get();
   CHECK(ids == uniform_draw_host(n, n, one_pos, one_seq, 0, 1));
   std::sort(ids.begin(), ids.end());
@@ -525,13 +525,48 @@ TEST_CASE("cuda uniform routing draws distinct experts evenly and deterministica
   const auto w0_h = w0.get();
   const auto routed_h = routed.get();
   REQUIRE_OK(moe::cuda::router_topk(dl.p, tokens, n, k, true, 1.f, routed.p, w1.p, nullptr));
-  REQUIRE_OK(moe::cuda::draw_uniform_experts({dpos.p, dseq.p, 3, 7}, routed.p, tokens, n, k, nullptr));
+  REQUIRE_OK(moe::cuda::force_experts({dpos.p, dseq.p, 3, 7}, routed.p, tokens, n, k, nullptr));
   CHECK(routed.get() == a);
   CHECK(routed_h != a);
   CHECK(w1.get() == w0_h);
   // A bad call is refused, not launched.
-  CHECK(!moe::cuda::draw_uniform_experts({nullptr, dseq.p, 0, 1}, did.p, tokens, n, k, nullptr).ok());
-  CHECK(!moe::cuda::draw_uniform_experts({dpos.p, dseq.p, 0, 1}, did.p, tokens, n, n + 1, nullptr).ok());
+  CHECK(!moe::cuda::force_experts({nullptr, dseq.p, 0, 1}, did.p, tokens, n, k, nullptr).ok());
+  CHECK(!moe::cuda::force_experts({dpos.p, dseq.p, 0, 1}, did.p, tokens, n, n + 1, nullptr).ok());
+}
+
+TEST_CASE("cuda replayed routing walks a recorded trace from each sequence's offset", "[cuda][router]") {
+  SKIP_WITHOUT_GPU();
+  // A trace of 37 tokens, 3 layers, k = 4, every row distinct.
+  const int T = 37, L = 3, k = 4, n = 64;
+  std::vector<int16_t> trace(size_t(T) * L * k);
+  for (int r = 0; r < T; ++r)
+    for (int l = 0; l < L; ++l)
+      for (int j = 0; j < k; ++j) trace[(size_t(r) * L + l) * k + j] = int16_t((r * 7 + l * 13 + j * 16) % n);
+  Dev<int16_t> dtrace(trace);
+  // Two sequences, 50 positions each (more than the trace: it wraps).
+  std::vector<int32_t> pos, seq;
+  for (int s : {11, 4242})
+    for (int p = 0; p < 50; ++p) pos.push_back(p), seq.push_back(s);
+  const int tokens = int(pos.size());
+  Dev<int32_t> dpos(pos), dseq(seq), did(size_t(tokens) * k);
+  for (int layer = 0; layer < L; ++layer) {
+    moe::cuda::ForcedRouting route{dpos.p, dseq.p, layer, 0, dtrace.p, T, L};
+    REQUIRE_OK(moe::cuda::force_experts(route, did.p, tokens, n, k, nullptr));
+    const auto ids = did.get();
+    for (int t = 0; t < tokens; ++t) {
+      const int r = moe::cuda::replay_row(seq[size_t(t)], pos[size_t(t)], T);
+      REQUIRE(r >= 0);
+      REQUIRE(r < T);
+      if (pos[size_t(t)] > 0)  // consecutive positions take consecutive rows
+        CHECK(r == (moe::cuda::replay_row(seq[size_t(t)], pos[size_t(t)] - 1, T) + 1) % T);
+      for (int j = 0; j < k; ++j) CHECK(ids[size_t(t) * k + j] == trace[(size_t(r) * L + layer) * k + j]);
+    }
+  }
+  // The two sequences start at different places of the recording.
+  CHECK(moe::cuda::replay_row(11, 0, T) != moe::cuda::replay_row(4242, 0, T));
+  // A layer the trace does not hold is refused.
+  moe::cuda::ForcedRouting bad{dpos.p, dseq.p, L, 0, dtrace.p, T, L};
+  CHECK(!moe::cuda::force_experts(bad, did.p, tokens, n, k, nullptr).ok());
 }
 
 TEST_CASE("cuda uniform draw posts the host's share from the drawn ids", "[cuda][router]") {
@@ -586,13 +621,13 @@ TEST_CASE("cuda uniform draw posts the host's share from the drawn ids", "[cuda]
       a.host_count = o.count.p;
       return a;
     };
-    const moe::cuda::UniformDraw ud{dpos.p, dseq.p, 2, 5};
+    const moe::cuda::ForcedRouting ud{dpos.p, dseq.p, 2, 5};
     Out fused(tokens, k, hidden), apart(tokens, k, hidden);
     const auto fa = args(fused), pa = args(apart);
     REQUIRE_OK(moe::cuda::router_topk(dl.p, tokens, n, k, true, 1.f, fused.ids.p, dw.p, nullptr));
-    REQUIRE_OK(moe::cuda::draw_uniform_experts(ud, fused.ids.p, tokens, n, k, nullptr, &fa));
+    REQUIRE_OK(moe::cuda::force_experts(ud, fused.ids.p, tokens, n, k, nullptr, &fa));
     REQUIRE_OK(moe::cuda::router_topk(dl.p, tokens, n, k, true, 1.f, apart.ids.p, dw.p, nullptr));
-    REQUIRE_OK(moe::cuda::draw_uniform_experts(ud, apart.ids.p, tokens, n, k, nullptr));
+    REQUIRE_OK(moe::cuda::force_experts(ud, apart.ids.p, tokens, n, k, nullptr));
     REQUIRE_OK(moe::cuda::share_publish(pa, nullptr));
     const auto ids = fused.ids.get();
     CHECK(ids == uniform_draw_host(n, k, pos, seq, 2, 5));
@@ -612,7 +647,7 @@ TEST_CASE("cuda uniform draw posts the host's share from the drawn ids", "[cuda]
     // More tokens than one warp's post takes are refused.
     auto big = fa;
     big.tokens = 9;
-    CHECK(!moe::cuda::draw_uniform_experts(ud, fused.ids.p, 9, n, k, nullptr, &big).ok());
+    CHECK(!moe::cuda::force_experts(ud, fused.ids.p, 9, n, k, nullptr, &big).ok());
   }
 }
 

@@ -495,6 +495,11 @@ TEST_CASE("moe-worker refuses bad command lines clearly", "[worker]") {
   CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --expert-policy fifo") == 2);
   CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --host-experts maybe") == 2);
   CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --dense-weights int2") == 2);
+  CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --routing sideways") == 2);
+  CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --routing replay:") == 2);
+  // The benchmark routings belong to the cuda backend: the CPU backend refuses them before loading.
+  CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --backend cpu --routing uniform") == 2);
+  CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --backend cpu --routing replay:/tmp/t.safetensors") == 2);
   // The cuda backend without a model (or, in CI, without a device) fails to start, saying why.
   CHECK(run("--model /nonexistent --socket /tmp/moe-worker-test-nonexistent.sock --backend cuda") == 1);
   CHECK(run("--model /nonexistent --socket /tmp/moe-worker-test-nonexistent.sock") == 1);
