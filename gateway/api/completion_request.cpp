@@ -2,6 +2,7 @@
 
 #include <limits>
 
+#include "gateway/api/parameter_support.h"
 #include "gateway/json_body.h"
 
 namespace moe::gw {
@@ -191,6 +192,8 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
   if (!model) return invalid_param("model", "Missing required parameter: 'model'.", "missing_required_parameter");
   if (!model->is_string()) return *wrong_type("model", "a string");
   req.model = model->get<std::string>();
+  // A parameter we do not honour, given a value that asks for something.
+  if (auto refused = refuse_unsupported(kind, body)) return *refused;
 
   // Sampling and output parameters: types first, then ranges.
   std::optional<int64_t> max_tokens, max_completion_tokens, top_k, n, seed, top_logprobs, completion_logprobs;

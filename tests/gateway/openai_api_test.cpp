@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "gateway/api/parameter_support.h"
 #include "gateway_test_harness.h"
 
 using namespace moe::gw;
@@ -324,6 +325,71 @@ TEST_CASE("api: validation errors have OpenAI's shape and status", "[gateway][ap
   check_error(http(port, "DELETE", "/v1/models"), 405, nullptr, "method_not_allowed");
   check_error(http(port, "GET", "/v1/models/other"), 404, "model", "model_not_found");
   CHECK(gw.scheduler().submitted().empty());
+}
+
+TEST_CASE("api: a parameter not honoured is refused when it asks for something, accepted at its default",
+          "[gateway][api][errors]") {
+  TestGateway gw;
+  // Asking for something: 400 unsupported_parameter naming it, nothing submitted.
+  const json schema = {{"type", "json_schema"},
+                       {"json_schema", {{"name", "x"}, {"schema", {{"type", "object"}}}, {"strict", true}}}};
+  const json tool = {{"type", "function"}, {"function", {{"name", "f"}, {"parameters", {{"type", "object"}}}}}};
+  const std::vector<std::pair<std::string, json>> chat_refused = {
+      {"response_format", {{"type", "json_object"}}},
+      {"response_format", schema},
+      {"tools", json::array({tool})},
+      {"tool_choice", "required"},
+      {"frequency_penalty", 0.5},
+      {"presence_penalty", -1},
+      {"logit_bias", {{"42", -100}}},
+      {"reasoning_effort", "low"},
+      {"audio", {{"voice", "x"}, {"format", "wav"}}},
+      {"modalities", {"text", "audio"}},
+      {"repetition_penalty", 1.2},
+      {"min_p", 0.1},
+      {"ignore_eos", true},
+      {"min_tokens", 4},
+      {"stop_token_ids", {5}},
+      {"guided_json", {{"type", "object"}}},
+      {"chat_template_kwargs", {{"enable_thinking", false}}},
+      {"store", true},
+  };
+  for (const auto& [name, value] : chat_refused) {
+    INFO(name << " = " << value.dump());
+    check_error(post(gw, "/v1/chat/completions", chat("x", {{name, value}})), 400, name.c_str(), "unsupported_parameter");
+  }
+  for (const auto& [name, value] : std::vector<std::pair<std::string, json>>{
+           {"suffix", "tail"}, {"frequency_penalty", 1}, {"logit_bias", {{"7", 5}}}, {"ignore_eos", true}}) {
+    INFO(name << " = " << value.dump());
+    check_error(post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", "x"}, {name, value}}), 400, name.c_str(),
+                "unsupported_parameter");
+  }
+  // An assistant turn with tool calls cannot be rendered.
+  json with_calls = {{"model", "demo-moe"},
+                     {"messages",
+                      {{{"role", "user"}, {"content", "x"}},
+                       {{"role", "assistant"},
+                        {"content", nullptr},
+                        {"tool_calls", {{{"id", "c1"}, {"type", "function"},
+                                         {"function", {{"name", "f"}, {"arguments", "{}"}}}}}}}}}};
+  check_error(post(gw, "/v1/chat/completions", with_calls), 400, "messages[1].tool_calls", "unsupported_parameter");
+  CHECK(gw.scheduler().submitted().empty());
+
+  // Asking for nothing (the defaults SDKs send), and keys no API names: served.
+  const json defaults = {{"frequency_penalty", 0},  {"presence_penalty", 0.0}, {"logit_bias", json::object()},
+                         {"response_format", {{"type", "text"}}}, {"tools", json::array()}, {"tool_choice", "none"},
+                         {"store", false},           {"service_tier", "auto"}, {"modalities", {"text"}},
+                         {"parallel_tool_calls", true}, {"metadata", {{"k", "v"}}}, {"some_extension", 1},
+                         {"repetition_penalty", 1}, {"min_p", 0}, {"ignore_eos", false}, {"max_tokens", 4}};
+  auto r = post(gw, "/v1/chat/completions", chat("x", defaults));
+  INFO(r.body);
+  CHECK(r.status == 200);
+  auto c = post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", "x"}, {"max_tokens", 4}, {"suffix", ""},
+                                        {"frequency_penalty", 0}, {"presence_penalty", 0}, {"logit_bias", json::object()}});
+  INFO(c.body);
+  CHECK(c.status == 200);
+  // Each refused parameter has its accepted values written down (docs/gateway.md's table).
+  for (const auto& p : unsupported_parameters()) CHECK(std::string(p.accepted).size() > 0);
 }
 
 TEST_CASE("api: /v1/models lists the served model", "[gateway][api]") {
