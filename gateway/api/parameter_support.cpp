@@ -50,13 +50,10 @@ const std::vector<Entry>& table() {
       {{"audio", "chat", "nothing"}, Apis::chat, never},
       {{"modalities", "chat", "[\"text\"]"}, Apis::chat,
        [](const json& v) { return v.is_array() && v.size() == 1 && v[0] == "text"; }},
-      {{"prediction", "chat", "nothing"}, Apis::chat, never},
       {{"web_search_options", "chat", "nothing"}, Apis::chat, never},
       {{"reasoning_effort", "chat", "nothing"}, Apis::chat, never},
       {{"verbosity", "chat", "\"medium\""}, Apis::chat, [](const json& v) { return is_one_of(v, {"medium"}); }},
       {{"store", "chat", "false (nothing is stored)"}, Apis::chat, [](const json& v) { return is_bool(v, false); }},
-      {{"service_tier", "chat", "\"auto\", \"default\""}, Apis::chat,
-       [](const json& v) { return is_one_of(v, {"auto", "default"}); }},
       // Other servers' sampling and template extensions
       {{"repetition_penalty", "both", "1"}, Apis::both, [](const json& v) { return is_number(v, 1); }},
       {{"min_p", "both", "0"}, Apis::both, [](const json& v) { return is_number(v, 0); }},
@@ -74,6 +71,16 @@ const std::vector<Entry>& table() {
       {{"structured_outputs", "both", "nothing"}, Apis::both, never},
       {{"grammar", "both", "nothing"}, Apis::both, never},
       {{"json_schema", "both", "nothing"}, Apis::both, never},
+      {{"allowed_token_ids", "both", "[]"}, Apis::both, is_empty},
+      {{"structural_tag", "both", "nothing"}, Apis::both, never},
+      {{"prompt_logprobs", "both", "0"}, Apis::both, [](const json& v) { return is_number(v, 0); }},
+      {{"truncate_prompt_tokens", "both", "nothing"}, Apis::both, never},
+      {{"return_tokens_as_token_ids", "both", "false"}, Apis::both, [](const json& v) { return is_bool(v, false); }},
+      {{"repeat_penalty", "both", "1"}, Apis::both, [](const json& v) { return is_number(v, 1); }},
+      {{"typical_p", "both", "1"}, Apis::both, [](const json& v) { return is_number(v, 1); }},
+      {{"mirostat", "both", "0"}, Apis::both, [](const json& v) { return is_number(v, 0); }},
+      {{"top_a", "both", "0"}, Apis::both, [](const json& v) { return is_number(v, 0); }},
+      {{"n_predict", "both", "nothing (max_tokens)"}, Apis::both, never},
       {{"chat_template", "chat", "nothing (the model's own template is used)"}, Apis::chat, never},
       {{"chat_template_kwargs", "chat", "{}"}, Apis::chat, is_empty},
       {{"documents", "chat", "[]"}, Apis::chat, is_empty},
@@ -86,7 +93,10 @@ const std::vector<Entry>& table() {
 
 std::string describe(const json& v) {
   std::string s = v.dump();
-  return s.size() > 80 ? s.substr(0, 77) + "..." : s;
+  if (s.size() <= 80) return s;
+  size_t cut = 77;
+  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;  // not inside a character
+  return s.substr(0, cut) + "...";
 }
 
 }  // namespace

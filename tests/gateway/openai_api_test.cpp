@@ -353,6 +353,8 @@ TEST_CASE("api: a parameter not honoured is refused when it asks for something, 
       {"guided_json", {{"type", "object"}}},
       {"chat_template_kwargs", {{"enable_thinking", false}}},
       {"store", true},
+      {"allowed_token_ids", {1, 2}},
+      {"repeat_penalty", 1.1},
   };
   for (const auto& [name, value] : chat_refused) {
     INFO(name << " = " << value.dump());
@@ -378,7 +380,8 @@ TEST_CASE("api: a parameter not honoured is refused when it asks for something, 
   // Asking for nothing (the defaults SDKs send), and keys no API names: served.
   const json defaults = {{"frequency_penalty", 0},  {"presence_penalty", 0.0}, {"logit_bias", json::object()},
                          {"response_format", {{"type", "text"}}}, {"tools", json::array()}, {"tool_choice", "none"},
-                         {"store", false},           {"service_tier", "auto"}, {"modalities", {"text"}},
+                         {"store", false},           {"service_tier", "flex"}, {"modalities", {"text"}},
+                         {"prediction", {{"type", "content"}, {"content", "x"}}}, {"allowed_token_ids", json::array()},
                          {"parallel_tool_calls", true}, {"metadata", {{"k", "v"}}}, {"some_extension", 1},
                          {"repetition_penalty", 1}, {"min_p", 0}, {"ignore_eos", false}, {"max_tokens", 4}};
   auto r = post(gw, "/v1/chat/completions", chat("x", defaults));
