@@ -9,6 +9,7 @@
 #include "gateway/json_body.h"
 #include "gateway/last_resort.h"
 #include "gateway/api/prediction_debug.h"
+#include "gateway/api/tokenize_api.h"
 
 namespace moe::gw {
 namespace {
@@ -23,6 +24,8 @@ constexpr const char* kModels = "/v1/models";
 constexpr const char* kHealth = "/health";
 constexpr const char* kMetrics = "/metrics";
 constexpr const char* kDebugExperts = "/debug/experts";
+constexpr const char* kTokenize = "/tokenize";
+constexpr const char* kDetokenize = "/detokenize";
 
 bool constant_time_equal(const std::string& a, const std::string& b) {
   if (a.size() != b.size()) return false;
@@ -107,6 +110,10 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
     route = {kHealth, "GET"};
   } else if (path == kMetrics) {
     route = {kMetrics, "GET"};
+  } else if (path == kTokenize) {
+    route = {kTokenize, "POST"};
+  } else if (path == kDetokenize) {
+    route = {kDetokenize, "POST"};
   } else if (path == kDebugExperts && opts_.predictor) {
     route = {kDebugExperts, "POST"};
   }
@@ -150,6 +157,11 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
   if (route.endpoint == kModels) return models(ex, path);
   if (route.endpoint == kHealth) return health(ex);
   if (route.endpoint == kDebugExperts) return debug_experts(ex);
+  if (route.endpoint == kTokenize)
+    return reply(ex, kTokenize, tokenize_response(ex->request().body, *codec_, opts_.served_model_name,
+                                                  scheduler_->ready() ? scheduler_->max_context() : 0));
+  if (route.endpoint == kDetokenize)
+    return reply(ex, kDetokenize, detokenize_response(ex->request().body, *codec_, opts_.served_model_name));
   metrics(ex);
 }
 

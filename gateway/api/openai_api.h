@@ -5,6 +5,7 @@
 //   POST /v1/chat/completions   POST /v1/completions   (stream: SSE)
 //   GET  /v1/models             GET  /v1/models/{id}
 //   GET  /health (no auth)      GET  /metrics (Prometheus text)
+//   POST /tokenize              POST /detokenize   (the served model's tokenizer: api/tokenize_api.h)
 //   POST /debug/experts         (the expert prediction for a prompt; 404 while --predict off)
 //
 // The API key is checked before anything else (an unknown route without a

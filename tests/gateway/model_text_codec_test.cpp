@@ -103,3 +103,32 @@ TEST_CASE("model codec: reference generations replayed through the API", "[gatew
     }
   }
 }
+
+TEST_CASE("model codec: /tokenize and /detokenize give the reference ids and text", "[gateway][codec][tokenize]") {
+  auto codec = load_model_text_codec(kDemo);
+  REQUIRE(codec.ok());
+  json ref = reference();
+  TestGateway gw({}, {}, codec.value().get());
+  for (const json& s : ref["samples"]) {
+    INFO(s["prompt"].get<std::string>());
+    auto t = http(gw.port(), "POST", "/tokenize", json{{"model", "demo-moe"}, {"prompt", s["prompt"]}}.dump());
+    REQUIRE(t.status == 200);
+    json tj = json::parse(t.body);
+    CHECK(tj["tokens"] == s["prompt_ids"]);  // the reference implementation's tokenisation
+    CHECK(tj["count"] == s["prompt_ids"].size());
+    CHECK(tj["token_strs"].is_null());
+    auto d = http(gw.port(), "POST", "/detokenize", json{{"tokens", s["greedy_ids"]}}.dump());
+    REQUIRE(d.status == 200);
+    CHECK(json::parse(d.body)["prompt"] == s["greedy_text"]);
+  }
+  // Messages go through the chat template, as /v1/chat/completions renders them.
+  json msgs = json::array({{{"role", "user"}, {"content", "Hi there"}}});
+  auto t = http(gw.port(), "POST", "/tokenize", json{{"messages", msgs}, {"return_token_strs", true}}.dump());
+  REQUIRE(t.status == 200);
+  json tj = json::parse(t.body);
+  auto direct = codec.value()->encode_chat(msgs);
+  REQUIRE(direct.ok());
+  CHECK(tj["tokens"] == direct.value());
+  REQUIRE(tj["token_strs"].size() == direct.value().size());
+  CHECK(tj["token_strs"][0] == "<|im_start|>");
+}

@@ -395,6 +395,32 @@ TEST_CASE("api: a parameter not honoured is refused when it asks for something, 
   for (const auto& p : unsupported_parameters()) CHECK(std::string(p.accepted).size() > 0);
 }
 
+TEST_CASE("api: /tokenize and /detokenize, and their refusals", "[gateway][api][tokenize]") {
+  TestGateway gw;
+  auto t = post(gw, "/tokenize", {{"model", "demo-moe"}, {"prompt", "hi"}});
+  REQUIRE(t.status == 200);
+  json tj = json::parse(t.body);
+  CHECK(tj["tokens"] == json::array({'h', 'i'}));
+  CHECK(tj["count"] == 2);
+  auto c = post(gw, "/tokenize", {{"messages", {{{"role", "user"}, {"content", "x"}}}}});
+  REQUIRE(c.status == 200);
+  CHECK(json::parse(c.body)["tokens"] == byte_tokens("user: x\nassistant:"));
+  auto d = post(gw, "/detokenize", {{"tokens", {'o', 'k'}}});
+  REQUIRE(d.status == 200);
+  CHECK(json::parse(d.body)["prompt"] == "ok");
+  check_error(post(gw, "/tokenize", {{"model", "gpt-9"}, {"prompt", "x"}}), 404, "model", "model_not_found");
+  check_error(post(gw, "/tokenize", json::object()), 400, "prompt", "missing_required_parameter");
+  check_error(post(gw, "/tokenize", {{"prompt", "x"}, {"messages", json::array()}}), 400, "messages", "invalid_value");
+  check_error(post(gw, "/tokenize", {{"prompt", 5}}), 400, "prompt", "invalid_type");
+  check_error(post(gw, "/tokenize", {{"prompt", "x"}, {"add_special_tokens", false}}), 400, "add_special_tokens",
+              "unsupported_parameter");
+  check_error(post(gw, "/detokenize", json::object()), 400, "tokens", "missing_required_parameter");
+  check_error(post(gw, "/detokenize", {{"tokens", {1, 999}}}), 400, "tokens", "invalid_value");
+  check_error(post(gw, "/detokenize", {{"tokens", "abc"}}), 400, "tokens", "invalid_type");
+  check_error(http(gw.port(), "GET", "/tokenize"), 405, nullptr, "method_not_allowed");
+  CHECK(gw.scheduler().submitted().empty());  // nothing ran on a worker
+}
+
 TEST_CASE("api: /v1/models lists the served model", "[gateway][api]") {
   TestGateway gw;
   auto r = http(gw.port(), "GET", "/v1/models");
