@@ -148,6 +148,20 @@ void Generation::begin(uint64_t seed) {
       c->decoder = ctx_.codec->stream_decoder();
       c->matcher = StopMatcher(req_.stop);
       c->logprobs = empty_logprobs();
+      if (req_.kind == ApiKind::chat) {
+        const TextCodec::ReasoningTags tags = ctx_.codec->reasoning_tags();
+        if (!tags.open.empty() && !tags.close.empty()) {
+          // Did the prompt itself open the reasoning (the template's generation prompt)?
+          const std::vector<int32_t>& prompt = req_.prompts[static_cast<size_t>(p)];
+          std::string tail;
+          for (size_t k = prompt.size() > 8 ? prompt.size() - 8 : 0; k < prompt.size(); ++k)
+            tail += ctx_.codec->token_bytes(prompt[k]);
+          while (!tail.empty() && (tail.back() == '\n' || tail.back() == ' ' || tail.back() == '\r')) tail.pop_back();
+          const bool inside = tail.size() >= tags.open.size() &&
+                              tail.compare(tail.size() - tags.open.size(), tags.open.size(), tags.open) == 0;
+          c->splitter.emplace(tags.open, tags.close, inside);
+        }
+      }
       choices_.push_back(std::move(c));
     }
   }
@@ -196,18 +210,37 @@ void Generation::token(Choice& c, const TokenEvent& ev) {
   std::string piece = stop_id ? std::string() : c.decoder->push(ev.token);
   StopMatcher::Step step = c.matcher.push(piece);
   if (!hold(step.text.size())) return;
-  // A stream sends its text as it goes and keeps only what a session stores.
-  if (!req_.stream || (ctx_.on_complete && c.index == 0)) c.text += step.text;
   c.text_bytes += step.text.size();
+  const json* lp = chunk_logprobs.is_null() ? nullptr : &chunk_logprobs;
+  const std::string answer = route_text(c, step.text, step.stopped, lp);
+  if (c.splitter && lp && answer.empty()) lp = nullptr;  // sent with the reasoning
+  // A stream sends its text as it goes and keeps only what a session stores.
+  if (!req_.stream || (ctx_.on_complete && c.index == 0)) c.text += answer;
   if (step.stopped) {
     ctx_.scheduler->cancel(c.seq);
-    if (req_.stream && !chunk_logprobs.is_null()) send_chunk(c, step.text, &chunk_logprobs, nullptr, false);
-    finish_choice(c, "stop", req_.stream && !chunk_logprobs.is_null() ? std::string() : step.text);
+    if (req_.stream && lp) send_chunk(c, answer, lp, nullptr, false);
+    finish_choice(c, "stop", req_.stream && lp ? std::string() : answer);
     return;
   }
-  if (req_.stream && (!step.text.empty() || !chunk_logprobs.is_null())) {
-    send_chunk(c, step.text, chunk_logprobs.is_null() ? nullptr : &chunk_logprobs, nullptr, false);
+  if (req_.stream && (!answer.empty() || lp)) send_chunk(c, answer, lp, nullptr, false);
+}
+
+std::string Generation::route_text(Choice& c, const std::string& text, bool last, const json* logprobs) {
+  if (!c.splitter) return text;
+  ReasoningSplitter::Parts parts = c.splitter->push(text);
+  if (last) {
+    ReasoningSplitter::Parts rest = c.splitter->finish();
+    parts.reasoning += rest.reasoning;
+    parts.content += rest.content;
   }
+  if (!parts.reasoning.empty() || (logprobs && parts.content.empty())) {
+    if (req_.stream) {
+      send_reasoning_chunk(c, parts.reasoning, parts.content.empty() ? logprobs : nullptr);
+    } else {
+      c.reasoning += parts.reasoning;
+    }
+  }
+  return parts.content;
 }
 
 void Generation::finished(Choice& c, FinishReason reason, const std::string& message) {
@@ -220,8 +253,9 @@ void Generation::finished(Choice& c, FinishReason reason, const std::string& mes
   StopMatcher::Step step = c.matcher.push(c.decoder->flush());
   std::string tail = step.text + c.matcher.finish();
   if (!hold(tail.size())) return;
-  if (!req_.stream || (ctx_.on_complete && c.index == 0)) c.text += tail;
   c.text_bytes += tail.size();
+  tail = route_text(c, tail, true, nullptr);
+  if (!req_.stream || (ctx_.on_complete && c.index == 0)) c.text += tail;
   finish_choice(c, step.stopped || reason == FinishReason::stop ? "stop" : "length", tail);
 }
 
@@ -267,10 +301,9 @@ void Generation::complete() {
   for (const auto& c : choices_) {
     json lp = req_.sampling.logprobs ? c->logprobs : json(nullptr);
     if (req_.kind == ApiKind::chat) {
-      choices.push_back({{"index", c->index},
-                         {"message", {{"role", "assistant"}, {"content", c->text}}},
-                         {"logprobs", lp},
-                         {"finish_reason", c->finish_reason}});
+      json message = {{"role", "assistant"}, {"content", c->text}};
+      if (c->splitter) message["reasoning_content"] = c->reasoning.empty() ? json(nullptr) : json(c->reasoning);
+      choices.push_back({{"index", c->index}, {"message", message}, {"logprobs", lp}, {"finish_reason", c->finish_reason}});
     } else {
       choices.push_back({{"index", c->index}, {"text", c->text}, {"logprobs", lp}, {"finish_reason", c->finish_reason}});
     }
@@ -339,6 +372,20 @@ void Generation::send_chunk(const Choice& c, const std::string& text, const json
   choice["finish_reason"] = finish ? json(finish) : json(nullptr);
   json chunk = {{"id", ctx_.response_id},
                 {"object", req_.kind == ApiKind::chat ? "chat.completion.chunk" : "text_completion"},
+                {"created", ctx_.created},
+                {"model", req_.model},
+                {"choices", json::array({choice})}};
+  if (req_.include_usage) chunk["usage"] = nullptr;
+  send_event(chunk);
+}
+
+void Generation::send_reasoning_chunk(const Choice& c, const std::string& text, const json* logprobs) {
+  json choice = {{"index", c.index},
+                 {"delta", {{"reasoning_content", text}}},
+                 {"logprobs", logprobs ? *logprobs : json(nullptr)},
+                 {"finish_reason", nullptr}};
+  json chunk = {{"id", ctx_.response_id},
+                {"object", "chat.completion.chunk"},
                 {"created", ctx_.created},
                 {"model", req_.model},
                 {"choices", json::array({choice})}};

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,7 @@
 #include "gateway/http/http_server.h"
 #include "gateway/metrics.h"
 #include "gateway/sched/scheduler.h"
+#include "gateway/api/reasoning_splitter.h"
 #include "gateway/api/stop_matcher.h"
 #include "gateway/api/text_codec.h"
 
@@ -73,6 +75,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
     std::unique_ptr<TokenTextStream> decoder;
     StopMatcher matcher{{}};
     std::string text;             // shown so far (a stream keeps it only for a session)
+    // A thinking model's chat: its reasoning apart from the answer.
+    std::optional<ReasoningSplitter> splitter;
+    std::string reasoning;        // a whole response's reasoning_content
     size_t text_bytes = 0;        // bytes of text shown so far
     int tokens = 0;               // generated, stop ids included
     uint64_t last_token_ns = 0;
@@ -106,6 +111,11 @@ class Generation : public std::enable_shared_from_this<Generation> {
   // One SSE event with one choice.
   void send_chunk(const Choice& c, const std::string& text, const nlohmann::json* logprobs, const char* finish,
                   bool with_role);
+  // A chat chunk of reasoning: delta {"reasoning_content": text}.
+  void send_reasoning_chunk(const Choice& c, const std::string& text, const nlohmann::json* logprobs);
+  // Text the matcher let through, split into reasoning (sent or kept) and
+  // the answer it returns; `last` at the end of the output.
+  std::string route_text(Choice& c, const std::string& text, bool last, const nlohmann::json* logprobs);
   void send_event(const nlohmann::json& payload);
   nlohmann::json usage() const;
   bool is_stop_id(int32_t id) const;

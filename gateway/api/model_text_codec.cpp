@@ -28,11 +28,23 @@ class ModelTextCodec final : public TextCodec {
   std::vector<int32_t> encode(std::string_view text) const override { return tok_->encode(text, true); }
 
   Result<std::vector<int32_t>> encode_chat(const nlohmann::json& messages) const override {
+    return encode_chat(messages, nlohmann::json::object());
+  }
+
+  Result<std::vector<int32_t>> encode_chat(const nlohmann::json& messages,
+                                           const nlohmann::json& template_kwargs) const override {
     if (!tmpl_) return make_error("the model has no chat template; use /v1/completions");
-    auto text = tmpl_->render(messages, /*add_generation_prompt=*/true);
+    auto text = tmpl_->render(messages, /*add_generation_prompt=*/true, template_kwargs);
     if (!text.ok()) return make_error(text.error());
     // The template writes the special tokens (BOS included) itself.
     return tok_->encode(text.value(), false);
+  }
+
+  // A template that writes </think> (Qwen3's, DeepSeek-R1's) belongs to a
+  // model that thinks in <think>…</think>.
+  ReasoningTags reasoning_tags() const override {
+    if (tmpl_ && tmpl_->source().find("</think>") != std::string::npos) return {"<think>", "</think>"};
+    return {};
   }
 
   std::unique_ptr<TokenTextStream> stream_decoder() const override { return std::make_unique<TokenizerStream>(*tok_); }

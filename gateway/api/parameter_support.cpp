@@ -82,7 +82,6 @@ const std::vector<Entry>& table() {
       {{"top_a", "both", "0"}, Apis::both, [](const json& v) { return is_number(v, 0); }},
       {{"n_predict", "both", "nothing (max_tokens)"}, Apis::both, never},
       {{"chat_template", "chat", "nothing (the model's own template is used)"}, Apis::chat, never},
-      {{"chat_template_kwargs", "chat", "{}"}, Apis::chat, is_empty},
       {{"documents", "chat", "[]"}, Apis::chat, is_empty},
       {{"add_generation_prompt", "chat", "true"}, Apis::chat, [](const json& v) { return is_bool(v, true); }},
       {{"continue_final_message", "chat", "false"}, Apis::chat, [](const json& v) { return is_bool(v, false); }},

@@ -35,6 +35,21 @@ class TextCodec {
   // template with the generation prompt, then encoded. Fails when the
   // template rejects the conversation (e.g. roles out of order).
   virtual Result<std::vector<int32_t>> encode_chat(const nlohmann::json& messages) const = 0;
+  // The same with more variables for the template (`chat_template_kwargs`,
+  // e.g. enable_thinking); a codec whose template takes none refuses any.
+  virtual Result<std::vector<int32_t>> encode_chat(const nlohmann::json& messages,
+                                                   const nlohmann::json& template_kwargs) const {
+    if (template_kwargs.is_object() && !template_kwargs.empty())
+      return make_error("this model's chat template takes no chat_template_kwargs");
+    return encode_chat(messages);
+  }
+  // A thinking model's tags around its reasoning (e.g. "<think>", "</think>"),
+  // which the chat API returns as `reasoning_content`; empty strings when the
+  // model has none.
+  struct ReasoningTags {
+    std::string open, close;
+  };
+  virtual ReasoningTags reasoning_tags() const { return {}; }
   virtual std::unique_ptr<TokenTextStream> stream_decoder() const = 0;
   // The bytes one token stands for (may be part of a UTF-8 character); for logprobs.
   virtual std::string token_bytes(int32_t id) const = 0;
