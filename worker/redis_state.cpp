@@ -168,16 +168,22 @@ WorkerRedisState::Rewarm WorkerRedisState::rewarm() {
   Conn c;
   if (ensure_connected(c)) {
     out.redis_reachable = true;
-    Reply r = c.cmd({"XREVRANGE", resident_key(), "+", "-", "COUNT", "1"});
-    std::string id;
-    protocol::StreamFields fields;
-    if (r && r->type == REDIS_REPLY_ARRAY && r->elements == 1 &&
-        entry_of(r->element[0], &id, &fields)) {
-      auto experts = protocol::parse_expert_list(field(fields, protocol::stream_field::kExperts));
-      if (experts.ok()) {
-        out.previous = experts->size();
-        out.resident = backend_->warm(experts.value());
-      } else {
+    // This worker's own newest set: other workers of the model (the CPU
+    // fallback that served while this one was down, above all) publish to
+    // the same stream, and their sets fit their memory, not this one's.
+    Reply r = c.cmd({"XREVRANGE", resident_key(), "+", "-", "COUNT", "512"});
+    if (r && r->type == REDIS_REPLY_ARRAY) {
+      for (size_t i = 0; i < r->elements; ++i) {
+        std::string id;
+        protocol::StreamFields fields;
+        if (!entry_of(r->element[i], &id, &fields)) continue;
+        if (field(fields, protocol::stream_field::kWorker) != opts_.consumer) continue;
+        auto experts = protocol::parse_expert_list(field(fields, protocol::stream_field::kExperts));
+        if (experts.ok()) {
+          out.previous = experts->size();
+          out.resident = backend_->warm(experts.value());
+          break;
+        }
         std::fprintf(stderr, "moe-worker: skipping garbage resident-state entry %s: %s\n",
                      id.c_str(), experts.error().c_str());
       }

@@ -63,8 +63,10 @@ class WorkerRedisState final : public StepHooks {
     size_t resident = 0;  // of those, resident now
     double ms = 0;        // reading the state and warming
   };
-  // Before the worker says hello: reads the last resident set published for
-  // this model and warms those experts (blocking, bounded by the timeouts).
+  // Before the worker says hello: reads the last resident set this worker
+  // (its name, `consumer`) published for this model, among the stream's
+  // newest 512 entries, and warms those experts (blocking, bounded by the
+  // timeouts). Other workers' sets (a CPU fallback's) are not taken.
   Rewarm rewarm();
   // Starts the background thread (publishes the snapshot first).
   void start();

@@ -80,16 +80,21 @@ def main():
         kind, before = last_resident(c)
         check(len(before) > 0, f"the worker published a resident set ({len(before)} experts, entry kind {kind})")
         c.kill9("w1")
+        # Another worker of the model (a fallback serving meanwhile) publishes
+        # a set of its own after w1's: w1 must re-warm its own, not that one.
+        c.redis("XADD", MODEL_KEY + ":resident", "*", "worker", "fallback", "kind", "snapshot", "experts", "0:0")
         c.start_worker("w1")
         m = wait_log(c, "w1", r"re-warmed (\d+) of (\d+) experts from Redis in ([0-9.]+) ms", seen=1)
         check(m is not None, "the restarted worker re-warmed from Redis")
         if m:
             print(f"RESULT rewarm: {m.group(1)} of {m.group(2)} experts in {m.group(3)} ms")
+            check(int(m.group(2)) == len(before),
+                  f"the set re-warmed is w1's own ({m.group(2)} experts), not the other worker's (1)")
         deadline = time.time() + 10
         after = set()
         while time.time() < deadline:
             kind, after = last_resident(c)
-            if kind == "snapshot":
+            if kind == "snapshot" and after != {"0:0"}:
                 break
             time.sleep(0.05)
         check(kind == "snapshot" and after == before,
