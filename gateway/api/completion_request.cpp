@@ -275,6 +275,25 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
     }
   }
 
+  if (const json* ids = member(body, "stop_token_ids")) {
+    if (!ids->is_array()) return *wrong_type("stop_token_ids", "an array of token ids");
+    if (ids->size() > 64) return invalid_param("stop_token_ids", "'stop_token_ids' may hold at most 64 ids.", "invalid_value");
+    for (const json& t : *ids) {
+      if (!t.is_number_integer()) return *wrong_type("stop_token_ids", "an array of token ids");
+      const int64_t id = t.get<int64_t>();
+      if (id < 0 || id >= codec.vocab_size())
+        return invalid_param("stop_token_ids", "Token id " + std::to_string(id) +
+                                                   " in 'stop_token_ids' is outside the vocabulary [0, " +
+                                                   std::to_string(codec.vocab_size()) + ").", "invalid_value");
+      req.stop_token_ids.push_back(static_cast<int32_t>(id));
+    }
+  }
+  {
+    std::optional<bool> ignore_eos;
+    if ((err = read_bool(body, "ignore_eos", &ignore_eos))) return *err;
+    req.ignore_eos = ignore_eos.value_or(false);
+  }
+
   if (const json* opts = member(body, "stream_options")) {
     if (!opts->is_object()) return *wrong_type("stream_options", "an object");
     if (!stream.value_or(false)) {

@@ -31,6 +31,10 @@ struct CompletionRequest {
   Sampling sampling;  // seed: of choice 0; choice i samples with seed + i
   bool seed_given = false;
   std::vector<std::string> stop;  // at most 4, non-empty
+  // Token ids that end a choice besides the model's own (`stop_token_ids`),
+  // and `ignore_eos`: the model's EOS / end-of-turn ids do not end it.
+  std::vector<int32_t> stop_token_ids;
+  bool ignore_eos = false;
   int n = 1;
   bool stream = false;
   bool include_usage = false;

@@ -34,7 +34,10 @@ std::atomic<size_t> g_live_generations{0};
 
 Generation::Generation(GenerationContext ctx, CompletionRequest req, std::shared_ptr<HttpExchange> ex)
     : ctx_(std::move(ctx)), req_(std::move(req)), ex_(std::move(ex)) {
-  stop_ids_ = ctx_.codec->stop_token_ids();
+  // The model's end ids (unless ignore_eos) and the request's own.
+  if (!req_.ignore_eos) stop_ids_ = ctx_.codec->stop_token_ids();
+  for (int32_t id : req_.stop_token_ids)
+    if (std::find(stop_ids_.begin(), stop_ids_.end(), id) == stop_ids_.end()) stop_ids_.push_back(id);
   g_live_generations.fetch_add(1, std::memory_order_relaxed);
 }
 

@@ -58,8 +58,6 @@ const std::vector<Entry>& table() {
       {{"repetition_penalty", "both", "1"}, Apis::both, [](const json& v) { return is_number(v, 1); }},
       {{"min_p", "both", "0"}, Apis::both, [](const json& v) { return is_number(v, 0); }},
       {{"min_tokens", "both", "0"}, Apis::both, [](const json& v) { return is_number(v, 0); }},
-      {{"ignore_eos", "both", "false"}, Apis::both, [](const json& v) { return is_bool(v, false); }},
-      {{"stop_token_ids", "both", "[]"}, Apis::both, is_empty},
       {{"bad_words", "both", "[]"}, Apis::both, is_empty},
       {{"use_beam_search", "both", "false"}, Apis::both, [](const json& v) { return is_bool(v, false); }},
       {{"length_penalty", "both", "1"}, Apis::both, [](const json& v) { return is_number(v, 1); }},

@@ -347,9 +347,7 @@ TEST_CASE("api: a parameter not honoured is refused when it asks for something, 
       {"modalities", {"text", "audio"}},
       {"repetition_penalty", 1.2},
       {"min_p", 0.1},
-      {"ignore_eos", true},
       {"min_tokens", 4},
-      {"stop_token_ids", {5}},
       {"guided_json", {{"type", "object"}}},
       {"store", true},
       {"allowed_token_ids", {1, 2}},
@@ -360,7 +358,7 @@ TEST_CASE("api: a parameter not honoured is refused when it asks for something, 
     check_error(post(gw, "/v1/chat/completions", chat("x", {{name, value}})), 400, name.c_str(), "unsupported_parameter");
   }
   for (const auto& [name, value] : std::vector<std::pair<std::string, json>>{
-           {"suffix", "tail"}, {"frequency_penalty", 1}, {"logit_bias", {{"7", 5}}}, {"ignore_eos", true}}) {
+           {"suffix", "tail"}, {"frequency_penalty", 1}, {"logit_bias", {{"7", 5}}}, {"min_p", 0.2}}) {
     INFO(name << " = " << value.dump());
     check_error(post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", "x"}, {name, value}}), 400, name.c_str(),
                 "unsupported_parameter");
@@ -418,6 +416,36 @@ TEST_CASE("api: /tokenize and /detokenize, and their refusals", "[gateway][api][
   check_error(post(gw, "/detokenize", {{"tokens", "abc"}}), 400, "tokens", "invalid_type");
   check_error(http(gw.port(), "GET", "/tokenize"), 405, nullptr, "method_not_allowed");
   CHECK(gw.scheduler().submitted().empty());  // nothing ran on a worker
+}
+
+TEST_CASE("api: stop_token_ids end a choice at those ids; ignore_eos runs past EOS", "[gateway][api][stop]") {
+  TestGateway gw;
+  // "ab" EOS "cd" EOS ...: the script keeps going after EOS.
+  gw.scheduler().set_script([](const SequenceRequest&, int step) -> int32_t {
+    static const int32_t ids[] = {'a', 'b', ByteCodec::kEos, 'c', 'd', '!', 'e'};
+    return step < 7 ? ids[step] : 'z';
+  });
+  auto body = [](json extra) {
+    json j = {{"model", "demo-moe"}, {"prompt", "x"}, {"max_tokens", 6}};
+    if (extra.is_object()) j.update(extra);
+    return j;
+  };
+  json plain = json::parse(post(gw, "/v1/completions", body({})).body);
+  CHECK(plain["choices"][0]["text"] == "ab");
+  CHECK(plain["choices"][0]["finish_reason"] == "stop");
+  json ignored = json::parse(post(gw, "/v1/completions", body({{"ignore_eos", true}})).body);
+  CHECK(ignored["choices"][0]["text"] == "abcd!");  // EOS not shown, not an end
+  CHECK(ignored["choices"][0]["finish_reason"] == "length");
+  CHECK(ignored["usage"]["completion_tokens"] == 6);
+  CHECK(gw.scheduler().submitted().back().stop_ids.empty());
+  json bang = json::parse(post(gw, "/v1/completions", body({{"ignore_eos", true}, {"stop_token_ids", {'!'}}})).body);
+  CHECK(bang["choices"][0]["text"] == "abcd");  // the stop id ends it and is not shown
+  CHECK(bang["choices"][0]["finish_reason"] == "stop");
+  json both = json::parse(post(gw, "/v1/completions", body({{"stop_token_ids", {'b'}}})).body);
+  CHECK(both["choices"][0]["text"] == "a");
+  check_error(post(gw, "/v1/completions", body({{"stop_token_ids", {999}}})), 400, "stop_token_ids", "invalid_value");
+  check_error(post(gw, "/v1/completions", body({{"stop_token_ids", "a"}})), 400, "stop_token_ids", "invalid_type");
+  check_error(post(gw, "/v1/completions", body({{"ignore_eos", "yes"}})), 400, "ignore_eos", "invalid_type");
 }
 
 TEST_CASE("api: /v1/models lists the served model", "[gateway][api]") {
