@@ -171,23 +171,33 @@ WorkerRedisState::Rewarm WorkerRedisState::rewarm() {
     // This worker's own newest set: other workers of the model (the CPU
     // fallback that served while this one was down, above all) publish to
     // the same stream, and their sets fit their memory, not this one's.
-    Reply r = c.cmd({"XREVRANGE", resident_key(), "+", "-", "COUNT", "512"});
-    if (r && r->type == REDIS_REPLY_ARRAY) {
-      for (size_t i = 0; i < r->elements; ++i) {
+    // Paged backwards from the newest entry until one of this worker's (the
+    // stream is trimmed, so the walk is bounded).
+    std::string from = "+";
+    bool found = false;
+    for (size_t scanned = 0; !found && scanned < 20000;) {
+      Reply r = c.cmd({"XREVRANGE", resident_key(), from, "-", "COUNT", "128"});
+      if (!r || r->type != REDIS_REPLY_ARRAY || r->elements == 0) break;
+      for (size_t i = 0; i < r->elements && !found; ++i, ++scanned) {
         std::string id;
         protocol::StreamFields fields;
         if (!entry_of(r->element[i], &id, &fields)) continue;
+        from = "(" + id;
         if (field(fields, protocol::stream_field::kWorker) != opts_.consumer) continue;
         auto experts = protocol::parse_expert_list(field(fields, protocol::stream_field::kExperts));
         if (experts.ok()) {
           out.previous = experts->size();
           out.resident = backend_->warm(experts.value());
-          break;
+          found = true;
+        } else {
+          std::fprintf(stderr, "moe-worker: skipping garbage resident-state entry %s: %s\n",
+                       id.c_str(), experts.error().c_str());
         }
-        std::fprintf(stderr, "moe-worker: skipping garbage resident-state entry %s: %s\n",
-                     id.c_str(), experts.error().c_str());
       }
+      if (r->elements < 128) break;
     }
+    if (!found)
+      std::fprintf(stderr, "moe-worker: no resident set of '%s' in Redis yet: starting cold\n", opts_.consumer.c_str());
   }
   out.ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   return out;

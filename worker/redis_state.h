@@ -64,8 +64,8 @@ class WorkerRedisState final : public StepHooks {
     double ms = 0;        // reading the state and warming
   };
   // Before the worker says hello: reads the last resident set this worker
-  // (its name, `consumer`) published for this model, among the stream's
-  // newest 512 entries, and warms those experts (blocking, bounded by the
+  // (its name, `consumer`) published for this model, paging back from the
+  // newest entry, and warms those experts (blocking, bounded by the
   // timeouts). Other workers' sets (a CPU fallback's) are not taken.
   Rewarm rewarm();
   // Starts the background thread (publishes the snapshot first).

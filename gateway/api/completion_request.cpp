@@ -77,17 +77,8 @@ std::optional<ApiError> message_text(const json& content, size_t index, std::str
 std::optional<ApiError> chat_prompt(const json& body, const TextCodec& codec, const ChatMessages& prior,
                                     ChatMessages* messages, std::vector<std::vector<int32_t>>* out) {
   if (auto err = parse_chat_messages(body, messages)) return err;
-  // More variables for the template (enable_thinking, ...), none of the
-  // names the server itself gives it.
-  json kwargs = json::object();
-  if (const json* kw = member(body, "chat_template_kwargs")) {
-    if (!kw->is_object()) return wrong_type("chat_template_kwargs", "an object");
-    for (const char* reserved : {"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token"})
-      if (kw->contains(reserved))
-        return invalid_param("chat_template_kwargs", std::string("'chat_template_kwargs' may not set '") + reserved + "'.",
-                             "invalid_value");
-    kwargs = *kw;
-  }
+  json kwargs;
+  if (auto err = parse_template_kwargs(body, &kwargs)) return err;
   // The template sees only validated roles and texts: the session's stored
   // turns first, then this request's.
   auto ids = codec.encode_chat(template_messages(prior, *messages), kwargs);
@@ -173,6 +164,19 @@ std::optional<ApiError> parse_chat_messages(const json& body, ChatMessages* mess
     // Templates written for OpenAI-style roles know "system"; "developer" is its newer name.
     messages->push_back({r == "developer" ? "system" : r, std::move(text)});
   }
+  return std::nullopt;
+}
+
+std::optional<ApiError> parse_template_kwargs(const json& body, json* out) {
+  *out = json::object();
+  const json* kw = member(body, "chat_template_kwargs");
+  if (!kw) return std::nullopt;
+  if (!kw->is_object()) return wrong_type("chat_template_kwargs", "an object");
+  for (const char* reserved : {"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token"})
+    if (kw->contains(reserved))
+      return invalid_param("chat_template_kwargs", std::string("'chat_template_kwargs' may not set '") + reserved + "'.",
+                           "invalid_value");
+  *out = *kw;
   return std::nullopt;
 }
 

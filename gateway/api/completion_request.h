@@ -70,5 +70,8 @@ ParsedRequest parse_completion_request(ApiKind kind, std::string_view body, cons
 std::optional<ApiError> parse_chat_messages(const nlohmann::json& body, ChatMessages* out);
 // Stored turns then new ones, as the chat template takes them.
 nlohmann::json template_messages(const ChatMessages& prior, const ChatMessages& messages);
+// `chat_template_kwargs`: more variables for the chat template (e.g.
+// enable_thinking), none of the names the server itself gives it; {} when absent.
+std::optional<ApiError> parse_template_kwargs(const nlohmann::json& body, nlohmann::json* out);
 
 }  // namespace moe::gw

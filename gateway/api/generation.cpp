@@ -215,8 +215,9 @@ void Generation::token(Choice& c, const TokenEvent& ev) {
   if (!hold(step.text.size())) return;
   c.text_bytes += step.text.size();
   const json* lp = chunk_logprobs.is_null() ? nullptr : &chunk_logprobs;
-  const std::string answer = route_text(c, step.text, step.stopped, lp);
-  if (c.splitter && lp && answer.empty()) lp = nullptr;  // sent with the reasoning
+  bool lp_sent = false;
+  const std::string answer = route_text(c, step.text, step.stopped, lp, &lp_sent);
+  if (lp_sent) lp = nullptr;  // sent with the reasoning
   // A stream sends its text as it goes and keeps only what a session stores.
   if (!req_.stream || (ctx_.on_complete && c.index == 0)) c.text += answer;
   if (step.stopped) {
@@ -228,21 +229,26 @@ void Generation::token(Choice& c, const TokenEvent& ev) {
   if (req_.stream && (!answer.empty() || lp)) send_chunk(c, answer, lp, nullptr, false);
 }
 
-std::string Generation::route_text(Choice& c, const std::string& text, bool last, const json* logprobs) {
+std::string Generation::route_text(Choice& c, const std::string& text, bool last, const json* logprobs, bool* sent) {
+  if (sent) *sent = false;
   if (!c.splitter) return text;
+  const bool was_answer = c.splitter->in_content();
   ReasoningSplitter::Parts parts = c.splitter->push(text);
   if (last) {
     ReasoningSplitter::Parts rest = c.splitter->finish();
     parts.reasoning += rest.reasoning;
     parts.content += rest.content;
   }
-  if (!parts.reasoning.empty() || (logprobs && parts.content.empty())) {
-    if (req_.stream) {
-      send_reasoning_chunk(c, parts.reasoning, parts.content.empty() ? logprobs : nullptr);
-    } else {
-      c.reasoning += parts.reasoning;
-    }
+  if (!req_.stream) {
+    c.reasoning += parts.reasoning;
+    return parts.content;
   }
+  // A token of the reasoning (or one that showed nothing before the answer
+  // began) carries its logprobs on the reasoning chunk; an answer token's
+  // stay with the answer.
+  const bool lp_here = logprobs && parts.content.empty() && !was_answer;
+  if (!parts.reasoning.empty() || lp_here) send_reasoning_chunk(c, parts.reasoning, lp_here ? logprobs : nullptr);
+  if (sent) *sent = lp_here;
   return parts.content;
 }
 
@@ -304,8 +310,22 @@ void Generation::complete() {
   for (const auto& c : choices_) {
     json lp = req_.sampling.logprobs ? c->logprobs : json(nullptr);
     if (req_.kind == ApiKind::chat) {
-      json message = {{"role", "assistant"}, {"content", c->text}};
-      if (c->splitter) message["reasoning_content"] = c->reasoning.empty() ? json(nullptr) : json(c->reasoning);
+      std::string content = c->text, reasoning = c->reasoning;
+      if (c->splitter && !c->splitter->entered()) {
+        // A close tag without an open one (models whose template does not
+        // open the reasoning): the text before it was reasoning.
+        const std::string close = ctx_.codec->reasoning_tags().close;
+        if (const size_t at = content.find(close); at != std::string::npos) {
+          reasoning = content.substr(0, at);
+          size_t b = at + close.size();
+          while (b < content.size() && (content[b] == '\n' || content[b] == ' ' || content[b] == '\r')) ++b;
+          content = content.substr(b);
+        }
+      }
+      json message = {{"role", "assistant"}, {"content", content}};
+      // The key only where the model reasoned (a template may mention </think>
+      // only to strip it from past turns).
+      if (c->splitter && (c->splitter->entered() || !reasoning.empty())) message["reasoning_content"] = reasoning;
       choices.push_back({{"index", c->index}, {"message", message}, {"logprobs", lp}, {"finish_reason", c->finish_reason}});
     } else {
       choices.push_back({{"index", c->index}, {"text", c->text}, {"logprobs", lp}, {"finish_reason", c->finish_reason}});

@@ -115,7 +115,10 @@ class Generation : public std::enable_shared_from_this<Generation> {
   void send_reasoning_chunk(const Choice& c, const std::string& text, const nlohmann::json* logprobs);
   // Text the matcher let through, split into reasoning (sent or kept) and
   // the answer it returns; `last` at the end of the output.
-  std::string route_text(Choice& c, const std::string& text, bool last, const nlohmann::json* logprobs);
+  // `logprobs` (a stream's, of this token) go with the reasoning chunk when
+  // the token showed no answer text before the answer began; *sent says so.
+  std::string route_text(Choice& c, const std::string& text, bool last, const nlohmann::json* logprobs,
+                         bool* sent = nullptr);
   void send_event(const nlohmann::json& payload);
   nlohmann::json usage() const;
   bool is_stop_id(int32_t id) const;

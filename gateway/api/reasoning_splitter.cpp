@@ -16,7 +16,10 @@ size_t partial_tag_suffix(const std::string& s, const std::string& tag) {
 }  // namespace
 
 ReasoningSplitter::ReasoningSplitter(std::string open, std::string close, bool started_inside)
-    : open_(std::move(open)), close_(std::move(close)), state_(started_inside ? State::reasoning : State::start) {}
+    : open_(std::move(open)),
+      close_(std::move(close)),
+      state_(started_inside ? State::reasoning : State::start),
+      entered_(started_inside) {}
 
 ReasoningSplitter::Parts ReasoningSplitter::push(const std::string& text) {
   held_ += text;
@@ -37,6 +40,7 @@ ReasoningSplitter::Parts ReasoningSplitter::drain(bool final) {
           if (rest.compare(0, open_.size(), open_) == 0) {
             held_ = rest.substr(open_.size());
             state_ = State::reasoning;
+            entered_ = true;
           } else {
             state_ = State::content;
           }

@@ -29,6 +29,10 @@ class ReasoningSplitter {
   Parts push(const std::string& text);
   // What is held back, at the end of the output.
   Parts finish();
+  // The output has reached its answer (after the reasoning, or without any).
+  bool in_content() const { return state_ == State::after_close || state_ == State::content; }
+  // The output had reasoning (an open tag, or a prompt that opened it).
+  bool entered() const { return entered_; }
 
  private:
   enum class State { start, reasoning, after_close, content };
@@ -36,6 +40,7 @@ class ReasoningSplitter {
 
   std::string open_, close_;
   State state_;
+  bool entered_;
   std::string held_;
 };
 

@@ -3,6 +3,7 @@
 #include <optional>
 
 #include "gateway/api/completion_request.h"
+#include "gateway/api/parameter_support.h"
 #include "gateway/api_error.h"
 #include "gateway/json_body.h"
 
@@ -71,9 +72,14 @@ HttpResponse tokenize_response(const std::string& text, const TextCodec& codec, 
   } else {
     if (auto err = refuse_flag(body, "add_generation_prompt", true)) return api_error_response(*err);
     if (auto err = refuse_flag(body, "continue_final_message", false)) return api_error_response(*err);
+    // What /v1/chat/completions refuses (tools, tool_calls turns, ...) is
+    // refused here too, and its template variables count.
+    if (auto err = refuse_unsupported(ApiKind::chat, body)) return api_error_response(*err);
+    json kwargs;
+    if (auto err = parse_template_kwargs(body, &kwargs)) return api_error_response(*err);
     ChatMessages messages;
     if (auto err = parse_chat_messages(body, &messages)) return api_error_response(*err);
-    auto encoded = codec.encode_chat(template_messages({}, messages));
+    auto encoded = codec.encode_chat(template_messages({}, messages), kwargs);
     if (!encoded.ok())
       return api_error_response(invalid_param("messages", "The chat template rejected the messages: " + encoded.error()));
     ids = std::move(encoded.value());

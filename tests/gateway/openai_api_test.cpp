@@ -411,6 +411,15 @@ TEST_CASE("api: /tokenize and /detokenize, and their refusals", "[gateway][api][
   check_error(post(gw, "/tokenize", {{"prompt", 5}}), 400, "prompt", "invalid_type");
   check_error(post(gw, "/tokenize", {{"prompt", "x"}, {"add_special_tokens", false}}), 400, "add_special_tokens",
               "unsupported_parameter");
+  // What the chat endpoint refuses is refused here too.
+  check_error(post(gw, "/tokenize", {{"messages", {{{"role", "user"}, {"content", "x"}},
+                                                   {{"role", "assistant"}, {"tool_calls", {{{"id", "1"}}}}}}}}),
+              400, "messages[1].tool_calls", "unsupported_parameter");
+  check_error(post(gw, "/tokenize", {{"messages", {{{"role", "user"}, {"content", "x"}}}}, {"tools", {{{"type", "function"}}}}}),
+              400, "tools", "unsupported_parameter");
+  check_error(post(gw, "/tokenize", {{"messages", {{{"role", "user"}, {"content", "x"}}}},
+                                     {"chat_template_kwargs", {{"messages", 1}}}}),
+              400, "chat_template_kwargs", "invalid_value");
   check_error(post(gw, "/detokenize", json::object()), 400, "tokens", "missing_required_parameter");
   check_error(post(gw, "/detokenize", {{"tokens", {1, 999}}}), 400, "tokens", "invalid_value");
   check_error(post(gw, "/detokenize", {{"tokens", "abc"}}), 400, "tokens", "invalid_type");

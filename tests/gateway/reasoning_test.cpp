@@ -135,11 +135,39 @@ TEST_CASE("api: a thinking model's reasoning is reasoning_content, whole and str
   CHECK(o["choices"][0]["message"]["reasoning_content"] == "step by step");
   CHECK(o["choices"][0]["message"]["content"] == "done");
 
-  // No reasoning in the output: null, the whole text is the answer.
+  // No reasoning in the output: no reasoning_content, the whole text is the answer.
   gw.scheduler().set_script(spell("plain"));
   json p = json::parse(http(gw.port(), "POST", "/v1/chat/completions", chat().dump()).body);
-  CHECK(p["choices"][0]["message"]["reasoning_content"].is_null());
+  CHECK_FALSE(p["choices"][0]["message"].contains("reasoning_content"));
   CHECK(p["choices"][0]["message"]["content"] == "plain");
+
+  // A close tag without an open one (a template that does not open it): in a
+  // whole response the text before it is the reasoning.
+  gw.scheduler().set_script(spell("plan</think>\nans"));
+  json q = json::parse(http(gw.port(), "POST", "/v1/chat/completions", chat().dump()).body);
+  CHECK(q["choices"][0]["message"]["reasoning_content"] == "plan");
+  CHECK(q["choices"][0]["message"]["content"] == "ans");
+
+  // Logprobs in a stream: every token's once; the answer's ride on answer chunks.
+  const std::string out = "<think>r</think>ab";
+  gw.scheduler().set_script(spell(out));
+  auto lr = http(gw.port(), "POST", "/v1/chat/completions", chat({{"stream", true}, {"logprobs", true}}).dump());
+  size_t on_reasoning = 0, on_content = 0;
+  std::string answer_tokens;
+  for (const auto& ev : sse_events(lr.body)) {
+    if (ev == "[DONE]") break;
+    json j = json::parse(ev);
+    if (j["choices"].empty() || !j["choices"][0]["logprobs"].is_object()) continue;
+    const json& entries = j["choices"][0]["logprobs"]["content"];
+    const json& d = j["choices"][0]["delta"];
+    if (d.contains("reasoning_content")) on_reasoning += entries.size();
+    if (d.contains("content")) {
+      on_content += entries.size();
+      for (const json& e : entries) answer_tokens += e["token"].get<std::string>();
+    }
+  }
+  CHECK(on_reasoning + on_content == out.size());
+  CHECK(answer_tokens == "ab");
 
   // Completions are raw text: nothing is split.
   gw.scheduler().set_script(spell("<think>a</think>b"));

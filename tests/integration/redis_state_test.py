@@ -81,8 +81,10 @@ def main():
         check(len(before) > 0, f"the worker published a resident set ({len(before)} experts, entry kind {kind})")
         c.kill9("w1")
         # Another worker of the model (a fallback serving meanwhile) publishes
-        # a set of its own after w1's: w1 must re-warm its own, not that one.
-        c.redis("XADD", MODEL_KEY + ":resident", "*", "worker", "fallback", "kind", "snapshot", "experts", "0:0")
+        # sets of its own after w1's, more than one page of the walk back:
+        # w1 must re-warm its own, not those.
+        for _ in range(300):
+            c.redis("XADD", MODEL_KEY + ":resident", "*", "worker", "fallback", "kind", "snapshot", "experts", "0:0")
         c.start_worker("w1")
         m = wait_log(c, "w1", r"re-warmed (\d+) of (\d+) experts from Redis in ([0-9.]+) ms", seen=1)
         check(m is not None, "the restarted worker re-warmed from Redis")
