@@ -175,6 +175,7 @@ WorkerRedisState::Rewarm WorkerRedisState::rewarm() {
     // stream is trimmed, so the walk is bounded).
     std::string from = "+";
     bool found = false;
+    std::optional<std::vector<protocol::ExpertRef>> newest_any;  // a worker of a new name takes this
     for (size_t scanned = 0; !found && scanned < 20000;) {
       Reply r = c.cmd({"XREVRANGE", resident_key(), from, "-", "COUNT", "128"});
       if (!r || r->type != REDIS_REPLY_ARRAY || r->elements == 0) break;
@@ -183,9 +184,12 @@ WorkerRedisState::Rewarm WorkerRedisState::rewarm() {
         protocol::StreamFields fields;
         if (!entry_of(r->element[i], &id, &fields)) continue;
         from = "(" + id;
-        if (field(fields, protocol::stream_field::kWorker) != opts_.consumer) continue;
+        const bool own = field(fields, protocol::stream_field::kWorker) == opts_.consumer;
+        if (!own && newest_any) continue;
         auto experts = protocol::parse_expert_list(field(fields, protocol::stream_field::kExperts));
-        if (experts.ok()) {
+        if (experts.ok() && !own) {
+          newest_any = std::move(experts.value());
+        } else if (experts.ok()) {
           out.previous = experts->size();
           out.resident = backend_->warm(experts.value());
           found = true;
@@ -196,8 +200,14 @@ WorkerRedisState::Rewarm WorkerRedisState::rewarm() {
       }
       if (r->elements < 128) break;
     }
-    if (!found)
-      std::fprintf(stderr, "moe-worker: no resident set of '%s' in Redis yet: starting cold\n", opts_.consumer.c_str());
+    if (!found && newest_any) {
+      std::fprintf(stderr, "moe-worker: no resident set of '%s' in Redis: re-warming another worker's newest\n",
+                   opts_.consumer.c_str());
+      out.previous = newest_any->size();
+      out.resident = backend_->warm(*newest_any);
+    } else if (!found) {
+      std::fprintf(stderr, "moe-worker: no resident set in Redis yet: starting cold\n");
+    }
   }
   out.ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   return out;

@@ -66,7 +66,8 @@ class WorkerRedisState final : public StepHooks {
   // Before the worker says hello: reads the last resident set this worker
   // (its name, `consumer`) published for this model, paging back from the
   // newest entry, and warms those experts (blocking, bounded by the
-  // timeouts). Other workers' sets (a CPU fallback's) are not taken.
+  // timeouts). Another worker's set (a CPU fallback's) is taken only by a
+  // worker of a name that never published one.
   Rewarm rewarm();
   // Starts the background thread (publishes the snapshot first).
   void start();
