@@ -74,15 +74,57 @@ std::optional<ApiError> message_text(const json& content, size_t index, std::str
   return std::nullopt;
 }
 
+// The chat's prompt. `fit` > 0: the prompt may hold at most this many
+// tokens, and a conversation longer than that loses its oldest turns (never
+// a system turn nor the last message) until it fits: *dropped says how many.
 std::optional<ApiError> chat_prompt(const json& body, const TextCodec& codec, const ChatMessages& prior,
-                                    ChatMessages* messages, std::vector<std::vector<int32_t>>* out) {
+                                    ChatMessages* messages, std::vector<std::vector<int32_t>>* out, int64_t fit,
+                                    int* dropped, int64_t* dropped_tokens) {
   if (auto err = parse_chat_messages(body, messages)) return err;
   json kwargs;
   if (auto err = parse_template_kwargs(body, &kwargs)) return err;
   // The template sees only validated roles and texts: the session's stored
   // turns first, then this request's.
-  auto ids = codec.encode_chat(template_messages(prior, *messages), kwargs);
+  ChatMessages all = prior;
+  all.insert(all.end(), messages->begin(), messages->end());
+  auto render = [&](size_t drop) {
+    ChatMessages kept;
+    size_t skipped = 0;
+    for (size_t i = 0; i < all.size(); ++i) {
+      if (skipped < drop && i + 1 < all.size() && all[i].role != "system") {
+        ++skipped;
+        continue;
+      }
+      kept.push_back(all[i]);
+    }
+    return codec.encode_chat(template_messages({}, kept), kwargs);
+  };
+  auto ids = render(0);
   if (!ids.ok()) return invalid_param("messages", "The chat template rejected the messages: " + ids.error());
+  *dropped = 0;
+  *dropped_tokens = 0;
+  if (fit > 0 && static_cast<int64_t>(ids.value().size()) > fit) {
+    size_t droppable = 0;
+    for (size_t i = 0; i + 1 < all.size(); ++i) droppable += all[i].role != "system";
+    // The fewest dropped turns that fit (lengths fall as turns go), then the
+    // first count from there the template accepts (roles must alternate in some).
+    size_t lo = 1, hi = droppable;
+    while (lo < hi) {
+      const size_t mid = (lo + hi) / 2;
+      auto r = render(mid);
+      if (r.ok() && static_cast<int64_t>(r.value().size()) <= fit) hi = mid;
+      else lo = mid + 1;
+    }
+    for (size_t d = lo; d <= droppable; ++d) {
+      auto r = render(d);
+      if (r.ok() && static_cast<int64_t>(r.value().size()) <= fit) {
+        *dropped = static_cast<int>(d);
+        *dropped_tokens = static_cast<int64_t>(ids.value().size() - r.value().size());
+        ids = std::move(r);
+        break;
+      }
+    }
+  }
   out->push_back(std::move(ids.value()));
   return std::nullopt;
 }
@@ -323,11 +365,35 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
                     "model_not_found"};
   }
 
-  // The prompt(s), tokenised.
+  // truncate_prompt_tokens: keep only the last k tokens of each prompt.
+  std::optional<int64_t> truncate;
+  if ((err = read_int(body, "truncate_prompt_tokens", &truncate))) return *err;
+  if (truncate && *truncate < 1)
+    return invalid_param("truncate_prompt_tokens", "'truncate_prompt_tokens' must be at least 1.", "invalid_value");
+
+  // The prompt(s), tokenised. A chat that would overflow the context loses
+  // its oldest turns until the prompt leaves room for max_tokens (or, when
+  // none is given, for a quarter of the context, at most 1,024 tokens).
   if (kind == ApiKind::chat) {
-    if ((err = chat_prompt(body, codec, prior, &req.messages, &req.prompts))) return *err;
+    int64_t fit = 0;
+    if (limits.max_context > 0 && !truncate) {
+      const int64_t reserve = max_tokens ? std::min<int64_t>(*max_tokens, limits.max_context - 1)
+                                         : std::min<int64_t>(limits.max_context / 4, 1024);
+      fit = std::max<int64_t>(1, limits.max_context - reserve);
+    }
+    if ((err = chat_prompt(body, codec, prior, &req.messages, &req.prompts, fit, &req.trimmed_messages,
+                           &req.trimmed_tokens)))
+      return *err;
   } else {
     if ((err = completion_prompts(body, codec, &req.prompts))) return *err;
+  }
+  if (truncate) {
+    for (auto& p : req.prompts) {
+      if (static_cast<int64_t>(p.size()) > *truncate) {
+        req.trimmed_tokens += static_cast<int64_t>(p.size()) - *truncate;
+        p.erase(p.begin(), p.end() - *truncate);
+      }
+    }
   }
   const char* prompt_param = kind == ApiKind::chat ? "messages" : "prompt";
   req.n = static_cast<int>(n.value_or(1));

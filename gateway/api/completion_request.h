@@ -41,6 +41,11 @@ struct CompletionRequest {
   std::string user;
   // Chat: this request's messages, validated (what a session stores).
   ChatMessages messages;
+  // What the context policy left out of the prompt (docs/gateway.md,
+  // "Context policy"): the oldest turns of a chat that would overflow the
+  // context, or the head cut by truncate_prompt_tokens.
+  int trimmed_messages = 0;
+  int64_t trimmed_tokens = 0;
 };
 
 struct RequestLimits {

@@ -284,7 +284,11 @@ json Generation::usage() const {
   int64_t prompt = 0, completion = 0;
   for (const auto& p : req_.prompts) prompt += static_cast<int64_t>(p.size());
   for (const auto& c : choices_) completion += c->tokens;
-  return {{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
+  json u = {{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
+  // What the context policy left out of the prompt (docs/gateway.md).
+  if (req_.trimmed_messages > 0 || req_.trimmed_tokens > 0)
+    u["prompt_trimmed"] = {{"messages", req_.trimmed_messages}, {"tokens", req_.trimmed_tokens}};
+  return u;
 }
 
 void Generation::complete() {

@@ -258,6 +258,9 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
   ctx.request_serial = next_request_serial_++;
   ctx.max_response_bytes = opts_.max_response_bytes;
   ctx.ticket = std::move(std::get<AdmissionTicket>(admitted));
+  if (req.trimmed_messages > 0 || req.trimmed_tokens > 0)
+    ctx.extra_headers.emplace_back("X-Moe-Context-Trimmed", "messages=" + std::to_string(req.trimmed_messages) +
+                                                                ", tokens=" + std::to_string(req.trimmed_tokens));
   if (!session.id.empty()) {
     ctx.extra_headers.emplace_back("X-Session-Id", session.id);
     // The stored turns, this request's (validated) turns and the reply.

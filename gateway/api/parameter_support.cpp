@@ -72,7 +72,6 @@ const std::vector<Entry>& table() {
       {{"allowed_token_ids", "both", "[]"}, Apis::both, is_empty},
       {{"structural_tag", "both", "nothing"}, Apis::both, never},
       {{"prompt_logprobs", "both", "0"}, Apis::both, [](const json& v) { return is_number(v, 0); }},
-      {{"truncate_prompt_tokens", "both", "nothing"}, Apis::both, never},
       {{"return_tokens_as_token_ids", "both", "false"}, Apis::both, [](const json& v) { return is_bool(v, false); }},
       {{"repeat_penalty", "both", "1"}, Apis::both, [](const json& v) { return is_number(v, 1); }},
       {{"typical_p", "both", "1"}, Apis::both, [](const json& v) { return is_number(v, 1); }},

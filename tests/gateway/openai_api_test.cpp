@@ -457,6 +457,60 @@ TEST_CASE("api: stop_token_ids end a choice at those ids; ignore_eos runs past E
   check_error(post(gw, "/v1/completions", body({{"ignore_eos", "yes"}})), 400, "ignore_eos", "invalid_type");
 }
 
+TEST_CASE("api: a chat longer than the context loses its oldest turns, and says so", "[gateway][api][context]") {
+  TestGateway gw;
+  gw.scheduler().max_context_ = 200;
+  // ByteCodec renders "<role>: <content>\n" per message, then "assistant:".
+  json msgs = json::array({{{"role", "system"}, {"content", "Be brief."}}});
+  for (int i = 0; i < 10; ++i) {
+    msgs.push_back({{"role", i % 2 ? "assistant" : "user"}, {"content", "turn " + std::to_string(i) + std::string(20, 'x')}});
+  }
+  msgs.push_back({{"role", "user"}, {"content", "the last question"}});
+  json body = {{"model", "demo-moe"}, {"messages", msgs}, {"max_tokens", 20}};
+  auto r = post(gw, "/v1/chat/completions", body);
+  INFO(r.body);
+  REQUIRE(r.status == 200);
+  std::string prompt;
+  const auto submitted = gw.scheduler().submitted();
+  for (int32_t id : submitted.back().prompt) prompt += char(id);
+  CHECK(prompt.size() <= 180);  // room left for the 20 tokens asked
+  CHECK(prompt.rfind("system: Be brief.\n", 0) == 0);  // the system turn kept
+  CHECK(prompt.find("the last question") != std::string::npos);
+  CHECK(prompt.find("turn 0") == std::string::npos);  // the oldest turns gone
+  CHECK(prompt.find("turn 9") != std::string::npos);  // the newest kept
+  json j = json::parse(r.body);
+  REQUIRE(j["usage"].contains("prompt_trimmed"));
+  const int dropped = j["usage"]["prompt_trimmed"]["messages"];
+  CHECK(dropped >= 1);
+  CHECK(dropped <= 10);
+  CHECK(prompt.find("turn " + std::to_string(dropped - 1)) == std::string::npos);
+  CHECK(prompt.find("turn " + std::to_string(dropped)) != std::string::npos);  // exactly the oldest `dropped`
+  CHECK(r.headers["x-moe-context-trimmed"] == "messages=" + std::to_string(dropped) + ", tokens=" +
+                                                  std::to_string(j["usage"]["prompt_trimmed"]["tokens"].get<int64_t>()));
+  // Streams say it too (the header, and the usage chunk).
+  body["stream"] = true;
+  body["stream_options"] = {{"include_usage", true}};
+  auto s = post(gw, "/v1/chat/completions", body);
+  CHECK(s.headers.count("x-moe-context-trimmed") == 1);
+  // A chat that fits is left whole, with no trace of the policy.
+  auto small = post(gw, "/v1/chat/completions", chat("hi", {{"max_tokens", 5}}));
+  CHECK(small.headers.count("x-moe-context-trimmed") == 0);
+  CHECK_FALSE(json::parse(small.body)["usage"].contains("prompt_trimmed"));
+  // The last message alone too long: still the 400 it always was.
+  check_error(post(gw, "/v1/chat/completions", chat(std::string(300, 'y'))), 400, "messages", "context_length_exceeded");
+  // truncate_prompt_tokens keeps a prompt's last k tokens.
+  auto t = post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", "0123456789abcdef"}, {"max_tokens", 2},
+                                        {"truncate_prompt_tokens", 6}});
+  REQUIRE(t.status == 200);
+  std::string kept;
+  const auto after = gw.scheduler().submitted();
+  for (int32_t id : after.back().prompt) kept += char(id);
+  CHECK(kept == "abcdef");
+  CHECK(json::parse(t.body)["usage"]["prompt_trimmed"]["tokens"] == 10);
+  check_error(post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", "x"}, {"truncate_prompt_tokens", 0}}), 400,
+              "truncate_prompt_tokens", "invalid_value");
+}
+
 TEST_CASE("api: /v1/models lists the served model", "[gateway][api]") {
   TestGateway gw;
   auto r = http(gw.port(), "GET", "/v1/models");
