@@ -373,12 +373,12 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
 
   // The prompt(s), tokenised. A chat that would overflow the context loses
   // its oldest turns until the prompt leaves room for max_tokens (or, when
-  // none is given, for a quarter of the context, at most 1,024 tokens).
+  // none is given, for an eighth of the context, at most 512 tokens).
   if (kind == ApiKind::chat) {
     int64_t fit = 0;
     if (limits.max_context > 0 && !truncate) {
       const int64_t reserve = max_tokens ? std::min<int64_t>(*max_tokens, limits.max_context - 1)
-                                         : std::min<int64_t>(limits.max_context / 4, 1024);
+                                         : std::min<int64_t>(limits.max_context / 8, 512);
       fit = std::max<int64_t>(1, limits.max_context - reserve);
     }
     if ((err = chat_prompt(body, codec, prior, &req.messages, &req.prompts, fit, &req.trimmed_messages,
