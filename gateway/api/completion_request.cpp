@@ -101,28 +101,67 @@ std::optional<ApiError> chat_prompt(const json& body, const TextCodec& codec, co
   };
   auto ids = render(0);
   if (!ids.ok()) return invalid_param("messages", "The chat template rejected the messages: " + ids.error());
+  const int64_t full_tokens = static_cast<int64_t>(ids.value().size());
   *dropped = 0;
   *dropped_tokens = 0;
   if (fit > 0 && static_cast<int64_t>(ids.value().size()) > fit) {
+    // The cut points: dropping d turns leaves the (d+1)-th non-system
+    // message first, which must be a user turn (templates that need roles
+    // to alternate refuse the rest), or d drops every droppable turn.
+    std::vector<size_t> cuts;
     size_t droppable = 0;
     for (size_t i = 0; i + 1 < all.size(); ++i) droppable += all[i].role != "system";
-    // The fewest dropped turns that fit (lengths fall as turns go), then the
-    // first count from there the template accepts (roles must alternate in some).
-    size_t lo = 1, hi = droppable;
+    {
+      size_t k = 0;  // non-system messages seen, the last message included
+      for (size_t i = 0; i < all.size(); ++i) {
+        if (all[i].role == "system" && i + 1 < all.size()) continue;
+        if (k >= 1 && k < droppable && all[i].role == "user") cuts.push_back(k);
+        ++k;
+      }
+      if (droppable > 0) cuts.push_back(droppable);
+    }
+    auto fits = [&](const Result<std::vector<int32_t>>& r) {
+      return r.ok() && static_cast<int64_t>(r.value().size()) <= fit;
+    };
+    // The fewest turns that fit (the prompt shortens as the cut moves on),
+    // then from there the first cut the template accepts.
+    size_t lo = 0, hi = cuts.size();
+    std::optional<Result<std::vector<int32_t>>> at_hi;
     while (lo < hi) {
       const size_t mid = (lo + hi) / 2;
-      auto r = render(mid);
-      if (r.ok() && static_cast<int64_t>(r.value().size()) <= fit) hi = mid;
-      else lo = mid + 1;
+      auto r = render(cuts[mid]);
+      if (fits(r)) {
+        hi = mid;
+        at_hi.emplace(std::move(r));
+      } else {
+        lo = mid + 1;
+      }
     }
-    for (size_t d = lo; d <= droppable; ++d) {
-      auto r = render(d);
-      if (r.ok() && static_cast<int64_t>(r.value().size()) <= fit) {
-        *dropped = static_cast<int>(d);
-        *dropped_tokens = static_cast<int64_t>(ids.value().size() - r.value().size());
-        ids = std::move(r);
+    std::optional<size_t> chosen;
+    for (size_t j = lo; j < cuts.size() && !chosen; ++j) {
+      if (j == hi && at_hi) {
+        chosen = j;
+        ids = std::move(*at_hi);
         break;
       }
+      auto r = render(cuts[j]);
+      if (fits(r)) {
+        chosen = j;
+        ids = std::move(r);
+      }
+    }
+    // Nothing leaves the room asked for: the most trimmed the template takes
+    // still goes on (the context check after says whether it can run at all).
+    if (!chosen && !cuts.empty()) {
+      auto r = render(cuts.back());
+      if (r.ok() && r.value().size() < ids.value().size()) {
+        chosen = cuts.size() - 1;
+        ids = std::move(r);
+      }
+    }
+    if (chosen) {
+      *dropped = static_cast<int>(cuts[*chosen]);
+      *dropped_tokens = full_tokens - static_cast<int64_t>(ids.value().size());
     }
   }
   out->push_back(std::move(ids.value()));
@@ -376,9 +415,9 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
   // none is given, for an eighth of the context, at most 512 tokens).
   if (kind == ApiKind::chat) {
     int64_t fit = 0;
-    if (limits.max_context > 0 && !truncate) {
-      const int64_t reserve = max_tokens ? std::min<int64_t>(*max_tokens, limits.max_context - 1)
-                                         : std::min<int64_t>(limits.max_context / 8, 512);
+    // (max_tokens alone filling the context: nothing can fit, the check after refuses it.)
+    if (limits.max_context > 0 && !truncate && !(max_tokens && *max_tokens >= limits.max_context)) {
+      const int64_t reserve = max_tokens ? *max_tokens : std::max<int64_t>(1, std::min<int64_t>(limits.max_context / 8, 512));
       fit = std::max<int64_t>(1, limits.max_context - reserve);
     }
     if ((err = chat_prompt(body, codec, prior, &req.messages, &req.prompts, fit, &req.trimmed_messages,

@@ -4,8 +4,11 @@
 // come out as the reference text, whole, streamed, and cut by stop strings.
 #include <catch2/catch.hpp>
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
+
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -131,4 +134,53 @@ TEST_CASE("model codec: /tokenize and /detokenize give the reference ids and tex
   CHECK(tj["tokens"] == direct.value());
   REQUIRE(tj["token_strs"].size() == direct.value().size());
   CHECK(tj["token_strs"][0] == "<|im_start|>");
+}
+
+TEST_CASE("model codec: the context policy drops the fewest turns a role-alternating template takes",
+          "[gateway][codec][context]") {
+  // The demo tokenizer with a template that refuses roles out of turn
+  // (tests/tokenizer/chat_templates/model_role.jinja, Gemma's).
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("moe-context-test-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  for (const char* f : {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"})
+    fs::copy_file(fs::path(kDemo) / f, dir / f, fs::copy_options::overwrite_existing);
+  fs::remove(dir / "model.safetensors");
+  fs::create_symlink(fs::absolute(fs::path(kDemo) / "model.safetensors"), dir / "model.safetensors");
+  fs::copy_file(fs::path(MOE_TEST_DATA) / ".." / "tokenizer" / "chat_templates" / "model_role.jinja",
+                dir / "chat_template.jinja", fs::copy_options::overwrite_existing);
+  auto codec = load_model_text_codec(dir.string());
+  REQUIRE(codec.ok());
+  json msgs = json::array({{{"role", "system"}, {"content", "Answer in one line."}}});
+  for (int i = 0; i < 20; ++i)
+    msgs.push_back({{"role", i % 2 ? "assistant" : "user"}, {"content", "message number " + std::to_string(i) + " of the chat"}});
+  msgs.push_back({{"role", "user"}, {"content", "and the last one"}});
+  auto full = codec.value()->encode_chat(msgs);
+  REQUIRE(full.ok());
+  // A context that holds all but about two turns' worth, less 16 for the answer.
+  const int ctx = static_cast<int>(full.value().size()) - 12 + 16;
+  auto kept_after = [&](int d) {  // the conversation without its first d non-system turns
+    json k = json::array({msgs[0]});
+    for (size_t i = 1 + size_t(d); i < msgs.size(); ++i) k.push_back(msgs[i]);
+    return k;
+  };
+  int expected = -1;
+  for (int d = 2; d <= 20 && expected < 0; d += 2) {
+    auto r = codec.value()->encode_chat(kept_after(d));
+    REQUIRE(r.ok());
+    if (static_cast<int>(r.value().size()) <= ctx - 16) expected = d;
+  }
+  REQUIRE(expected > 0);
+  TestGateway gw({}, {}, codec.value().get());
+  gw.scheduler().max_context_ = ctx;
+  gw.scheduler().set_script([](const SequenceRequest&, int) { return 4096; });
+  auto r = http(gw.port(), "POST", "/v1/chat/completions",
+                json{{"model", "demo-moe"}, {"messages", msgs}, {"max_tokens", 16}}.dump());
+  INFO(r.body);
+  REQUIRE(r.status == 200);
+  CHECK(json::parse(r.body)["usage"]["prompt_trimmed"]["messages"] == expected);
+  auto want = codec.value()->encode_chat(kept_after(expected));
+  REQUIRE(want.ok());
+  CHECK(gw.scheduler().submitted().back().prompt == want.value());
+  fs::remove_all(dir);
 }
