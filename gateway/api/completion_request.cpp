@@ -123,10 +123,10 @@ std::optional<ApiError> chat_prompt(const json& body, const TextCodec& codec, co
     auto fits = [&](const Result<std::vector<int32_t>>& r) {
       return r.ok() && static_cast<int64_t>(r.value().size()) <= fit;
     };
-    // The fewest turns that fit (the prompt shortens as the cut moves on),
-    // then from there the first cut the template accepts.
+    // The fewest turns that fit, by halving (the prompt shortens as the cut
+    // moves on; a cut the template refuses counts as not fitting).
     size_t lo = 0, hi = cuts.size();
-    std::optional<Result<std::vector<int32_t>>> at_hi;
+    std::optional<Result<std::vector<int32_t>>> at_hi;  // render(cuts[hi]) once hi < cuts.size()
     while (lo < hi) {
       const size_t mid = (lo + hi) / 2;
       auto r = render(cuts[mid]);
@@ -138,21 +138,12 @@ std::optional<ApiError> chat_prompt(const json& body, const TextCodec& codec, co
       }
     }
     std::optional<size_t> chosen;
-    for (size_t j = lo; j < cuts.size() && !chosen; ++j) {
-      if (j == hi && at_hi) {
-        chosen = j;
-        ids = std::move(*at_hi);
-        break;
-      }
-      auto r = render(cuts[j]);
-      if (fits(r)) {
-        chosen = j;
-        ids = std::move(r);
-      }
-    }
-    // Nothing leaves the room asked for: the most trimmed the template takes
-    // still goes on (the context check after says whether it can run at all).
-    if (!chosen && !cuts.empty()) {
+    if (hi < cuts.size()) {
+      chosen = hi;
+      ids = std::move(*at_hi);
+    } else if (!cuts.empty()) {
+      // Nothing leaves the room asked for: the most trimmed the template
+      // takes still goes on (the context check after says whether it can run).
       auto r = render(cuts.back());
       if (r.ok() && r.value().size() < ids.value().size()) {
         chosen = cuts.size() - 1;
