@@ -283,6 +283,8 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.pack_host), m.pack_bytes));
   MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.sampled_host), kMaxSampleRows * 4));
   MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.logits_host), size_t(kMaxSampleRows) * m.vocab * 4));
+  MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.adjust_host), kMaxPassAdjust * sizeof(TokenAdjust)));
+  MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.saved_host), kMaxPassAdjust * sizeof(float)));
   if (m.n_moe_layers > 0) {
     MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.tables_host), size_t(m.n_moe_layers) * m.n_experts * sizeof(void*)));
     MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.ids_host), size_t(m.n_moe_layers) * m.max_pass_tokens * m.top_k * 4));

@@ -69,6 +69,10 @@ using bf16 = __nv_bfloat16;
 
 inline constexpr int kBlockTokens = 16;
 inline constexpr int kMaxSampleRows = 64;  // sampled rows per forward pass
+// Token adjustments (docs/sampling.md) of one pass's sampled rows together;
+// a pass that would need more is split (one sequence has at most
+// protocol::kMaxTokenAdjust = 2^17).
+inline constexpr size_t kMaxPassAdjust = size_t(1) << 18;
 inline constexpr size_t kAlign = 256;
 inline constexpr size_t kDefaultMargin = size_t(512) << 20;  // free memory the default budget leaves
 // Device memory CUDA graphs take when instantiated (decode graphs per batch
@@ -210,6 +214,8 @@ struct CudaEngine::Impl {
   float *x = nullptr, *qkv = nullptr, *router_logits = nullptr, *route_w = nullptr, *h = nullptr;
   float *gu = nullptr, *tmp = nullptr, *xs = nullptr, *logits = nullptr, *inv_freq = nullptr;
   int32_t *route_ids = nullptr, *sampled = nullptr;
+  TokenAdjust* adjust_entries = nullptr;  // [kMaxPassAdjust]: the pass's token adjustments
+  float* adjust_saved = nullptr;          // [kMaxPassAdjust]: each entry's logit before it
   bf16 *xn = nullptr, *q = nullptr, *attn = nullptr, *mh = nullptr, *xsn = nullptr;
   const uint8_t** blob_tables = nullptr;  // [n_moe_layers, n_experts] device pointers
   void* grouped_ws = nullptr;
@@ -229,6 +235,8 @@ struct CudaEngine::Impl {
   int32_t* ids_host = nullptr;            // [n_moe_layers, max_pass_tokens, top_k]
   int32_t* sampled_host = nullptr;        // [kMaxSampleRows]
   float* logits_host = nullptr;           // [kMaxSampleRows, vocab]
+  TokenAdjust* adjust_host = nullptr;     // [kMaxPassAdjust]
+  float* saved_host = nullptr;            // [kMaxPassAdjust]
 
   // ---- Misses split between the link and the host (budget mode, decode)
   std::unique_ptr<HostExperts> host_x;   // null: every miss is copied
@@ -319,7 +327,7 @@ struct CudaEngine::Impl {
   // that a captured graph's pointers stay valid for every pass of that size).
   struct PassPack {
     size_t tokens = 0, positions = 0, seq_of_token = 0, routing_seq = 0, sample_rows = 0, sample_pos = 0,
-           params = 0, tables = 0, bytes = 0;
+           params = 0, adjust_spans = 0, tables = 0, bytes = 0;
   };
   PassPack pack_layout(int n, int s, int pieces) const {
     PassPack p;
@@ -336,6 +344,7 @@ struct CudaEngine::Impl {
     put(p.sample_rows, size_t(std::max(s, 1)) * 4);
     put(p.sample_pos, size_t(std::max(s, 1)) * 8);
     put(p.params, size_t(std::max(s, 1)) * sizeof(SampleDraw));
+    put(p.adjust_spans, size_t(std::max(s, 1)) * sizeof(AdjustSpan));
     put(p.tables, size_t(pieces) * max_blocks * 4);
     p.bytes = o;
     return p;
@@ -353,6 +362,8 @@ struct CudaEngine::Impl {
     if (ids_host) (void)cudaFreeHost(ids_host);
     if (sampled_host) (void)cudaFreeHost(sampled_host);
     if (logits_host) (void)cudaFreeHost(logits_host);
+    if (adjust_host) (void)cudaFreeHost(adjust_host);
+    if (saved_host) (void)cudaFreeHost(saved_host);
     for (void* p : {static_cast<void*>(xn_host), static_cast<void*>(rw_host), static_cast<void*>(hsum_host),
                     static_cast<void*>(split_ids_host)})
       if (p) (void)cudaFreeHost(p);

@@ -230,6 +230,10 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
   } else {
     MOE_TRY(project(lm_head, xsn, logits, s, false));
   }
+  // Always launched (a row without entries returns at once), so a decode
+  // graph serves steps with and without adjustments alike.
+  MOE_TRY(cuda::adjust_logits(logits, s, vocab, reinterpret_cast<const AdjustSpan*>(pack_dev + pk.adjust_spans),
+                              adjust_entries, adjust_saved, st));
   return cuda::sample_tokens(logits, s, vocab, reinterpret_cast<const SampleDraw*>(pack_dev + pk.params),
                              reinterpret_cast<const int64_t*>(pack_dev + pk.sample_pos), sampled, st);
 }

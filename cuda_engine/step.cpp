@@ -28,26 +28,33 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
   };
   std::vector<std::vector<Piece>> passes(1);
   int pass_tokens = 0, pass_samples = 0;
+  size_t pass_adjust = 0;  // token adjustments of the pass's sampled rows
   for (size_t i = 0; i < inputs.size(); ++i) {
     const SeqInput& in = inputs[i];
+    if (in.sampling.adjust.size() > kMaxPassAdjust)
+      return make_error("sequence " + std::to_string(in.seq_id) + ": more than " + std::to_string(kMaxPassAdjust) +
+                        " token adjustments");
     int done = 0;
     const int total = int(in.tokens.size());
     while (done < total) {
       if (pass_tokens == m.max_pass_tokens) {
         passes.emplace_back();
         pass_tokens = pass_samples = 0;
+        pass_adjust = 0;
       }
       const int c = std::min(total - done, m.max_pass_tokens - pass_tokens);
       const bool last = done + c == total;
       const bool sample = last && in.sample;
-      if (sample && pass_samples == kMaxSampleRows) {
+      if (sample && (pass_samples == kMaxSampleRows || pass_adjust + in.sampling.adjust.size() > kMaxPassAdjust)) {
         passes.emplace_back();
         pass_tokens = pass_samples = 0;
+        pass_adjust = 0;
         continue;
       }
       passes.back().push_back({i, done, c, sample});
       pass_tokens += c;
       pass_samples += sample ? 1 : 0;
+      if (sample) pass_adjust += in.sampling.adjust.size();
       done += c;
     }
   }
@@ -68,6 +75,8 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     auto* rows = reinterpret_cast<int32_t*>(m.pack_host + pk.sample_rows);
     auto* spos = reinterpret_cast<int64_t*>(m.pack_host + pk.sample_pos);
     auto* prm = reinterpret_cast<SampleDraw*>(m.pack_host + pk.params);
+    auto* spans = reinterpret_cast<AdjustSpan*>(m.pack_host + pk.adjust_spans);
+    uint32_t n_adjust = 0;
     auto* tab = reinterpret_cast<int32_t*>(m.pack_host + pk.tables);
     std::vector<size_t> sample_input;  // [s]: the input each sampled row answers
     int t = 0;
@@ -90,10 +99,17 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
         rows[r] = t - 1;
         spos[r] = int64_t(in.start_pos) + int64_t(in.tokens.size());
         prm[r] = in.sampling;  // the draw, as the kernel reads it
+        const std::vector<TokenAdjust>& adj = in.sampling.adjust;
+        spans[r] = {n_adjust, uint32_t(adj.size()), in.sampling.penalties};
+        std::copy(adj.begin(), adj.end(), m.adjust_host + n_adjust);
+        n_adjust += uint32_t(adj.size());
         sample_input.push_back(p.input);
       }
     }
     MOE_CUDA_TRY(cudaMemcpyAsync(m.pack_dev, m.pack_host, pk.bytes, cudaMemcpyHostToDevice, m.st));
+    if (n_adjust > 0)
+      MOE_CUDA_TRY(cudaMemcpyAsync(m.adjust_entries, m.adjust_host, size_t(n_adjust) * sizeof(TokenAdjust),
+                                   cudaMemcpyHostToDevice, m.st));
 
     // Resident decode steps replay a graph captured for their batch size
     // (from the second step of that size: the first runs eagerly and sets up
@@ -140,12 +156,21 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     }
 
     if (s > 0) MOE_CUDA_TRY(cudaMemcpyAsync(m.sampled_host, m.sampled, size_t(s) * 4, cudaMemcpyDeviceToHost, m.st));
+    // Rows whose log probabilities are reported come back whole, and with
+    // adjustments, the logits those replaced (put back below: raw values).
+    auto wants_row = [&](int r) {
+      const SeqInput& in = inputs[sample_input[size_t(r)]];
+      return in.sampling.logprobs || in.sampling.top_logprobs > 0 || in.score_token >= 0;
+    };
+    bool restore = false;
     for (int r = 0; r < s; ++r) {
-      const SamplingParams& sp = inputs[sample_input[size_t(r)]].sampling;
-      if (sp.logprobs || sp.top_logprobs > 0 || inputs[sample_input[size_t(r)]].score_token >= 0)
-        MOE_CUDA_TRY(cudaMemcpyAsync(m.logits_host + size_t(r) * m.vocab, m.logits + size_t(r) * m.vocab, size_t(m.vocab) * 4,
-                                     cudaMemcpyDeviceToHost, m.st));
+      if (!wants_row(r)) continue;
+      MOE_CUDA_TRY(cudaMemcpyAsync(m.logits_host + size_t(r) * m.vocab, m.logits + size_t(r) * m.vocab, size_t(m.vocab) * 4,
+                                   cudaMemcpyDeviceToHost, m.st));
+      restore = restore || spans[r].count > 0;
     }
+    if (restore)
+      MOE_CUDA_TRY(cudaMemcpyAsync(m.saved_host, m.adjust_saved, size_t(n_adjust) * 4, cudaMemcpyDeviceToHost, m.st));
     if (m.n_moe_layers > 0 && (m.all_resident || m.streaming))
       MOE_CUDA_TRY(cudaMemcpyAsync(m.ids_host, m.route_ids, size_t(m.n_moe_layers) * n * m.top_k * 4, cudaMemcpyDeviceToHost, m.st));
     MOE_CUDA_TRY(cudaStreamSynchronize(m.st));
@@ -176,7 +201,10 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
       SeqOutput& o = out[i];
       o.token = m.sampled_host[r];
       const SamplingParams& sp = inputs[i].sampling;
-      const float* row = m.logits_host + size_t(r) * m.vocab;
+      float* row = m.logits_host + size_t(r) * m.vocab;
+      if (restore && wants_row(r))
+        for (uint32_t e = spans[r].first; e < spans[r].first + spans[r].count; ++e)
+          row[m.adjust_host[e].token] = m.saved_host[e];
       if (sp.logprobs || sp.top_logprobs > 0) o.logprob = cpu::token_logprob(row, m.vocab, o.token);
       if (sp.top_logprobs > 0) o.top = cpu::top_logprobs(row, m.vocab, sp.top_logprobs);
       if (const int32_t st = inputs[i].score_token; st >= 0 && st < m.vocab) o.score_logprob = cpu::token_logprob(row, m.vocab, st);

@@ -275,6 +275,8 @@ void CudaEngine::Impl::carve_workspace(Carver& c) {
   xsn = c.take<bf16>(size_t(kMaxSampleRows) * hidden);
   logits = c.take<float>(size_t(kMaxSampleRows) * vocab);
   sampled = c.take<int32_t>(kMaxSampleRows);
+  adjust_entries = c.take<TokenAdjust>(kMaxPassAdjust);
+  adjust_saved = c.take<float>(kMaxPassAdjust);
   inv_freq = c.take<float>(size_t(d.head_dim / 2));
   pack_dev = c.take<uint8_t>(pack_bytes);
   trace_dev = trace_host.empty() ? nullptr : c.take<int16_t>(trace_host.size());

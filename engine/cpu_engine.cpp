@@ -76,6 +76,7 @@ Result<std::vector<SeqOutput>> CpuEngine::step(std::span<const SeqInput> inputs)
   pass_->run(b, logits.data(), counts.data(), nullptr);
 
   std::vector<SeqOutput> out(inputs.size());
+  std::vector<float> adjusted;
   for (size_t i = 0; i < inputs.size(); ++i) {
     const SeqInput& in = inputs[i];
     SeqOutput& o = out[i];
@@ -85,7 +86,13 @@ Result<std::vector<SeqOutput>> CpuEngine::step(std::span<const SeqInput> inputs)
     const float* row = logits.data() + logit_of[i] * V;
     // The draw is keyed by the position the new token will take.
     const int64_t pos = int64_t(in.start_pos) + int64_t(in.tokens.size());
-    o.token = cpu::sample_token(row, V, in.sampling, pos);
+    if (in.sampling.adjust.empty()) {
+      o.token = cpu::sample_token(row, V, in.sampling, pos);
+    } else {  // the draw sees the adjusted row; log probabilities stay the raw model's
+      adjusted.assign(row, row + V);
+      cpu::adjust_logits(adjusted.data(), V, in.sampling.adjust, in.sampling.penalties);
+      o.token = cpu::sample_token(adjusted.data(), V, in.sampling, pos);
+    }
     if (in.sampling.logprobs || in.sampling.top_logprobs > 0)
       o.logprob = cpu::token_logprob(row, V, o.token);
     if (in.sampling.top_logprobs > 0) o.top = cpu::top_logprobs(row, V, in.sampling.top_logprobs);

@@ -71,6 +71,9 @@ Admission StepAdmission::check(const SeqInput& in, int* net_blocks) {
   if (in.tokens.empty()) return {Refusal::invalid_input, "no tokens"};
   for (int32_t t : in.tokens)
     if (t < 0 || t >= vocab_) return {Refusal::invalid_input, "token id " + std::to_string(t) + " out of range"};
+  for (const TokenAdjust& a : in.sampling.adjust)
+    if (a.token < 0 || a.token >= vocab_)
+      return {Refusal::invalid_input, "adjusted token id " + std::to_string(a.token) + " out of range"};
   const int have = pool_.length(in.seq_id);
   if (in.start_pos != 0 && in.start_pos != have)
     return {have < 0 ? Refusal::unknown_sequence : Refusal::invalid_input,

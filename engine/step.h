@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/logit_adjust.h"
 #include "kernels/sample_draw.h"
 
 namespace moe {
@@ -15,6 +16,10 @@ namespace moe {
 struct SamplingParams : SampleDraw {
   int top_logprobs = 0;   // how many alternatives to report in SeqOutput::top
   bool logprobs = false;  // report the sampled token's log probability
+  // Applied to the row before the draw (docs/sampling.md): the penalties
+  // over the listed tokens, and their biases. Sorted by token, distinct.
+  Penalties penalties;
+  std::vector<TokenAdjust> adjust;
 };
 
 struct SeqInput {

@@ -8,7 +8,7 @@ namespace moe::protocol {
 
 // Sent in hello; a peer with another version is refused (error frame
 // version_mismatch, then close).
-inline constexpr uint32_t kProtocolVersion = 1;
+inline constexpr uint32_t kProtocolVersion = 2;  // 2: sampling penalties, biases, min_p
 
 // The command byte of a frame. Requests have the high bit clear; the reply to
 // request X is X | 0x80 where one exists. G = gateway, W = worker.

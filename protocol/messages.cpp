@@ -371,12 +371,19 @@ Result<WarmHints> decode_warm_hints(Payload p) {
 
 std::vector<uint8_t> encode_step(const StepRequest& m) {
   size_t tokens = 0;
-  for (const StepSequence& s : m.sequences) tokens += s.tokens.size();
+  for (const StepSequence& s : m.sequences) tokens += s.tokens.size() + 3 * s.sampling.adjust.size();
   FlatBufferBuilder b(128 + 96 * m.sequences.size() + 4 * tokens);
   std::vector<Offset<fb::StepSequence>> seqs;
   seqs.reserve(m.sequences.size());
+  std::vector<fb::TokenAdjust> adjust;
   for (const StepSequence& s : m.sequences) {
     auto tv = vec(b, s.tokens);
+    Offset<flatbuffers::Vector<const fb::TokenAdjust*>> av;
+    if (!s.sampling.adjust.empty()) {
+      adjust.clear();
+      for (const TokenAdjust& a : s.sampling.adjust) adjust.emplace_back(a.token, a.bias, a.output_count, a.in_prompt != 0);
+      av = b.CreateVectorOfStructs(adjust);
+    }
     fb::SamplingParamsBuilder sb(b);
     sb.add_temperature(s.sampling.temperature);
     sb.add_top_p(s.sampling.top_p);
@@ -384,6 +391,11 @@ std::vector<uint8_t> encode_step(const StepRequest& m) {
     sb.add_seed(s.sampling.seed);
     sb.add_logprobs(s.sampling.logprobs);
     sb.add_top_logprobs(s.sampling.top_logprobs);
+    sb.add_repetition_penalty(s.sampling.repetition_penalty);
+    sb.add_presence_penalty(s.sampling.presence_penalty);
+    sb.add_frequency_penalty(s.sampling.frequency_penalty);
+    sb.add_min_p(s.sampling.min_p);
+    if (!s.sampling.adjust.empty()) sb.add_adjust(av);
     auto sampling = sb.Finish();
     fb::StepSequenceBuilder qb(b);
     qb.add_seq_id(s.seq_id);
@@ -456,6 +468,32 @@ Result<StepRequest> decode_step(Payload p) {
           r.fail(id() + ": top_p must be in (0, 1]");
         if (o.top_logprobs > kMaxTopLogprobs)
           r.fail(id() + ": top_logprobs above " + std::to_string(kMaxTopLogprobs));
+        o.repetition_penalty = sp->repetition_penalty();
+        o.presence_penalty = sp->presence_penalty();
+        o.frequency_penalty = sp->frequency_penalty();
+        o.min_p = sp->min_p();
+        if (!finite(o.repetition_penalty) || o.repetition_penalty <= 0.0f)
+          r.fail(id() + ": repetition_penalty must be finite and > 0");
+        if (!finite(o.presence_penalty) || !finite(o.frequency_penalty))
+          r.fail(id() + ": presence_penalty and frequency_penalty must be finite");
+        if (!finite(o.min_p) || o.min_p < 0.0f || o.min_p > 1.0f) r.fail(id() + ": min_p must be in [0, 1]");
+        if (const auto* av = sp->adjust(); av && r.within(av->size(), kMaxTokenAdjust, "adjust")) {
+          o.adjust.reserve(av->size());
+          int64_t last = -1;
+          for (const fb::TokenAdjust* a : *av) {
+            if (a->token() <= last) {
+              r.fail(id() + ": adjust must be sorted by token, distinct, none negative");
+              break;
+            }
+            last = a->token();
+            // A bias is finite, or -inf (the token is banned).
+            if (std::isnan(a->bias()) || a->bias() == std::numeric_limits<float>::infinity()) {
+              r.fail(id() + ": adjust bias of token " + std::to_string(a->token()) + " must be finite or -inf");
+              break;
+            }
+            o.adjust.push_back({a->token(), a->bias(), a->output_count(), uint8_t(a->in_prompt() ? 1 : 0)});
+          }
+        }
       }
       if (!r.ok()) break;
       m.sequences.push_back(std::move(s));

@@ -22,6 +22,7 @@
 #include <variant>
 #include <vector>
 
+#include "kernels/logit_adjust.h"
 #include "model/result.h"
 #include "protocol/codes.h"
 #include "protocol/frame.h"
@@ -34,6 +35,7 @@ namespace moe::protocol {
 inline constexpr size_t kMaxStepSequences = 4096;
 inline constexpr size_t kMaxStepTokens = 65535;  // per step, all sequences (u16 usage counts)
 inline constexpr size_t kMaxTopLogprobs = 20;
+inline constexpr size_t kMaxTokenAdjust = 1 << 17;  // SamplingParams::adjust, per sequence
 inline constexpr size_t kMaxExpertsPerMessage = 65536;     // expert lists, hints, resident sets
 inline constexpr size_t kMaxExpertUsageEntries = 1 << 20;  // n_moe_layers * n_experts
 inline constexpr size_t kMaxReleaseSequences = 65536;
@@ -143,6 +145,12 @@ struct SamplingParams {
   uint64_t seed = 0;
   bool logprobs = false;     // report the sampled token's logprob
   uint8_t top_logprobs = 0;  // alternatives to report, 0..kMaxTopLogprobs
+  // Version 2 (docs/sampling.md). adjust: sorted by token, distinct.
+  float repetition_penalty = 1.0f;  // finite, > 0
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  float min_p = 0.0f;               // [0, 1]
+  std::vector<TokenAdjust> adjust;
   bool operator==(const SamplingParams&) const = default;
 };
 

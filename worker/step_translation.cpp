@@ -35,6 +35,9 @@ SeqInput input_of(const protocol::StepSequence& s) {
   in.sampling.seed = s.sampling.seed;
   in.sampling.logprobs = s.sampling.logprobs;
   in.sampling.top_logprobs = s.sampling.top_logprobs;
+  in.sampling.min_p = s.sampling.min_p;
+  in.sampling.penalties = {s.sampling.repetition_penalty, s.sampling.presence_penalty, s.sampling.frequency_penalty};
+  in.sampling.adjust = s.sampling.adjust;
   return in;
 }
 

@@ -31,6 +31,10 @@ int32_t sample_token(const float* logits, int vocab, const SampleDraw& p, int64_
   const double inv_t = 1.0 / p.temperature;
   std::vector<double> prob(vocab);
   for (int i = 0; i < vocab; ++i) prob[i] = std::exp((double(logits[i]) - mx) * inv_t);
+  // min_p: the best token's term is exp(0) = 1, so the cut is min_p itself.
+  if (p.min_p > 0.0f)
+    for (double& q : prob)
+      if (q < double(p.min_p)) q = 0.0;
   const double u = sample_uniform(p.seed, position);
 
   const bool limit_k = p.top_k > 0 && p.top_k < vocab;
@@ -75,6 +79,11 @@ int32_t sample_token(const float* logits, int vocab, const SampleDraw& p, int64_
     if (acc > target) return order[i];
   }
   return order[keep - 1];
+}
+
+void adjust_logits(float* logits, int vocab, std::span<const TokenAdjust> adjust, const Penalties& penalties) {
+  for (const TokenAdjust& a : adjust)
+    if (a.token >= 0 && a.token < vocab) logits[a.token] = adjusted_logit(logits[a.token], a, penalties);
 }
 
 static double log_sum_exp(const float* logits, int vocab) {

@@ -1,13 +1,15 @@
 #pragma once
 // Token selection from one row of logits: greedy, or a seeded draw after
-// temperature, top-k and top-p. The random number of a draw is a pure
+// temperature, min-p, top-k and top-p (docs/sampling.md has the order). The random number of a draw is a pure
 // function of (seed, position), so a sequence samples the same tokens
 // whether it runs alone or in a batch.
 
 #include <cstdint>
+#include <span>
 #include <utility>
 #include <vector>
 
+#include "kernels/logit_adjust.h"
 #include "kernels/sample_draw.h"
 
 namespace moe::cpu {
@@ -17,6 +19,10 @@ double sample_uniform(uint64_t seed, int64_t position);
 
 // logits: [vocab]. Greedy picks the highest logit (the lowest id among equals).
 int32_t sample_token(const float* logits, int vocab, const SampleDraw& p, int64_t position);
+
+// The penalties and biases of `adjust` applied to `logits` [vocab] in place
+// (adjusted_logit per listed token; ids outside the vocabulary are skipped).
+void adjust_logits(float* logits, int vocab, std::span<const TokenAdjust> adjust, const Penalties& penalties);
 
 // log softmax of the raw logits at `token`. logits: [vocab].
 float token_logprob(const float* logits, int vocab, int32_t token);

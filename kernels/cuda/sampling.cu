@@ -1,4 +1,6 @@
-// One block of 1024 threads per row. Top-k / top-p: a 4-pass radix select
+// One block of 1024 threads per row. Token adjustments: one block per row,
+// its threads over the row's entries (distinct tokens: no two write one
+// logit). Top-k / top-p: a 4-pass radix select
 // (8 bits a pass) finds the C-th largest logit, the tokens at or above it are
 // gathered, bitonic-sorted (logit desc, id asc), and the draw runs over them
 // in f64 like the CPU twin.
@@ -86,6 +88,13 @@ __global__ void __launch_bounds__(kThreads)
   }
   const double inv_t = 1.0 / double(p.temperature);
   const double mx = top.v;
+  // A token's unnormalised probability after temperature; min_p drops what
+  // is below min_p x the best token's (whose term is 1).
+  const double cut = double(p.min_p);
+  auto weight = [inv_t, mx, cut](float l) {
+    const double e = exp((double(l) - mx) * inv_t);
+    return e < cut ? 0.0 : e;
+  };
   const double u = uniform(p.seed, positions[blockIdx.x]);
   const bool limit_k = p.top_k > 0 && p.top_k < vocab;
   const bool limit_p = p.top_p < 1.f;
@@ -95,7 +104,7 @@ __global__ void __launch_bounds__(kThreads)
     const int per = (vocab + kThreads - 1) / kThreads;
     const int b0 = threadIdx.x * per, b1 = min(vocab, b0 + per);
     double s = 0.0;
-    for (int i = b0; i < b1; ++i) s += exp((double(row[i]) - mx) * inv_t);
+    for (int i = b0; i < b1; ++i) s += weight(row[i]);
     seg[threadIdx.x] = s;
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -115,7 +124,7 @@ __global__ void __launch_bounds__(kThreads)
     if (b0 < b1 && acc <= target && target < next) {
       int pick = b1 - 1;
       for (int i = b0; i < b1; ++i) {
-        acc += exp((double(row[i]) - mx) * inv_t);
+        acc += weight(row[i]);
         if (acc > target) {
           pick = i;
           break;
@@ -185,12 +194,12 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   for (int i = threadIdx.x; i < C; i += kThreads)
-    prob[i] = exp((double(row[~uint32_t(list[i] & 0xffffffffull)]) - mx) * inv_t);
+    prob[i] = weight(row[~uint32_t(list[i] & 0xffffffffull)]);
   if (limit_p && !limit_k) {
     // top-p alone: the threshold is top_p of the whole vocabulary's mass,
     // as on the CPU, even though only the candidates can be kept.
     double s = 0.0;
-    for (int i = threadIdx.x; i < vocab; i += kThreads) s += exp((double(row[i]) - mx) * inv_t);
+    for (int i = threadIdx.x; i < vocab; i += kThreads) s += weight(row[i]);
     seg[threadIdx.x] = s;
   }
   __syncthreads();
@@ -227,7 +236,31 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+__global__ void adjust_kernel(float* logits, int vocab, const AdjustSpan* spans, const TokenAdjust* entries,
+                              float* saved) {
+  detail::allow_next_grid();
+  detail::wait_prior_grid();
+  const AdjustSpan sp = spans[blockIdx.x];
+  float* row = logits + size_t(blockIdx.x) * vocab;
+  for (uint32_t e = sp.first + threadIdx.x; e < sp.first + sp.count; e += blockDim.x) {
+    const TokenAdjust a = entries[e];
+    if (a.token < 0 || a.token >= vocab) continue;
+    const float l = row[a.token];
+    saved[e] = l;
+    row[a.token] = adjusted_logit(l, a, sp.penalties);
+  }
+}
+
 }  // namespace
+
+Status adjust_logits(float* logits, int rows, int vocab, const AdjustSpan* spans, const TokenAdjust* entries,
+                     float* saved, cudaStream_t stream) {
+  MOE_CUDA_REQUIRE(logits && spans && entries && saved, "null pointer");
+  MOE_CUDA_REQUIRE(rows > 0 && vocab > 0, "rows and vocab must be positive");
+  MOE_CUDA_TRY(detail::launch_pdl(adjust_kernel, dim3(rows), dim3(256), 0, stream, logits, vocab, spans, entries, saved));
+  MOE_CUDA_LAUNCHED();
+  return {};
+}
 
 Status sample_tokens(const float* logits, int rows, int vocab, const SampleDraw* params,
                      const int64_t* positions, int32_t* tokens, cudaStream_t stream) {

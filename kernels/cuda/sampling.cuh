@@ -1,7 +1,7 @@
 #pragma once
 // Token selection on the GPU, the same rule as kernels/cpu/sampling.h:
 // greedy (temperature <= 0 or top_k == 1: the highest logit, lowest id among
-// equals), or a draw after temperature, top-k and top-p whose uniform number
+// equals), or a draw after temperature, min-p, top-k and top-p whose uniform number
 // is the CPU twin's sample_uniform(seed, position), so both pick the same
 // token from the same logits (up to rounding at a probability boundary).
 // Candidates for top-k / top-p are the kMaxCandidates best tokens: top_k
@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "kernels/logit_adjust.h"
 #include "kernels/sample_draw.h"
 #include "model/result.h"
 
@@ -23,6 +24,14 @@ constexpr int kMaxCandidates = 1024;
 // logits: [rows, vocab] f32; params, positions: [rows] (device); tokens: [rows].
 Status sample_tokens(const float* logits, int rows, int vocab, const SampleDraw* params,
                      const int64_t* positions, int32_t* tokens, cudaStream_t stream);
+
+// The token adjustments of docs/sampling.md, in place, before the draw:
+// row r's entries are entries[spans[r].first, + spans[r].count) (sorted,
+// distinct tokens), each listed logit's value before the change goes to
+// saved[entry] (the host puts them back for raw log probabilities). spans:
+// [rows]; all pointers on the device.
+Status adjust_logits(float* logits, int rows, int vocab, const AdjustSpan* spans, const TokenAdjust* entries,
+                     float* saved, cudaStream_t stream);
 
 // Greedy only: tokens[r] = argmax logits[r, :].
 Status argmax_tokens(const float* logits, int rows, int vocab, int32_t* tokens, cudaStream_t stream);

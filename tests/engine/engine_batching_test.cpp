@@ -56,9 +56,18 @@ TEST_CASE("sequences batched together give the same results as alone", "[engine]
         prompts.push_back(ints(*ref->find("p" + std::to_string(p) + ".input_ids")));
       std::vector<SamplingParams> sps(4);
       sps[0].temperature = 0;
-      sps[1] = {0.8f, 0.9f, 0, 11, 3, true};
-      sps[2] = {1.2f, 1.0f, 20, 12, 3, true};
-      sps[3] = {1.0f, 1.0f, 0, 13, 3, true};
+      auto draw = [](float temperature, float top_p, int top_k, uint64_t seed) {
+        SamplingParams sp;
+        sp.temperature = temperature;
+        sp.top_p = top_p;
+        sp.top_k = top_k;
+        sp.seed = seed;
+        sp.logprobs = true;
+        return sp;
+      };
+      sps[1] = draw(0.8f, 0.9f, 0, 11);
+      sps[2] = draw(1.2f, 1.0f, 20, 12);
+      sps[3] = draw(1.0f, 1.0f, 0, 13);
       for (auto& sp : sps) sp.top_logprobs = 3;
       const int steps = 6;
       std::vector<Trace> alone;
@@ -110,7 +119,10 @@ TEST_CASE("sequences batched together give the same results as alone", "[engine]
 TEST_CASE("seeded sampling is reproducible and depends on the seed", "[engine][sampling]") {
   auto e = make_engine(fixture_dir("qwen3_moe"));
   const std::vector<int32_t> prompt = {5, 17, 300, 42};
-  SamplingParams sp{1.0f, 0.95f, 0, 1234, 0, true};
+  SamplingParams sp;
+  sp.top_p = 0.95f;
+  sp.seed = 1234;
+  sp.logprobs = true;
   const Trace a = run_alone(*e, 1, prompt, sp, 16);
   const Trace b = run_alone(*e, 2, prompt, sp, 16);
   CHECK(a.tokens == b.tokens);

@@ -6,6 +6,8 @@
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <limits>
+#include <map>
 #include <cstring>
 #include <random>
 #include <set>
@@ -263,6 +265,92 @@ TEST_CASE("sampling: greedy, seeded determinism, top-k and top-p limits", "[kern
   auto top = top_logprobs(two, 2, 1);
   REQUIRE(top.size() == 1);
   REQUIRE(top[0].first == 1);
+}
+
+// The penalties as their sources define them, from the token lists, not from
+// an adjustment list: transformers' repetition penalty over prompt and
+// output, OpenAI's presence/frequency penalties over the output only.
+static std::vector<float> penalised_reference(std::vector<float> logits, const std::vector<int32_t>& prompt,
+                                              const std::vector<int32_t>& output, float repetition, float presence,
+                                              float frequency, const std::map<int32_t, float>& bias) {
+  std::set<int32_t> seen(prompt.begin(), prompt.end());
+  seen.insert(output.begin(), output.end());
+  for (int32_t t : seen) {
+    float& l = logits[size_t(t)];
+    l = l < 0 ? l * repetition : l / repetition;
+  }
+  std::map<int32_t, int> count;
+  for (int32_t t : output) ++count[t];
+  for (auto [t, c] : count) logits[size_t(t)] -= frequency * float(c) + presence;
+  for (auto [t, b] : bias) logits[size_t(t)] += b;
+  return logits;
+}
+
+TEST_CASE("token adjustments: penalties and biases as their definitions give them", "[kernels][sampling]") {
+  const int vocab = 300;
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int32_t> tok(0, vocab - 1);
+  for (int round = 0; round < 20; ++round) {
+    INFO("round " << round);
+    const auto logits = random_vec(vocab, 100 + round, 4.0f);
+    std::vector<int32_t> prompt(40), output(25);
+    for (auto& t : prompt) t = tok(rng);
+    for (auto& t : output) t = tok(rng) % 60;  // repeats
+    std::map<int32_t, float> bias{{tok(rng), 5.0f}, {tok(rng), -100.0f}, {output[0], 1.5f}};
+    const float rep = round % 3 == 0 ? 1.0f : 1.1f + 0.05f * float(round);
+    const float presence = 0.1f * float(round % 5), frequency = -0.3f + 0.07f * float(round);
+    const auto want = penalised_reference(logits, prompt, output, rep, presence, frequency, bias);
+
+    // The list the gateway would send: every distinct token of prompt,
+    // output and bias, sorted.
+    std::map<int32_t, moe::TokenAdjust> list;
+    for (int32_t t : prompt) list[t].in_prompt = 1;
+    for (int32_t t : output) ++list[t].output_count;
+    for (auto [t, b] : bias) list[t].bias = b;
+    std::vector<moe::TokenAdjust> adjust;
+    for (auto& [t, a] : list) {
+      a.token = t;
+      adjust.push_back(a);
+    }
+    auto got = logits;
+    adjust_logits(got.data(), vocab, adjust, {rep, presence, frequency});
+    for (int i = 0; i < vocab; ++i) REQUIRE(got[size_t(i)] == Approx(want[size_t(i)]).margin(1e-5));
+  }
+  // -inf bans a token from greedy and from every draw.
+  auto logits = random_vec(vocab, 7, 3.0f);
+  const int best = int(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  std::vector<moe::TokenAdjust> ban{{best, -std::numeric_limits<float>::infinity(), 0, 0}};
+  adjust_logits(logits.data(), vocab, ban, {});
+  REQUIRE(sample_token(logits.data(), vocab, {0.0f, 1.0f, 0, 1}, 0) != best);
+  for (int pos = 0; pos < 500; ++pos) REQUIRE(sample_token(logits.data(), vocab, {1.5f, 1.0f, 0, 9}, pos) != best);
+}
+
+TEST_CASE("min_p keeps tokens at or above min_p times the best one's probability", "[kernels][sampling]") {
+  // p = 0.5, 0.3, 0.15, 0.05 at temperature 1.
+  const float l[4] = {std::log(0.5f), std::log(0.3f), std::log(0.15f), std::log(0.05f)};
+  for (float min_p : {0.0f, 0.2f, 0.5f, 1.0f}) {
+    INFO("min_p " << min_p);
+    moe::SampleDraw p{1.0f, 1.0f, 0, 11};
+    p.min_p = min_p;
+    double kept_mass = 0;
+    auto kept = [&](int i) { return std::exp(double(l[i]) - double(l[0])) >= double(min_p); };
+    for (int i = 0; i < 4; ++i)
+      if (kept(i)) kept_mass += std::exp(double(l[i]));
+    int count[4] = {0, 0, 0, 0};
+    const int n = 20000;
+    for (int pos = 0; pos < n; ++pos) ++count[sample_token(l, 4, p, pos)];
+    for (int i = 0; i < 4; ++i) {
+      const double want = kept(i) ? std::exp(double(l[i])) / kept_mass : 0.0;
+      REQUIRE(double(count[i]) / n == Approx(want).margin(0.012));
+      if (!kept(i)) REQUIRE(count[i] == 0);
+    }
+  }
+  // After temperature: at T = 2 the cut is on the flattened probabilities.
+  moe::SampleDraw p{2.0f, 1.0f, 0, 3};
+  p.min_p = 0.5f;  // kept: exp((l - l_max) / 2) >= 0.5, i.e. p_i / p_max >= 0.25: tokens 0, 1 and 2
+  std::set<int> seen;
+  for (int pos = 0; pos < 3000; ++pos) seen.insert(sample_token(l, 4, p, pos));
+  REQUIRE(seen == std::set<int>{0, 1, 2});
 }
 
 TEST_CASE("thread pool runs every index once", "[kernels][threads]") {

@@ -8,9 +8,11 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "kernels/cpu/activation.h"
@@ -983,6 +985,91 @@ TEST_CASE("cuda sampling picks the CPU twin's token", "[cuda][sampling]") {
       CHECK(dt.get() == ref);
       CHECK(ref[0] == 5);
     }
+  }
+}
+
+TEST_CASE("cuda token adjustments and min_p match the CPU twin", "[cuda][sampling]") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(23);
+  const int rows = 12, vocab = 151936;
+  auto logits = randn(size_t(rows) * vocab, rng, 3.f);
+  // Row r: 0, 1, ... 2000 distinct sorted tokens with counts, prompt flags,
+  // biases and bans; row 3 none at all.
+  std::vector<moe::AdjustSpan> spans(rows);
+  std::vector<moe::TokenAdjust> entries;
+  std::uniform_int_distribution<int> gap(1, 60), cnt(0, 4), coin(0, 1);
+  for (int r = 0; r < rows; ++r) {
+    spans[r].first = uint32_t(entries.size());
+    spans[r].penalties = {1.0f + 0.1f * float(r % 4), 0.2f * float(r % 3), 0.15f * float(r % 5)};
+    const int n = r == 3 ? 0 : (r * 173) % 2001;
+    int32_t t = 0;
+    for (int i = 0; i < n && t + 60 < vocab; ++i) {
+      t += gap(rng);
+      moe::TokenAdjust a{t, 0.0f, uint16_t(cnt(rng)), uint8_t(coin(rng))};
+      if (i % 7 == 0) a.bias = float(gap(rng)) - 30.0f;
+      if (i % 97 == 5) a.bias = -std::numeric_limits<float>::infinity();
+      entries.push_back(a);
+    }
+    spans[r].count = uint32_t(entries.size()) - spans[r].first;
+  }
+  // The best token of row 0 banned: the draw must go elsewhere.
+  {
+    const float* row0 = logits.data();
+    const int32_t best = int32_t(std::max_element(row0, row0 + vocab) - row0);
+    auto at = std::lower_bound(entries.begin(), entries.begin() + spans[0].count, best,
+                               [](const moe::TokenAdjust& a, int32_t v) { return a.token < v; });
+    if (at != entries.begin() + spans[0].count && at->token == best) {
+      at->bias = -std::numeric_limits<float>::infinity();
+    } else {
+      entries.insert(at, {best, -std::numeric_limits<float>::infinity(), 0, 0});
+      ++spans[0].count;
+      for (int r = 1; r < rows; ++r) ++spans[r].first;
+    }
+  }
+  std::vector<float> ref = logits;
+  for (int r = 0; r < rows; ++r)
+    moe::cpu::adjust_logits(ref.data() + size_t(r) * vocab, vocab,
+                            std::span(entries.data() + spans[r].first, spans[r].count), spans[r].penalties);
+  Dev<float> dl(logits), dsaved(std::max<size_t>(entries.size(), 1));
+  Dev<moe::AdjustSpan> ds(spans);
+  Dev<moe::TokenAdjust> de(entries);
+  REQUIRE_OK(moe::cuda::adjust_logits(dl.p, rows, vocab, ds.p, de.p, dsaved.p, nullptr));
+  {  // the same rule; a fused multiply-add on the device may round the last bit differently
+    const auto got = dl.get();
+    size_t off = 0;
+    for (size_t i = 0; i < got.size(); ++i)
+      if (got[i] != ref[i] && !(std::abs(got[i] - ref[i]) <= 1e-6f * std::max(1.f, std::abs(ref[i])))) ++off;
+    CHECK(off == 0);
+  }
+  const auto saved = dsaved.get();
+  for (int r = 0; r < rows; ++r)
+    for (uint32_t e = spans[r].first; e < spans[r].first + spans[r].count; ++e)
+      REQUIRE(saved[e] == logits[size_t(r) * vocab + size_t(entries[e].token)]);
+
+  // The draw with min_p (alone, with top-k, with top-p) over the adjusted rows.
+  struct Cfg {
+    float temperature, top_p, min_p;
+    int top_k;
+  };
+  for (const Cfg c : {Cfg{0.f, 1.f, 0.f, 0}, Cfg{1.f, 1.f, 0.05f, 0}, Cfg{0.7f, 1.f, 0.2f, 40}, Cfg{1.2f, 0.9f, 0.01f, 0},
+                      Cfg{1.f, 1.f, 1.f, 0}}) {
+    INFO("T " << c.temperature << " top_p " << c.top_p << " min_p " << c.min_p << " top_k " << c.top_k);
+    std::vector<moe::SampleDraw> params(rows);
+    std::vector<int64_t> positions(rows);
+    std::vector<int32_t> want(rows);
+    for (int r = 0; r < rows; ++r) {
+      params[r] = {c.temperature, c.top_p, c.top_k, uint64_t(77 + r)};
+      params[r].min_p = c.min_p;
+      positions[r] = 5 * r + 2;
+      want[r] = moe::cpu::sample_token(ref.data() + size_t(r) * vocab, vocab, params[r], positions[r]);
+    }
+    Dev<moe::SampleDraw> dp(params);
+    Dev<int64_t> dpos(positions);
+    Dev<int32_t> dt(rows);
+    REQUIRE_OK(moe::cuda::sample_tokens(dl.p, rows, vocab, dp.p, dpos.p, dt.p, nullptr));
+    CHECK(dt.get() == want);
+    const float* row0 = logits.data();
+    CHECK(want[0] != int32_t(std::max_element(row0, row0 + vocab) - row0));
   }
 }
 

@@ -83,7 +83,7 @@ TEST_CASE("each message type maps to its fixed command byte") {
 TEST_CASE("a hello written by flatc from JSON decodes to the JSON's values") {
   auto h = decode_hello(read_golden("hello.bin"));
   REQUIRE(h.ok());
-  CHECK(h->protocol_version == 1);
+  CHECK(h->protocol_version == 2);
   CHECK(h->role == Role::worker);
   CHECK(h->model_id == "demo-moe");
   CHECK(h->backend == "cuda");
@@ -131,6 +131,21 @@ TEST_CASE("a step written by flatc decodes with the schema's defaults filled in"
   CHECK(b.sampling.seed == 3);
   CHECK(b.sampling.logprobs);
   CHECK(b.sampling.top_logprobs == 5);
+  CHECK(b.sampling.repetition_penalty == 1.3f);
+  CHECK(b.sampling.presence_penalty == 0.5f);
+  CHECK(b.sampling.frequency_penalty == -0.25f);
+  CHECK(b.sampling.min_p == 0.05f);
+  REQUIRE(b.sampling.adjust.size() == 2);
+  CHECK((b.sampling.adjust[0] == moe::TokenAdjust{13, 2.5f, 3, 1}));
+  CHECK(b.sampling.adjust[1].token == 151643);
+  CHECK(b.sampling.adjust[1].bias == -std::numeric_limits<float>::infinity());
+  CHECK(b.sampling.adjust[1].output_count == 0);
+  CHECK(b.sampling.adjust[1].in_prompt == 0);
+  // Absent (a version-1 writer): no penalties, no list.
+  CHECK(a.sampling.repetition_penalty == 1.0f);
+  CHECK(a.sampling.presence_penalty == 0.0f);
+  CHECK(a.sampling.min_p == 0.0f);
+  CHECK(a.sampling.adjust.empty());
 }
 
 TEST_CASE("a step sequence's route bucket round-trips; without one it reads 0") {
@@ -294,6 +309,33 @@ TEST_CASE("step sanity limits are refused with a message") {
     s = one_sequence_step();
     s.sequences[0].sampling.top_logprobs = kMaxTopLogprobs + 1;
     CHECK(step_error(s).find("top_logprobs") != std::string::npos);
+    s = one_sequence_step();
+    s.sequences[0].sampling.repetition_penalty = 0.0f;
+    CHECK(step_error(s).find("repetition_penalty") != std::string::npos);
+    s = one_sequence_step();
+    s.sequences[0].sampling.frequency_penalty = std::numeric_limits<float>::infinity();
+    CHECK(step_error(s).find("frequency_penalty") != std::string::npos);
+    s = one_sequence_step();
+    s.sequences[0].sampling.min_p = 1.5f;
+    CHECK(step_error(s).find("min_p") != std::string::npos);
+  }
+  SECTION("token adjustments: sorted, distinct, bounded, biases finite or -inf") {
+    StepRequest s = one_sequence_step();
+    s.sequences[0].sampling.adjust = {{5, 1.0f, 0, 0}, {5, 2.0f, 0, 0}};
+    CHECK(step_error(s).find("sorted") != std::string::npos);
+    s.sequences[0].sampling.adjust = {{9, 1.0f, 0, 0}, {4, 2.0f, 0, 0}};
+    CHECK(step_error(s).find("sorted") != std::string::npos);
+    s.sequences[0].sampling.adjust = {{-1, 1.0f, 0, 0}};
+    CHECK(step_error(s).find("sorted") != std::string::npos);
+    s.sequences[0].sampling.adjust = {{4, std::numeric_limits<float>::infinity(), 0, 0}};
+    CHECK(step_error(s).find("finite or -inf") != std::string::npos);
+    s.sequences[0].sampling.adjust = {{4, std::nanf(""), 0, 0}};
+    CHECK(step_error(s).find("finite or -inf") != std::string::npos);
+    s.sequences[0].sampling.adjust.clear();
+    for (int32_t t = 0; t <= int32_t(kMaxTokenAdjust); ++t) s.sequences[0].sampling.adjust.push_back({t, 1.0f, 0, 0});
+    CHECK(step_error(s).find("adjust") != std::string::npos);
+    s.sequences[0].sampling.adjust.pop_back();
+    CHECK(decode_step(encode_step(s)).ok());
   }
 }
 

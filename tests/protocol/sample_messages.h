@@ -3,6 +3,7 @@
 // default, drawn from a seeded generator so a failure replays exactly.
 
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -96,6 +97,18 @@ class SampleMessages {
       q.sampling.seed = u64();
       q.sampling.logprobs = coin();
       q.sampling.top_logprobs = static_cast<uint8_t>(pick(0, kMaxTopLogprobs));
+      if (coin()) {
+        q.sampling.repetition_penalty = static_cast<float>(pick(50, 200)) / 100.0f;
+        q.sampling.presence_penalty = static_cast<float>(pick(0, 400)) / 100.0f - 2.0f;
+        q.sampling.frequency_penalty = static_cast<float>(pick(0, 400)) / 100.0f - 2.0f;
+        q.sampling.min_p = static_cast<float>(pick(0, 100)) / 100.0f;
+        int32_t tok = 0;
+        for (size_t a = 0, na = pick(0, 30); a < na; ++a) {
+          tok += static_cast<int32_t>(pick(1, 5000));
+          const float bias = coin() ? -std::numeric_limits<float>::infinity() : static_cast<float>(pick(0, 200)) - 100.0f;
+          q.sampling.adjust.push_back({tok, bias, static_cast<uint16_t>(pick(0, 9)), static_cast<uint8_t>(coin())});
+        }
+      }
       q.route_bucket = coin() ? u64() : 0;
       s.sequences.push_back(std::move(q));
     }
