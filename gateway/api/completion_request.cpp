@@ -370,6 +370,66 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
     req.ignore_eos = ignore_eos.value_or(false);
   }
 
+  // Penalties, min_p, logit_bias and min_tokens (docs/sampling.md).
+  {
+    std::optional<double> presence, frequency, repetition, min_p;
+    std::optional<int64_t> min_tokens;
+    if ((err = read_number(body, "presence_penalty", &presence)) ||
+        (err = read_number(body, "frequency_penalty", &frequency)) ||
+        (err = read_number(body, "repetition_penalty", &repetition)) || (err = read_number(body, "min_p", &min_p)) ||
+        (err = read_int(body, "min_tokens", &min_tokens)))
+      return *err;
+    for (auto [name, v] : {std::pair{"presence_penalty", presence}, std::pair{"frequency_penalty", frequency}})
+      if (v && !(*v >= -2.0 && *v <= 2.0))
+        return invalid_param(name, std::string("'") + name + "' must be between -2 and 2.", "invalid_value");
+    if (repetition && !(*repetition > 0.0 && *repetition <= 100.0))
+      return invalid_param("repetition_penalty", "'repetition_penalty' must be greater than 0 and at most 100.",
+                           "invalid_value");
+    if (min_p && !(*min_p >= 0.0 && *min_p <= 1.0))
+      return invalid_param("min_p", "'min_p' must be between 0 and 1.", "invalid_value");
+    if (min_tokens && *min_tokens < 0)
+      return invalid_param("min_tokens", "'min_tokens' must be at least 0.", "invalid_value");
+    const std::optional<int64_t> max_asked = max_completion_tokens ? max_completion_tokens : max_tokens;
+    if (min_tokens && max_asked && *min_tokens > *max_asked)
+      return invalid_param("min_tokens", "'min_tokens' (" + std::to_string(*min_tokens) + ") must not exceed '" +
+                                             (max_completion_tokens ? "max_completion_tokens" : "max_tokens") + "' (" +
+                                             std::to_string(*max_asked) + ").",
+                           "invalid_value");
+    req.sampling.presence_penalty = static_cast<float>(presence.value_or(0.0));
+    req.sampling.frequency_penalty = static_cast<float>(frequency.value_or(0.0));
+    req.sampling.repetition_penalty = static_cast<float>(repetition.value_or(1.0));
+    req.sampling.min_p = static_cast<float>(min_p.value_or(0.0));
+    req.min_tokens = static_cast<int>(std::min<int64_t>(min_tokens.value_or(0), std::numeric_limits<int>::max()));
+
+    if (const json* bias = member(body, "logit_bias")) {
+      if (!bias->is_object()) return *wrong_type("logit_bias", "an object mapping token ids to biases");
+      if (bias->size() > 1024)
+        return invalid_param("logit_bias", "'logit_bias' may hold at most 1024 tokens.", "invalid_value");
+      for (const auto& [key, value] : bias->items()) {
+        int64_t id = -1;
+        const bool digits = !key.empty() && key.size() <= 10 &&
+                            std::all_of(key.begin(), key.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+        if (digits) id = std::stoll(key);
+        if (!digits || id >= codec.vocab_size())
+          return invalid_param("logit_bias", "'logit_bias' key '" + key + "' is not a token id of the vocabulary [0, " +
+                                                 std::to_string(codec.vocab_size()) + ").",
+                               "invalid_value");
+        if (!value.is_number() || !(value.get<double>() >= -100.0 && value.get<double>() <= 100.0))
+          return invalid_param("logit_bias", "'logit_bias' values must be numbers between -100 and 100 (token " + key +
+                                                 ").",
+                               "invalid_value");
+        req.logit_bias.emplace_back(static_cast<int32_t>(id), static_cast<float>(value.get<double>()));
+      }
+      std::sort(req.logit_bias.begin(), req.logit_bias.end());
+      // "7" and "007" name one token.
+      for (size_t i = 1; i < req.logit_bias.size(); ++i)
+        if (req.logit_bias[i].first == req.logit_bias[i - 1].first)
+          return invalid_param("logit_bias", "'logit_bias' names token " + std::to_string(req.logit_bias[i].first) +
+                                                 " twice.",
+                               "invalid_value");
+    }
+  }
+
   if (const json* opts = member(body, "stream_options")) {
     if (!opts->is_object()) return *wrong_type("stream_options", "an object");
     if (!stream.value_or(false)) {

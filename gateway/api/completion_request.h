@@ -35,6 +35,10 @@ struct CompletionRequest {
   // and `ignore_eos`: the model's EOS / end-of-turn ids do not end it.
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
+  // Token controls (docs/sampling.md; penalties and min_p are in `sampling`):
+  // logit_bias by token id, sorted; min_tokens before a stop id or string may end a choice.
+  std::vector<std::pair<int32_t, float>> logit_bias;
+  int min_tokens = 0;
   int n = 1;
   bool stream = false;
   bool include_usage = false;

@@ -178,6 +178,8 @@ void Generation::begin(uint64_t seed) {
     sr.sampling = req_.sampling;
     sr.sampling.seed = seed + static_cast<uint64_t>(c->index);
     sr.stop_ids = stop_ids_;
+    sr.logit_bias = req_.logit_bias;
+    sr.min_tokens = req_.min_tokens;
     sr.group = ctx_.request_serial;
     c->last_token_ns = ctx_.start_ns;
     c->seq = ctx_.scheduler->submit(std::move(sr), c.get());
@@ -211,7 +213,9 @@ void Generation::token(Choice& c, const TokenEvent& ev) {
     }
   }
   std::string piece = stop_id ? std::string() : c.decoder->push(ev.token);
-  StopMatcher::Step step = c.matcher.push(piece);
+  // Stop strings count from the min_tokens-th token on (the text before it
+  // passes the matcher unseen, as the stop ids are banned until then).
+  StopMatcher::Step step = c.tokens <= req_.min_tokens ? StopMatcher::Step{piece, false} : c.matcher.push(piece);
   if (!hold(step.text.size())) return;
   c.text_bytes += step.text.size();
   const json* lp = chunk_logprobs.is_null() ? nullptr : &chunk_logprobs;

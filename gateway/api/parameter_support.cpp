@@ -33,9 +33,6 @@ bool never(const json&) { return false; }
 const std::vector<Entry>& table() {
   static const std::vector<Entry> t = {
       // OpenAI, both endpoints
-      {{"frequency_penalty", "both", "0"}, Apis::both, [](const json& v) { return is_number(v, 0); }},
-      {{"presence_penalty", "both", "0"}, Apis::both, [](const json& v) { return is_number(v, 0); }},
-      {{"logit_bias", "both", "{}"}, Apis::both, is_empty},
       // OpenAI, completions
       {{"suffix", "completions", "\"\""}, Apis::completions, is_empty},
       // OpenAI, chat
@@ -55,9 +52,6 @@ const std::vector<Entry>& table() {
       {{"verbosity", "chat", "\"medium\""}, Apis::chat, [](const json& v) { return is_one_of(v, {"medium"}); }},
       {{"store", "chat", "false (nothing is stored)"}, Apis::chat, [](const json& v) { return is_bool(v, false); }},
       // Other servers' sampling and template extensions
-      {{"repetition_penalty", "both", "1"}, Apis::both, [](const json& v) { return is_number(v, 1); }},
-      {{"min_p", "both", "0"}, Apis::both, [](const json& v) { return is_number(v, 0); }},
-      {{"min_tokens", "both", "0"}, Apis::both, [](const json& v) { return is_number(v, 0); }},
       {{"bad_words", "both", "[]"}, Apis::both, is_empty},
       {{"use_beam_search", "both", "false"}, Apis::both, [](const json& v) { return is_bool(v, false); }},
       {{"length_penalty", "both", "1"}, Apis::both, [](const json& v) { return is_number(v, 1); }},

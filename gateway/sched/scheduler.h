@@ -27,6 +27,11 @@ struct SequenceRequest {
   int max_new_tokens = 16;
   Sampling sampling;
   std::vector<int32_t> stop_ids;  // generation ends after emitting one of these (EOS)
+  // Token controls (docs/sampling.md; the penalties and min_p are in
+  // `sampling`): biases by token id (sorted, distinct), and how many tokens
+  // come before a stop id may (the stop ids are banned until then).
+  std::vector<std::pair<int32_t, float>> logit_bias;
+  int min_tokens = 0;
   // The request it belongs to (its choices share it): waiting sequences are
   // admitted round-robin across groups, so a request of many choices cannot
   // hold back the requests that came after it.

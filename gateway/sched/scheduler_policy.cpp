@@ -62,6 +62,7 @@ std::vector<size_t> BatchPolicy::admission_order(size_t limit) const {
 void BatchPolicy::add(uint64_t id, SequenceRequest req, SequenceHints hints) {
   Seq s;
   s.context = req.prompt;
+  s.controls = TokenControls(req, {});
   count_group(req.group, +1);
   s.req = std::move(req);
   s.hints = std::move(hints);
@@ -190,6 +191,7 @@ StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected) {
     if (int(s.context.size()) - s.on_worker != 1) continue;
     free_blocks -= blocks_for(s.on_worker + 1) - blocks_for(s.on_worker);
     plan.chunks.push_back({id, {s.context.back()}, s.on_worker, true, s.req.sampling, s.hints.route_tag});
+    plan.chunks.back().sampling.adjust = s.controls.next(s.req, int(s.generated.size()));
     --budget;
   }
   // The experts this step already touches (grouped batching adds to it).
@@ -211,6 +213,7 @@ StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected) {
     c.tokens.assign(s.context.begin() + s.on_worker, s.context.begin() + s.on_worker + n);
     c.sample = n == remaining;
     c.sampling = s.req.sampling;
+    if (c.sample) c.sampling.adjust = s.controls.next(s.req, int(s.generated.size()));
     c.route_tag = s.hints.route_tag;
     free_blocks -= blocks_for(s.on_worker + n) - blocks_for(s.on_worker);
     budget -= n;
@@ -316,6 +319,7 @@ std::vector<SequenceUpdate> BatchPolicy::apply(const StepPlan& plan, const std::
         u.tokens.push_back(ev);
         s.generated.push_back(ev.token);
         s.context.push_back(ev.token);
+        s.controls.generated(ev.token);
         const auto& stop = s.req.stop_ids;
         if (std::find(stop.begin(), stop.end(), ev.token) != stop.end()) {
           u.finished = true;
@@ -375,6 +379,7 @@ void BatchPolicy::add_resumed(SequenceState st, bool front) {
   s.context = st.req.prompt;
   s.context.insert(s.context.end(), st.generated.begin(), st.generated.end());
   s.generated = std::move(st.generated);
+  s.controls = TokenControls(st.req, s.generated);
   count_group(st.req.group, +1);
   s.req = std::move(st.req);
   s.hints = std::move(st.hints);

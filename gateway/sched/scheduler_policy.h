@@ -33,6 +33,7 @@
 
 #include "gateway/predict/expert_set.h"
 #include "gateway/sched/scheduler.h"
+#include "gateway/sched/token_controls.h"
 
 namespace moe::gw {
 
@@ -158,6 +159,7 @@ class BatchPolicy {
     SequenceHints hints;
     int skips = 0;                   // passed over by grouped batching
     bool front = false;              // put back at the front: admitted before the round-robin
+    TokenControls controls;          // what each sampled chunk's adjustment list is made of
   };
   // Up to `limit` waiting sequences as positions in waiting_, in the order
   // admission considers them: those put back at the front, then round-robin

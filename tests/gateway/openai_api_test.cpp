@@ -2,6 +2,7 @@
 // chunk shapes, stop strings, n > 1, usage, errors, health, metrics,
 // cancellation.
 #include <catch2/catch.hpp>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -339,15 +340,9 @@ TEST_CASE("api: a parameter not honoured is refused when it asks for something, 
       {"response_format", schema},
       {"tools", json::array({tool})},
       {"tool_choice", "required"},
-      {"frequency_penalty", 0.5},
-      {"presence_penalty", -1},
-      {"logit_bias", {{"42", -100}}},
       {"reasoning_effort", "low"},
       {"audio", {{"voice", "x"}, {"format", "wav"}}},
       {"modalities", {"text", "audio"}},
-      {"repetition_penalty", 1.2},
-      {"min_p", 0.1},
-      {"min_tokens", 4},
       {"guided_json", {{"type", "object"}}},
       {"store", true},
       {"allowed_token_ids", {1, 2}},
@@ -358,7 +353,7 @@ TEST_CASE("api: a parameter not honoured is refused when it asks for something, 
     check_error(post(gw, "/v1/chat/completions", chat("x", {{name, value}})), 400, name.c_str(), "unsupported_parameter");
   }
   for (const auto& [name, value] : std::vector<std::pair<std::string, json>>{
-           {"suffix", "tail"}, {"frequency_penalty", 1}, {"logit_bias", {{"7", 5}}}, {"min_p", 0.2}}) {
+           {"suffix", "tail"}}) {
     INFO(name << " = " << value.dump());
     check_error(post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", "x"}, {name, value}}), 400, name.c_str(),
                 "unsupported_parameter");
@@ -455,6 +450,71 @@ TEST_CASE("api: stop_token_ids end a choice at those ids; ignore_eos runs past E
   check_error(post(gw, "/v1/completions", body({{"stop_token_ids", {999}}})), 400, "stop_token_ids", "invalid_value");
   check_error(post(gw, "/v1/completions", body({{"stop_token_ids", "a"}})), 400, "stop_token_ids", "invalid_type");
   check_error(post(gw, "/v1/completions", body({{"ignore_eos", "yes"}})), 400, "ignore_eos", "invalid_type");
+}
+
+TEST_CASE("api: penalties, min_p, logit_bias and min_tokens reach the sequence; out of range is 400",
+          "[gateway][api][sampling]") {
+  TestGateway gw;
+  auto body = [](json extra) {
+    json j = {{"model", "demo-moe"}, {"prompt", "x"}, {"max_tokens", 6}};
+    j.update(extra);
+    return j;
+  };
+  auto r = post(gw, "/v1/completions",
+                body({{"presence_penalty", 0.5}, {"frequency_penalty", -1.25}, {"repetition_penalty", 1.1},
+                      {"min_p", 0.05}, {"logit_bias", {{"98", -100}, {"7", 2.5}}}, {"min_tokens", 3}}));
+  INFO(r.body);
+  REQUIRE(r.status == 200);
+  const SequenceRequest sub = gw.scheduler().submitted().back();
+  CHECK(sub.sampling.presence_penalty == 0.5f);
+  CHECK(sub.sampling.frequency_penalty == -1.25f);
+  CHECK(sub.sampling.repetition_penalty == 1.1f);
+  CHECK(sub.sampling.min_p == 0.05f);
+  CHECK(sub.logit_bias == std::vector<std::pair<int32_t, float>>{{7, 2.5f}, {98, -100.0f}});
+  CHECK(sub.min_tokens == 3);
+  // Chat takes them too; the defaults ask for nothing.
+  REQUIRE(post(gw, "/v1/chat/completions", chat("x", {{"frequency_penalty", 1}, {"min_tokens", 2}})).status == 200);
+  CHECK(gw.scheduler().submitted().back().sampling.frequency_penalty == 1.0f);
+  REQUIRE(post(gw, "/v1/completions", body(json::object())).status == 200);
+  CHECK(gw.scheduler().submitted().back().sampling.repetition_penalty == 1.0f);
+  CHECK(gw.scheduler().submitted().back().logit_bias.empty());
+
+  const std::vector<std::tuple<json, const char*, const char*>> bad = {
+      {{{"presence_penalty", 2.5}}, "presence_penalty", "invalid_value"},
+      {{{"frequency_penalty", -3}}, "frequency_penalty", "invalid_value"},
+      {{{"frequency_penalty", "1"}}, "frequency_penalty", "invalid_type"},
+      {{{"repetition_penalty", 0}}, "repetition_penalty", "invalid_value"},
+      {{{"min_p", 1.5}}, "min_p", "invalid_value"},
+      {{{"min_tokens", -1}}, "min_tokens", "invalid_value"},
+      {{{"min_tokens", 7}}, "min_tokens", "invalid_value"},  // above max_tokens
+      {{{"min_tokens", 1.5}}, "min_tokens", "invalid_type"},
+      {{{"logit_bias", {{"7", 101}}}}, "logit_bias", "invalid_value"},
+      {{{"logit_bias", {{"7", "x"}}}}, "logit_bias", "invalid_value"},
+      {{{"logit_bias", {{"abc", 1}}}}, "logit_bias", "invalid_value"},
+      {{{"logit_bias", {{"-4", 1}}}}, "logit_bias", "invalid_value"},
+      {{{"logit_bias", {{"999999", 1}}}}, "logit_bias", "invalid_value"},  // outside the vocabulary
+      {{{"logit_bias", {{"7", 1}, {"007", 2}}}}, "logit_bias", "invalid_value"},
+      {{{"logit_bias", json::array({1})}}, "logit_bias", "invalid_type"},
+  };
+  for (const auto& [extra, param, code] : bad) {
+    INFO(extra.dump());
+    check_error(post(gw, "/v1/completions", body(extra)), 400, param, code);
+  }
+}
+
+TEST_CASE("api: min_tokens holds stop strings back until that many tokens came", "[gateway][api][stop]") {
+  TestGateway gw;
+  gw.scheduler().set_script([](const SequenceRequest&, int step) -> int32_t {
+    static const int32_t ids[] = {'a', '.', 'b', '.', 'c', 'd'};
+    return step < 6 ? ids[step] : 'z';
+  });
+  auto run = [&](int min_tokens) {
+    json j = {{"model", "demo-moe"}, {"prompt", "x"}, {"max_tokens", 6}, {"stop", "."}, {"min_tokens", min_tokens}};
+    return json::parse(post(gw, "/v1/completions", j).body)["choices"][0]["text"].get<std::string>();
+  };
+  CHECK(run(0) == "a");
+  CHECK(run(2) == "a.b");  // the first two tokens pass unseen; the next "." ends it
+  CHECK(run(4) == "a.b.cd");
 }
 
 TEST_CASE("api: a chat longer than the context loses its oldest turns, and says so", "[gateway][api][context]") {

@@ -1,6 +1,7 @@
 // BatchPolicy without sockets: what each step holds, iteration by iteration.
 #include <catch2/catch.hpp>
 
+#include <limits>
 #include <map>
 #include <set>
 #include <string>
@@ -285,4 +286,62 @@ TEST_CASE("sequences a lost worker held go before the round-robin", "[scheduler]
   }
   // A plain round-robin would start with 2 and 3 (never admitted).
   CHECK(order == std::vector<uint64_t>{1, 2, 3});
+}
+
+TEST_CASE("each sampled chunk carries the token controls: biases, penalised history, stop ids banned before min_tokens",
+          "[scheduler][policy][sampling]") {
+  using moe::TokenAdjust;
+  const float ban = -std::numeric_limits<float>::infinity();
+  BatchPolicy p(limits(64, 100));
+  SequenceRequest r = req(3, 5, 10);  // prompt 10 11 12
+  r.prompt.push_back(11);             // 10 11 12 11
+  r.sampling.frequency_penalty = 0.5f;
+  r.logit_bias = {{3, 1.5f}, {11, -2.0f}};
+  r.stop_ids = {0, 7};
+  r.min_tokens = 2;
+  p.add(1, r);
+  SequenceRequest plain = req(2, 3, 50);  // no controls: an empty list
+  p.add(2, plain);
+  // The worker answers 1 with 11, then 13, then 11 ...; 2 with 60 each time.
+  const int32_t answers[] = {11, 13, 11, 7};
+  std::vector<std::vector<TokenAdjust>> lists;
+  for (int s = 0; s < 4; ++s) {
+    StepPlan plan = p.plan();
+    std::vector<ChunkResult> res;
+    for (const PlannedChunk& c : plan.chunks) {
+      if (c.seq_id == 1 && c.sample) lists.push_back(c.sampling.adjust);
+      if (c.seq_id == 2 && c.sample) CHECK(c.sampling.adjust.empty());
+      ChunkResult cr;
+      cr.seq_id = c.seq_id;
+      cr.sampled = c.sample;
+      cr.token.token = c.seq_id == 1 ? answers[s] : 60;
+      res.push_back(cr);
+    }
+    std::vector<uint64_t> release;
+    p.apply(plan, res, &release);
+  }
+  REQUIRE(lists.size() == 4);
+  // Before any output: prompt tokens flagged, biases, stop ids 0 and 7 banned (0 of 2 generated).
+  CHECK(lists[0] == std::vector<TokenAdjust>{{0, ban, 0, 0}, {3, 1.5f, 0, 0}, {7, ban, 0, 0}, {10, 0, 0, 1},
+                                             {11, -2.0f, 0, 1}, {12, 0, 0, 1}});
+  // After "11": its count, still banned (1 of 2).
+  CHECK(lists[1] == std::vector<TokenAdjust>{{0, ban, 0, 0}, {3, 1.5f, 0, 0}, {7, ban, 0, 0}, {10, 0, 0, 1},
+                                             {11, -2.0f, 1, 1}, {12, 0, 0, 1}});
+  // After "11 13": min_tokens reached, the bans are gone; 13 counted.
+  CHECK(lists[2] == std::vector<TokenAdjust>{{3, 1.5f, 0, 0}, {10, 0, 0, 1}, {11, -2.0f, 1, 1}, {12, 0, 0, 1},
+                                             {13, 0, 1, 0}});
+  CHECK(lists[3] == std::vector<TokenAdjust>{{3, 1.5f, 0, 0}, {10, 0, 0, 1}, {11, -2.0f, 2, 1}, {12, 0, 0, 1},
+                                             {13, 0, 1, 0}});
+
+  // A sequence moved to another worker (or preempted) rebuilds the same list
+  // from its prompt and generated tokens.
+  TokenControls moved(r, std::vector<int32_t>{11, 13, 11});
+  CHECK(moved.next(r, 3) == lists[3]);
+  TokenControls early(r, std::vector<int32_t>{11});
+  CHECK(early.next(r, 1) == lists[1]);
+  // Without a penalty only biases and bans travel.
+  SequenceRequest biased = r;
+  biased.sampling.frequency_penalty = 0;
+  CHECK(TokenControls(biased, std::vector<int32_t>{11, 13}).next(biased, 2) ==
+        std::vector<TokenAdjust>{{3, 1.5f, 0, 0}, {11, -2.0f, 0, 0}});
 }

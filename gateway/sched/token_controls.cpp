@@ -1,0 +1,48 @@
+#include "gateway/sched/token_controls.h"
+
+#include <algorithm>
+#include <limits>
+
+namespace moe::gw {
+
+bool penalties_on(const Sampling& s) {
+  return s.repetition_penalty != 1.0f || s.presence_penalty != 0.0f || s.frequency_penalty != 0.0f;
+}
+
+TokenAdjust& TokenControls::at(int32_t token) {
+  auto it = std::lower_bound(list_.begin(), list_.end(), token,
+                             [](const TokenAdjust& a, int32_t t) { return a.token < t; });
+  if (it == list_.end() || it->token != token) it = list_.insert(it, TokenAdjust{token, 0.0f, 0, 0});
+  return *it;
+}
+
+TokenControls::TokenControls(const SequenceRequest& req, std::span<const int32_t> generated)
+    : track_(penalties_on(req.sampling)) {
+  for (const auto& [token, bias] : req.logit_bias) at(token).bias = bias;
+  if (!track_) return;
+  for (int32_t t : req.prompt) at(t).in_prompt = 1;
+  for (int32_t t : generated) this->generated(t);
+}
+
+void TokenControls::generated(int32_t token) {
+  if (!track_) return;
+  TokenAdjust& a = at(token);
+  if (a.output_count < std::numeric_limits<uint16_t>::max()) ++a.output_count;
+}
+
+std::vector<TokenAdjust> TokenControls::next(const SequenceRequest& req, int generated_count) const {
+  std::vector<TokenAdjust> out = list_;
+  if (generated_count >= req.min_tokens) return out;
+  // Too early to end: the ids that would end the choice are banned.
+  constexpr float kBanned = -std::numeric_limits<float>::infinity();
+  for (int32_t id : req.stop_ids) {
+    auto it = std::lower_bound(out.begin(), out.end(), id, [](const TokenAdjust& a, int32_t t) { return a.token < t; });
+    if (it != out.end() && it->token == id)
+      it->bias = kBanned;
+    else
+      out.insert(it, TokenAdjust{id, kBanned, 0, 0});
+  }
+  return out;
+}
+
+}  // namespace moe::gw
