@@ -374,7 +374,7 @@ TEST_CASE("cuda engine: every GQA fixture and the demo model match the CPU engin
 // raw model's: the banned token still shows in the top list.
 TEST_CASE("cuda engine: penalties, biases and min_p sample as the CPU engine does", "[cuda][engine][sampling]") {
   SKIP_WITHOUT_GPU();
-  const std::string path = packed("demo-moe");
+  const std::string path = packed("qwen3_moe");
   auto cpu = cpu_engine(path);
   auto gpu = cuda_engine(path);
   const int V = cpu->desc().vocab_size;
