@@ -285,6 +285,7 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.logits_host), size_t(kMaxSampleRows) * m.vocab * 4));
   MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.adjust_host), kMaxPassAdjust * sizeof(TokenAdjust)));
   MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.saved_host), kMaxPassAdjust * sizeof(float)));
+  MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.masks_host), size_t(kMaxSampleRows) * size_t(m.mask_words) * 4));
   if (m.n_moe_layers > 0) {
     MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.tables_host), size_t(m.n_moe_layers) * m.n_experts * sizeof(void*)));
     MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.ids_host), size_t(m.n_moe_layers) * m.max_pass_tokens * m.top_k * 4));

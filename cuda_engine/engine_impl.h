@@ -216,6 +216,8 @@ struct CudaEngine::Impl {
   int32_t *route_ids = nullptr, *sampled = nullptr;
   TokenAdjust* adjust_entries = nullptr;  // [kMaxPassAdjust]: the pass's token adjustments
   float* adjust_saved = nullptr;          // [kMaxPassAdjust]: each entry's logit before it
+  uint32_t* allow_masks = nullptr;        // [kMaxSampleRows, mask_words]: tokens each constrained row may draw
+  int mask_words = 0;                     // ceil(vocab / 32)
   bf16 *xn = nullptr, *q = nullptr, *attn = nullptr, *mh = nullptr, *xsn = nullptr;
   const uint8_t** blob_tables = nullptr;  // [n_moe_layers, n_experts] device pointers
   void* grouped_ws = nullptr;
@@ -237,6 +239,7 @@ struct CudaEngine::Impl {
   float* logits_host = nullptr;           // [kMaxSampleRows, vocab]
   TokenAdjust* adjust_host = nullptr;     // [kMaxPassAdjust]
   float* saved_host = nullptr;            // [kMaxPassAdjust]
+  uint32_t* masks_host = nullptr;         // [kMaxSampleRows, mask_words]
 
   // ---- Misses split between the link and the host (budget mode, decode)
   std::unique_ptr<HostExperts> host_x;   // null: every miss is copied
@@ -364,6 +367,7 @@ struct CudaEngine::Impl {
     if (logits_host) (void)cudaFreeHost(logits_host);
     if (adjust_host) (void)cudaFreeHost(adjust_host);
     if (saved_host) (void)cudaFreeHost(saved_host);
+    if (masks_host) (void)cudaFreeHost(masks_host);
     for (void* p : {static_cast<void*>(xn_host), static_cast<void*>(rw_host), static_cast<void*>(hsum_host),
                     static_cast<void*>(split_ids_host)})
       if (p) (void)cudaFreeHost(p);

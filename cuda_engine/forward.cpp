@@ -235,7 +235,8 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
   MOE_TRY(cuda::adjust_logits(logits, s, vocab, reinterpret_cast<const AdjustSpan*>(pack_dev + pk.adjust_spans),
                               adjust_entries, adjust_saved, st));
   return cuda::sample_tokens(logits, s, vocab, reinterpret_cast<const SampleDraw*>(pack_dev + pk.params),
-                             reinterpret_cast<const int64_t*>(pack_dev + pk.sample_pos), sampled, st);
+                             reinterpret_cast<const int64_t*>(pack_dev + pk.sample_pos), sampled, st,
+                             reinterpret_cast<const AdjustSpan*>(pack_dev + pk.adjust_spans), allow_masks);
 }
 
 }  // namespace moe

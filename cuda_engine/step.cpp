@@ -77,6 +77,7 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     auto* prm = reinterpret_cast<SampleDraw*>(m.pack_host + pk.params);
     auto* spans = reinterpret_cast<AdjustSpan*>(m.pack_host + pk.adjust_spans);
     uint32_t n_adjust = 0;
+    int mask_rows = 0;  // rows [0, mask_rows) hold the pass's masks
     auto* tab = reinterpret_cast<int32_t*>(m.pack_host + pk.tables);
     std::vector<size_t> sample_input;  // [s]: the input each sampled row answers
     int t = 0;
@@ -100,15 +101,23 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
         spos[r] = int64_t(in.start_pos) + int64_t(in.tokens.size());
         prm[r] = in.sampling;  // the draw, as the kernel reads it
         const std::vector<TokenAdjust>& adj = in.sampling.adjust;
-        spans[r] = {n_adjust, uint32_t(adj.size()), in.sampling.penalties};
+        spans[r] = {n_adjust, uint32_t(adj.size()), in.sampling.penalties, kNoMask};
         std::copy(adj.begin(), adj.end(), m.adjust_host + n_adjust);
         n_adjust += uint32_t(adj.size());
+        if (!in.sampling.allowed.empty()) {  // its size was checked against the vocabulary
+          spans[r].mask = uint32_t(r) * uint32_t(m.mask_words);
+          std::copy(in.sampling.allowed.begin(), in.sampling.allowed.end(), m.masks_host + spans[r].mask);
+          mask_rows = r + 1;
+        }
         sample_input.push_back(p.input);
       }
     }
     MOE_CUDA_TRY(cudaMemcpyAsync(m.pack_dev, m.pack_host, pk.bytes, cudaMemcpyHostToDevice, m.st));
     if (n_adjust > 0)
       MOE_CUDA_TRY(cudaMemcpyAsync(m.adjust_entries, m.adjust_host, size_t(n_adjust) * sizeof(TokenAdjust),
+                                   cudaMemcpyHostToDevice, m.st));
+    if (mask_rows > 0)
+      MOE_CUDA_TRY(cudaMemcpyAsync(m.allow_masks, m.masks_host, size_t(mask_rows) * size_t(m.mask_words) * 4,
                                    cudaMemcpyHostToDevice, m.st));
 
     // Resident decode steps replay a graph captured for their batch size

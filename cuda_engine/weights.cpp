@@ -277,6 +277,8 @@ void CudaEngine::Impl::carve_workspace(Carver& c) {
   sampled = c.take<int32_t>(kMaxSampleRows);
   adjust_entries = c.take<TokenAdjust>(kMaxPassAdjust);
   adjust_saved = c.take<float>(kMaxPassAdjust);
+  mask_words = (vocab + 31) / 32;
+  allow_masks = c.take<uint32_t>(size_t(kMaxSampleRows) * size_t(mask_words));
   inv_freq = c.take<float>(size_t(d.head_dim / 2));
   pack_dev = c.take<uint8_t>(pack_bytes);
   trace_dev = trace_host.empty() ? nullptr : c.take<int16_t>(trace_host.size());

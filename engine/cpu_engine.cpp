@@ -86,11 +86,12 @@ Result<std::vector<SeqOutput>> CpuEngine::step(std::span<const SeqInput> inputs)
     const float* row = logits.data() + logit_of[i] * V;
     // The draw is keyed by the position the new token will take.
     const int64_t pos = int64_t(in.start_pos) + int64_t(in.tokens.size());
-    if (in.sampling.adjust.empty()) {
+    if (in.sampling.adjust.empty() && in.sampling.allowed.empty()) {
       o.token = cpu::sample_token(row, V, in.sampling, pos);
     } else {  // the draw sees the adjusted row; log probabilities stay the raw model's
       adjusted.assign(row, row + V);
       cpu::adjust_logits(adjusted.data(), V, in.sampling.adjust, in.sampling.penalties);
+      if (!in.sampling.allowed.empty()) cpu::mask_logits(adjusted.data(), V, in.sampling.allowed.data());
       o.token = cpu::sample_token(adjusted.data(), V, in.sampling, pos);
     }
     if (in.sampling.logprobs || in.sampling.top_logprobs > 0)

@@ -74,6 +74,9 @@ Admission StepAdmission::check(const SeqInput& in, int* net_blocks) {
   for (const TokenAdjust& a : in.sampling.adjust)
     if (a.token < 0 || a.token >= vocab_)
       return {Refusal::invalid_input, "adjusted token id " + std::to_string(a.token) + " out of range"};
+  if (!in.sampling.allowed.empty() && in.sampling.allowed.size() != size_t(vocab_ + 31) / 32)
+    return {Refusal::invalid_input, "allowed has " + std::to_string(in.sampling.allowed.size()) +
+                                        " words, the vocabulary needs " + std::to_string((vocab_ + 31) / 32)};
   const int have = pool_.length(in.seq_id);
   if (in.start_pos != 0 && in.start_pos != have)
     return {have < 0 ? Refusal::unknown_sequence : Refusal::invalid_input,

@@ -20,6 +20,9 @@ struct SamplingParams : SampleDraw {
   // over the listed tokens, and their biases. Sorted by token, distinct.
   Penalties penalties;
   std::vector<TokenAdjust> adjust;
+  // Bit t % 32 of word t / 32: token t may be drawn; empty: all. Else
+  // ceil(vocab / 32) words (docs/structured-output.md).
+  std::vector<uint32_t> allowed;
 };
 
 struct SeqInput {

@@ -37,11 +37,15 @@ struct Penalties {
 #endif
 };
 
-// Where one sampled row's entries sit in a pass's list (the GPU pass pack).
+inline constexpr uint32_t kNoMask = 0xffffffffu;
+
+// Where one sampled row's entries (and its mask of allowed tokens, a word
+// offset; kNoMask: none) sit in a pass's lists (the GPU pass pack).
 struct AdjustSpan {
   uint32_t first = 0;
   uint32_t count = 0;
   Penalties penalties;
+  uint32_t mask = kNoMask;
 };
 
 MOE_HOST_DEVICE inline float adjusted_logit(float l, const TokenAdjust& a, const Penalties& p) {

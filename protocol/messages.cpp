@@ -371,7 +371,8 @@ Result<WarmHints> decode_warm_hints(Payload p) {
 
 std::vector<uint8_t> encode_step(const StepRequest& m) {
   size_t tokens = 0;
-  for (const StepSequence& s : m.sequences) tokens += s.tokens.size() + 3 * s.sampling.adjust.size();
+  for (const StepSequence& s : m.sequences)
+    tokens += s.tokens.size() + 3 * s.sampling.adjust.size() + s.sampling.allowed.size();
   FlatBufferBuilder b(128 + 96 * m.sequences.size() + 4 * tokens);
   std::vector<Offset<fb::StepSequence>> seqs;
   seqs.reserve(m.sequences.size());
@@ -384,6 +385,7 @@ std::vector<uint8_t> encode_step(const StepRequest& m) {
       for (const TokenAdjust& a : s.sampling.adjust) adjust.emplace_back(a.token, a.bias, a.output_count, a.in_prompt != 0);
       av = b.CreateVectorOfStructs(adjust);
     }
+    auto allowed = s.sampling.allowed.empty() ? Offset<flatbuffers::Vector<uint32_t>>() : vec(b, s.sampling.allowed);
     fb::SamplingParamsBuilder sb(b);
     sb.add_temperature(s.sampling.temperature);
     sb.add_top_p(s.sampling.top_p);
@@ -396,6 +398,7 @@ std::vector<uint8_t> encode_step(const StepRequest& m) {
     sb.add_frequency_penalty(s.sampling.frequency_penalty);
     sb.add_min_p(s.sampling.min_p);
     if (!s.sampling.adjust.empty()) sb.add_adjust(av);
+    if (!s.sampling.allowed.empty()) sb.add_allowed(allowed);
     auto sampling = sb.Finish();
     fb::StepSequenceBuilder qb(b);
     qb.add_seq_id(s.seq_id);
@@ -493,6 +496,12 @@ Result<StepRequest> decode_step(Payload p) {
             }
             o.adjust.push_back({a->token(), a->bias(), a->output_count(), uint8_t(a->in_prompt() ? 1 : 0)});
           }
+        }
+        if (const auto* mv = sp->allowed()) {
+          o.allowed = r.scalars(mv, kMaxAllowedWords, "allowed");
+          bool any = false;
+          for (uint32_t w : o.allowed) any = any || w != 0;
+          if (!o.allowed.empty() && !any) r.fail(id() + ": allowed names no token");
         }
       }
       if (!r.ok()) break;

@@ -36,6 +36,7 @@ inline constexpr size_t kMaxStepSequences = 4096;
 inline constexpr size_t kMaxStepTokens = 65535;  // per step, all sequences (u16 usage counts)
 inline constexpr size_t kMaxTopLogprobs = 20;
 inline constexpr size_t kMaxTokenAdjust = 1 << 17;  // SamplingParams::adjust, per sequence
+inline constexpr size_t kMaxAllowedWords = 1 << 16;  // SamplingParams::allowed: vocabularies up to 2^21
 inline constexpr size_t kMaxExpertsPerMessage = 65536;     // expert lists, hints, resident sets
 inline constexpr size_t kMaxExpertUsageEntries = 1 << 20;  // n_moe_layers * n_experts
 inline constexpr size_t kMaxReleaseSequences = 65536;
@@ -151,6 +152,9 @@ struct SamplingParams {
   float frequency_penalty = 0.0f;
   float min_p = 0.0f;               // [0, 1]
   std::vector<TokenAdjust> adjust;
+  // Bit t % 32 of word t / 32: token t may be drawn; empty: all
+  // (docs/structured-output.md). The worker checks the size against its vocabulary.
+  std::vector<uint32_t> allowed;
   bool operator==(const SamplingParams&) const = default;
 };
 

@@ -38,6 +38,7 @@ SeqInput input_of(const protocol::StepSequence& s) {
   in.sampling.min_p = s.sampling.min_p;
   in.sampling.penalties = {s.sampling.repetition_penalty, s.sampling.presence_penalty, s.sampling.frequency_penalty};
   in.sampling.adjust = s.sampling.adjust;
+  in.sampling.allowed = s.sampling.allowed;
   return in;
 }
 

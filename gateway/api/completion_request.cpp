@@ -430,6 +430,32 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
     }
   }
 
+  // response_format: free text, any JSON object, or a JSON schema's instances.
+  if (const json* rf = member(body, "response_format")) {
+    const char* P = "response_format";
+    if (!rf->is_object() || !rf->contains("type") || !(*rf)["type"].is_string())
+      return *wrong_type(P, "an object with a string 'type'");
+    const std::string type = (*rf)["type"].get<std::string>();
+    if (type == "json_object") {
+      req.response_schema = structured::any_object_schema();
+    } else if (type == "json_schema") {
+      const auto js = rf->find("json_schema");
+      if (js == rf->end() || !js->is_object())
+        return invalid_param("response_format.json_schema", "'response_format.json_schema' must be an object.",
+                             "invalid_type");
+      const auto schema = js->find("schema");
+      // No schema: any JSON value, as OpenAI's API takes it.
+      auto compiled = structured::compile_json_schema(schema == js->end() ? json::object() : *schema);
+      if (!compiled.ok())
+        return invalid_param("response_format.json_schema.schema",
+                             "'response_format.json_schema.schema': " + compiled.error() + ".", "invalid_value");
+      req.response_schema = *compiled;
+    } else if (type != "text") {
+      return invalid_param(P, "'response_format.type' must be 'text', 'json_object' or 'json_schema', got '" + type + "'.",
+                           "invalid_value");
+    }
+  }
+
   if (const json* opts = member(body, "stream_options")) {
     if (!opts->is_object()) return *wrong_type("stream_options", "an object");
     if (!stream.value_or(false)) {

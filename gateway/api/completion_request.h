@@ -17,6 +17,7 @@
 #include "gateway/chat_message.h"
 #include "gateway/sched/scheduler.h"
 #include "gateway/api/text_codec.h"
+#include "gateway/structured/json_schema.h"
 
 namespace moe::gw {
 
@@ -39,6 +40,9 @@ struct CompletionRequest {
   // logit_bias by token id, sorted; min_tokens before a stop id or string may end a choice.
   std::vector<std::pair<int32_t, float>> logit_bias;
   int min_tokens = 0;
+  // response_format json_object / json_schema (docs/structured-output.md): the
+  // schema every choice's text must follow; null: free text.
+  std::shared_ptr<const structured::Schema> response_schema;
   int n = 1;
   bool stream = false;
   bool include_usage = false;

@@ -180,6 +180,7 @@ void Generation::begin(uint64_t seed) {
     sr.stop_ids = stop_ids_;
     sr.logit_bias = req_.logit_bias;
     sr.min_tokens = req_.min_tokens;
+    if (req_.response_schema && ctx_.grammars) sr.grammar = ctx_.grammars->grammar(req_.response_schema);
     sr.group = ctx_.request_serial;
     c->last_token_ns = ctx_.start_ns;
     c->seq = ctx_.scheduler->submit(std::move(sr), c.get());

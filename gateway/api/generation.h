@@ -30,12 +30,14 @@
 #include "gateway/api/reasoning_splitter.h"
 #include "gateway/api/stop_matcher.h"
 #include "gateway/api/text_codec.h"
+#include "gateway/structured/token_grammar.h"
 
 namespace moe::gw {
 
 struct GenerationContext {
   Scheduler* scheduler = nullptr;
   const TextCodec* codec = nullptr;
+  structured::GrammarRegistry* grammars = nullptr;  // response_format's grammars over the codec's vocabulary
   GatewayMetrics* metrics = nullptr;
   std::string endpoint;       // metrics label
   std::string response_id;    // "chatcmpl-…" / "cmpl-…"

@@ -54,6 +54,7 @@ class ModelTextCodec final : public TextCodec {
     return tok_->decode(one, /*skip_special_tokens=*/false);
   }
 
+  bool is_special(int32_t id) const override { return tok_->is_special(id); }
   int vocab_size() const override { return tok_->vocab_size(); }
   std::vector<int32_t> stop_token_ids() const override { return stop_ids_; }
 

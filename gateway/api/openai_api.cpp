@@ -40,6 +40,7 @@ OpenAiApi::OpenAiApi(ApiOptions opts, Scheduler* scheduler, const TextCodec* cod
     : opts_(std::move(opts)),
       scheduler_(scheduler),
       codec_(codec),
+      grammars_(codec),
       metrics_(metrics),
       admission_(opts_.admission),
       started_at_(static_cast<int64_t>(std::time(nullptr))),
@@ -249,6 +250,7 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
   GenerationContext ctx;
   ctx.scheduler = scheduler_;
   ctx.codec = codec_;
+  ctx.grammars = &grammars_;
   ctx.metrics = metrics_;
   ctx.endpoint = endpoint;
   ctx.response_id = new_id(kind == ApiKind::chat ? "chatcmpl-" : "cmpl-");

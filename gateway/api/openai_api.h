@@ -32,6 +32,7 @@
 #include "gateway/sched/scheduler.h"
 #include "gateway/state/session_store.h"
 #include "gateway/api/text_codec.h"
+#include "gateway/structured/token_grammar.h"
 
 namespace moe::gw {
 
@@ -86,6 +87,7 @@ class OpenAiApi final : public HttpHandler {
   std::vector<std::string> key_owners_;  // SessionStore::owner_of_key of each key
   Scheduler* scheduler_;
   const TextCodec* codec_;
+  structured::GrammarRegistry grammars_;  // response_format: the vocabulary trie, grammars, masks
   GatewayMetrics* metrics_;
   Admission admission_;
   int64_t started_at_;  // unix seconds, the models' "created"

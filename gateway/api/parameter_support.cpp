@@ -36,8 +36,6 @@ const std::vector<Entry>& table() {
       // OpenAI, completions
       {{"suffix", "completions", "\"\""}, Apis::completions, is_empty},
       // OpenAI, chat
-      {{"response_format", "chat", "{\"type\": \"text\"}"}, Apis::chat,
-       [](const json& v) { return v.is_object() && v.size() == 1 && v.contains("type") && v["type"] == "text"; }},
       {{"tools", "chat", "[]"}, Apis::chat, is_empty},
       {{"tool_choice", "chat", "\"none\", \"auto\" (no tools are honoured either way)"}, Apis::chat,
        [](const json& v) { return is_one_of(v, {"none", "auto"}); }},

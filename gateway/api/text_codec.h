@@ -53,6 +53,11 @@ class TextCodec {
   virtual std::unique_ptr<TokenTextStream> stream_decoder() const = 0;
   // The bytes one token stands for (may be part of a UTF-8 character); for logprobs.
   virtual std::string token_bytes(int32_t id) const = 0;
+  // A control token (chat markers, BOS/EOS…): never text a grammar allows.
+  virtual bool is_special(int32_t id) const {
+    (void)id;
+    return false;
+  }
   // Ids are valid in [0, vocab_size()).
   virtual int vocab_size() const = 0;
   // Ids whose generation ends a sequence (EOS, end of turn); never shown as text.

@@ -10,10 +10,12 @@
 // observers are called on that thread.
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "gateway/structured/token_grammar.h"
 #include "protocol/messages.h"
 
 namespace moe::gw {
@@ -32,6 +34,9 @@ struct SequenceRequest {
   // come before a stop id may (the stop ids are banned until then).
   std::vector<std::pair<int32_t, float>> logit_bias;
   int min_tokens = 0;
+  // Structured output (docs/structured-output.md): each sampled chunk
+  // carries the tokens the grammar allows next; null: unconstrained.
+  std::shared_ptr<const structured::TokenGrammar> grammar;
   // The request it belongs to (its choices share it): waiting sequences are
   // admitted round-robin across groups, so a request of many choices cannot
   // hold back the requests that came after it.

@@ -192,6 +192,7 @@ StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected) {
     free_blocks -= blocks_for(s.on_worker + 1) - blocks_for(s.on_worker);
     plan.chunks.push_back({id, {s.context.back()}, s.on_worker, true, s.req.sampling, s.hints.route_tag});
     plan.chunks.back().sampling.adjust = s.controls.next(s.req, int(s.generated.size()));
+    plan.chunks.back().sampling.allowed = s.controls.allowed(s.req);
     --budget;
   }
   // The experts this step already touches (grouped batching adds to it).
@@ -213,7 +214,10 @@ StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected) {
     c.tokens.assign(s.context.begin() + s.on_worker, s.context.begin() + s.on_worker + n);
     c.sample = n == remaining;
     c.sampling = s.req.sampling;
-    if (c.sample) c.sampling.adjust = s.controls.next(s.req, int(s.generated.size()));
+    if (c.sample) {
+      c.sampling.adjust = s.controls.next(s.req, int(s.generated.size()));
+      c.sampling.allowed = s.controls.allowed(s.req);
+    }
     c.route_tag = s.hints.route_tag;
     free_blocks -= blocks_for(s.on_worker + n) - blocks_for(s.on_worker);
     budget -= n;
@@ -321,9 +325,14 @@ std::vector<SequenceUpdate> BatchPolicy::apply(const StepPlan& plan, const std::
         s.context.push_back(ev.token);
         s.controls.generated(ev.token);
         const auto& stop = s.req.stop_ids;
-        if (std::find(stop.begin(), stop.end(), ev.token) != stop.end()) {
+        if (std::find(stop.begin(), stop.end(), ev.token) != stop.end() || s.controls.closed()) {
+          // A stop id, or a structured value that nothing can follow.
           u.finished = true;
           u.reason = FinishReason::stop;
+        } else if (s.controls.broken()) {
+          u.finished = true;
+          u.reason = FinishReason::error;
+          u.error = "the worker sampled a token the response format does not allow";
         } else if (int(s.generated.size()) >= s.req.max_new_tokens ||
                    (limits_.max_context > 0 && int(s.context.size()) >= limits_.max_context)) {
           u.finished = true;

@@ -17,17 +17,32 @@ TokenAdjust& TokenControls::at(int32_t token) {
 }
 
 TokenControls::TokenControls(const SequenceRequest& req, std::span<const int32_t> generated)
-    : track_(penalties_on(req.sampling)) {
+    : track_(penalties_on(req.sampling)), grammar_(req.grammar) {
   for (const auto& [token, bias] : req.logit_bias) at(token).bias = bias;
-  if (!track_) return;
-  for (int32_t t : req.prompt) at(t).in_prompt = 1;
+  if (track_)
+    for (int32_t t : req.prompt) at(t).in_prompt = 1;
+  if (grammar_) state_ = grammar_->start();
   for (int32_t t : generated) this->generated(t);
 }
 
 void TokenControls::generated(int32_t token) {
+  if (grammar_ && !state_.empty()) {
+    const std::string& bytes = grammar_->vocabulary().bytes(token);
+    // A stop id (no bytes) ends the choice; anything else the mask allowed.
+    if (bytes.empty() || !state_.feed(grammar_->schema(), bytes)) state_ = structured::GrammarState();
+  }
   if (!track_) return;
   TokenAdjust& a = at(token);
   if (a.output_count < std::numeric_limits<uint16_t>::max()) ++a.output_count;
+}
+
+std::vector<uint32_t> TokenControls::allowed(const SequenceRequest& req) const {
+  if (!grammar_ || state_.empty()) return {};
+  std::vector<uint32_t> words = *grammar_->mask(state_);
+  if (state_.finishable(grammar_->schema()))
+    for (int32_t id : req.stop_ids)
+      if (id >= 0 && size_t(id) / 32 < words.size()) words[size_t(id) / 32] |= 1u << (id % 32);
+  return words;
 }
 
 std::vector<TokenAdjust> TokenControls::next(const SequenceRequest& req, int generated_count) const {

@@ -25,11 +25,20 @@ class TokenControls {
   // The list for the next sampled row (sorted by token, distinct), after
   // `generated_count` generated tokens.
   std::vector<TokenAdjust> next(const SequenceRequest& req, int generated_count) const;
+  // Structured output: the tokens the grammar allows next (the stop ids
+  // where the value may end); empty without a grammar.
+  std::vector<uint32_t> allowed(const SequenceRequest& req) const;
+  // The grammar's value is whole and nothing can follow: the choice is over.
+  bool closed() const { return grammar_ && state_.closed(); }
+  // A token the grammar refused (a worker that ignored the mask).
+  bool broken() const { return grammar_ && state_.empty(); }
 
  private:
   bool track_ = false;              // a penalty is on: prompt and output tokens are listed
   std::vector<TokenAdjust> list_;   // sorted: biases, and the tracked tokens
   TokenAdjust& at(int32_t token);   // the entry of `token`, inserted when absent
+  std::shared_ptr<const structured::TokenGrammar> grammar_;
+  structured::GrammarState state_;
 };
 
 // True when a request's sampling asks for the prompt's and output's tokens.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 namespace moe::cpu {
@@ -42,11 +43,13 @@ int32_t sample_token(const float* logits, int vocab, const SampleDraw& p, int64_
   if (!limit_k && !limit_p) {
     const double total = std::accumulate(prob.begin(), prob.end(), 0.0);
     double target = u * total, acc = 0.0;
+    int last = argmax(logits, vocab);  // rounding may leave the target past the end: the last drawable token
     for (int i = 0; i < vocab; ++i) {
       acc += prob[i];
+      if (prob[i] > 0.0) last = i;
       if (acc > target) return i;
     }
-    return vocab - 1;
+    return last;
   }
   std::vector<int32_t> order(vocab);
   std::iota(order.begin(), order.end(), 0);
@@ -78,12 +81,17 @@ int32_t sample_token(const float* logits, int vocab, const SampleDraw& p, int64_
     acc += prob[order[i]];
     if (acc > target) return order[i];
   }
-  return order[keep - 1];
+  return order[0];  // rounding left the target past the kept mass: the best
 }
 
 void adjust_logits(float* logits, int vocab, std::span<const TokenAdjust> adjust, const Penalties& penalties) {
   for (const TokenAdjust& a : adjust)
     if (a.token >= 0 && a.token < vocab) logits[a.token] = adjusted_logit(logits[a.token], a, penalties);
+}
+
+void mask_logits(float* logits, int vocab, const uint32_t* allowed) {
+  for (int i = 0; i < vocab; ++i)
+    if (!(allowed[i / 32] >> (i % 32) & 1u)) logits[i] = -std::numeric_limits<float>::infinity();
 }
 
 static double log_sum_exp(const float* logits, int vocab) {

@@ -24,6 +24,10 @@ int32_t sample_token(const float* logits, int vocab, const SampleDraw& p, int64_
 // (adjusted_logit per listed token; ids outside the vocabulary are skipped).
 void adjust_logits(float* logits, int vocab, std::span<const TokenAdjust> adjust, const Penalties& penalties);
 
+// Tokens whose bit in `allowed` (ceil(vocab / 32) words; bit t % 32 of word
+// t / 32) is clear get -inf.
+void mask_logits(float* logits, int vocab, const uint32_t* allowed);
+
 // log softmax of the raw logits at `token`. logits: [vocab].
 float token_logprob(const float* logits, int vocab, int32_t token);
 

@@ -43,8 +43,19 @@ __device__ __forceinline__ Best better(Best a, Best b) {
   return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a;
 }
 
+// A row as the draw sees it: a token the row's mask leaves out reads -inf
+// (the logits themselves stay, for raw log probabilities).
+struct MaskedRow {
+  const float* row;
+  const uint32_t* mask;  // null: every token
+  __device__ __forceinline__ float operator[](int i) const {
+    return mask && !((mask[i >> 5] >> (i & 31)) & 1u) ? -INFINITY : row[i];
+  }
+};
+
 // Block arg-max (lowest index among equals); result valid in every thread.
-__device__ Best block_argmax(const float* row, int vocab, Best* scratch) {
+template <typename Row>
+__device__ Best block_argmax(const Row& row, int vocab, Best* scratch) {
   Best b{-INFINITY, INT_MAX};
   for (int i = threadIdx.x; i < vocab; i += blockDim.x) b = better(b, Best{row[i], i});
 #pragma unroll
@@ -70,7 +81,7 @@ __global__ void __launch_bounds__(kThreads) argmax_kernel(const float* logits, i
 
 __global__ void __launch_bounds__(kThreads)
     sample_kernel(const float* logits, int vocab, const SampleDraw* params, const int64_t* positions,
-                  int32_t* tokens) {
+                  int32_t* tokens, const AdjustSpan* spans, const uint32_t* masks) {
   detail::allow_next_grid();
   detail::wait_prior_grid();
   __shared__ Best scratch[kThreads / 32];
@@ -79,7 +90,8 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ unsigned hist[256];
   __shared__ unsigned s_prefix, s_mask, s_remaining, s_count;
   __shared__ double seg[kThreads];
-  const float* row = logits + size_t(blockIdx.x) * vocab;
+  const uint32_t mask_at = spans ? spans[blockIdx.x].mask : kNoMask;
+  const MaskedRow row{logits + size_t(blockIdx.x) * vocab, mask_at == kNoMask ? nullptr : masks + mask_at};
   const SampleDraw p = params[blockIdx.x];
   const Best top = block_argmax(row, vocab, scratch);
   if (p.temperature <= 0.f || p.top_k == 1) {
@@ -115,20 +127,19 @@ __global__ void __launch_bounds__(kThreads)
         total += v;
       }
       prob[0] = u * total;
-      tokens[blockIdx.x] = vocab - 1;  // rounding left the target past the end
+      tokens[blockIdx.x] = top.i;  // rounding left the target past the end
     }
     __syncthreads();
     const double target = prob[0];
     double acc = seg[threadIdx.x];
     const double next = threadIdx.x + 1 < kThreads ? seg[threadIdx.x + 1] : INFINITY;
     if (b0 < b1 && acc <= target && target < next) {
-      int pick = b1 - 1;
+      int pick = top.i;
       for (int i = b0; i < b1; ++i) {
-        acc += weight(row[i]);
-        if (acc > target) {
-          pick = i;
-          break;
-        }
+        const double w = weight(row[i]);
+        acc += w;
+        if (w > 0.0) pick = i;  // rounding may end the segment short of the target: its last drawable token
+        if (acc > target) break;
       }
       tokens[blockIdx.x] = pick;
     }
@@ -224,7 +235,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = 0; i < keep; ++i) total += prob[i];
     const double target = u * total;
     double acc = 0.0;
-    int pick = keep - 1;
+    int pick = 0;  // rounding left the target past the kept mass: the best
     for (int i = 0; i < keep; ++i) {
       acc += prob[i];
       if (acc > target) {
@@ -263,10 +274,12 @@ Status adjust_logits(float* logits, int rows, int vocab, const AdjustSpan* spans
 }
 
 Status sample_tokens(const float* logits, int rows, int vocab, const SampleDraw* params,
-                     const int64_t* positions, int32_t* tokens, cudaStream_t stream) {
+                     const int64_t* positions, int32_t* tokens, cudaStream_t stream, const AdjustSpan* spans,
+                     const uint32_t* masks) {
   MOE_CUDA_REQUIRE(logits && params && positions && tokens, "null pointer");
   MOE_CUDA_REQUIRE(rows > 0 && vocab > 0, "rows and vocab must be positive");
-  MOE_CUDA_TRY(detail::launch_pdl(sample_kernel, dim3(rows), dim3(kThreads), 0, stream, logits, vocab, params, positions, tokens));
+  MOE_CUDA_TRY(detail::launch_pdl(sample_kernel, dim3(rows), dim3(kThreads), 0, stream, logits, vocab, params, positions,
+                                  tokens, spans, masks));
   MOE_CUDA_LAUNCHED();
   return {};
 }

@@ -22,8 +22,12 @@ namespace moe::cuda {
 constexpr int kMaxCandidates = 1024;
 
 // logits: [rows, vocab] f32; params, positions: [rows] (device); tokens: [rows].
+// spans (optional, [rows]): a row whose span names a mask (AdjustSpan::mask,
+// a word offset into `masks`) draws only among the tokens whose bit is set;
+// the logits are read, never changed.
 Status sample_tokens(const float* logits, int rows, int vocab, const SampleDraw* params,
-                     const int64_t* positions, int32_t* tokens, cudaStream_t stream);
+                     const int64_t* positions, int32_t* tokens, cudaStream_t stream,
+                     const AdjustSpan* spans = nullptr, const uint32_t* masks = nullptr);
 
 // The token adjustments of docs/sampling.md, in place, before the draw:
 // row r's entries are entries[spans[r].first, + spans[r].count) (sorted,

@@ -368,8 +368,9 @@ TEST_CASE("cuda engine: every GQA fixture and the demo model match the CPU engin
 }
 
 // Sampling controls (docs/sampling.md) on the GPU against the CPU engine:
-// four sequences in one batch (penalties over prompt and output, a ban of
-// the token just generated plus biases, seeded min_p with biases, none), the
+// five sequences in one batch (penalties over prompt and output, a ban of
+// the token just generated plus biases, seeded min_p with biases, none, a
+// mask of allowed tokens), the
 // CPU's tokens fed to both, decode graphs on. Log probabilities stay the
 // raw model's: the banned token still shows in the top list.
 TEST_CASE("cuda engine: penalties, biases and min_p sample as the CPU engine does", "[cuda][engine][sampling]") {
@@ -378,7 +379,7 @@ TEST_CASE("cuda engine: penalties, biases and min_p sample as the CPU engine doe
   auto cpu = cpu_engine(path);
   auto gpu = cuda_engine(path);
   const int V = cpu->desc().vocab_size;
-  const int n = 4, lens[n] = {9, 30, 17, 12};
+  const int n = 5, lens[n] = {9, 30, 17, 12, 21};
   std::vector<std::vector<int32_t>> prompts, outputs(n);
   for (int i = 0; i < n; ++i) prompts.push_back(prompt(lens[i], V, uint32_t(300 + i)));
   std::vector<int32_t> lifted;
@@ -403,6 +404,13 @@ TEST_CASE("cuda engine: penalties, biases and min_p sample as the CPU engine doe
       }
     }
     for (auto& [t, a] : list) in.sampling.adjust.push_back(a);
+    if (i == 4) {  // a mask of allowed tokens (every 7th, and the lifted ones), seeded draw
+      in.sampling.allowed.assign(size_t(V + 31) / 32, 0u);
+      for (int32_t t = 3; t < V; t += 7) in.sampling.allowed[size_t(t) / 32] |= 1u << (t % 32);
+      for (int32_t t : lifted) in.sampling.allowed[size_t(t) / 32] |= 1u << (t % 32);
+      in.sampling.temperature = 0.8f;
+      in.sampling.seed = 99;
+    }
     return in;
   };
   std::vector<SeqInput> step;
@@ -428,6 +436,11 @@ TEST_CASE("cuda engine: penalties, biases and min_p sample as the CPU engine doe
       std::map<int32_t, float> glp(b.top.begin(), b.top.end());
       for (const auto& [tok, lp] : a.top)
         if (glp.count(tok)) CHECK(std::abs(glp[tok] - lp) < tol);
+      if (i == 4) {
+        const auto& mask = step[i].sampling.allowed;
+        CHECK((mask[size_t(a.token) / 32] >> (a.token % 32) & 1u));
+        CHECK((mask[size_t(b.token) / 32] >> (b.token % 32) & 1u));
+      }
       // The banned token (sequence 1's previous one) may lead the raw list, never the draw.
       if (i == 1 && !outputs[1].empty()) {
         CHECK(a.token != outputs[1].back());

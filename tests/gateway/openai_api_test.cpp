@@ -332,12 +332,8 @@ TEST_CASE("api: a parameter not honoured is refused when it asks for something, 
           "[gateway][api][errors]") {
   TestGateway gw;
   // Asking for something: 400 unsupported_parameter naming it, nothing submitted.
-  const json schema = {{"type", "json_schema"},
-                       {"json_schema", {{"name", "x"}, {"schema", {{"type", "object"}}}, {"strict", true}}}};
   const json tool = {{"type", "function"}, {"function", {{"name", "f"}, {"parameters", {{"type", "object"}}}}}};
   const std::vector<std::pair<std::string, json>> chat_refused = {
-      {"response_format", {{"type", "json_object"}}},
-      {"response_format", schema},
       {"tools", json::array({tool})},
       {"tool_choice", "required"},
       {"reasoning_effort", "low"},

@@ -325,6 +325,30 @@ TEST_CASE("token adjustments: penalties and biases as their definitions give the
   for (int pos = 0; pos < 500; ++pos) REQUIRE(sample_token(logits.data(), vocab, {1.5f, 1.0f, 0, 9}, pos) != best);
 }
 
+TEST_CASE("a mask of allowed tokens: only they are drawn, in their own proportions", "[kernels][sampling]") {
+  const int vocab = 70;
+  auto logits = random_vec(vocab, 21, 2.0f);
+  std::vector<uint32_t> mask(3, 0u);
+  const std::set<int> allowed{3, 33, 64, 69};
+  for (int t : allowed) mask[size_t(t) / 32] |= 1u << (t % 32);
+  auto masked = logits;
+  mask_logits(masked.data(), vocab, mask.data());
+  double total = 0;
+  for (int t : allowed) total += std::exp(double(logits[size_t(t)]));
+  std::map<int, int> count;
+  const int n = 20000;
+  for (int pos = 0; pos < n; ++pos) ++count[sample_token(masked.data(), vocab, {1.0f, 1.0f, 0, 5}, pos)];
+  for (auto [t, c] : count) {
+    REQUIRE(allowed.count(t));
+    REQUIRE(double(c) / n == Approx(std::exp(double(logits[size_t(t)])) / total).margin(0.015));
+  }
+  int best = *allowed.begin();
+  for (int t : allowed)
+    if (logits[size_t(t)] > logits[size_t(best)]) best = t;
+  REQUIRE(sample_token(masked.data(), vocab, {0.0f, 1.0f, 0, 1}, 0) == best);
+  REQUIRE(allowed.count(sample_token(masked.data(), vocab, {1.0f, 0.9f, 40, 2}, 3)));
+}
+
 TEST_CASE("min_p keeps tokens at or above min_p times the best one's probability", "[kernels][sampling]") {
   // p = 0.5, 0.3, 0.15, 0.05 at temperature 1.
   const float l[4] = {std::log(0.5f), std::log(0.3f), std::log(0.15f), std::log(0.05f)};

@@ -1046,6 +1046,28 @@ TEST_CASE("cuda token adjustments and min_p match the CPU twin", "[cuda][samplin
     for (uint32_t e = spans[r].first; e < spans[r].first + spans[r].count; ++e)
       REQUIRE(saved[e] == logits[size_t(r) * vocab + size_t(entries[e].token)]);
 
+  // Masks of allowed tokens on rows 1, 4 and 5 (a handful, a few hundred,
+  // one); the draw reads them, the logits stay.
+  const int words = (vocab + 31) / 32;
+  std::vector<uint32_t> masks(size_t(rows) * size_t(words), 0u);
+  std::mt19937 mrng(99);
+  for (int r : {1, 4, 5}) {
+    spans[size_t(r)].mask = uint32_t(r * words);
+    const int n_allowed = r == 1 ? 5 : r == 4 ? 300 : 1;
+    for (int k = 0; k < n_allowed; ++k) {
+      const uint32_t t = mrng() % uint32_t(vocab);
+      masks[size_t(r) * size_t(words) + t / 32] |= 1u << (t % 32);
+    }
+  }
+  ds.put(spans);
+  Dev<uint32_t> dm(masks);
+  std::vector<float> masked = ref;
+  for (int r : {1, 4, 5})
+    moe::cpu::mask_logits(masked.data() + size_t(r) * vocab, vocab, masks.data() + size_t(r) * size_t(words));
+  auto allowed = [&](int r, int32_t t) {
+    return spans[size_t(r)].mask == moe::kNoMask || (masks[size_t(r) * size_t(words) + size_t(t) / 32] >> (t % 32) & 1u);
+  };
+
   // The draw with min_p (alone, with top-k, with top-p) over the adjusted rows.
   struct Cfg {
     float temperature, top_p, min_p;
@@ -1066,10 +1088,33 @@ TEST_CASE("cuda token adjustments and min_p match the CPU twin", "[cuda][samplin
     Dev<moe::SampleDraw> dp(params);
     Dev<int64_t> dpos(positions);
     Dev<int32_t> dt(rows);
-    REQUIRE_OK(moe::cuda::sample_tokens(dl.p, rows, vocab, dp.p, dpos.p, dt.p, nullptr));
-    CHECK(dt.get() == want);
+    {  // without masks (spans of no mask): the adjusted rows
+      std::vector<moe::AdjustSpan> unmasked = spans;
+      for (auto& sp : unmasked) sp.mask = moe::kNoMask;
+      Dev<moe::AdjustSpan> du(unmasked);
+      REQUIRE_OK(moe::cuda::sample_tokens(dl.p, rows, vocab, dp.p, dpos.p, dt.p, nullptr, du.p, dm.p));
+      CHECK(dt.get() == want);
+      REQUIRE_OK(moe::cuda::sample_tokens(dl.p, rows, vocab, dp.p, dpos.p, dt.p, nullptr));
+      CHECK(dt.get() == want);
+    }
     const float* row0 = logits.data();
     CHECK(want[0] != int32_t(std::max_element(row0, row0 + vocab) - row0));
+    // With masks: the CPU twin over -inf where the mask is clear, and only allowed tokens.
+    std::vector<int32_t> want_masked(rows);
+    for (int r = 0; r < rows; ++r)
+      want_masked[size_t(r)] = moe::cpu::sample_token(masked.data() + size_t(r) * vocab, vocab, params[size_t(r)],
+                                                      positions[size_t(r)]);
+    REQUIRE_OK(moe::cuda::sample_tokens(dl.p, rows, vocab, dp.p, dpos.p, dt.p, nullptr, ds.p, dm.p));
+    const auto got = dt.get();
+    CHECK(got == want_masked);
+    for (int r = 0; r < rows; ++r) CHECK(allowed(r, got[size_t(r)]));
+  }
+  {  // the draws never wrote the logits
+    const auto after = dl.get();
+    size_t off = 0;
+    for (size_t i = 0; i < after.size(); ++i)
+      if (after[i] != ref[i] && !(std::abs(after[i] - ref[i]) <= 1e-6f * std::max(1.f, std::abs(ref[i])))) ++off;
+    CHECK(off == 0);
   }
 }
 

@@ -337,6 +337,18 @@ TEST_CASE("step sanity limits are refused with a message") {
     s.sequences[0].sampling.adjust.pop_back();
     CHECK(decode_step(encode_step(s)).ok());
   }
+  SECTION("a mask of allowed tokens names at least one and is bounded") {
+    StepRequest s = one_sequence_step();
+    s.sequences[0].sampling.allowed = {0u, 0u};
+    CHECK(step_error(s).find("names no token") != std::string::npos);
+    s.sequences[0].sampling.allowed.assign(kMaxAllowedWords + 1, 1u);
+    CHECK(step_error(s).find("allowed") != std::string::npos);
+    s.sequences[0].sampling.allowed.assign(kMaxAllowedWords, 0u);
+    s.sequences[0].sampling.allowed.back() = 1u << 31;
+    auto back = decode_step(encode_step(s));
+    REQUIRE(back.ok());
+    CHECK(back->sequences[0].sampling.allowed == s.sequences[0].sampling.allowed);
+  }
 }
 
 TEST_CASE("other messages' limits and enums are checked") {

@@ -109,6 +109,11 @@ class SampleMessages {
           q.sampling.adjust.push_back({tok, bias, static_cast<uint16_t>(pick(0, 9)), static_cast<uint8_t>(coin())});
         }
       }
+      if (coin()) {
+        q.sampling.allowed.assign(pick(1, 40), 0u);
+        for (uint32_t& w : q.sampling.allowed) w = static_cast<uint32_t>(u64());
+        q.sampling.allowed[0] |= 1u;
+      }
       q.route_bucket = coin() ? u64() : 0;
       s.sequences.push_back(std::move(q));
     }

@@ -1,0 +1,57 @@
+#pragma once
+// A JSON schema (the subset docs/structured-output.md lists) compiled into a
+// graph of nodes the grammar walks (json_grammar.h). Keywords that would
+// constrain a value without being enforced are refused, naming the keyword
+// and where it sits.
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "model/result.h"
+
+namespace moe::gw::structured {
+
+enum class NodeKind : uint8_t { any, object, array, string, number, integer, literals, alternatives };
+
+inline constexpr int kMaxProperties = 64;  // per object (a bit each)
+inline constexpr int kMaxLiterals = 64;    // per enum
+inline constexpr int kMaxAlternatives = 8;
+
+struct SchemaNode {
+  NodeKind kind = NodeKind::any;
+  // object: property names (no quote, backslash or control bytes), their
+  // value nodes, which are required (bit i), and the node of any other
+  // property (-1: none allowed).
+  std::vector<std::string> names;
+  std::vector<int> props;
+  uint64_t required = 0;
+  int additional = -1;
+  // array
+  int items = -1;
+  int min_items = 0, max_items = std::numeric_limits<uint16_t>::max();
+  // literals: the exact texts allowed (compact JSON: "\"red\"", "true", "3")
+  std::vector<std::string> literals;
+  // alternatives (anyOf / oneOf / a list of types)
+  std::vector<int> options;
+};
+
+struct Schema {
+  std::vector<SchemaNode> nodes;  // node 0: any value; node 1: the literals true, false, null
+  int root = 0;
+  std::string key;  // the schema's canonical text (what identifies it in caches)
+};
+
+inline constexpr int kAnyNode = 0;
+inline constexpr int kAnyLiteralsNode = 1;
+
+// `schema`: a JSON schema object. Errors name the keyword and its path.
+Result<std::shared_ptr<const Schema>> compile_json_schema(const nlohmann::json& schema);
+// response_format json_object: any JSON object.
+std::shared_ptr<const Schema> any_object_schema();
+
+}  // namespace moe::gw::structured

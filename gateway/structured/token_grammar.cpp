@@ -1,0 +1,80 @@
+#include "gateway/structured/token_grammar.h"
+
+#include <chrono>
+#include <cstdio>
+
+namespace moe::gw::structured {
+
+TokenMask compute_mask(const Schema& schema, const GrammarVocabulary& vocab, const GrammarState& state) {
+  TokenMask mask(size_t(vocab.vocab_size() + 31) / 32, 0u);
+  const auto& nodes = vocab.nodes();
+  const auto& tokens = vocab.tokens();
+  // states[d]: after the first d bytes of the current path.
+  std::vector<GrammarState> states(size_t(vocab.max_depth()) + 1);
+  states[0] = state;
+  for (size_t i = 0; i < nodes.size();) {
+    const GrammarVocabulary::Node& n = nodes[i];
+    GrammarState& here = states[n.depth];
+    states[size_t(n.depth) - 1].feed(schema, n.byte, &here);
+    if (here.empty()) {
+      i = n.end;  // no token under this prefix can come
+      continue;
+    }
+    for (uint32_t k = n.tokens_begin; k < n.tokens_end; ++k) mask[size_t(tokens[k]) / 32] |= 1u << (tokens[k] % 32);
+    ++i;
+  }
+  return mask;
+}
+
+std::shared_ptr<const TokenMask> TokenGrammar::mask(const GrammarState& state) const {
+  return registry_->lookup(serial_, *this, state);
+}
+
+std::shared_ptr<const TokenGrammar> GrammarRegistry::grammar(std::shared_ptr<const Schema> schema) {
+  if (!vocab_) {
+    const auto t0 = std::chrono::steady_clock::now();
+    vocab_ = GrammarVocabulary::build(*codec_);
+    std::fprintf(stderr, "moe-gateway: structured output: the vocabulary's %zu tokens as a trie of %zu nodes (%.0f ms)\n",
+                 vocab_->tokens().size(), vocab_->nodes().size(),
+                 std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  auto it = grammars_.find(schema->key);
+  if (it != grammars_.end())
+    if (auto g = it->second.lock()) return g;
+  auto g = std::shared_ptr<TokenGrammar>(new TokenGrammar());
+  g->schema_ = std::move(schema);
+  g->vocab_ = vocab_;
+  g->registry_ = this;
+  g->serial_ = next_serial_++;
+  // Forget grammars no request holds any more (their masks age out of the LRU).
+  for (auto e = grammars_.begin(); e != grammars_.end();) e = e->second.expired() ? grammars_.erase(e) : std::next(e);
+  grammars_[g->schema_->key] = g;
+  return g;
+}
+
+std::shared_ptr<const TokenMask> GrammarRegistry::lookup(uint64_t serial, const TokenGrammar& g, const GrammarState& state) {
+  std::string key = std::to_string(serial) + ':' + state.key();
+  if (auto it = index_.find(key); it != index_.end()) {
+    lru_.splice(lru_.begin(), lru_, it->second);
+    ++stats_.mask_hits;
+    return it->second->mask;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  auto mask = std::make_shared<const TokenMask>(compute_mask(g.schema(), g.vocabulary(), state));
+  stats_.compute_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ++stats_.masks_computed;
+  const size_t bytes = mask->size() * 4 + key.size() + 64;
+  while (!lru_.empty() && cache_used_ + bytes > cache_budget_) {
+    const Entry& old = lru_.back();
+    cache_used_ -= old.mask->size() * 4 + old.key.size() + 64;
+    index_.erase(old.key);
+    lru_.pop_back();
+  }
+  lru_.push_front({key, mask});
+  index_[std::move(key)] = lru_.begin();
+  cache_used_ += bytes;
+  stats_.cache_bytes = cache_used_;
+  return mask;
+}
+
+}  // namespace moe::gw::structured

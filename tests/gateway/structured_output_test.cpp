@@ -1,0 +1,292 @@
+// Structured output's grammar without a model: the schema compiler's
+// refusals, the recogniser on valid and invalid JSON, token masks against a
+// token-by-token brute force, and random walks through the masks whose
+// text always parses and validates (by a validator written here, not the
+// recogniser).
+#include <catch2/catch.hpp>
+
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gateway/structured/grammar_vocabulary.h"
+#include "gateway/structured/json_grammar.h"
+#include "gateway/structured/json_schema.h"
+#include "gateway/structured/token_grammar.h"
+
+using namespace moe::gw;
+using namespace moe::gw::structured;
+using json = nlohmann::json;
+
+namespace {
+
+// Every byte, pieces that JSON text is made of, and two special tokens.
+class PieceCodec final : public TextCodec {
+ public:
+  PieceCodec() {
+    for (int b = 0; b < 256; ++b) pieces_.push_back(std::string(1, char(b)));
+    for (const char* p : {"{\"", "\":", "\": ", "\",", ", \"", "\"}", "}}", "]}", "true", "false", "null", "12", "0.",
+                          "-3", "e5", "  ", "\n  ", "name", "\"name\"", "\"age", "red\"", "\"green\"", "[\"", "\"]",
+                          "[1", ",2", "]", "{}", "[]", "\\n", "\\u00", "ab", "\"a", "tags", "\"tags\": [", "<|x|>",
+                          "<|end|>"})
+      pieces_.push_back(p);
+  }
+  std::vector<int32_t> encode(std::string_view) const override { return {}; }
+  moe::Result<std::vector<int32_t>> encode_chat(const json&) const override { return std::vector<int32_t>{}; }
+  std::unique_ptr<TokenTextStream> stream_decoder() const override { return nullptr; }
+  std::string token_bytes(int32_t id) const override { return pieces_[size_t(id)]; }
+  bool is_special(int32_t id) const override { return pieces_[size_t(id)] == "<|x|>"; }
+  int vocab_size() const override { return int(pieces_.size()); }
+  std::vector<int32_t> stop_token_ids() const override { return {vocab_size() - 1}; }  // "<|end|>"
+
+ private:
+  std::vector<std::string> pieces_;
+};
+
+std::shared_ptr<const Schema> compile(const json& s) {
+  auto r = compile_json_schema(s);
+  INFO((r.ok() ? std::string() : r.error()));
+  REQUIRE(r.ok());
+  return *r;
+}
+
+bool accepts(const Schema& sc, std::string_view text) {
+  GrammarState g = GrammarState::start(sc);
+  return g.feed(sc, text) && g.finishable(sc);
+}
+
+// The subset's meaning, spelled out independently of the recogniser.
+bool valid(const json& v, const json& s, const json& root) {
+  if (s.is_boolean()) return s.get<bool>();
+  if (s.contains("$ref")) {
+    const std::string r = s["$ref"];
+    const std::string name = r.substr(r.rfind('/') + 1);
+    return valid(v, root.contains("$defs") ? root["$defs"][name] : root["definitions"][name], root);
+  }
+  if (s.contains("enum")) {
+    for (const json& e : s["enum"])
+      if (e == v) return true;
+    return false;
+  }
+  if (s.contains("const")) return s["const"] == v;
+  if (s.contains("anyOf") || s.contains("oneOf")) {
+    for (const json& o : s.contains("anyOf") ? s["anyOf"] : s["oneOf"])
+      if (valid(v, o, root)) return true;
+    return false;
+  }
+  if (s.value("nullable", false) && v.is_null()) return true;
+  if (s.contains("type")) {
+    std::vector<std::string> types;
+    if (s["type"].is_string()) types.push_back(s["type"]);
+    else for (const json& t : s["type"]) types.push_back(t);
+    bool any = false;
+    for (const std::string& t : types) {
+      if (t == "object" && v.is_object()) any = true;
+      if (t == "array" && v.is_array()) any = true;
+      if (t == "string" && v.is_string()) any = true;
+      if (t == "number" && v.is_number()) any = true;
+      if (t == "integer" && v.is_number_integer()) any = true;
+      if (t == "boolean" && v.is_boolean()) any = true;
+      if (t == "null" && v.is_null()) any = true;
+    }
+    if (!any) return false;
+  }
+  if (v.is_object()) {
+    const json props = s.value("properties", json::object());
+    for (const json& r : s.value("required", json::array()))
+      if (!v.contains(r.get<std::string>())) return false;
+    for (const auto& [k, x] : v.items()) {
+      if (props.contains(k)) {
+        if (!valid(x, props[k], root)) return false;
+      } else {
+        const json add = s.value("additionalProperties", json(props.empty()));
+        if (add.is_boolean() ? !add.get<bool>() : !valid(x, add, root)) return false;
+      }
+    }
+  }
+  if (v.is_array()) {
+    if (int(v.size()) < s.value("minItems", 0) || int(v.size()) > s.value("maxItems", 1 << 30)) return false;
+    if (s.contains("items"))
+      for (const json& x : v)
+        if (!valid(x, s["items"], root)) return false;
+  }
+  return true;
+}
+
+const json kPerson = json::parse(R"({
+  "type": "object",
+  "properties": {
+    "name": {"type": "string"},
+    "age": {"type": "integer"},
+    "height": {"type": "number"},
+    "colour": {"enum": ["red", "green", "blue"]},
+    "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 3},
+    "address": {"type": "object",
+                "properties": {"city": {"type": "string"}, "zip": {"type": ["string", "null"]}},
+                "required": ["city"], "additionalProperties": false},
+    "alive": {"type": "boolean"}
+  },
+  "required": ["name", "age", "colour"],
+  "additionalProperties": false
+})");
+
+}  // namespace
+
+TEST_CASE("structured: a schema keyword that would not be enforced is refused, naming it and its place",
+          "[gateway][structured]") {
+  struct Case {
+    json schema;
+    const char* says;
+  };
+  for (const Case& c : {Case{{{"type", "string"}, {"pattern", "^a"}}, "'pattern' at #"},
+                        Case{{{"type", "object"}, {"properties", {{"d", {{"type", "string"}, {"format", "date"}}}}}},
+                             "'format' at #/properties/d"},
+                        Case{{{"type", "integer"}, {"minimum", 0}}, "'minimum'"},
+                        Case{{{"$ref", "#/$defs/missing"}}, "not a definition"},
+                        Case{{{"type", "object"}, {"required", {"x"}}}, "not among 'properties'"},
+                        Case{{{"type", "blob"}}, "unknown type 'blob'"},
+                        Case{{{"type", "array"}, {"items", json::array({{{"type", "string"}}})}}, "tuples"},
+                        Case{{{"type", "object"}, {"properties", {{"a\"b", {{"type", "string"}}}}}}, "escapes"}}) {
+    INFO(c.schema.dump());
+    auto r = compile_json_schema(c.schema);
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.error().find(c.says) != std::string::npos);
+  }
+  // Annotations pass.
+  CHECK(compile_json_schema({{"type", "string"}, {"description", "x"}, {"title", "t"}, {"default", "a"}}).ok());
+}
+
+TEST_CASE("structured: the recogniser takes valid instances and refuses invalid ones", "[gateway][structured]") {
+  auto sc = compile(kPerson);
+  for (const char* ok : {R"({"name": "Ada", "age": 36, "colour": "red"})",
+                         R"({"colour":"blue","age":-7,"name":"x\n\"y\u00e9"})",
+                         R"( {
+  "name": "B", "age": 0, "height": -1.5e3, "colour": "green",
+  "tags": ["a", "b"], "address": {"city": "Oslo", "zip": null}, "alive": false
+})",
+                         R"({"name":"","age":12,"colour":"red","address":{"zip":"0150","city":"x"}})"}) {
+    INFO(ok);
+    CHECK(accepts(*sc, ok));
+    CHECK(valid(json::parse(ok), kPerson, kPerson));
+  }
+  for (const char* bad : {R"({"name": "Ada", "age": 36})",                                   // colour required
+                          R"({"name": "Ada", "age": 36, "colour": "pink"})",                 // not in the enum
+                          R"({"name": "Ada", "age": 3.5, "colour": "red"})",                 // not an integer
+                          R"({"name": "Ada", "age": 36, "colour": "red", "x": 1})",          // no other properties
+                          R"({"name": "Ada", "name": "B", "age": 1, "colour": "red"})",      // twice
+                          R"({"name": "Ada", "age": 036, "colour": "red"})",                 // leading zero
+                          R"({"name": "Ada", "age": 36, "colour": "red",})",                 // trailing comma
+                          R"({"name": "A
+", "age": 1, "colour": "red"})",                                                             // raw newline
+                          R"({"name": "A", "age": 1, "colour": "red", "tags": []})",         // minItems 1
+                          R"({"name": "A", "age": 1, "colour": "red", "tags": ["1","2","3","4"]})",  // maxItems 3
+                          R"({"name": "A", "age": 1, "colour": "red", "address": {"zip": "1"}})",    // city required
+                          R"({"name": "A", "age": 1, "colour": "red"} x)",                   // after the value
+                          R"({"name": "A", "age": 1, "colour": "red", "alive": nul})"}) {
+    INFO(bad);
+    CHECK_FALSE(accepts(*sc, bad));
+  }
+  // Not finished yet is not refused: a prefix lives, and is not finishable.
+  GrammarState g = GrammarState::start(*sc);
+  REQUIRE(g.feed(*sc, R"({"name": "Ad)"));
+  CHECK_FALSE(g.finishable(*sc));
+  CHECK_FALSE(g.closed());
+  REQUIRE(g.feed(*sc, R"(a", "age": 1, "colour": "red"})"));
+  CHECK(g.closed());
+}
+
+TEST_CASE("structured: recursion through $defs, anyOf, and json_object's any object", "[gateway][structured]") {
+  const json tree = json::parse(R"({
+    "$defs": {"node": {"type": "object", "properties": {"v": {"type": "number"},
+              "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}, "required": ["v"]}},
+    "$ref": "#/$defs/node"})");
+  auto sc = compile(tree);
+  CHECK(accepts(*sc, R"({"v": 1, "kids": [{"v": 2}, {"v": 3, "kids": [{"v": 4, "kids": []}]}]})"));
+  CHECK_FALSE(accepts(*sc, R"({"v": 1, "kids": [{"w": 2}]})"));
+  const json alt = {{"anyOf", {{{"type", "object"}, {"properties", {{"a", {{"type", "integer"}}}}}, {"required", {"a"}}},
+                               {{"type", "object"}, {"properties", {{"b", {{"type", "string"}}}}}, {"required", {"b"}}},
+                               {{"type", "array"}}}}};
+  auto sa = compile(alt);
+  CHECK(accepts(*sa, R"({"a": 5})"));
+  CHECK(accepts(*sa, R"({"b": "x"})"));
+  CHECK(accepts(*sa, R"([1, "two", {"three": [null, true]}])"));
+  CHECK_FALSE(accepts(*sa, R"({"a": "x"})"));
+  auto any = any_object_schema();
+  CHECK(accepts(*any, R"({"k": [1, 2.5e-3, "s", {"x": null}], "t": true, "f": false})"));
+  CHECK(accepts(*any, "{}"));
+  CHECK_FALSE(accepts(*any, "[1]"));  // json_object: an object
+  CHECK_FALSE(accepts(*any, R"({"k": tru})"));
+}
+
+TEST_CASE("structured: a token mask equals feeding every token's bytes, and leaves out special tokens",
+          "[gateway][structured]") {
+  PieceCodec codec;
+  auto vocab = GrammarVocabulary::build(codec);
+  auto sc = compile(kPerson);
+  const std::string text = R"({"name": "Ada", "tags": ["x"], "age": 12, "colour": "green", "address": {"city": "a"}})";
+  GrammarState g = GrammarState::start(*sc);
+  size_t allowed_somewhere = 0;
+  for (size_t cut = 0; cut <= text.size(); ++cut) {
+    INFO("after " << text.substr(0, cut));
+    const TokenMask mask = compute_mask(*sc, *vocab, g);
+    for (int32_t id = 0; id < codec.vocab_size(); ++id) {
+      const std::string b = codec.token_bytes(id);
+      bool want = !codec.is_special(id) && id != codec.vocab_size() - 1;
+      if (want) {
+        GrammarState c = g;
+        want = c.feed(*sc, b);
+      }
+      const bool got = mask[size_t(id) / 32] >> (id % 32) & 1;
+      if (got != want) FAIL_CHECK("token " << id << " " << json(b).dump() << ": mask " << got << ", bytes " << want);
+      allowed_somewhere += got;
+    }
+    if (cut < text.size()) REQUIRE(g.feed(*sc, text.substr(cut, 1)));
+  }
+  CHECK(allowed_somewhere > text.size());
+}
+
+TEST_CASE("structured: random walks through the masks always end in valid JSON", "[gateway][structured]") {
+  PieceCodec codec;
+  GrammarRegistry registry(&codec);
+  std::mt19937 rng(3);
+  const json kTree = json::parse(R"({"type": "object", "properties": {"items": {"type": "array", "maxItems": 4,
+      "items": {"type": "object", "properties": {"id": {"type": "integer"}, "kind": {"enum": ["a", "b", 3, null]},
+      "score": {"type": "number"}}, "required": ["id", "kind"], "additionalProperties": false}},
+      "note": {"type": ["string", "null"]}}, "required": ["items"], "additionalProperties": false})");
+  for (const json& schema : {kPerson, kTree, json{{"type", "object"}}}) {
+    auto g = registry.grammar(compile(schema));
+    int closed = 0;
+    for (int walk = 0; walk < 60; ++walk) {
+      GrammarState st = g->start();
+      std::string text;
+      for (int step = 0; step < 400 && !st.closed(); ++step) {
+        auto mask = g->mask(st);
+        std::vector<int32_t> allowed;
+        for (int32_t id = 0; id < codec.vocab_size(); ++id)
+          if ((*mask)[size_t(id) / 32] >> (id % 32) & 1) allowed.push_back(id);
+        REQUIRE_FALSE(allowed.empty());  // a live state always has a way on
+        // Prefer structure over endless strings: closing bytes weigh more.
+        std::vector<double> w;
+        for (int32_t id : allowed) {
+          const std::string b = codec.token_bytes(id);
+          w.push_back(b.find_first_of("\"}],:") != std::string::npos ? 8.0 : 1.0);
+        }
+        const int32_t pick = allowed[std::discrete_distribution<size_t>(w.begin(), w.end())(rng)];
+        REQUIRE(st.feed(g->schema(), codec.token_bytes(pick)));
+        text += codec.token_bytes(pick);
+      }
+      if (!st.closed()) continue;
+      ++closed;
+      INFO(text);
+      json v = json::parse(text, nullptr, false);
+      REQUIRE_FALSE(v.is_discarded());
+      CHECK(valid(v, schema, schema));
+    }
+    INFO(schema.dump());
+    CHECK(closed >= 20);
+  }
+  CHECK(registry.stats().mask_hits > 0);
+}
