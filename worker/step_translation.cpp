@@ -58,6 +58,11 @@ TranslatedStep translate_step(const protocol::StepRequest& req, const Engine& en
       continue;
     }
     SeqInput in = input_of(s);
+    // A mask as long as the tokenizer's vocabulary covers a model whose
+    // embedding is padded past it: the ids beyond are never allowed.
+    if (const size_t words = size_t(engine.desc().vocab_size + 31) / 32;
+        !in.sampling.allowed.empty() && in.sampling.allowed.size() < words)
+      in.sampling.allowed.resize(words, 0u);
     if (const Admission a = admission.admit(in); !a.ok()) {
       r.error = error_of(a.refusal);
       r.error_message = a.message;

@@ -1,5 +1,6 @@
 #include "gateway/api/openai_api.h"
 
+#include <cstdio>
 #include <ctime>
 
 #include <nlohmann/json.hpp>
@@ -335,6 +336,21 @@ void OpenAiApi::metrics(const std::shared_ptr<HttpExchange>& ex) {
   }
   g.internal_errors = escaped_exceptions();
   r.body = metrics_->render(scheduler_->stats(), scheduler_->ready(), g);
+  // Structured output's token masks (docs/structured-output.md).
+  const structured::GrammarRegistry::Stats& gs = grammars_.stats();
+  char buf[1024];
+  std::snprintf(buf, sizeof buf,
+                "# HELP moe_structured_masks_computed_total Token masks computed by a walk of the vocabulary.\n"
+                "# TYPE moe_structured_masks_computed_total counter\nmoe_structured_masks_computed_total %llu\n"
+                "# HELP moe_structured_mask_hits_total Token masks found in the cache.\n"
+                "# TYPE moe_structured_mask_hits_total counter\nmoe_structured_mask_hits_total %llu\n"
+                "# HELP moe_structured_mask_seconds_total Time spent computing token masks.\n"
+                "# TYPE moe_structured_mask_seconds_total counter\nmoe_structured_mask_seconds_total %.6f\n"
+                "# HELP moe_structured_mask_cache_bytes Bytes the mask cache holds.\n"
+                "# TYPE moe_structured_mask_cache_bytes gauge\nmoe_structured_mask_cache_bytes %zu\n",
+                static_cast<unsigned long long>(gs.masks_computed), static_cast<unsigned long long>(gs.mask_hits),
+                gs.compute_seconds, gs.cache_bytes);
+  r.body += buf;
   ex->respond(std::move(r));
 }
 

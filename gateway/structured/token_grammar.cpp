@@ -38,17 +38,19 @@ std::shared_ptr<const TokenGrammar> GrammarRegistry::grammar(std::shared_ptr<con
                  vocab_->tokens().size(), vocab_->nodes().size(),
                  std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
-  auto it = grammars_.find(schema->key);
-  if (it != grammars_.end())
-    if (auto g = it->second.lock()) return g;
+  for (auto it = grammars_.begin(); it != grammars_.end(); ++it)
+    if ((*it)->schema().key == schema->key) {
+      grammars_.splice(grammars_.begin(), grammars_, it);
+      return grammars_.front();
+    }
   auto g = std::shared_ptr<TokenGrammar>(new TokenGrammar());
   g->schema_ = std::move(schema);
   g->vocab_ = vocab_;
   g->registry_ = this;
   g->serial_ = next_serial_++;
-  // Forget grammars no request holds any more (their masks age out of the LRU).
-  for (auto e = grammars_.begin(); e != grammars_.end();) e = e->second.expired() ? grammars_.erase(e) : std::next(e);
-  grammars_[g->schema_->key] = g;
+  grammars_.push_front(g);
+  // The least recently used goes (requests still holding it keep it; its masks age out of the LRU).
+  if (grammars_.size() > kMaxGrammars) grammars_.pop_back();
   return g;
 }
 

@@ -62,7 +62,10 @@ class GrammarRegistry {
 
   const TextCodec* codec_;
   std::shared_ptr<const GrammarVocabulary> vocab_;
-  std::unordered_map<std::string, std::weak_ptr<const TokenGrammar>> grammars_;
+  // The most recently used schemas' grammars (their masks stay useful to
+  // the next request of the same schema), at most kMaxGrammars.
+  static constexpr size_t kMaxGrammars = 64;
+  std::list<std::shared_ptr<const TokenGrammar>> grammars_;
   uint64_t next_serial_ = 1;
   // LRU of masks: most recent at the front.
   struct Entry {
