@@ -66,7 +66,7 @@ def metrics(port):
     c.request("GET", "/metrics")
     body = c.getresponse().read().decode()
     get = lambda k: float(re.search(rf"^{k} ([0-9.e+-]+)$", body, re.M).group(1))
-    return {k: get(f"moe_structured_{k}") for k in ("masks_computed_total", "mask_hits_total", "mask_seconds_total")}
+    return {k: get(f"moe_gateway_structured_{k}") for k in ("masks_computed_total", "mask_hits_total", "mask_seconds_total")}
 
 
 def run(port, model, conc, new_tokens, structured, rounds):
@@ -130,7 +130,9 @@ def main():
                     return False
             wait_for(healthy, 120, "the gateway")
             model = os.path.basename(a.model.rstrip("/"))
-            run(port, model, 1, 16, False, 1)  # warm-up
+            # Warm-up, a structured request included: a server that has seen the schema.
+            run(port, model, 1, 16, False, 1)
+            run(port, model, 1, 32, True, 1)
             for conc in [int(x) for x in a.concurrency.split(",")]:
                 for structured in (False, True):
                     before = metrics(port)

@@ -340,14 +340,14 @@ void OpenAiApi::metrics(const std::shared_ptr<HttpExchange>& ex) {
   const structured::GrammarRegistry::Stats& gs = grammars_.stats();
   char buf[1024];
   std::snprintf(buf, sizeof buf,
-                "# HELP moe_structured_masks_computed_total Token masks computed by a walk of the vocabulary.\n"
-                "# TYPE moe_structured_masks_computed_total counter\nmoe_structured_masks_computed_total %llu\n"
-                "# HELP moe_structured_mask_hits_total Token masks found in the cache.\n"
-                "# TYPE moe_structured_mask_hits_total counter\nmoe_structured_mask_hits_total %llu\n"
-                "# HELP moe_structured_mask_seconds_total Time spent computing token masks.\n"
-                "# TYPE moe_structured_mask_seconds_total counter\nmoe_structured_mask_seconds_total %.6f\n"
-                "# HELP moe_structured_mask_cache_bytes Bytes the mask cache holds.\n"
-                "# TYPE moe_structured_mask_cache_bytes gauge\nmoe_structured_mask_cache_bytes %zu\n",
+                "# HELP moe_gateway_structured_masks_computed_total Token masks computed by a walk of the vocabulary.\n"
+                "# TYPE moe_gateway_structured_masks_computed_total counter\nmoe_gateway_structured_masks_computed_total %llu\n"
+                "# HELP moe_gateway_structured_mask_hits_total Token masks found in the cache.\n"
+                "# TYPE moe_gateway_structured_mask_hits_total counter\nmoe_gateway_structured_mask_hits_total %llu\n"
+                "# HELP moe_gateway_structured_mask_seconds_total Time spent computing token masks.\n"
+                "# TYPE moe_gateway_structured_mask_seconds_total counter\nmoe_gateway_structured_mask_seconds_total %.6f\n"
+                "# HELP moe_gateway_structured_mask_cache_bytes Bytes the mask cache holds.\n"
+                "# TYPE moe_gateway_structured_mask_cache_bytes gauge\nmoe_gateway_structured_mask_cache_bytes %zu\n",
                 static_cast<unsigned long long>(gs.masks_computed), static_cast<unsigned long long>(gs.mask_hits),
                 gs.compute_seconds, gs.cache_bytes);
   r.body += buf;

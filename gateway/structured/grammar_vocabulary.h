@@ -25,19 +25,30 @@ class GrammarVocabulary {
 
   static std::shared_ptr<const GrammarVocabulary> build(const TextCodec& codec);
 
-  const std::vector<Node>& nodes() const { return nodes_; }
-  const std::vector<int32_t>& tokens() const { return tokens_; }
+  struct Trie {
+    std::vector<Node> nodes;
+    std::vector<int32_t> tokens;
+  };
+  // Every token left in, and those that are not plain string text.
+  const Trie& all() const { return all_; }
+  const Trie& not_plain() const { return not_plain_; }
+  // Plain string text: well-formed UTF-8 without a quote, backslash or
+  // control byte (inside a string any of these keeps the state), as a mask.
+  const std::vector<uint32_t>& plain() const { return plain_; }
+  const std::vector<Node>& nodes() const { return all_.nodes; }
+  const std::vector<int32_t>& tokens() const { return all_.tokens; }
   int vocab_size() const { return vocab_; }
   int max_depth() const { return max_depth_; }
   // The bytes of token `id` ("" for one left out).
   const std::string& bytes(int32_t id) const { return bytes_[size_t(id)]; }
 
  private:
-  std::vector<Node> nodes_;
-  std::vector<int32_t> tokens_;
+  Trie all_, not_plain_;
+  std::vector<uint32_t> plain_;
   std::vector<std::string> bytes_;
   int vocab_ = 0;
   int max_depth_ = 0;
+  static void build_trie(const GrammarVocabulary& v, const std::vector<int32_t>& ids, Trie* t);
 };
 
 }  // namespace moe::gw::structured

@@ -1,5 +1,6 @@
 #include "gateway/structured/json_grammar.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace moe::gw::structured {
@@ -88,6 +89,13 @@ bool utf8_step(uint8_t b, uint8_t& remaining, uint16_t& range) {
     return false;
   }
   return true;
+}
+
+// An array's item count as its frame keeps it: exact under a maxItems,
+// else no more than minItems (past it only "enough" matters), so the items
+// of a long array share states (and cached masks).
+uint16_t count_items(int n, int min_items, int max_items) {
+  return uint16_t(max_items < 65535 ? n : std::min(n, min_items));
 }
 
 // One number's first byte.
@@ -257,13 +265,13 @@ void step(const Schema& sc, Stack& s, uint8_t b, GrammarState* out) {
           }
           if (max_items == 0) return;
           t.stage = kArrayAfterValue;
-          t.pos = 1;
+          t.pos = count_items(1, min_items, max_items);
           t.ws = 0;
           if (!push(s, make(items, kValue))) return;
           continue;  // the item takes this byte
         }
         if (b == ',' && t.pos < max_items) {
-          ++t.pos;
+          t.pos = count_items(t.pos + 1, min_items, max_items);
           t.ws = 0;
           return push(s, make(items, kValue)) ? out->add(s) : void();
         }
@@ -447,6 +455,17 @@ bool GrammarState::finishable(const Schema& schema) const {
     }
   }
   return false;
+}
+
+bool GrammarState::in_string_content() const {
+  if (n_ == 0) return false;
+  for (int i = 0; i < n_; ++i) {
+    const Stack& s = s_[size_t(i)];
+    if (s.depth == 0) return false;
+    const Frame& t = s.f[s.depth - 1];
+    if (t.kind != kString || t.stage != kContent || t.aux != 0) return false;
+  }
+  return true;
 }
 
 bool GrammarState::closed() const {

@@ -52,6 +52,9 @@ class GrammarState {
   bool finishable(const Schema& schema) const;
   // A whole value to which nothing more can be added.
   bool closed() const;
+  // Every alternative is inside a string, between characters: any text
+  // without a quote, backslash or control byte keeps it so.
+  bool in_string_content() const;
   // What identifies the state (for caches): the stacks' bytes, in order.
   std::string key() const;
 

@@ -7,8 +7,13 @@ namespace moe::gw::structured {
 
 TokenMask compute_mask(const Schema& schema, const GrammarVocabulary& vocab, const GrammarState& state) {
   TokenMask mask(size_t(vocab.vocab_size() + 31) / 32, 0u);
-  const auto& nodes = vocab.nodes();
-  const auto& tokens = vocab.tokens();
+  // Inside a string every plain-text token keeps the state: only the others
+  // need the walk (a few percent of a vocabulary).
+  const bool in_string = state.in_string_content();
+  if (in_string) mask = vocab.plain();
+  const GrammarVocabulary::Trie& trie = in_string ? vocab.not_plain() : vocab.all();
+  const auto& nodes = trie.nodes;
+  const auto& tokens = trie.tokens;
   // states[d]: after the first d bytes of the current path.
   std::vector<GrammarState> states(size_t(vocab.max_depth()) + 1);
   states[0] = state;
@@ -30,14 +35,19 @@ std::shared_ptr<const TokenMask> TokenGrammar::mask(const GrammarState& state) c
   return registry_->lookup(serial_, *this, state);
 }
 
-std::shared_ptr<const TokenGrammar> GrammarRegistry::grammar(std::shared_ptr<const Schema> schema) {
-  if (!vocab_) {
+GrammarRegistry::GrammarRegistry(const TextCodec* codec, size_t cache_bytes) : codec_(codec), cache_budget_(cache_bytes) {
+  if (codec_) {
     const auto t0 = std::chrono::steady_clock::now();
     vocab_ = GrammarVocabulary::build(*codec_);
-    std::fprintf(stderr, "moe-gateway: structured output: the vocabulary's %zu tokens as a trie of %zu nodes (%.0f ms)\n",
-                 vocab_->tokens().size(), vocab_->nodes().size(),
+    std::fprintf(stderr,
+                 "moe-gateway: structured output: the vocabulary's %zu tokens as a trie of %zu nodes, %zu of them not "
+                 "plain string text (%.0f ms)\n",
+                 vocab_->tokens().size(), vocab_->nodes().size(), vocab_->not_plain().tokens.size(),
                  std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
+}
+
+std::shared_ptr<const TokenGrammar> GrammarRegistry::grammar(std::shared_ptr<const Schema> schema) {
   for (auto it = grammars_.begin(); it != grammars_.end(); ++it)
     if ((*it)->schema().key == schema->key) {
       grammars_.splice(grammars_.begin(), grammars_, it);

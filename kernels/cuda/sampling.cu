@@ -71,6 +71,20 @@ __device__ Best block_argmax(const Row& row, int vocab, Best* scratch) {
   return r;
 }
 
+// Block sum of one int per thread, through `scratch` ([blockDim.x] doubles);
+// the result in every thread.
+__device__ int block_sum(int v, double* scratch) {
+  scratch[threadIdx.x] = double(v);
+  __syncthreads();
+  for (int o = int(blockDim.x) / 2; o > 0; o >>= 1) {
+    if (int(threadIdx.x) < o) scratch[threadIdx.x] += scratch[threadIdx.x + o];
+    __syncthreads();
+  }
+  const int total = int(scratch[0]);
+  __syncthreads();
+  return total;
+}
+
 __global__ void __launch_bounds__(kThreads) argmax_kernel(const float* logits, int vocab, int32_t* tokens) {
   detail::allow_next_grid();
   detail::wait_prior_grid();
@@ -146,7 +160,12 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
 
-  const int C = min(min(limit_k ? p.top_k : kMaxCandidates, kMaxCandidates), vocab);
+  // Candidates are drawable tokens only: a masked or banned one (-inf) never
+  // takes a place (a mask of five tokens under top_k 40 keeps five).
+  int finite = 0;
+  for (int i = threadIdx.x; i < vocab; i += kThreads) finite += row[i] > -INFINITY ? 1 : 0;
+  finite = block_sum(finite, seg);
+  const int C = min(min(min(limit_k ? p.top_k : kMaxCandidates, kMaxCandidates), vocab), max(finite, 1));
   if (threadIdx.x == 0) {
     s_prefix = 0;
     s_mask = 0;

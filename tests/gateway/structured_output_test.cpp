@@ -198,6 +198,24 @@ TEST_CASE("structured: the recogniser takes valid instances and refuses invalid 
   CHECK(g.closed());
 }
 
+TEST_CASE("structured: an array's count is kept only as far as its bounds need it", "[gateway][structured]") {
+  auto sc = compile({{"type", "array"}, {"items", {{"type", "integer"}}}, {"minItems", 2}});
+  CHECK_FALSE(accepts(*sc, "[1]"));
+  CHECK(accepts(*sc, "[1, 2]"));
+  CHECK(accepts(*sc, "[1, 2, 3, 4, 5, 6]"));
+  // Past minItems (no maxItems) the items share states: the third and the fifth.
+  GrammarState a = GrammarState::start(*sc), b = a;
+  REQUIRE(a.feed(*sc, "[1, 2, 3"));
+  REQUIRE(b.feed(*sc, "[1, 2, 3, 4, 5"));
+  CHECK(a.key() == b.key());
+  auto bounded = compile({{"type", "array"}, {"maxItems", 3}});
+  GrammarState c = GrammarState::start(*bounded), d = c;
+  REQUIRE(c.feed(*bounded, "[1, 2"));
+  REQUIRE(d.feed(*bounded, "[1, 2, 3"));
+  CHECK(c.key() != d.key());
+  CHECK_FALSE(accepts(*bounded, "[1, 2, 3, 4]"));
+}
+
 TEST_CASE("structured: recursion through $defs, anyOf, and json_object's any object", "[gateway][structured]") {
   const json tree = json::parse(R"({
     "$defs": {"node": {"type": "object", "properties": {"v": {"type": "number"},

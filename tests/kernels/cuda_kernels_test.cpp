@@ -1073,7 +1073,7 @@ TEST_CASE("cuda token adjustments and min_p match the CPU twin", "[cuda][samplin
     float temperature, top_p, min_p;
     int top_k;
   };
-  for (const Cfg c : {Cfg{0.f, 1.f, 0.f, 0}, Cfg{1.f, 1.f, 0.05f, 0}, Cfg{0.7f, 1.f, 0.2f, 40}, Cfg{1.2f, 0.9f, 0.01f, 0},
+  for (const Cfg c : {Cfg{0.f, 1.f, 0.f, 0}, Cfg{1.f, 1.f, 0.05f, 0}, Cfg{0.7f, 1.f, 0.2f, 40}, Cfg{1.2f, 0.9f, 0.05f, 0},
                       Cfg{1.f, 1.f, 1.f, 0}}) {
     INFO("T " << c.temperature << " top_p " << c.top_p << " min_p " << c.min_p << " top_k " << c.top_k);
     std::vector<moe::SampleDraw> params(rows);
