@@ -16,8 +16,20 @@
 #      deleted; then llama.cpp's llama-quantize to Q4_K_M
 #   4. bench/e2e/side_by_side.py per shape, uniform and replayed routing
 #   5. bench/e2e/failover_gpu.sh, when it is there and time is left
+#
+# Environment (a run that fills in rows missing from an earlier one):
+#   SHAPES="q3 q15"           the shapes to make and run (q3: Qwen3-30B-A3B,
+#                             q15: Qwen1.5-MoE-A2.7B)
+#   Q3_MODES, Q15_MODES       side_by_side.py --modes per shape (defaults
+#                             resident,12GiB,8GiB and resident,6GiB)
+#   SKIP_TESTS=1              leave out stage 2 (e.g. when the demo weights
+#                             stayed behind to keep the tree under 64 MiB)
+#   FAILOVER_SHAPE=q3         whose packed file the failover run serves, and
+#   FAILOVER_BUDGET=12GiB     under which budget
 set -uo pipefail
 limit=${1:-560}
+SHAPES=${SHAPES:-q3 q15}
+want() { [[ " $SHAPES " == *" $1 "* ]]; }
 t_start=$(date +%s)
 deadline=$((t_start + limit))
 here=$(pwd)
@@ -64,7 +76,7 @@ if ! is_done llama-started; then
   say "llama.cpp building in the background"
 fi
 
-if ! is_done tests-started; then
+if ! is_done tests-started && [ "${SKIP_TESTS:-0}" != 1 ]; then
   mark tests-started
   setsid nohup bash -c "export MOE_TEST_DATA=$here/tests/data MOE_WORKER_BIN=$BIN/moe-worker;
     for t in moe_kernels_cuda_tests moe_cuda_engine_tests; do $BIN/\$t >$W/logs/\$t.txt 2>&1; echo \"\$t exit \$?\" >>$W/logs/gpu-tests.txt; done;
@@ -135,14 +147,16 @@ make_shape() {  # s shape-name
 }
 
 # Qwen3 first, while the disk is empty; Qwen1.5 while llama.cpp still builds.
-make_shape q3 qwen3-30b-a3b 61 || say "q3 not made yet"
-quantize q3 || true
-is_done llama-built || make_shape q15 qwen1.5-moe-a2.7b 27 || say "q15 not made yet"
+if want q3; then make_shape q3 qwen3-30b-a3b 61 || say "q3 not made yet"; fi
+if want q3; then quantize q3 || true; fi
+if want q15; then is_done llama-built || make_shape q15 qwen1.5-moe-a2.7b 27 || say "q15 not made yet"; fi
 while ! is_done llama-built && [ "$(left)" -gt 200 ] && pgrep -f "llama-build" >/dev/null; do sleep 5; done
 is_done llama-built || { say "llama.cpp not built yet:"; tail -5 $W/logs/llama-build.log; }
-quantize q3 || true
-make_shape q15 qwen1.5-moe-a2.7b 27 || say "q15 not made yet"
-quantize q15 || true
+if want q3; then quantize q3 || true; fi
+if want q15; then
+  make_shape q15 qwen1.5-moe-a2.7b 27 || say "q15 not made yet"
+  quantize q15 || true
+fi
 df -h /tmp /dev/shm | sed 's/^/   /'
 [ -f $W/logs/gpu-tests.txt ] && sed 's/^/   /' $W/logs/gpu-tests.txt
 
@@ -160,13 +174,16 @@ run_shape() {
     --deadline $((deadline - 15)) --work $W/runs-$s 2>&1 | tee -a $W/logs/$s-runs.log
   [ "${PIPESTATUS[0]}" = 0 ] && mark $s-runs
 }
-run_shape q3 qwen3-30b-a3b resident,12GiB,8GiB || true
-run_shape q15 qwen1.5-moe-a2.7b resident,6GiB || true
+if want q3; then run_shape q3 qwen3-30b-a3b ${Q3_MODES:-resident,12GiB,8GiB} || true; fi
+if want q15; then run_shape q15 qwen1.5-moe-a2.7b ${Q15_MODES:-resident,6GiB} || true; fi
 
-if is_done q3-runs && is_done q15-runs && [ -x bench/e2e/failover_gpu.sh ] && ! is_done failover && [ "$(left)" -gt 150 ]; then
-  say "failover from the CUDA worker"
-  LOG_DIR=$W/logs/failover WORKER_ARGS="--vram-budget 12GiB" bash bench/e2e/failover_gpu.sh "$BIN" \
-    .device-build/failover-carry.tar.xz "$(cat $W/state/q3-pack.path)" $W/failover-gpu.json 2>&1 |
+fs=${FAILOVER_SHAPE:-q3}
+all_runs=1
+for s in $SHAPES; do is_done $s-runs || all_runs=0; done
+if [ $all_runs = 1 ] && is_done $fs-pack && [ -x bench/e2e/failover_gpu.sh ] && ! is_done failover && [ "$(left)" -gt 150 ]; then
+  say "failover from the CUDA worker ($fs, ${FAILOVER_BUDGET:-12GiB})"
+  LOG_DIR=$W/logs/failover WORKER_ARGS="--vram-budget ${FAILOVER_BUDGET:-12GiB}" bash bench/e2e/failover_gpu.sh "$BIN" \
+    .device-build/failover-carry.tar.xz "$(cat $W/state/$fs-pack.path)" $W/failover-gpu.json 2>&1 |
     tee $W/logs/failover.log && mark failover
 fi
 say "stop; state: $(ls $W/state | tr '\n' ' ')"
