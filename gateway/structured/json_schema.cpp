@@ -34,6 +34,8 @@ class Compiler {
   Result<std::shared_ptr<const Schema>> run() {
     const int r = node(root_, "#");
     if (!error_.empty()) return make_error(error_);
+    flatten_alternatives();
+    if (!error_.empty()) return make_error(error_);
     schema_.root = r;
     schema_.key = root_.dump();
     return std::make_shared<const Schema>(std::move(schema_));
@@ -233,6 +235,38 @@ class Compiler {
     }
     if (n.min_items > n.max_items) return fail("'minItems' above 'maxItems' at " + path);
     return add(std::move(n));
+  }
+
+  // Alternatives never hold alternatives: each one's options become the
+  // distinct non-alternative nodes it reaches (a $ref cycle through anyOf
+  // adds nothing), at most kMaxAlternatives. The recogniser then expands
+  // one level per byte, never a tree of them, and never loops.
+  void flatten_alternatives() {
+    for (size_t i = 0; i < schema_.nodes.size(); ++i) {
+      if (schema_.nodes[i].kind != NodeKind::alternatives) continue;
+      std::vector<int> leaves, stack = {int(i)};
+      std::set<int> seen = {int(i)};
+      while (!stack.empty()) {
+        const int at = stack.back();
+        stack.pop_back();
+        for (int o : schema_.nodes[size_t(at)].options) {
+          if (!seen.insert(o).second) continue;
+          if (schema_.nodes[size_t(o)].kind == NodeKind::alternatives)
+            stack.push_back(o);
+          else
+            leaves.push_back(o);
+        }
+      }
+      if (leaves.empty()) {
+        fail("an anyOf/oneOf of this schema can match nothing: its options only refer to each other");
+        return;
+      }
+      if (leaves.size() > size_t(kMaxAlternatives)) {
+        fail("an anyOf/oneOf of this schema has more than 8 options once the nested ones are merged");
+        return;
+      }
+      schema_.nodes[i].options = std::move(leaves);
+    }
   }
 
   const json& root_;

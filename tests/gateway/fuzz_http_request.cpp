@@ -3,7 +3,9 @@
 // the body of every complete request then goes through the same JSON bounds
 // and request parsing the API applies, with the demo model's real tokenizer
 // and chat template, once as a chat request and once as a completion request,
-// and a chat's validated turns through the session store's caps. Nothing may
+// a chat's validated turns through the session store's caps, and a
+// response_format's schema through the grammar (the last message's text fed
+// to it, token masks over the demo vocabulary). Nothing may
 // crash, leak or read out of bounds (ASan, UBSan).
 #include <cstddef>
 #include <cstdint>
@@ -16,6 +18,7 @@
 #include "gateway/json_body.h"
 #include "gateway/api/model_text_codec.h"
 #include "gateway/state/session_store.h"
+#include "gateway/structured/token_grammar.h"
 
 using namespace moe::gw;
 
@@ -30,6 +33,24 @@ const TextCodec& codec() {
   return *c;
 }
 
+// A response_format's schema as generation would walk it: the given text fed
+// byte by byte, a token mask over the demo vocabulary at the start and where
+// the text stops.
+void grammar(const structured::Schema& schema, const std::string& text) {
+  static const std::shared_ptr<const structured::GrammarVocabulary> vocab = structured::GrammarVocabulary::build(codec());
+  structured::GrammarState st = structured::GrammarState::start(schema);
+  (void)structured::compute_mask(schema, *vocab, st);
+  for (char c : text) {
+    structured::GrammarState next;
+    st.feed(schema, uint8_t(c), &next);
+    if (next.empty()) break;
+    st = next;
+  }
+  (void)st.finishable(schema);
+  (void)st.key();
+  (void)structured::compute_mask(schema, *vocab, st);
+}
+
 void handle(const HttpRequest& req) {
   RequestLimits limits;
   limits.served_model_name = "demo-moe";
@@ -40,6 +61,7 @@ void handle(const HttpRequest& req) {
     ChatMessages all = prior;
     all.insert(all.end(), r->messages.begin(), r->messages.end());
     (void)SessionStore::capped(std::move(all), 8, 4096);
+    if (r->response_schema) grammar(*r->response_schema, r->messages.empty() ? req.body : r->messages.back().content);
   } else {
     (void)api_error_json(std::get<ApiError>(chat));
   }

@@ -155,6 +155,19 @@ TEST_CASE("structured: a schema keyword that would not be enforced is refused, n
     REQUIRE_FALSE(r.ok());
     CHECK(r.error().find(c.says) != std::string::npos);
   }
+  // Alternatives that only refer to each other, and nestings past 8 options.
+  const json loop = json::parse(R"({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/b"}]},
+                                              "b": {"anyOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"})");
+  auto l = compile_json_schema(loop);
+  REQUIRE_FALSE(l.ok());
+  CHECK(l.error().find("match nothing") != std::string::npos);
+  json wide = {{"type", "integer"}};
+  for (int i = 0; i < 5; ++i) wide = {{"anyOf", {wide, {{"const", i}}}}};
+  CHECK(compile_json_schema(wide).ok());  // 6 options once merged
+  for (int i = 5; i < 9; ++i) wide = {{"anyOf", {wide, {{"const", i}}}}};
+  auto w = compile_json_schema(wide);
+  REQUIRE_FALSE(w.ok());
+  CHECK(w.error().find("more than 8") != std::string::npos);
   // Annotations pass.
   CHECK(compile_json_schema({{"type", "string"}, {"description", "x"}, {"title", "t"}, {"default", "a"}}).ok());
 }
@@ -196,6 +209,19 @@ TEST_CASE("structured: the recogniser takes valid instances and refuses invalid 
   CHECK_FALSE(g.closed());
   REQUIRE(g.feed(*sc, R"(a", "age": 1, "colour": "red"})"));
   CHECK(g.closed());
+}
+
+TEST_CASE("structured: a self-referring anyOf is one level of options, each byte a bounded step", "[gateway][structured]") {
+  // A list that may hold itself or a number: recursion through values, not through alternatives.
+  const json s = json::parse(R"({"$defs": {"v": {"anyOf": [{"type": "integer"}, {"$ref": "#/$defs/v"},
+      {"type": "array", "items": {"$ref": "#/$defs/v"}}]}}, "$ref": "#/$defs/v"})");
+  auto sc = compile(s);
+  CHECK(accepts(*sc, "[1, [2, [3]], []]"));
+  CHECK(accepts(*sc, "7"));
+  CHECK_FALSE(accepts(*sc, "[1, \"x\"]"));
+  // Deeper than the recogniser's 16 frames: refused, not a crash.
+  std::string deep(40, '[');
+  CHECK_FALSE(accepts(*sc, deep));
 }
 
 TEST_CASE("structured: an array's count is kept only as far as its bounds need it", "[gateway][structured]") {
