@@ -327,10 +327,23 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
   if (completion_logprobs && (*completion_logprobs < 0 || *completion_logprobs > 5)) {
     return invalid_param("logprobs", "'logprobs' must be between 0 and 5.", "invalid_value");
   }
-  if (echo.value_or(false)) return invalid_param("echo", "'echo' is not supported.", "unsupported_parameter");
-  if (const json* best_of = member(body, "best_of")) {
-    if (!best_of->is_number_integer() || best_of->get<int64_t>() != n.value_or(1)) {
-      return invalid_param("best_of", "'best_of' other than 'n' is not supported.", "unsupported_parameter");
+  if (echo.value_or(false) && completion_logprobs) {
+    return invalid_param("echo", "'echo' with 'logprobs' needs the prompt tokens' log probabilities, which this server "
+                                 "does not compute; ask for one of the two.", "unsupported_parameter");
+  }
+  req.echo = echo.value_or(false);
+  {
+    std::optional<int64_t> best_of;
+    if ((err = read_int(body, "best_of", &best_of))) return *err;
+    if (best_of) {
+      if (*best_of < n.value_or(1) || *best_of > limits.max_choices)
+        return invalid_param("best_of", "'best_of' must be at least 'n' (" + std::to_string(n.value_or(1)) +
+                                            ") and at most " + std::to_string(limits.max_choices) + ".",
+                             "invalid_value");
+      if (*best_of > n.value_or(1) && stream.value_or(false))
+        return invalid_param("best_of", "'best_of' above 'n' cannot be streamed: the best are known only at the end.",
+                             "invalid_value");
+      req.best_of = static_cast<int>(*best_of);
     }
   }
 
@@ -513,7 +526,7 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
   }
   const char* prompt_param = kind == ApiKind::chat ? "messages" : "prompt";
   req.n = static_cast<int>(n.value_or(1));
-  if (static_cast<int64_t>(req.prompts.size()) * req.n > limits.max_choices) {
+  if (static_cast<int64_t>(req.prompts.size()) * std::max(req.n, req.best_of) > limits.max_choices) {
     return invalid_param("n", "'n' times the number of prompts must be at most " + std::to_string(limits.max_choices) + ".",
                          "invalid_value");
   }
@@ -564,7 +577,7 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
   // What the request costs at most, before anything runs (unknown while no
   // worker said how long its context is and the request names no max_tokens).
   if (limits.max_context == 0 && !max_tokens) return req;
-  const int64_t choices = static_cast<int64_t>(req.prompts.size()) * req.n;
+  const int64_t choices = static_cast<int64_t>(req.prompts.size()) * std::max(req.n, req.best_of);
   const int64_t tokens = choices * req.max_new_tokens;  // ≤ 128 × 2^31: no overflow
   if (tokens > limits.max_request_tokens) {
     return invalid_param(max_tokens ? max_param : "n",

@@ -44,6 +44,11 @@ struct CompletionRequest {
   // schema every choice's text must follow; null: free text.
   std::shared_ptr<const structured::Schema> response_schema;
   int n = 1;
+  // Completions: best_of candidates a prompt, of which the n with the highest
+  // log probability per token are returned (0: n); echo: the prompt's text
+  // before each choice's.
+  int best_of = 0;
+  bool echo = false;
   bool stream = false;
   bool include_usage = false;
   std::string user;

@@ -144,10 +144,11 @@ void Generation::begin(uint64_t seed) {
   int n_prompts = static_cast<int>(req_.prompts.size());
   for (int p = 0; p < n_prompts; ++p) {
     ctx_.metrics->add_prompt_tokens(req_.prompts[p].size());
-    for (int i = 0; i < req_.n; ++i) {
+    for (int i = 0; i < candidates(); ++i) {
       auto c = std::make_unique<Choice>();
       c->gen = this;
-      c->index = p * req_.n + i;
+      c->index = p * candidates() + i;
+      c->prompt = p;
       c->decoder = ctx_.codec->stream_decoder();
       c->matcher = StopMatcher(req_.stop);
       c->logprobs = empty_logprobs();
@@ -171,11 +172,15 @@ void Generation::begin(uint64_t seed) {
   if (req_.stream && req_.kind == ApiKind::chat) {
     for (const auto& c : choices_) send_chunk(*c, "", nullptr, nullptr, true);
   }
+  if (req_.stream && req_.echo) {
+    for (const auto& c : choices_) send_chunk(*c, prompt_text(c->prompt), nullptr, nullptr, false);
+  }
   for (auto& c : choices_) {
     SequenceRequest sr;
-    sr.prompt = req_.prompts[c->index / req_.n];
+    sr.prompt = req_.prompts[size_t(c->prompt)];
     sr.max_new_tokens = req_.max_new_tokens;
     sr.sampling = req_.sampling;
+    if (req_.best_of > req_.n) sr.sampling.logprobs = true;  // to rank the candidates
     sr.sampling.seed = seed + static_cast<uint64_t>(c->index);
     sr.stop_ids = stop_ids_;
     sr.logit_bias = req_.logit_bias;
@@ -204,6 +209,10 @@ void Generation::token(Choice& c, const TokenEvent& ev) {
 
   json chunk_logprobs;
   bool stop_id = is_stop_id(ev.token);
+  if (!stop_id) {
+    c.logprob_sum += ev.logprob;
+    ++c.logprob_count;
+  }
   if (req_.sampling.logprobs && !stop_id) {
     if (req_.stream) {
       chunk_logprobs = empty_logprobs();
@@ -285,6 +294,13 @@ void Generation::finish_choice(Choice& c, const char* reason, const std::string&
   if (++finished_ == static_cast<int>(choices_.size())) complete();
 }
 
+std::string Generation::prompt_text(int p) const {
+  std::unique_ptr<TokenTextStream> d = ctx_.codec->stream_decoder();
+  std::string text;
+  for (int32_t id : req_.prompts[size_t(p)]) text += d->push(id);
+  return text + d->flush();
+}
+
 json Generation::usage() const {
   int64_t prompt = 0, completion = 0;
   for (const auto& p : req_.prompts) prompt += static_cast<int64_t>(p.size());
@@ -315,8 +331,26 @@ void Generation::complete() {
     ex_->end();
     return;
   }
+  // best_of: per prompt the n candidates of the highest log probability a
+  // token (the earlier among equals), renumbered in that order.
+  std::vector<Choice*> shown;
+  for (const auto& c : choices_) shown.push_back(c.get());
+  if (candidates() > req_.n) {
+    auto mean = [](const Choice* c) { return c->logprob_count ? c->logprob_sum / c->logprob_count : -1e300; };
+    std::stable_sort(shown.begin(), shown.end(), [&](const Choice* a, const Choice* b) {
+      return a->prompt != b->prompt ? a->prompt < b->prompt : mean(a) > mean(b);
+    });
+    std::vector<Choice*> kept;
+    std::vector<int> taken(req_.prompts.size(), 0);
+    for (Choice* c : shown)
+      if (taken[size_t(c->prompt)] < req_.n) {
+        c->index = c->prompt * req_.n + taken[size_t(c->prompt)]++;
+        kept.push_back(c);
+      }
+    shown = std::move(kept);
+  }
   json choices = json::array();
-  for (const auto& c : choices_) {
+  for (const Choice* c : shown) {
     json lp = req_.sampling.logprobs ? c->logprobs : json(nullptr);
     if (req_.kind == ApiKind::chat) {
       std::string content = c->text, reasoning = c->reasoning;
@@ -337,7 +371,10 @@ void Generation::complete() {
       if (c->splitter && (c->splitter->entered() || !reasoning.empty())) message["reasoning_content"] = reasoning;
       choices.push_back({{"index", c->index}, {"message", message}, {"logprobs", lp}, {"finish_reason", c->finish_reason}});
     } else {
-      choices.push_back({{"index", c->index}, {"text", c->text}, {"logprobs", lp}, {"finish_reason", c->finish_reason}});
+      choices.push_back({{"index", c->index},
+                         {"text", req_.echo ? prompt_text(c->prompt) + c->text : c->text},
+                         {"logprobs", lp},
+                         {"finish_reason", c->finish_reason}});
     }
   }
   json body = {{"id", ctx_.response_id},

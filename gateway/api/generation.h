@@ -70,7 +70,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
  private:
   struct Choice final : SequenceObserver {
     Generation* gen = nullptr;
-    int index = 0;
+    int index = 0;   // in the response; with best_of above n, the candidate's until complete() ranks them
+    int prompt = 0;  // which of the request's prompts
     uint64_t seq = 0;
     bool submitted = false;
     bool done = false;
@@ -85,6 +86,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
     uint64_t last_token_ns = 0;
     std::string finish_reason;
     nlohmann::json logprobs;      // accumulated for a whole response
+    double logprob_sum = 0;       // best_of: log probabilities of the generated tokens (stop ids aside)
+    int logprob_count = 0;
 
     // An exception from the text side (a bug) fails this request with a
     // 500, never the process.
@@ -124,6 +127,10 @@ class Generation : public std::enable_shared_from_this<Generation> {
   void send_event(const nlohmann::json& payload);
   nlohmann::json usage() const;
   bool is_stop_id(int32_t id) const;
+  // Candidates a prompt: best_of when above n.
+  int candidates() const { return std::max(req_.n, req_.best_of); }
+  // echo: prompt p as text.
+  std::string prompt_text(int p) const;
 
   GenerationContext ctx_;
   CompletionRequest req_;

@@ -239,7 +239,7 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
                        ApiError{503, "The engine is not ready yet; retry shortly.", "server_error", "", "engine_not_ready"});
   }
   CompletionRequest req = std::move(std::get<CompletionRequest>(parsed));
-  const int sequences = static_cast<int>(req.prompts.size()) * req.n;
+  const int sequences = static_cast<int>(req.prompts.size()) * std::max(req.n, req.best_of);
   auto admitted = admission_.admit(caller.id, sequences, scheduler_->stats().waiting);
   if (auto* err = std::get_if<ApiError>(&admitted)) {
     HttpResponse r = api_error_response(*err);

@@ -186,8 +186,9 @@ void ScriptedScheduler::tick() {
     }
     TokenEvent ev;
     ev.token = tok;
-    ev.logprob = -0.5f;
-    ev.top = {{tok, -0.5f}, {'?', -1.5f}};
+    // Capital letters are the unlikely ones (best_of ranks by this).
+    ev.logprob = tok >= 'A' && tok <= 'Z' ? -2.0f : -0.5f;
+    ev.top = {{tok, ev.logprob}, {'?', -1.5f}};
     obs->on_token(ev);
     if (last) {
       // Cancelled from inside on_token? Then no further call.

@@ -513,6 +513,46 @@ TEST_CASE("api: min_tokens holds stop strings back until that many tokens came",
   CHECK(run(4) == "a.b.cd");
 }
 
+TEST_CASE("api: completions echo the prompt; best_of returns the n likeliest of its candidates", "[gateway][api]") {
+  TestGateway gw;
+  // Choice i (seed 100 + i): candidates 1 and 3 speak in capitals (log probability -2 a token), the others not (-0.5).
+  gw.scheduler().set_script([](const SequenceRequest& req, int step) -> int32_t {
+    const bool loud = req.sampling.seed % 2 == 1;
+    return (loud ? "ABCDEF" : "abcdef")[step % 6];
+  });
+  auto body = [](json extra) {
+    json j = {{"model", "demo-moe"}, {"prompt", "x = "}, {"max_tokens", 3}, {"seed", 100}};
+    j.update(extra);
+    return j;
+  };
+  json e = json::parse(post(gw, "/v1/completions", body({{"echo", true}})).body);
+  CHECK(e["choices"][0]["text"] == "x = abc");
+  CHECK(e["usage"]["completion_tokens"] == 3);
+  auto s = post(gw, "/v1/completions", body({{"echo", true}, {"stream", true}}));
+  std::string streamed;
+  for (const json& ev : events_json(s))
+    for (const json& c : ev["choices"]) streamed += c.value("text", "");
+  CHECK(streamed == "x = abc");
+
+  json b = json::parse(post(gw, "/v1/completions", body({{"n", 2}, {"best_of", 4}})).body);
+  REQUIRE(b["choices"].size() == 2);
+  CHECK(b["choices"][0]["index"] == 0);
+  CHECK(b["choices"][1]["index"] == 1);
+  CHECK(b["choices"][0]["text"] == "abc");  // seeds 100 and 102: the quiet ones
+  CHECK(b["choices"][1]["text"] == "abc");
+  CHECK(b["usage"]["completion_tokens"] == 12);  // every candidate's tokens
+  CHECK(b["choices"][0]["logprobs"].is_null());  // ranked by them, not asked for
+  CHECK(gw.scheduler().submitted().back().sampling.logprobs);
+  json one = json::parse(post(gw, "/v1/completions", body({{"best_of", 3}, {"seed", 101}})).body);
+  REQUIRE(one["choices"].size() == 1);
+  CHECK(one["choices"][0]["text"] == "abc");  // seed 102 among 101, 102, 103
+
+  check_error(post(gw, "/v1/completions", body({{"echo", true}, {"logprobs", 1}})), 400, "echo", "unsupported_parameter");
+  check_error(post(gw, "/v1/completions", body({{"n", 3}, {"best_of", 2}})), 400, "best_of", "invalid_value");
+  check_error(post(gw, "/v1/completions", body({{"best_of", 2}, {"stream", true}})), 400, "best_of", "invalid_value");
+  check_error(post(gw, "/v1/completions", body({{"best_of", "2"}})), 400, "best_of", "invalid_type");
+}
+
 TEST_CASE("api: a chat longer than the context loses its oldest turns, and says so", "[gateway][api][context]") {
   TestGateway gw;
   gw.scheduler().max_context_ = 200;
