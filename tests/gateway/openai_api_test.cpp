@@ -263,7 +263,8 @@ TEST_CASE("api: logprobs in the chat and completions shapes", "[gateway][api]") 
   const auto& content = j["choices"][0]["logprobs"]["content"];
   REQUIRE(content.size() == 2);
   CHECK(content[0]["token"] == "H");
-  CHECK(content[0]["logprob"] == Approx(-0.5));
+  CHECK(content[0]["logprob"] == Approx(-2.0));  // the scripted scheduler's capitals: -2
+  CHECK(content[1]["logprob"] == Approx(-0.5));
   CHECK(content[0]["bytes"] == json::array({72}));
   CHECK(content[0]["top_logprobs"].size() == 2);
   CHECK(gw.scheduler().submitted()[0].sampling.top_logprobs == 2);
