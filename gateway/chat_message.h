@@ -11,6 +11,10 @@ namespace moe::gw {
 struct ChatMessage {
   std::string role;     // system, user, assistant or tool ("developer" arrives as system)
   std::string content;  // the text (content parts joined)
+  // An assistant turn's tool calls, as validated compact JSON
+  // ([{"id", "type": "function", "function": {"name", "arguments"}}]); "" none.
+  std::string tool_calls;
+  std::string tool_call_id;  // a tool turn: the call it answers ("" none)
 };
 
 using ChatMessages = std::vector<ChatMessage>;

@@ -1,6 +1,9 @@
 #include "gateway/api/completion_request.h"
 
+#include <algorithm>
+#include <cctype>
 #include <limits>
+#include <set>
 
 #include "gateway/api/parameter_support.h"
 #include "gateway/json_body.h"
@@ -74,15 +77,163 @@ std::optional<ApiError> message_text(const json& content, size_t index, std::str
   return std::nullopt;
 }
 
+// An assistant turn's tool_calls: [{id, type "function", function {name,
+// arguments}}], at most 64; `arguments` a string (as OpenAI sends it) or an
+// object. *out: the list as compact JSON, arguments always strings.
+std::optional<ApiError> validated_tool_calls(const json& calls, const std::string& where, std::string* out) {
+  if (!calls.is_array()) return invalid_param(where, "'" + where + "' must be an array.", "invalid_type");
+  if (calls.size() > 64) return invalid_param(where, "'" + where + "' may hold at most 64 calls.", "invalid_value");
+  json list = json::array();
+  for (size_t k = 0; k < calls.size(); ++k) {
+    const json& c = calls[k];
+    const std::string at = where + "[" + std::to_string(k) + "]";
+    const json* fn = c.is_object() ? member(c, "function") : nullptr;
+    const json* name = fn && fn->is_object() ? member(*fn, "name") : nullptr;
+    if (!name || !name->is_string())
+      return invalid_param(at, "'" + at + "' must be {\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}.",
+                           "invalid_type");
+    const json* type = member(c, "type");
+    if (type && !(type->is_string() && type->get<std::string>() == "function"))
+      return invalid_param(at + ".type", "'" + at + ".type' must be 'function'.", "invalid_value");
+    const json* id = member(c, "id");
+    if (id && !id->is_string()) return invalid_param(at + ".id", "'" + at + ".id' must be a string.", "invalid_type");
+    const json* args = member(*fn, "arguments");
+    std::string arguments = "{}";
+    if (args && args->is_string()) arguments = args->get<std::string>();
+    else if (args && args->is_object()) arguments = args->dump();
+    else if (args && !args->is_null())
+      return invalid_param(at + ".function.arguments", "'" + at + ".function.arguments' must be a string.", "invalid_type");
+    list.push_back({{"id", id ? id->get<std::string>() : ""},
+                    {"type", "function"},
+                    {"function", {{"name", name->get<std::string>()}, {"arguments", arguments}}}});
+  }
+  *out = list.dump();
+  return std::nullopt;
+}
+
+// The grammar of tool_choice "required" (any of the tools) or one named
+// function: <tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>, again
+// after a newline when parallel calls are allowed. A tool's arguments
+// follow its parameters' schema when that compiles on its own (no $ref),
+// else any object; more than 8 tools: a name among them and any object.
+Result<std::shared_ptr<const structured::Schema>> tool_call_schema(const CompletionRequest& req) {
+  json options = json::array();
+  json names = json::array();
+  for (const json& t : req.tools) {
+    const json& fn = t["function"];
+    const std::string name = fn["name"].get<std::string>();
+    if (req.tool_choice == CompletionRequest::ToolChoice::named && name != req.tool_name) continue;
+    names.push_back(name);
+    json params = fn.contains("parameters") ? fn["parameters"] : json{{"type", "object"}};
+    if (params.dump().find("\"$ref\"") != std::string::npos || !structured::compile_json_schema(params).ok())
+      params = json{{"type", "object"}};
+    options.push_back({{"type", "object"},
+                       {"properties", {{"name", {{"const", name}}}, {"arguments", params}}},
+                       {"required", {"name", "arguments"}},
+                       {"additionalProperties", false}});
+  }
+  json call;
+  if (options.size() == 1) {
+    call = options[0];
+  } else if (options.size() <= size_t(structured::kMaxAlternatives)) {
+    call = {{"anyOf", options}};
+  } else {
+    call = {{"type", "object"},
+            {"properties", {{"name", {{"enum", names}}}, {"arguments", {{"type", "object"}}}}},
+            {"required", {"name", "arguments"}},
+            {"additionalProperties", false}};
+  }
+  auto compiled = structured::compile_json_schema(call);
+  if (!compiled.ok()) return make_error(compiled.error());
+  return structured::tool_call_sequence(**compiled, "<tool_call>\n", "\n</tool_call>",
+                                        req.parallel_tool_calls ? "\n" : "");
+}
+
+std::optional<ApiError> parse_tools(const json& body, const TextCodec& codec, CompletionRequest* req) {
+  const json* tools = member(body, "tools");
+  if (tools && !tools->is_null()) {
+    if (!tools->is_array()) return wrong_type("tools", "an array of tools");
+    if (tools->size() > 128) return invalid_param("tools", "'tools' may hold at most 128 tools.", "invalid_value");
+    std::set<std::string> seen;
+    for (size_t i = 0; i < tools->size(); ++i) {
+      const json& t = (*tools)[i];
+      const std::string at = "tools[" + std::to_string(i) + "]";
+      const json* type = t.is_object() ? member(t, "type") : nullptr;
+      const json* fn = t.is_object() ? member(t, "function") : nullptr;
+      if (!type || !type->is_string() || type->get<std::string>() != "function" || !fn || !fn->is_object())
+        return invalid_param(at, "'" + at + "' must be {\"type\": \"function\", \"function\": {\"name\", …}}.",
+                             "invalid_type");
+      const json* name = member(*fn, "name");
+      if (!name || !name->is_string() || name->get<std::string>().empty() || name->get<std::string>().size() > 64 ||
+          !std::all_of(name->get_ref<const std::string&>().begin(), name->get_ref<const std::string&>().end(),
+                       [](char ch) { return std::isalnum(static_cast<unsigned char>(ch)) || ch == '_' || ch == '-'; }))
+        return invalid_param(at + ".function.name", "'" + at + ".function.name' must be 1 to 64 of a-z, A-Z, 0-9, _ and -.",
+                             "invalid_value");
+      if (!seen.insert(name->get<std::string>()).second)
+        return invalid_param(at + ".function.name", "Two tools are named '" + name->get<std::string>() + "'.",
+                             "invalid_value");
+      if (const json* d = member(*fn, "description"); d && !d->is_string())
+        return invalid_param(at + ".function.description", "'" + at + ".function.description' must be a string.",
+                             "invalid_type");
+      if (const json* p = member(*fn, "parameters"); p && !p->is_object())
+        return invalid_param(at + ".function.parameters", "'" + at + ".function.parameters' must be a JSON schema object.",
+                             "invalid_type");
+    }
+    req->tools = *tools;
+  }
+  const bool have = !req->tools.empty();
+  if (have && codec.tool_format() == TextCodec::ToolFormat::none)
+    return invalid_param("tools", "This model's chat template does not describe tools to the model, so 'tools' cannot "
+                                  "be honoured.", "unsupported_parameter");
+  req->tool_choice = have ? CompletionRequest::ToolChoice::automatic : CompletionRequest::ToolChoice::none;
+  if (const json* ch = member(body, "tool_choice"); ch && !ch->is_null()) {
+    if (ch->is_string()) {
+      const std::string v = ch->get<std::string>();
+      if (v == "none") req->tool_choice = CompletionRequest::ToolChoice::none;
+      else if (v == "auto") req->tool_choice = CompletionRequest::ToolChoice::automatic;
+      else if (v == "required") req->tool_choice = CompletionRequest::ToolChoice::required;
+      else return invalid_param("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or a named function.",
+                                "invalid_value");
+    } else if (ch->is_object() && ch->contains("function") && (*ch)["function"].is_object() &&
+               (*ch)["function"].contains("name") && (*ch)["function"]["name"].is_string()) {
+      req->tool_choice = CompletionRequest::ToolChoice::named;
+      req->tool_name = (*ch)["function"]["name"].get<std::string>();
+      bool found = false;
+      for (const json& t : req->tools) found = found || t["function"]["name"] == req->tool_name;
+      if (!found)
+        return invalid_param("tool_choice", "'tool_choice' names '" + req->tool_name + "', which is not among 'tools'.",
+                             "invalid_value");
+    } else {
+      return wrong_type("tool_choice", "'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\"}}");
+    }
+    if (!have && req->tool_choice != CompletionRequest::ToolChoice::none)
+      return invalid_param("tool_choice", "'tool_choice' other than 'none' needs 'tools'.", "invalid_value");
+  }
+  std::optional<bool> parallel;
+  if (auto e = read_bool(body, "parallel_tool_calls", &parallel)) return e;
+  req->parallel_tool_calls = parallel.value_or(true);
+  if (req->tool_choice == CompletionRequest::ToolChoice::required ||
+      req->tool_choice == CompletionRequest::ToolChoice::named) {
+    if (req->response_schema)
+      return invalid_param("tool_choice", "'tool_choice' that forces a call cannot be combined with 'response_format'.",
+                           "invalid_value");
+    auto g = tool_call_schema(*req);
+    if (!g.ok()) return invalid_param("tools", "'tools': " + g.error() + ".", "invalid_value");
+    req->response_schema = *g;
+  }
+  return std::nullopt;
+}
+
 // The chat's prompt. `fit` > 0: the prompt may hold at most this many
 // tokens, and a conversation longer than that loses its oldest turns (never
 // a system turn nor the last message) until it fits: *dropped says how many.
 std::optional<ApiError> chat_prompt(const json& body, const TextCodec& codec, const ChatMessages& prior,
                                     ChatMessages* messages, std::vector<std::vector<int32_t>>* out, int64_t fit,
-                                    int* dropped, int64_t* dropped_tokens) {
+                                    int* dropped, int64_t* dropped_tokens, const json& tools) {
   if (auto err = parse_chat_messages(body, messages)) return err;
   json kwargs;
   if (auto err = parse_template_kwargs(body, &kwargs)) return err;
+  if (!tools.empty()) kwargs["tools"] = tools;
   // The template sees only validated roles and texts: the session's stored
   // turns first, then this request's.
   ChatMessages all = prior;
@@ -234,7 +385,20 @@ std::optional<ApiError> parse_chat_messages(const json& body, ChatMessages* mess
       if (auto err = message_text(*it, i, &text)) return err;
     }
     // Templates written for OpenAI-style roles know "system"; "developer" is its newer name.
-    messages->push_back({r == "developer" ? "system" : r, std::move(text)});
+    ChatMessage msg{r == "developer" ? "system" : r, std::move(text), "", ""};
+    if (const json* calls = member(m, "tool_calls"); calls && !calls->is_null()) {
+      if (r != "assistant")
+        return invalid_param(where + ".tool_calls", "Only assistant messages carry 'tool_calls'.", "invalid_value");
+      std::string normal;
+      if (auto err = validated_tool_calls(*calls, where + ".tool_calls", &normal)) return err;
+      msg.tool_calls = std::move(normal);
+    }
+    if (const json* id = member(m, "tool_call_id"); id && !id->is_null()) {
+      if (!id->is_string())
+        return invalid_param(where + ".tool_call_id", "'" + where + ".tool_call_id' must be a string.", "invalid_type");
+      if (r == "tool") msg.tool_call_id = id->get<std::string>();
+    }
+    messages->push_back(std::move(msg));
   }
   return std::nullopt;
 }
@@ -255,7 +419,17 @@ std::optional<ApiError> parse_template_kwargs(const json& body, json* out) {
 json template_messages(const ChatMessages& prior, const ChatMessages& messages) {
   json rendered = json::array();
   for (const ChatMessages* list : {&prior, &messages})
-    for (const ChatMessage& m : *list) rendered.push_back({{"role", m.role}, {"content", m.content}});
+    for (const ChatMessage& m : *list) {
+      json t = {{"role", m.role}, {"content", m.content}};
+      if (!m.tool_calls.empty()) {
+        // What templates read: the calls with their arguments as a string
+        // (OpenAI's shape; Qwen's template writes a string as it is).
+        json calls = json::parse(m.tool_calls, nullptr, false);
+        if (calls.is_array()) t["tool_calls"] = calls;
+      }
+      if (!m.tool_call_id.empty()) t["tool_call_id"] = m.tool_call_id;
+      rendered.push_back(std::move(t));
+    }
   return rendered;
 }
 
@@ -469,6 +643,12 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
     }
   }
 
+  // Tools (chat): validated, described to the model by its template; a
+  // choice of "required" or one function is enforced by a grammar.
+  if (kind == ApiKind::chat) {
+    if (auto e = parse_tools(body, codec, &req)) return *e;
+  }
+
   if (const json* opts = member(body, "stream_options")) {
     if (!opts->is_object()) return *wrong_type("stream_options", "an object");
     if (!stream.value_or(false)) {
@@ -511,7 +691,7 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
       fit = std::max<int64_t>(1, limits.max_context - reserve);
     }
     if ((err = chat_prompt(body, codec, prior, &req.messages, &req.prompts, fit, &req.trimmed_messages,
-                           &req.trimmed_tokens)))
+                           &req.trimmed_tokens, req.tools)))
       return *err;
   } else {
     if ((err = completion_prompts(body, codec, &req.prompts))) return *err;

@@ -43,6 +43,14 @@ struct CompletionRequest {
   // response_format json_object / json_schema (docs/structured-output.md): the
   // schema every choice's text must follow; null: free text.
   std::shared_ptr<const structured::Schema> response_schema;
+  // Tools (chat; docs/gateway.md, "Tools"): the functions the template
+  // describes, and what the answer may do with them. required / named are
+  // enforced by the grammar `response_schema` then holds.
+  nlohmann::json tools = nlohmann::json::array();
+  enum class ToolChoice { none, automatic, required, named };
+  ToolChoice tool_choice = ToolChoice::none;
+  std::string tool_name;  // ToolChoice::named
+  bool parallel_tool_calls = true;
   int n = 1;
   // Completions: best_of candidates a prompt, of which the n with the highest
   // log probability per token are returned (0: n); echo: the prompt's text

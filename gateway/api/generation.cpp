@@ -166,6 +166,8 @@ void Generation::begin(uint64_t seed) {
           c->splitter.emplace(tags.open, tags.close, inside);
         }
       }
+      if (req_.kind == ApiKind::chat && req_.tool_choice != CompletionRequest::ToolChoice::none)
+        c->tool_parser.emplace();
       choices_.push_back(std::move(c));
     }
   }
@@ -230,7 +232,7 @@ void Generation::token(Choice& c, const TokenEvent& ev) {
   c.text_bytes += step.text.size();
   const json* lp = chunk_logprobs.is_null() ? nullptr : &chunk_logprobs;
   bool lp_sent = false;
-  const std::string answer = route_text(c, step.text, step.stopped, lp, &lp_sent);
+  const std::string answer = tool_text(c, route_text(c, step.text, step.stopped, lp, &lp_sent), step.stopped);
   if (lp_sent) lp = nullptr;  // sent with the reasoning
   // A stream sends its text as it goes and keeps only what a session stores.
   if (!req_.stream || (ctx_.on_complete && c.index == 0)) c.text += answer;
@@ -277,13 +279,15 @@ void Generation::finished(Choice& c, FinishReason reason, const std::string& mes
   std::string tail = step.text + c.matcher.finish();
   if (!hold(tail.size())) return;
   c.text_bytes += tail.size();
-  tail = route_text(c, tail, true, nullptr);
+  tail = tool_text(c, route_text(c, tail, true, nullptr), true);
   if (!req_.stream || (ctx_.on_complete && c.index == 0)) c.text += tail;
   finish_choice(c, step.stopped || reason == FinishReason::stop ? "stop" : "length", tail);
 }
 
 void Generation::finish_choice(Choice& c, const char* reason, const std::string& tail_text) {
   c.done = true;
+  // A turn that ended after calling tools (not cut by max_tokens) asks for their results.
+  if (!c.tool_calls.empty() && std::string(reason) == "stop") reason = "tool_calls";
   c.finish_reason = reason;
   if (req_.stream) {
     if (!tail_text.empty()) send_chunk(c, tail_text, nullptr, nullptr, false);
@@ -316,7 +320,10 @@ void Generation::complete() {
   over_ = true;
   ctx_.ticket.release();
   if (ctx_.degraded) ctx_.metrics->count_degraded_response();
-  if (ctx_.on_complete && !choices_.empty()) ctx_.on_complete(choices_[0]->text);
+  if (ctx_.on_complete && !choices_.empty()) {
+    const Choice& c0 = *choices_[0];
+    ctx_.on_complete({"assistant", c0.text, c0.tool_calls.empty() ? std::string() : c0.tool_calls.dump(), ""});
+  }
   if (req_.stream) {
     if (req_.include_usage) {
       json u = {{"id", ctx_.response_id},
@@ -366,6 +373,11 @@ void Generation::complete() {
         }
       }
       json message = {{"role", "assistant"}, {"content", content}};
+      if (!c->tool_calls.empty()) {
+        message["tool_calls"] = c->tool_calls;
+        // Only whitespace around the calls: no content.
+        if (content.find_first_not_of(" \n\r\t") == std::string::npos) message["content"] = nullptr;
+      }
       // The key only where the model reasoned (a template may mention </think>
       // only to strip it from past turns).
       if (c->splitter && (c->splitter->entered() || !reasoning.empty())) message["reasoning_content"] = reasoning;
@@ -424,6 +436,42 @@ void Generation::abort() {
   ctx_.ticket.release();
   ctx_.metrics->count_disconnect();
   cancel_running();
+}
+
+std::string Generation::tool_text(Choice& c, const std::string& text, bool last) {
+  if (!c.tool_parser) return text;
+  ToolCallParser::Step step = c.tool_parser->push(text);
+  if (last) {
+    ToolCallParser::Step rest = c.tool_parser->finish();
+    step.text += rest.text;
+    step.calls.insert(step.calls.end(), rest.calls.begin(), rest.calls.end());
+  }
+  for (ToolCallParser::Call& call : step.calls) {
+    // parallel_tool_calls false: the first call only.
+    if (!req_.parallel_tool_calls && !c.tool_calls.empty()) break;
+    json entry = {{"id", "call_" + ctx_.response_id.substr(ctx_.response_id.find('-') + 1) + "_" +
+                             std::to_string(c.index) + "_" + std::to_string(c.tool_calls.size())},
+                  {"type", "function"},
+                  {"function", {{"name", std::move(call.name)}, {"arguments", std::move(call.arguments)}}}};
+    if (req_.stream) send_tool_chunk(c, entry);
+    c.tool_calls.push_back(std::move(entry));
+  }
+  return step.text;
+}
+
+void Generation::send_tool_chunk(const Choice& c, const json& call) {
+  json delta_call = call;
+  delta_call["index"] = c.tool_calls.size();
+  json chunk = {{"id", ctx_.response_id},
+                {"object", "chat.completion.chunk"},
+                {"created", ctx_.created},
+                {"model", req_.model},
+                {"choices", json::array({{{"index", c.index},
+                                          {"delta", {{"tool_calls", json::array({delta_call})}}},
+                                          {"logprobs", nullptr},
+                                          {"finish_reason", nullptr}}})}};
+  if (req_.include_usage) chunk["usage"] = nullptr;
+  send_event(chunk);
 }
 
 void Generation::send_chunk(const Choice& c, const std::string& text, const json* logprobs, const char* finish,

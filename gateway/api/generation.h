@@ -29,6 +29,7 @@
 #include "gateway/sched/scheduler.h"
 #include "gateway/api/reasoning_splitter.h"
 #include "gateway/api/stop_matcher.h"
+#include "gateway/api/tool_call_parser.h"
 #include "gateway/api/text_codec.h"
 #include "gateway/structured/token_grammar.h"
 
@@ -52,7 +53,7 @@ struct GenerationContext {
   // Sessions: headers added to the response, and choice 0's text once the
   // response completed (not after an error or a disconnect).
   HttpHeaders extra_headers;
-  std::function<void(const std::string& text)> on_complete;
+  std::function<void(const ChatMessage& reply)> on_complete;  // the assistant turn: its text and tool calls
 };
 
 class Generation : public std::enable_shared_from_this<Generation> {
@@ -88,6 +89,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
     nlohmann::json logprobs;      // accumulated for a whole response
     double logprob_sum = 0;       // best_of: log probabilities of the generated tokens (stop ids aside)
     int logprob_count = 0;
+    // Tools: the answer's text parsed for tool calls (tool_choice other than none).
+    std::optional<ToolCallParser> tool_parser;
+    nlohmann::json tool_calls = nlohmann::json::array();  // made so far, in the response's shape
 
     // An exception from the text side (a bug) fails this request with a
     // 500, never the process.
@@ -125,6 +129,10 @@ class Generation : public std::enable_shared_from_this<Generation> {
   std::string route_text(Choice& c, const std::string& text, bool last, const nlohmann::json* logprobs,
                          bool* sent = nullptr);
   void send_event(const nlohmann::json& payload);
+  // Tools: the answer text through the choice's parser (its content back);
+  // each call made is kept, and in a stream sent as a tool_calls delta.
+  std::string tool_text(Choice& c, const std::string& text, bool last);
+  void send_tool_chunk(const Choice& c, const nlohmann::json& call);
   nlohmann::json usage() const;
   bool is_stop_id(int32_t id) const;
   // Candidates a prompt: best_of when above n.

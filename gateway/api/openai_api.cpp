@@ -270,8 +270,8 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
     ChatMessages conversation = std::move(prior);
     conversation.insert(conversation.end(), req.messages.begin(), req.messages.end());
     SessionStore* store = opts_.sessions;
-    ctx.on_complete = [store, session, conversation = std::move(conversation)](const std::string& text) mutable {
-      conversation.push_back({"assistant", text});
+    ctx.on_complete = [store, session, conversation = std::move(conversation)](const ChatMessage& reply) mutable {
+      conversation.push_back(reply);
       store->save(session, std::move(conversation));
     };
   }

@@ -35,11 +35,8 @@ const std::vector<Entry>& table() {
       // OpenAI, both endpoints
       // OpenAI, completions
       {{"suffix", "completions", "\"\""}, Apis::completions, is_empty},
-      // OpenAI, chat
-      {{"tools", "chat", "[]"}, Apis::chat, is_empty},
-      {{"tool_choice", "chat", "\"none\", \"auto\" (no tools are honoured either way)"}, Apis::chat,
-       [](const json& v) { return is_one_of(v, {"none", "auto"}); }},
-      {{"functions", "chat", "[]"}, Apis::chat, is_empty},
+      // OpenAI, chat (tools and tool_choice are honoured: completion_request.cpp)
+      {{"functions", "chat", "[] (use tools)"}, Apis::chat, is_empty},
       {{"function_call", "chat", "\"none\", \"auto\""}, Apis::chat,
        [](const json& v) { return is_one_of(v, {"none", "auto"}); }},
       {{"audio", "chat", "nothing"}, Apis::chat, never},
@@ -101,15 +98,15 @@ std::optional<ApiError> refuse_unsupported(ApiKind kind, const json& body) {
                              "; accepted: " + e.doc.accepted + ").",
                          "unsupported_parameter");
   }
-  // An assistant turn that carries tool calls cannot be rendered faithfully
-  // without tool support in the template path.
+  // An assistant turn's (deprecated) function_call or audio cannot be
+  // rendered; tool_calls can (completion_request.cpp).
   if (kind == ApiKind::chat) {
     auto msgs = body.find("messages");
     if (msgs != body.end() && msgs->is_array()) {
       for (size_t i = 0; i < msgs->size(); ++i) {
         const json& m = (*msgs)[i];
         if (!m.is_object()) continue;
-        for (const char* key : {"tool_calls", "function_call", "audio"}) {
+        for (const char* key : {"function_call", "audio"}) {
           auto f = m.find(key);
           if (f != m.end() && !f->is_null() && !is_empty(*f)) {
             const std::string param = "messages[" + std::to_string(i) + "]." + key;

@@ -50,6 +50,10 @@ class TextCodec {
     std::string open, close;
   };
   virtual ReasoningTags reasoning_tags() const { return {}; }
+  // How the model's chat template asks for tool calls: Hermes-style
+  // <tool_call>{json}</tool_call> (Qwen's), or none (its template takes no tools).
+  enum class ToolFormat { none, hermes };
+  virtual ToolFormat tool_format() const { return ToolFormat::none; }
   virtual std::unique_ptr<TokenTextStream> stream_decoder() const = 0;
   // The bytes one token stands for (may be part of a UTF-8 character); for logprobs.
   virtual std::string token_bytes(int32_t id) const = 0;

@@ -72,11 +72,21 @@ HttpResponse tokenize_response(const std::string& text, const TextCodec& codec, 
   } else {
     if (auto err = refuse_flag(body, "add_generation_prompt", true)) return api_error_response(*err);
     if (auto err = refuse_flag(body, "continue_final_message", false)) return api_error_response(*err);
-    // What /v1/chat/completions refuses (tools, tool_calls turns, ...) is
-    // refused here too, and its template variables count.
+    // What /v1/chat/completions refuses is refused here too, and its
+    // template variables and tools count.
     if (auto err = refuse_unsupported(ApiKind::chat, body)) return api_error_response(*err);
     json kwargs;
     if (auto err = parse_template_kwargs(body, &kwargs)) return api_error_response(*err);
+    if (body.contains("tools") && !body["tools"].is_null()) {
+      if (!body["tools"].is_array())
+        return api_error_response(invalid_param("tools", "'tools' must be an array of tools.", "invalid_type"));
+      if (!body["tools"].empty()) {
+        if (codec.tool_format() == TextCodec::ToolFormat::none)
+          return api_error_response(invalid_param("tools", "This model's chat template does not describe tools.",
+                                                  "unsupported_parameter"));
+        kwargs["tools"] = body["tools"];
+      }
+    }
     ChatMessages messages;
     if (auto err = parse_chat_messages(body, &messages)) return api_error_response(*err);
     auto encoded = codec.encode_chat(template_messages({}, messages), kwargs);

@@ -17,7 +17,9 @@ using json = nlohmann::json;
 
 namespace {
 
-size_t text_bytes(const ChatMessage& m) { return m.role.size() + m.content.size(); }
+size_t text_bytes(const ChatMessage& m) {
+  return m.role.size() + m.content.size() + m.tool_calls.size() + m.tool_call_id.size();
+}
 
 bool known_role(const std::string& r) { return r == "system" || r == "user" || r == "assistant" || r == "tool"; }
 
@@ -143,7 +145,7 @@ ChatMessages SessionStore::from_redis(const std::string& key, std::string_view t
   };
   // JSON escaping grows text at most sixfold (\u0000 for a control byte).
   if (text.size() > 6 * opts_.max_bytes + 64 * opts_.max_messages + 4096) return bad("larger than a session may be");
-  ParsedJson parsed = parse_json_body(text, 4);
+  ParsedJson parsed = parse_json_body(text, 6);  // turns, a turn, its tool calls, a call, its function
   if (std::holds_alternative<ApiError>(parsed)) return bad("not JSON");
   const json& j = std::get<json>(parsed);
   if (!j.is_array()) return bad("not a list of turns");
@@ -153,7 +155,22 @@ ChatMessages SessionStore::from_redis(const std::string& key, std::string_view t
     auto r = m.find("role"), c = m.find("content");
     if (r == m.end() || c == m.end() || !r->is_string() || !c->is_string()) return bad("a turn lacks role or content");
     if (!known_role(r->get<std::string>())) return bad("a turn has an unknown role");
-    out.push_back({r->get<std::string>(), c->get<std::string>()});
+    ChatMessage turn{r->get<std::string>(), c->get<std::string>(), "", ""};
+    if (auto t = m.find("tool_calls"); t != m.end()) {
+      // Stored as the request validated it: a list of calls.
+      if (!t->is_array() || t->size() > 64) return bad("a turn's tool_calls is not a list of calls");
+      for (const json& call : *t)
+        if (!call.is_object() || !call.contains("function") || !call["function"].is_object() ||
+            !call["function"].contains("name") || !call["function"]["name"].is_string() ||
+            !call["function"].contains("arguments") || !call["function"]["arguments"].is_string())
+          return bad("a turn's tool call lacks a function name or arguments");
+      turn.tool_calls = t->dump();
+    }
+    if (auto id = m.find("tool_call_id"); id != m.end()) {
+      if (!id->is_string()) return bad("a turn's tool_call_id is not a string");
+      turn.tool_call_id = id->get<std::string>();
+    }
+    out.push_back(std::move(turn));
   }
   return capped(std::move(out), opts_.max_messages, opts_.max_bytes);
 }
@@ -175,7 +192,12 @@ void SessionStore::save(const SessionKey& sk, ChatMessages messages) {
   remember(key, messages);
   if (!redis_ || !redis_->connected()) return;
   json list = json::array();
-  for (const ChatMessage& m : messages) list.push_back({{"role", m.role}, {"content", m.content}});
+  for (const ChatMessage& m : messages) {
+    json t = {{"role", m.role}, {"content", m.content}};
+    if (!m.tool_calls.empty()) t["tool_calls"] = json::parse(m.tool_calls, nullptr, false);
+    if (!m.tool_call_id.empty()) t["tool_call_id"] = m.tool_call_id;
+    list.push_back(std::move(t));
+  }
   redis_->command({"SET", key, json_text(list), "EX", std::to_string(opts_.ttl_s)}, [](const redisReply*) {});
   if (!opts_.events_key.empty())
     redis_->command(

@@ -6,7 +6,7 @@
 namespace moe::gw::structured {
 namespace {
 
-enum Kind : uint8_t { kValue, kObject, kKey, kArray, kString, kNumber, kLiteral };
+enum Kind : uint8_t { kValue, kObject, kKey, kArray, kString, kNumber, kLiteral, kSequence };
 enum ObjectStage : uint8_t { kOpen, kAfterKey, kAfterValue, kExpectKey };
 enum KeyStage : uint8_t { kName, kFree };
 enum ArrayStage : uint8_t { kArrayOpen, kArrayAfterValue };
@@ -124,7 +124,10 @@ void step(const Schema& sc, Stack& s, uint8_t b, GrammarState* out) {
     const SchemaNode& n = sc.nodes[t.node];
     switch (t.kind) {
       case kValue: {
-        if (is_ws(b)) return whitespace(t, b) ? out->add(s) : void();
+        // Parts of a sequence are raw text and JSON values right after it.
+        const bool in_sequence = s.depth >= 2 && s.f[s.depth - 2].kind == kSequence;
+        if (is_ws(b) && !(in_sequence && n.kind == NodeKind::literals))
+          return whitespace(t, b) ? out->add(s) : void();
         switch (n.kind) {
           case NodeKind::alternatives:
             for (int o : n.options) {
@@ -139,6 +142,11 @@ void step(const Schema& sc, Stack& s, uint8_t b, GrammarState* out) {
             t.bits = all_bits(n.literals.size());
             t.pos = 0;
             continue;  // the literal takes this byte
+          case NodeKind::sequence:
+            if (t.ws != 0) return;  // raw text: no whitespace before it
+            t.kind = kSequence;
+            t.pos = 0;
+            continue;
           case NodeKind::object:
             if (b != '{') return;
             t = make(t.node, kObject, kOpen);
@@ -375,6 +383,23 @@ void step(const Schema& sc, Stack& s, uint8_t b, GrammarState* out) {
         --s.depth;  // the number is whole; the byte is the parent's
         continue;
       }
+      case kSequence: {
+        // pos: the next part; all done, another round after the separator.
+        if (t.pos < n.options.size()) {
+          const int part = n.options[t.pos++];
+          if (!push(s, make(part, kValue))) return;
+          continue;  // the part takes this byte
+        }
+        if (n.items < 0) {
+          --s.depth;  // whole; the byte is the parent's
+          continue;
+        }
+        t.pos = 0;
+        Frame sep = make(n.items, kLiteral);
+        sep.bits = 1;
+        if (!push(s, sep)) return;
+        continue;
+      }
       case kLiteral: {
         const std::vector<std::string>& lits = n.literals;
         uint64_t still = 0, whole = 0, longer = 0;
@@ -453,6 +478,8 @@ bool GrammarState::finishable(const Schema& schema) const {
       for (size_t j = 0; j < lits.size(); ++j)
         if ((t.bits >> j & 1) && lits[j].size() == t.pos) return true;
     }
+    // A sequence whose parts are all done (its round may start again or not).
+    if (t.kind == kSequence && t.pos >= schema.nodes[t.node].options.size()) return true;
   }
   return false;
 }

@@ -282,6 +282,26 @@ Result<std::shared_ptr<const Schema>> compile_json_schema(const nlohmann::json& 
   return Compiler(schema).run();
 }
 
+std::shared_ptr<const Schema> tool_call_sequence(const Schema& value, const std::string& open, const std::string& close,
+                                                 const std::string& separator) {
+  Schema s = value;
+  auto literal = [&](const std::string& text) {
+    SchemaNode n;
+    n.kind = NodeKind::literals;
+    n.literals = {text};
+    s.nodes.push_back(std::move(n));
+    return int(s.nodes.size()) - 1;
+  };
+  SchemaNode seq;
+  seq.kind = NodeKind::sequence;
+  seq.options = {literal(open), value.root, literal(close)};
+  seq.items = separator.empty() ? -1 : literal(separator);
+  s.nodes.push_back(std::move(seq));
+  s.root = int(s.nodes.size()) - 1;
+  s.key = "sequence:" + std::to_string(open.size()) + ":" + open + close + "|" + separator + "|" + value.key;
+  return std::make_shared<const Schema>(std::move(s));
+}
+
 std::shared_ptr<const Schema> any_object_schema() {
   static const std::shared_ptr<const Schema> s = [] {
     auto r = compile_json_schema(nlohmann::json{{"type", "object"}});

@@ -16,7 +16,7 @@
 
 namespace moe::gw::structured {
 
-enum class NodeKind : uint8_t { any, object, array, string, number, integer, literals, alternatives };
+enum class NodeKind : uint8_t { any, object, array, string, number, integer, literals, alternatives, sequence };
 
 inline constexpr int kMaxProperties = 64;  // per object (a bit each)
 inline constexpr int kMaxLiterals = 64;    // per enum
@@ -36,7 +36,9 @@ struct SchemaNode {
   int min_items = 0, max_items = std::numeric_limits<uint16_t>::max();
   // literals: the exact texts allowed (compact JSON: "\"red\"", "true", "3")
   std::vector<std::string> literals;
-  // alternatives (anyOf / oneOf / a list of types)
+  // alternatives (anyOf / oneOf / a list of types); sequence: its parts in
+  // order (raw text is a literals node), and, when `items` >= 0, the
+  // literals node that starts another round of the parts.
   std::vector<int> options;
 };
 
@@ -53,5 +55,10 @@ inline constexpr int kAnyLiteralsNode = 1;
 Result<std::shared_ptr<const Schema>> compile_json_schema(const nlohmann::json& schema);
 // response_format json_object: any JSON object.
 std::shared_ptr<const Schema> any_object_schema();
+// Raw text `open`, a value of `value`'s root, raw text `close`; repeated
+// after `separator` when that is not empty (tool calls in a model's own
+// markup: <tool_call>\n{…}\n</tool_call>).
+std::shared_ptr<const Schema> tool_call_sequence(const Schema& value, const std::string& open, const std::string& close,
+                                                 const std::string& separator);
 
 }  // namespace moe::gw::structured

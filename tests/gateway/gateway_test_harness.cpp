@@ -25,9 +25,20 @@ std::vector<int32_t> byte_tokens(std::string_view text) {
 std::vector<int32_t> ByteCodec::encode(std::string_view text) const { return byte_tokens(text); }
 
 Result<std::vector<int32_t>> ByteCodec::encode_chat(const nlohmann::json& messages) const {
+  return encode_chat(messages, nlohmann::json::object());
+}
+
+Result<std::vector<int32_t>> ByteCodec::encode_chat(const nlohmann::json& messages,
+                                                    const nlohmann::json& template_kwargs) const {
   std::string text;
+  for (const auto& [k, v] : template_kwargs.items())
+    if (k != "tools") return make_error("this template takes no '" + k + "'");
+  if (template_kwargs.contains("tools")) text += "tools: " + template_kwargs["tools"].dump() + "\n";
   for (const auto& m : messages) {
-    text += m["role"].get<std::string>() + ": " + m["content"].get<std::string>() + "\n";
+    text += m["role"].get<std::string>() + ": " + m["content"].get<std::string>();
+    if (m.contains("tool_calls")) text += " calls " + m["tool_calls"].dump();
+    if (m.contains("tool_call_id")) text += " answers " + m["tool_call_id"].get<std::string>();
+    text += "\n";
   }
   text += "assistant:";
   return byte_tokens(text);

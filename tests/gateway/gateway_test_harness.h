@@ -30,6 +30,11 @@ class ByteCodec final : public TextCodec {
   static constexpr int32_t kEos = 256;
   std::vector<int32_t> encode(std::string_view text) const override;
   Result<std::vector<int32_t>> encode_chat(const nlohmann::json& messages) const override;
+  // A template of its own that takes tools (writes them, and each turn's
+  // tool calls and call id, as JSON) and asks for Hermes-style calls.
+  Result<std::vector<int32_t>> encode_chat(const nlohmann::json& messages,
+                                           const nlohmann::json& template_kwargs) const override;
+  ToolFormat tool_format() const override { return ToolFormat::hermes; }
   std::unique_ptr<TokenTextStream> stream_decoder() const override;
   std::string token_bytes(int32_t id) const override;
   int vocab_size() const override { return 257; }

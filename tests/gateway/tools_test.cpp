@@ -1,0 +1,198 @@
+// Tools through the API with the scripted scheduler: tool calls parsed out of
+// Hermes markup (whole and split across tokens), the response's tool_calls
+// and finish_reason, streamed deltas, assistant tool_calls and tool turns
+// rendered back into the prompt, tool_choice validation and the grammar a
+// forced choice installs.
+#include <catch2/catch.hpp>
+
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gateway/api/tool_call_parser.h"
+#include "gateway/structured/json_grammar.h"
+#include "gateway_test_harness.h"
+
+using namespace moe::gw;
+using namespace moe::gw::test;
+using json = nlohmann::json;
+
+namespace {
+
+ClientResponse post(TestGateway& gw, const std::string& path, const json& body) {
+  return http(gw.port(), "POST", path, body.dump());
+}
+
+const json kWeather = {{"type", "function"},
+                       {"function",
+                        {{"name", "get_weather"},
+                         {"description", "The weather now"},
+                         {"parameters",
+                          {{"type", "object"},
+                           {"properties", {{"city", {{"type", "string"}}}, {"days", {{"type", "integer"}}}}},
+                           {"required", {"city"}}}}}}};
+const json kTime = {{"type", "function"}, {"function", {{"name", "get_time"}, {"parameters", {{"type", "object"}}}}}};
+
+json chat_body(json extra) {
+  json j = {{"model", "demo-moe"}, {"messages", {{{"role", "user"}, {"content", "weather?"}}}}, {"max_tokens", 200}};
+  j.update(extra);
+  return j;
+}
+
+// The script speaks `text`, byte by byte, then EOS.
+ScriptedScheduler::Script speak(std::string text) {
+  return [text](const SequenceRequest&, int step) -> int32_t {
+    return step < int(text.size()) ? int32_t(uint8_t(text[size_t(step)])) : ByteCodec::kEos;
+  };
+}
+
+}  // namespace
+
+TEST_CASE("tools: the parser takes calls out of text split anywhere, and leaves what is not a call",
+          "[gateway][tools]") {
+  const std::string text = "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n"
+                           "</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>";
+  for (size_t piece : {size_t(1), size_t(2), size_t(5), size_t(7), text.size()}) {
+    INFO("pieces of " << piece);
+    ToolCallParser p;
+    std::string shown;
+    std::vector<ToolCallParser::Call> calls;
+    for (size_t at = 0; at < text.size(); at += piece) {
+      auto s = p.push(std::string_view(text).substr(at, piece));
+      shown += s.text;
+      calls.insert(calls.end(), s.calls.begin(), s.calls.end());
+    }
+    auto end = p.finish();
+    shown += end.text;
+    calls.insert(calls.end(), end.calls.begin(), end.calls.end());
+    CHECK(shown == "Let me look.\n");
+    REQUIRE(calls.size() == 2);
+    CHECK(calls[0].name == "get_weather");
+    CHECK(json::parse(calls[0].arguments) == json{{"city", "Oslo"}});
+    CHECK(calls[1].name == "get_time");
+    CHECK(calls[1].arguments == "{}");
+  }
+  ToolCallParser bad;
+  auto s = bad.push("a <tool_call>not json</tool_call> b <tool_");
+  auto e = bad.finish();
+  CHECK(s.text + e.text == "a <tool_call>not json</tool_call> b <tool_");
+  CHECK(s.calls.empty());
+  ToolCallParser open;  // stopped inside a call: still a call when its JSON is whole
+  auto o = open.push("<tool_call>{\"name\": \"f\", \"arguments\": {\"x\": 1}}");
+  auto oe = open.finish();
+  CHECK(o.text + oe.text == "");
+  REQUIRE(oe.calls.size() == 1);
+  CHECK(oe.calls[0].name == "f");
+}
+
+TEST_CASE("tools: a call becomes tool_calls with finish_reason tool_calls, whole and streamed", "[gateway][tools]") {
+  TestGateway gw;
+  gw.scheduler().set_script(
+      speak("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>"));
+  auto r = post(gw, "/v1/chat/completions", chat_body({{"tools", {kWeather, kTime}}}));
+  INFO(r.body);
+  REQUIRE(r.status == 200);
+  json j = json::parse(r.body);
+  const json& m = j["choices"][0]["message"];
+  CHECK(m["content"].is_null());
+  REQUIRE(m["tool_calls"].size() == 1);
+  CHECK(m["tool_calls"][0]["type"] == "function");
+  CHECK(m["tool_calls"][0]["function"]["name"] == "get_weather");
+  CHECK(json::parse(m["tool_calls"][0]["function"]["arguments"].get<std::string>()) == json{{"city", "Oslo"}});
+  CHECK(m["tool_calls"][0]["id"].get<std::string>().rfind("call_", 0) == 0);
+  CHECK(j["choices"][0]["finish_reason"] == "tool_calls");
+  // The tools reached the template.
+  const auto prompt = gw.scheduler().submitted().back().prompt;
+  const std::string text(prompt.begin(), prompt.end());
+  CHECK(text.find("\"get_time\"") != std::string::npos);
+
+  auto s = post(gw, "/v1/chat/completions", chat_body({{"tools", {kWeather}}, {"stream", true}}));
+  std::vector<json> deltas;
+  std::string finish, content;
+  for (const auto& ev : sse_events(s.body)) {
+    if (ev == "[DONE]") continue;
+    json c = json::parse(ev)["choices"][0];
+    if (c["delta"].contains("tool_calls")) deltas.push_back(c["delta"]["tool_calls"][0]);
+    if (c["delta"].contains("content") && c["delta"]["content"].is_string()) content += c["delta"]["content"];
+    if (c["finish_reason"].is_string()) finish = c["finish_reason"];
+  }
+  REQUIRE(deltas.size() == 1);
+  CHECK(deltas[0]["index"] == 0);
+  CHECK(deltas[0]["function"]["name"] == "get_weather");
+  CHECK(content.empty());
+  CHECK(finish == "tool_calls");
+
+  // tool_choice none: the markup stays text.
+  auto n = json::parse(post(gw, "/v1/chat/completions", chat_body({{"tools", {kWeather}}, {"tool_choice", "none"}})).body);
+  CHECK(n["choices"][0]["message"]["content"].get<std::string>().find("<tool_call>") == 0);
+  CHECK(n["choices"][0]["finish_reason"] == "stop");
+}
+
+TEST_CASE("tools: assistant tool_calls and tool turns are rendered back; bad shapes are 400", "[gateway][tools]") {
+  TestGateway gw;
+  json msgs = {{{"role", "user"}, {"content", "weather?"}},
+               {{"role", "assistant"},
+                {"content", nullptr},
+                {"tool_calls",
+                 {{{"id", "call_1"}, {"type", "function"},
+                   {"function", {{"name", "get_weather"}, {"arguments", "{\"city\": \"Oslo\"}"}}}}}}},
+               {{"role", "tool"}, {"tool_call_id", "call_1"}, {"content", "{\"temp\": 3}"}}};
+  auto r = post(gw, "/v1/chat/completions", chat_body({{"tools", {kWeather}}, {"messages", msgs}}));
+  REQUIRE(r.status == 200);
+  const auto prompt = gw.scheduler().submitted().back().prompt;
+  const std::string text(prompt.begin(), prompt.end());
+  CHECK(text.find("calls [{\"function\":{\"arguments\":\"{\\\"city\\\": \\\"Oslo\\\"}\",\"name\":\"get_weather\"}") !=
+        std::string::npos);
+  CHECK(text.find("tool: {\"temp\": 3} answers call_1") != std::string::npos);
+
+  auto err = [&](json extra, const char* param, const char* code) {
+    INFO(extra.dump());
+    auto e = post(gw, "/v1/chat/completions", chat_body(extra));
+    CHECK(e.status == 400);
+    json j = json::parse(e.body);
+    CHECK(j["error"]["param"] == param);
+    CHECK(j["error"]["code"] == code);
+  };
+  err({{"tools", "x"}}, "tools", "invalid_type");
+  err({{"tools", {{{"type", "function"}, {"function", {{"name", "bad name"}}}}}}}, "tools[0].function.name", "invalid_value");
+  err({{"tools", {kWeather, kWeather}}}, "tools[1].function.name", "invalid_value");
+  err({{"tool_choice", "required"}}, "tool_choice", "invalid_value");  // no tools
+  err({{"tools", {kWeather}}, {"tool_choice", {{"type", "function"}, {"function", {{"name", "nope"}}}}}}, "tool_choice",
+      "invalid_value");
+  err({{"tools", {kWeather}}, {"tool_choice", "sometimes"}}, "tool_choice", "invalid_value");
+  err({{"messages", {{{"role", "user"}, {"content", "x"}, {"tool_calls", json::array()}}}}}, "messages[0].tool_calls",
+      "invalid_value");
+}
+
+TEST_CASE("tools: a forced choice installs a grammar of the call, in the model's markup", "[gateway][tools]") {
+  TestGateway gw;
+  gw.scheduler().set_script(speak("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"x\"}}\n</tool_call>"));
+  auto r = post(gw, "/v1/chat/completions",
+                chat_body({{"tools", {kWeather, kTime}},
+                           {"tool_choice", {{"type", "function"}, {"function", {{"name", "get_weather"}}}}},
+                           {"parallel_tool_calls", false}}));
+  REQUIRE(r.status == 200);
+  const SequenceRequest sub = gw.scheduler().submitted().back();
+  REQUIRE(sub.grammar);
+  const auto& sc = sub.grammar->schema();
+  auto accepts = [&](const std::string& t) {
+    auto g = structured::GrammarState::start(sc);
+    return g.feed(sc, t) && g.finishable(sc);
+  };
+  CHECK(accepts("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\", \"days\": 2}}\n</tool_call>"));
+  CHECK_FALSE(accepts("<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>"));  // not the named one
+  CHECK_FALSE(accepts("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"days\": 2}}\n</tool_call>"));  // city
+  CHECK_FALSE(accepts("Sure! <tool_call>"));
+  CHECK_FALSE(accepts("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"a\"}}\n</tool_call>\n<tool_call>"));
+  // required, parallel: any of the tools, one call or more.
+  post(gw, "/v1/chat/completions", chat_body({{"tools", {kWeather, kTime}}, {"tool_choice", "required"}}));
+  const SequenceRequest any = gw.scheduler().submitted().back();
+  REQUIRE(any.grammar);
+  const auto& sa = any.grammar->schema();
+  auto g = structured::GrammarState::start(sa);
+  CHECK(g.feed(sa, "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>"));
+  CHECK(g.finishable(sa));
+  CHECK(g.feed(sa, "\n<tool_call>\n{\"arguments\": {\"city\": \"b\"}, \"name\": \"get_weather\"}\n</tool_call>"));
+  CHECK(g.finishable(sa));
+}
