@@ -82,6 +82,7 @@ Result<E> parse_option(std::string_view option, std::string_view value) {
 
 struct CudaEngineOptions {
   size_t vram_budget = 0;     // the whole process on the device; 0: free device memory less a margin
+  bool prefix_cache = true;   // reuse cached KV blocks of shared prompt prefixes (docs/prefix-cache.md)
   // The arena alone instead (several engines in one process, as tests run
   // them side by side, cannot each own the whole process): when set,
   // vram_budget is ignored.

@@ -10,13 +10,23 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
   // Check everything first: a refused step changes nothing.
   const Status checked = check_step_inputs(inputs, *m.kv_pool, d.vocab_size, m.max_context);
   if (!checked.ok()) return make_error(checked.error());
-  for (const SeqInput& in : inputs) m.kv_pool->extend(in.seq_id, in.start_pos, in.start_pos + int(in.tokens.size()));
+  // Fresh prompts that start with cached blocks compute only the rest.
+  std::vector<SeqInput> reused;
+  std::vector<int> skipped;
+  if (m.opts.prefix_cache) {
+    reused.assign(inputs.begin(), inputs.end());
+    m.kv_pool->reuse_prefixes(reused, &skipped);
+    inputs = reused;
+  }
+  for (const SeqInput& in : inputs)
+    m.kv_pool->extend(in.seq_id, in.start_pos, in.start_pos + int(in.tokens.size()), in.tokens);
 
   const size_t per_seq = size_t(m.n_moe_layers) * m.n_experts;
   std::vector<SeqOutput> out(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
     out[i].seq_id = inputs[i].seq_id;
     out[i].expert_counts.assign(per_seq, 0);
+    if (!skipped.empty()) out[i].cached_tokens = skipped[i];
   }
 
   // Pieces: runs of one sequence's tokens, packed into passes of at most max_pass_tokens

@@ -35,6 +35,7 @@ Result<std::unique_ptr<CpuEngine>> CpuEngine::create(std::shared_ptr<ModelFiles>
   if (blocks < 1) return make_error("the KV budget holds no block");
   e->kv_ = std::make_unique<KvCache>(d.n_layers, blocks, opts.kv_block_tokens, nkv, qk, vd);
   e->kv_pool_ = std::make_unique<KvBlockPool>(blocks, opts.kv_block_tokens);
+  e->prefix_cache_ = opts.prefix_cache;
   e->max_context_ = d.max_position > 0 ? d.max_position : blocks * opts.kv_block_tokens;
   e->pass_ = std::make_unique<ForwardPass>(e->files_->desc(), *e->weights_, *e->kv_, *e->pool_);
   return e;
@@ -47,13 +48,21 @@ Result<std::vector<SeqOutput>> CpuEngine::step(std::span<const SeqInput> inputs)
   // Validate everything before touching any state.
   const Status checked = check_step_inputs(inputs, *kv_pool_, d.vocab_size, max_context_);
   if (!checked.ok()) return make_error(checked.error());
+  // Fresh prompts that start with cached blocks compute only the rest.
+  std::vector<SeqInput> reused;
+  std::vector<int> skipped;
+  if (prefix_cache_) {
+    reused.assign(inputs.begin(), inputs.end());
+    kv_pool_->reuse_prefixes(reused, &skipped);
+    inputs = reused;
+  }
 
   Batch b;
   std::vector<size_t> logit_of(inputs.size(), SIZE_MAX);
   for (size_t i = 0; i < inputs.size(); ++i) {
     const SeqInput& in = inputs[i];
     const int end = in.start_pos + int(in.tokens.size());
-    const std::vector<int32_t>& table = kv_pool_->extend(in.seq_id, in.start_pos, end);
+    const std::vector<int32_t>& table = kv_pool_->extend(in.seq_id, in.start_pos, end, in.tokens);
     BatchSegment seg;
     seg.begin = int(b.tokens.size());
     seg.count = int(in.tokens.size());
@@ -81,6 +90,7 @@ Result<std::vector<SeqOutput>> CpuEngine::step(std::span<const SeqInput> inputs)
     const SeqInput& in = inputs[i];
     SeqOutput& o = out[i];
     o.seq_id = in.seq_id;
+    if (!skipped.empty()) o.cached_tokens = skipped[i];
     o.expert_counts.assign(counts.begin() + i * per_seq, counts.begin() + (i + 1) * per_seq);
     if (logit_of[i] == SIZE_MAX) continue;
     const float* row = logits.data() + logit_of[i] * V;

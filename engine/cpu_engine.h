@@ -35,6 +35,7 @@ struct EngineOptions {
   // Float weights are converted to f32 at load when they take at most this
   // many bytes as f32; larger models read bf16 in place.
   size_t f32_weights_max_bytes = size_t(4) << 30;
+  bool prefix_cache = true;  // reuse cached KV blocks of shared prompt prefixes (docs/prefix-cache.md)
 };
 
 class CpuEngine final : public Engine {
@@ -68,6 +69,7 @@ class CpuEngine final : public Engine {
   std::unique_ptr<ForwardPass> pass_;
   std::unique_ptr<KvBlockPool> kv_pool_;
   int max_context_ = 0;
+  bool prefix_cache_ = true;
 };
 
 }  // namespace moe

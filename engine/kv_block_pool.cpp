@@ -3,12 +3,58 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <random>
 
 namespace moe {
 
 KvBlockPool::KvBlockPool(int n_blocks, int block_tokens) : n_blocks_(n_blocks), block_tokens_(block_tokens) {
   free_.reserve(size_t(std::max(n_blocks, 0)));
   for (int b = n_blocks - 1; b >= 0; --b) free_.push_back(b);
+  refs_.assign(size_t(std::max(n_blocks, 0)), 0);
+  hash_.assign(size_t(std::max(n_blocks, 0)), 0);
+  cached_at_.assign(size_t(std::max(n_blocks, 0)), cached_.end());
+  // A salt per pool: which prompts share a hash cannot be worked out from outside.
+  salt_ = std::random_device{}() * 0x9E3779B97F4A7C15ull ^ uint64_t(std::random_device{}()) << 32 | 1u;
+}
+
+static uint64_t mix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+uint64_t KvBlockPool::block_hash(uint64_t chain, std::span<const int32_t> block) const {
+  uint64_t h = mix(chain ^ salt_);
+  for (int32_t t : block) h = mix(h ^ (uint64_t(uint32_t(t)) + 0x632BE59BD9B4E019ull));
+  return h == 0 ? 1 : h;  // 0 means "no hash"
+}
+
+int32_t KvBlockPool::take_block() {
+  if (!free_.empty()) {
+    const int32_t b = free_.back();
+    free_.pop_back();
+    return b;
+  }
+  // The least recently released cached prefix block: forgotten, reused.
+  const int32_t b = cached_.front();
+  cached_.pop_front();
+  cached_at_[size_t(b)] = cached_.end();
+  by_hash_.erase(hash_[size_t(b)]);
+  hash_[size_t(b)] = 0;
+  return b;
+}
+
+void KvBlockPool::unref(int32_t b) {
+  if (--refs_[size_t(b)] > 0) return;
+  const uint64_t h = hash_[size_t(b)];
+  auto it = h ? by_hash_.find(h) : by_hash_.end();
+  if (it != by_hash_.end() && it->second == b) {
+    cached_at_[size_t(b)] = cached_.insert(cached_.end(), b);
+  } else {
+    hash_[size_t(b)] = 0;
+    free_.push_back(b);
+  }
 }
 
 int KvBlockPool::length(uint64_t seq) const {
@@ -28,17 +74,40 @@ const std::vector<int32_t>& KvBlockPool::table(uint64_t seq) const {
 }
 
 const std::vector<int32_t>& KvBlockPool::extend(uint64_t seq, int start_pos, int end) {
+  return extend(seq, start_pos, end, {});
+}
+
+const std::vector<int32_t>& KvBlockPool::extend(uint64_t seq, int start_pos, int end, std::span<const int32_t> tokens) {
   if (start_pos == 0) release(seq);
   Held& h = seqs_[seq];
+  if (start_pos == 0) h.hashing = !tokens.empty();
+  if (tokens.size() != size_t(end - start_pos)) h.hashing = false;
   while (int(h.blocks.size()) < blocks_for(end)) {
-    if (free_.empty()) {
+    if (free() == 0) {
       // An admitted step cannot run short; a caller that skipped the checks can.
       std::fprintf(stderr, "KvBlockPool: sequence %llu needs a block and none is free (inputs not checked)\n",
                    static_cast<unsigned long long>(seq));
       std::abort();
     }
-    h.blocks.push_back(free_.back());
-    free_.pop_back();
+    const int32_t b = take_block();
+    refs_[size_t(b)] = 1;
+    h.blocks.push_back(b);
+  }
+  // Each block the tokens fill gets its prefix's hash, and is found by it
+  // (the first block of a content keeps the name; a twin stays private).
+  if (h.hashing) {
+    for (size_t j = 0; j < tokens.size(); ++j) {
+      h.partial.push_back(tokens[j]);
+      if (int(h.partial.size()) < block_tokens_) continue;
+      const size_t k = (size_t(start_pos) + j + 1) / size_t(block_tokens_) - 1;  // the block token j fills
+      h.chain = block_hash(h.chain, h.partial);
+      h.partial.clear();
+      const int32_t b = h.blocks[k];
+      if (hash_[size_t(b)] == 0 && !by_hash_.count(h.chain)) {
+        hash_[size_t(b)] = h.chain;
+        by_hash_[h.chain] = b;
+      }
+    }
   }
   h.length = end;
   return h.blocks;
@@ -47,17 +116,75 @@ const std::vector<int32_t>& KvBlockPool::extend(uint64_t seq, int start_pos, int
 void KvBlockPool::release(uint64_t seq) {
   auto it = seqs_.find(seq);
   if (it == seqs_.end()) return;
-  for (int32_t b : it->second.blocks) free_.push_back(b);
+  for (int32_t b : it->second.blocks) unref(b);
   seqs_.erase(it);
+}
+
+int KvBlockPool::cached_blocks_after(uint64_t chain, std::span<const int32_t> tokens) const {
+  int n = 0;
+  while (size_t(n + 1) * size_t(block_tokens_) < tokens.size()) {  // the last token stays to compute
+    chain = block_hash(chain, tokens.subspan(size_t(n) * size_t(block_tokens_), size_t(block_tokens_)));
+    if (!by_hash_.count(chain)) break;
+    ++n;
+  }
+  return n;
+}
+
+int KvBlockPool::cached_prefix_blocks(std::span<const int32_t> tokens) const { return cached_blocks_after(0, tokens); }
+
+void KvBlockPool::attach_blocks(Held& h, std::span<const int32_t> tokens, int blocks) {
+  for (int k = 0; k < blocks; ++k) {
+    h.chain = block_hash(h.chain, tokens.subspan(size_t(k) * size_t(block_tokens_), size_t(block_tokens_)));
+    const int32_t b = by_hash_.at(h.chain);
+    if (refs_[size_t(b)]++ == 0 && cached_at_[size_t(b)] != cached_.end()) {
+      cached_.erase(cached_at_[size_t(b)]);
+      cached_at_[size_t(b)] = cached_.end();
+    }
+    h.blocks.push_back(b);
+  }
+  h.length += blocks * block_tokens_;
+}
+
+void KvBlockPool::attach_prefix(uint64_t seq, std::span<const int32_t> tokens, int blocks) {
+  release(seq);
+  Held& h = seqs_[seq];
+  h.hashing = true;
+  attach_blocks(h, tokens, blocks);
+}
+
+int KvBlockPool::reuse_prefixes(std::vector<SeqInput>& inputs, std::vector<int>* skipped) {
+  int total = 0;
+  if (skipped) skipped->assign(inputs.size(), 0);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    SeqInput& in = inputs[i];
+    // A fresh prompt, or the next chunk of a prompt whose blocks so far are
+    // whole and hashed (a long prompt arrives in several chunks).
+    int blocks = 0;
+    if (in.start_pos == 0) {
+      ++lookups_;
+      blocks = cached_blocks_after(0, in.tokens);
+      if (blocks > 0) attach_prefix(in.seq_id, in.tokens, blocks);
+    } else if (auto it = seqs_.find(in.seq_id); it != seqs_.end() && it->second.hashing &&
+                                                 it->second.partial.empty() && it->second.length == in.start_pos &&
+                                                 in.start_pos % block_tokens_ == 0) {
+      blocks = cached_blocks_after(it->second.chain, in.tokens);
+      if (blocks > 0) attach_blocks(it->second, in.tokens, blocks);
+    }
+    if (blocks == 0) continue;
+    const int n = blocks * block_tokens_;
+    in.tokens.erase(in.tokens.begin(), in.tokens.begin() + n);
+    in.start_pos += n;
+    total += n;
+    if (skipped) (*skipped)[i] = n;
+  }
+  reused_tokens_ += uint64_t(total);
+  return total;
 }
 
 std::optional<std::vector<int32_t>> KvBlockPool::take(int n) {
   if (n > free()) return std::nullopt;
   std::vector<int32_t> out;
-  for (int i = 0; i < n; ++i) {
-    out.push_back(free_.back());
-    free_.pop_back();
-  }
+  for (int i = 0; i < n; ++i) out.push_back(take_block());
   return out;
 }
 

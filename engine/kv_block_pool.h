@@ -8,6 +8,7 @@
 // Not thread-safe: owned by one engine, used from its calling thread.
 
 #include <cstdint>
+#include <list>
 #include <optional>
 #include <span>
 #include <string>
@@ -25,7 +26,9 @@ class KvBlockPool {
   KvBlockPool(int n_blocks, int block_tokens);
 
   int total() const { return n_blocks_; }
-  int free() const { return int(free_.size()); }
+  // Blocks a sequence can take: never used, or holding a cached prefix no
+  // sequence references (the least recently released of those go first).
+  int free() const { return int(free_.size() + cached_.size()); }
   int block_tokens() const { return block_tokens_; }
   int blocks_for(int tokens) const { return (tokens + block_tokens_ - 1) / block_tokens_; }
 
@@ -38,7 +41,27 @@ class KvBlockPool {
   // held is given back first), with blocks taken to cover them; returns its
   // block table. Only for inputs a check admitted: a shortfall aborts.
   const std::vector<int32_t>& extend(uint64_t seq, int start_pos, int end);
+  // The same with the tokens written (end - start_pos of them): each block
+  // they fill is hashed (the chain of its prefix's tokens, salted per pool)
+  // and, once its sequence lets it go, kept as a cached prefix
+  // (docs/prefix-cache.md).
+  const std::vector<int32_t>& extend(uint64_t seq, int start_pos, int end, std::span<const int32_t> tokens);
   void release(uint64_t seq);  // unknown ids are ignored
+
+  // Prefix cache. The whole blocks at the start of `tokens` whose KV some
+  // block holds, leaving at least the last token to compute.
+  int cached_prefix_blocks(std::span<const int32_t> tokens) const;
+  // `seq` starts afresh holding those blocks (shared, read only): its next
+  // tokens go from blocks * block_tokens().
+  void attach_prefix(uint64_t seq, std::span<const int32_t> tokens, int blocks);
+  // Inputs whose tokens continue a cached chain (a fresh prompt, or the next
+  // chunk of one whose blocks so far are whole and hashed) are rewritten to
+  // start after the cached blocks, which are attached; returns the tokens
+  // skipped, and each input's in *skipped (when given). Call after the
+  // step's checks passed, before extend.
+  int reuse_prefixes(std::vector<SeqInput>& inputs, std::vector<int>* skipped = nullptr);
+  uint64_t prefix_lookups() const { return lookups_; }
+  uint64_t prefix_tokens_reused() const { return reused_tokens_; }
 
   // Blocks outside any sequence (a one-off forward pass); nullopt when too
   // few are free. `give_back` returns them.
@@ -49,10 +72,28 @@ class KvBlockPool {
   struct Held {
     std::vector<int32_t> blocks;
     int length = 0;
+    uint64_t chain = 0;            // hash of its whole blocks so far (0: not hashed: extend without tokens)
+    bool hashing = false;
+    std::vector<int32_t> partial;  // tokens of its block being filled
   };
+  int32_t take_block();
+  int cached_blocks_after(uint64_t chain, std::span<const int32_t> tokens) const;
+  void attach_blocks(Held& h, std::span<const int32_t> tokens, int blocks);
+  uint64_t block_hash(uint64_t chain, std::span<const int32_t> block) const;
+  void unref(int32_t b);
+
   int n_blocks_, block_tokens_;
   std::vector<int32_t> free_;
   std::unordered_map<uint64_t, Held> seqs_;
+  // Prefix cache: per block its references and hash (0: none); the hashes'
+  // blocks; unreferenced hashed blocks in release order, and where each sits.
+  std::vector<int> refs_;
+  std::vector<uint64_t> hash_;
+  std::unordered_map<uint64_t, int32_t> by_hash_;
+  std::list<int32_t> cached_;
+  std::vector<std::list<int32_t>::iterator> cached_at_;
+  uint64_t salt_ = 0;
+  uint64_t lookups_ = 0, reused_tokens_ = 0;
 };
 
 // Why a step's input cannot run now; the worker answers each with its own

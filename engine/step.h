@@ -43,6 +43,7 @@ struct SeqOutput {
   float logprob = 0;   // raw-model log probability of `token` (before temperature)
   std::vector<std::pair<int32_t, float>> top;  // [top_logprobs] best tokens, raw log probabilities
   float score_logprob = 0;  // raw log probability of SeqInput::score_token (when given)
+  int32_t cached_tokens = 0;  // of a fresh prompt, the tokens whose KV came from the prefix cache
   std::vector<uint16_t>
       expert_counts;  // [n_moe_layers * n_experts]: tokens of this step each expert served
 };

@@ -49,6 +49,7 @@ class GatewayMetrics {
   // One finished HTTP exchange (for a stream: counted when its head is sent).
   void count_request(const std::string& endpoint, int status);
   void add_prompt_tokens(uint64_t n) { prompt_tokens_ += n; }
+  void add_cached_prompt_tokens(uint64_t n) { cached_prompt_tokens_ += n; }
   void add_completion_tokens(uint64_t n) { completion_tokens_ += n; }
   void observe_ttft(double seconds) { ttft_.observe(seconds); }
   void observe_itl(double seconds) { itl_.observe(seconds); }
@@ -63,6 +64,7 @@ class GatewayMetrics {
  private:
   std::map<std::pair<std::string, int>, uint64_t> requests_;  // (endpoint, status) → count
   uint64_t prompt_tokens_ = 0;
+  uint64_t cached_prompt_tokens_ = 0;
   uint64_t completion_tokens_ = 0;
   uint64_t client_disconnects_ = 0;
   uint64_t degraded_responses_ = 0;

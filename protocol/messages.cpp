@@ -534,6 +534,7 @@ std::vector<uint8_t> encode_step_reply(const StepReply& m) {
     rb.add_top(tv);
     rb.add_expert_usage(uv);
     rb.add_kv_tokens(s.kv_tokens);
+    rb.add_cached_tokens(s.cached_tokens);
     results.push_back(rb.Finish());
   }
   auto rv = b.CreateVector(results);
@@ -574,6 +575,7 @@ Result<StepReply> decode_step_reply(Payload p) {
         }
         s.expert_usage = r.scalars(q->expert_usage(), kMaxExpertUsageEntries, "expert_usage");
         s.kv_tokens = q->kv_tokens();
+        s.cached_tokens = q->cached_tokens();
         if (!r.ok()) break;
         m.results.push_back(std::move(s));
       }

@@ -190,6 +190,7 @@ struct StepResult {
   std::vector<TokenLogprob> top;       // [top_logprobs], best first
   std::vector<uint16_t> expert_usage;  // [n_moe_layers * n_experts]: tokens each expert served
   uint32_t kv_tokens = 0;              // tokens the worker now holds for the sequence
+  uint32_t cached_tokens = 0;          // of a fresh prompt, the tokens whose KV came from the prefix cache
   bool operator==(const StepResult&) const = default;
 };
 

@@ -86,6 +86,7 @@ void fill_step_results(TranslatedStep& t, const Result<std::vector<SeqOutput>>& 
     const SeqOutput& o = (*out)[k];
     r.sampled = o.token >= 0;
     r.token = std::max(o.token, 0);
+    r.cached_tokens = uint32_t(std::max(o.cached_tokens, 0));
     r.logprob = o.logprob;
     for (const auto& [tok, lp] : o.top) r.top.push_back({tok, lp});
     if (report_expert_usage) r.expert_usage = o.expert_counts;

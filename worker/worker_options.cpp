@@ -52,7 +52,7 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
                                           "--max-frame-bytes", "--vram-budget", "--redis",
                                           "--redis-password-file", "--parent-pid", "--stall-exit-s",
                                           "--max-step-tokens", "--expert-policy", "--prefetch", "--dense-weights",
-                                          "--host-experts", "--misses", "--routing"};
+                                          "--host-experts", "--misses", "--routing", "--prefix-cache"};
     bool known = false;
     for (const char* k : kValued) known = known || name == k;
     if (!known) return make_error("unknown option '" + a + "' (see --help)");
@@ -112,6 +112,10 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
     } else if (name == "--prefetch") {
       if (value != "on" && value != "off") return make_error("option --prefetch takes on or off, got '" + value + "'");
       o.cuda.prefetch = value == "on";
+    } else if (name == "--prefix-cache") {
+      if (value != "on" && value != "off")
+        return make_error("option --prefix-cache takes on or off, got '" + value + "'");
+      o.cpu.prefix_cache = o.cuda.prefix_cache = value == "on";
     } else if (name == "--host-experts") {
       if (!choose(o.cuda.host_experts)) return make_error(refusal);
     } else if (name == "--misses") {
@@ -146,6 +150,9 @@ std::string worker_usage() {
          "  --threads N             CPU threads (default: all cores); with cuda, the threads that\n"
          "                          compute missed experts on the host\n"
          "  --kv-blocks N           KV cache blocks (default: the backend's budget)\n"
+         "  --prefix-cache on|off   keep the KV of released sequences' whole blocks, found by the hash of\n"
+         "                          their prefix, so that a prompt starting the same way (a session's next\n"
+         "                          turn, a shared system prompt) computes only the rest (default on)\n"
          "  --max-frame-bytes N     largest frame accepted (default 64M)\n"
          "  --vram-budget SIZE      device memory to use, e.g. 12GiB (cuda; default: free memory less 512 MiB);\n"
          "                          one allocation holds weights, KV, workspace and expert islands\n"

@@ -202,6 +202,8 @@ void Generation::token(Choice& c, const TokenEvent& ev) {
   double since = static_cast<double>(now - c.last_token_ns) * 1e-9;
   if (c.tokens == 0) {
     ctx_.metrics->observe_ttft(since);
+    c.cached_prompt_tokens = ev.cached_prompt_tokens;
+    ctx_.metrics->add_cached_prompt_tokens(uint64_t(std::max(ev.cached_prompt_tokens, 0)));
   } else {
     ctx_.metrics->observe_itl(since);
   }
@@ -310,6 +312,15 @@ json Generation::usage() const {
   for (const auto& p : req_.prompts) prompt += static_cast<int64_t>(p.size());
   for (const auto& c : choices_) completion += c->tokens;
   json u = {{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
+  // Of each prompt, what its first choice found in the worker's prefix cache.
+  int64_t cached = 0;
+  std::vector<bool> counted(req_.prompts.size(), false);
+  for (const auto& c : choices_)  // in the order they were made: each prompt's first candidate first
+    if (!counted[size_t(c->prompt)]) {
+      counted[size_t(c->prompt)] = true;
+      cached += c->cached_prompt_tokens;
+    }
+  u["prompt_tokens_details"] = {{"cached_tokens", cached}};
   // What the context policy left out of the prompt (docs/gateway.md).
   if (req_.trimmed_messages > 0 || req_.trimmed_tokens > 0)
     u["prompt_trimmed"] = {{"messages", req_.trimmed_messages}, {"tokens", req_.trimmed_tokens}};

@@ -87,6 +87,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
     uint64_t last_token_ns = 0;
     std::string finish_reason;
     nlohmann::json logprobs;      // accumulated for a whole response
+    int cached_prompt_tokens = 0;  // of its prompt, what the worker's prefix cache served
     double logprob_sum = 0;       // best_of: log probabilities of the generated tokens (stop ids aside)
     int logprob_count = 0;
     // Tools: the answer's text parsed for tool calls (tool_choice other than none).

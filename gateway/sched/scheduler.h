@@ -47,6 +47,7 @@ struct TokenEvent {
   int32_t token = 0;
   float logprob = 0.0f;                           // when requested
   std::vector<std::pair<int32_t, float>> top;     // when requested
+  int cached_prompt_tokens = 0;  // the first token's: prompt tokens the worker's prefix cache served
 };
 
 enum class FinishReason { stop, length, cancelled, error };

@@ -287,6 +287,7 @@ void ContinuousScheduler::on_frame(size_t w, const pr::Frame& f) {
         c.sampled = r.sampled;
         c.token.token = r.token;
         c.token.logprob = r.logprob;
+        c.cached_tokens = int(r.cached_tokens);
         if (!r.expert_usage.empty()) {
           if (auto it = predicted_.find(r.seq_id); it != predicted_.end()) {
             auto& u = it->second.usage;

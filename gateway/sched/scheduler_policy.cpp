@@ -318,9 +318,12 @@ std::vector<SequenceUpdate> BatchPolicy::apply(const StepPlan& plan, const std::
       u.error = rit == by_id.end() ? "the worker returned no result for the sequence" : rit->second->error;
     } else {
       s.on_worker = c.start_pos + int(c.tokens.size());
+      // Every chunk of a prefill may find its blocks cached.
+      s.cached_tokens = (c.start_pos == 0 ? 0 : s.cached_tokens) + rit->second->cached_tokens;
       if (c.sample && rit->second->sampled) {
         const TokenEvent& ev = rit->second->token;
         u.tokens.push_back(ev);
+        if (s.generated.empty()) u.tokens.back().cached_prompt_tokens = s.cached_tokens;
         s.generated.push_back(ev.token);
         s.context.push_back(ev.token);
         s.controls.generated(ev.token);

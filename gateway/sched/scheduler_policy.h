@@ -78,6 +78,7 @@ struct ChunkResult {
   std::string error;
   bool sampled = false;
   TokenEvent token;
+  int cached_tokens = 0;  // prompt tokens the prefix cache served (a chunk from position 0)
 };
 
 // A sequence outside any worker's policy (moved between workers): what it
@@ -160,6 +161,7 @@ class BatchPolicy {
     int skips = 0;                   // passed over by grouped batching
     bool front = false;              // put back at the front: admitted before the round-robin
     TokenControls controls;          // what each sampled chunk's adjustment list is made of
+    int cached_tokens = 0;           // of its last fresh start, what the prefix cache served
   };
   // Up to `limit` waiting sequences as positions in waiting_, in the order
   // admission considers them: those put back at the front, then round-robin

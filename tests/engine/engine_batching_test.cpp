@@ -144,6 +144,7 @@ TEST_CASE("the KV block pool: accounting, errors, release", "[engine][kv]") {
   EngineOptions opts;
   opts.kv_blocks = 4;
   opts.kv_block_tokens = 8;
+  opts.prefix_cache = false;  // every token computed, every block counted (the cache: its own test)
   auto e = make_engine(fixture_dir("qwen3_moe"), opts);
   CHECK(e->kv_blocks_total() == 4);
   CHECK(e->kv_block_tokens() == 8);
@@ -214,4 +215,47 @@ TEST_CASE("score_token reports the raw log probability of a given next token", "
     CHECK(std::abs((*out)[0].score_logprob - want) < 1e-4);
     e->release(1);
   }
+}
+
+TEST_CASE("prefix cache: a prompt that starts like a released one computes only the rest, and samples the same",
+          "[engine][prefix]") {
+  EngineOptions on, off;
+  on.kv_block_tokens = off.kv_block_tokens = 16;
+  off.prefix_cache = false;
+  auto cached = make_engine(fixture_dir("qwen3_moe"), on);
+  auto fresh = make_engine(fixture_dir("qwen3_moe"), off);
+  std::vector<int32_t> system(40), question = {11, 12, 13, 14, 15};
+  for (size_t i = 0; i < system.size(); ++i) system[i] = int32_t(3 + (i * 37) % 200);
+  SamplingParams sp;
+  sp.temperature = 0;
+  sp.logprobs = true;
+  sp.top_logprobs = 3;
+  // A first request, released: its two whole blocks stay cached.
+  SeqInput first = input(1, system, 0, sp);
+  REQUIRE(cached->step(std::span<const SeqInput>(&first, 1)).ok());
+  cached->release(1);
+  // A second, sharing the first 40 tokens: 32 come from the cache.
+  std::vector<int32_t> prompt = system;
+  prompt.insert(prompt.end(), question.begin(), question.end());
+  SeqInput a = input(2, prompt, 0, sp), b = input(2, prompt, 0, sp);
+  for (int s = 0; s < 5; ++s) {
+    auto ra = cached->step(std::span<const SeqInput>(&a, 1));
+    auto rb = fresh->step(std::span<const SeqInput>(&b, 1));
+    REQUIRE((ra.ok() && rb.ok()));
+    const SeqOutput &x = (*ra)[0], &y = (*rb)[0];
+    INFO("step " << s);
+    CHECK(x.cached_tokens == (s == 0 ? 32 : 0));
+    CHECK(y.cached_tokens == 0);
+    CHECK(x.token == y.token);
+    CHECK(std::abs(x.logprob - y.logprob) < 1e-4f);
+    REQUIRE(x.top.size() == y.top.size());
+    for (size_t k = 0; k < x.top.size(); ++k) {
+      CHECK(x.top[k].first == y.top[k].first);
+      CHECK(std::abs(x.top[k].second - y.top[k].second) < 1e-4f);
+    }
+    const int pos = a.start_pos + int(a.tokens.size());
+    a = input(2, {x.token}, pos, sp);
+    b = input(2, {y.token}, pos, sp);
+  }
+  CHECK(cached->seq_length(2) == int(prompt.size()) + 4);
 }

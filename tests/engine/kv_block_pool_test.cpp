@@ -85,3 +85,65 @@ TEST_CASE("check_step_inputs judges the step as a whole: a restart's blocks coun
   CHECK(pool.free() == 0);
   CHECK(pool.length(1) == 12);
 }
+
+TEST_CASE("prefix cache: released whole blocks are found by their prefix, shared, and evicted oldest first",
+          "[kv][prefix]") {
+  KvBlockPool pool(6, 4);
+  const std::vector<int32_t> p = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};  // two whole blocks and two tokens
+  pool.extend(1, 0, 10, p);
+  CHECK(pool.cached_prefix_blocks(p) == 2);  // found while its writer still holds them
+  std::vector<int32_t> other = p;
+  other[5] = 99;  // the second block differs
+  CHECK(pool.cached_prefix_blocks(other) == 1);
+  other[0] = 42;  // the chain starts differently: nothing
+  CHECK(pool.cached_prefix_blocks(other) == 0);
+  // A prompt of exactly the cached blocks leaves its last token to compute.
+  CHECK(pool.cached_prefix_blocks(std::vector<int32_t>(p.begin(), p.begin() + 8)) == 1);
+
+  pool.release(1);
+  CHECK(pool.free() == 6);  // cached blocks still count as takeable
+  CHECK(pool.cached_prefix_blocks(p) == 2);
+
+  // Two sequences share the cached blocks; their own tokens go to new blocks.
+  pool.attach_prefix(2, p, 2);
+  pool.attach_prefix(3, p, 2);
+  CHECK(pool.length(2) == 8);
+  CHECK(pool.table(2) == pool.table(3));
+  const std::vector<int32_t> shared = pool.table(2);
+  pool.extend(2, 8, 10, std::vector<int32_t>{9, 10});
+  pool.extend(3, 8, 11, std::vector<int32_t>{9, 10, 77});
+  CHECK(pool.table(2)[2] != pool.table(3)[2]);
+  CHECK(pool.free() == 2);
+  pool.release(2);
+  CHECK(pool.free() == 3);  // the shared blocks stay with sequence 3
+  pool.release(3);
+  CHECK(pool.free() == 6);
+
+  // Under pressure the cached blocks are taken, the least recently released first.
+  pool.extend(4, 0, 24, std::vector<int32_t>(24, 5));  // all six blocks
+  CHECK(pool.cached_prefix_blocks(p) == 0);
+  CHECK(pool.free() == 0);
+  pool.release(4);
+
+  // The rewrite of a step's fresh inputs: only the rest is computed.
+  pool.extend(5, 0, 10, p);
+  pool.release(5);
+  std::vector<SeqInput> step(2);
+  step[0].seq_id = 6;
+  step[0].tokens = p;
+  step[1].seq_id = 7;
+  step[1].tokens = {8, 8, 8};
+  std::vector<int> skipped;
+  CHECK(pool.reuse_prefixes(step, &skipped) == 8);
+  CHECK(skipped == std::vector<int>{8, 0});
+  CHECK(step[0].start_pos == 8);
+  CHECK(step[0].tokens == std::vector<int32_t>{9, 10});
+  CHECK(step[1].start_pos == 0);
+  CHECK(pool.length(6) == 8);
+  CHECK(pool.prefix_tokens_reused() == 8);
+  // Extends without tokens (a caller that does not hash) cache nothing.
+  KvBlockPool plain(4, 4);
+  plain.extend(1, 0, 8);
+  plain.release(1);
+  CHECK(plain.cached_prefix_blocks(std::vector<int32_t>(9, 1)) == 0);
+}

@@ -91,3 +91,15 @@ test('stop strings end the text before the stop string', async () => {
   assert.equal(r.choices[0].text, full.slice(0, cut));
   assert.equal(r.choices[0].finish_reason, 'stop');
 });
+
+test('the prefix cache: a repeated long prompt comes back from the cache with the same greedy text', async () => {
+  const model = await modelId();
+  const system = 'You review Python code for a team that values small, well named functions. '.repeat(12);
+  const messages = [{ role: 'system', content: system }, { role: 'user', content: 'def add(a, b): return a+b' }];
+  const first = await client().chat.completions.create({ model, messages, max_tokens: MAX, temperature: 0 });
+  const again = await client().chat.completions.create({ model, messages, max_tokens: MAX, temperature: 0 });
+  assert.equal(again.choices[0].message.content, first.choices[0].message.content);
+  const cached = again.usage.prompt_tokens_details?.cached_tokens ?? 0;
+  assert.ok(cached >= again.usage.prompt_tokens - 32, `${cached} of ${again.usage.prompt_tokens} prompt tokens cached`);
+  assert.ok(cached < again.usage.prompt_tokens);  // the last ones are computed
+});

@@ -137,6 +137,7 @@ class SampleMessages {
       s.expert_usage.resize(pick(0, 3) * 8);
       for (uint16_t& c : s.expert_usage) c = static_cast<uint16_t>(pick(0, 40));
       s.kv_tokens = u32();
+      s.cached_tokens = static_cast<uint32_t>(pick(0, 4096));
       r.results.push_back(std::move(s));
     }
     r.timing = {u32(), u32(), u32(), u32()};
