@@ -167,7 +167,10 @@ std::shared_ptr<ModelFiles> open_files(const std::string& path) {
 
 // Budgets here are the arena's (arena_budget): engines run side by side in
 // this process, and the context they share is not any one engine's.
-std::unique_ptr<CudaEngine> cuda_engine(const std::string& path, CudaEngineOptions o = {}) {
+// The prefix cache off unless asked for: these tests compare engines fed the
+// same prompts again and again, every token computed and its experts counted.
+std::unique_ptr<CudaEngine> cuda_engine(const std::string& path, CudaEngineOptions o = {}, bool prefix_cache = false) {
+  o.prefix_cache = prefix_cache;
   if (o.vram_budget == 0 && o.arena_budget == 0) o.arena_budget = size_t(1) << 30;
   if (o.kv_blocks == 0) o.kv_blocks = 256;
   auto e = CudaEngine::create(open_files(path), o);
@@ -467,10 +470,8 @@ TEST_CASE("cuda engine: penalties, biases and min_p sample as the CPU engine doe
 TEST_CASE("cuda engine: the prefix cache serves a shared prompt start and decodes the same", "[cuda][engine][prefix]") {
   SKIP_WITHOUT_GPU();
   const std::string path = packed("demo-moe");
-  CudaEngineOptions on, off;
-  off.prefix_cache = false;
-  auto cached = cuda_engine(path, on);
-  auto fresh = cuda_engine(path, off);
+  auto cached = cuda_engine(path, {}, true);
+  auto fresh = cuda_engine(path, {}, false);
   const int V = cached->desc().vocab_size;
   const std::vector<int32_t> system = prompt(70, V, 41);
   auto run = [&](CudaEngine& e, uint64_t id, const std::vector<int32_t>& p, int steps) {
