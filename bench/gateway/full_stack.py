@@ -137,6 +137,16 @@ def run_load(port, model, vocab, concurrency, prompt_tokens, new_tokens, request
             "itl_ms_p99": 1e3 * percentile(itls, 99), "tokens": tokens[0], "errors": errors}
 
 
+def gateway_healthy(port):
+    """True once the gateway on `port` answers /health with 200."""
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        c.request("GET", "/health")
+        return c.getresponse().status == 200
+    except OSError:
+        return False
+
+
 def wait_for(pred, timeout, what):
     end = time.time() + timeout
     while time.time() < end:
@@ -201,14 +211,7 @@ def main():
                 g = subprocess.Popen([gateway_bin, "--model", a.model, "--worker", "unix:" + sock, "--port", str(port),
                                       "--max-request-tokens", str(1 << 30)], stdout=glog, stderr=subprocess.STDOUT)
                 try:
-                    def healthy():
-                        try:
-                            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                            c.request("GET", "/health")
-                            return c.getresponse().status == 200
-                        except OSError:
-                            return False
-                    wait_for(healthy, 120, "the gateway")
+                    wait_for(lambda: gateway_healthy(port), 120, "the gateway")
                     run_load(port, served, vocab, 1, a.prompt_tokens, 8, 2, 7)  # warm-up
                     if a.long_prompt:
                         lp = run_load(port, served, vocab, 1, a.long_prompt, 4, 1, 11)

@@ -17,7 +17,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gateway"))
-from full_stack import free_port, wait_for  # noqa: E402
+from full_stack import free_port, gateway_healthy, wait_for  # noqa: E402
 
 SYSTEM = ("You are a careful assistant for a team that maintains a large C++ inference server. " * 40).strip()
 QUESTIONS = ["How do I add a new sampling parameter?", "Where are the KV blocks allocated?",
@@ -84,14 +84,7 @@ def main():
                                   "unix:" + sock, "--port", str(port)], stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL)
             try:
-                def healthy():
-                    try:
-                        c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                        c.request("GET", "/health")
-                        return c.getresponse().status == 200
-                    except OSError:
-                        return False
-                wait_for(healthy, 120, "the gateway")
+                wait_for(lambda: gateway_healthy(port), 120, "the gateway")
                 turn(port, model, [{"role": "user", "content": "warm up"}], 4)
                 rows = session(port, model, a.max_tokens)
                 for r in rows:

@@ -23,7 +23,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gateway"))
-from full_stack import free_port, percentile, wait_for  # noqa: E402
+from full_stack import free_port, gateway_healthy, percentile, wait_for  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -121,14 +121,7 @@ def main():
         g = subprocess.Popen([os.path.join(a.build, "gateway", "moe-gateway"), "--model", a.model, "--worker",
                               "unix:" + sock, "--port", str(port)], stdout=glog, stderr=subprocess.STDOUT)
         try:
-            def healthy():
-                try:
-                    c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                    c.request("GET", "/health")
-                    return c.getresponse().status == 200
-                except OSError:
-                    return False
-            wait_for(healthy, 120, "the gateway")
+            wait_for(lambda: gateway_healthy(port), 120, "the gateway")
             model = os.path.basename(a.model.rstrip("/"))
             # Warm-up, a structured request included: a server that has seen the schema.
             run(port, model, 1, 16, False, 1)
