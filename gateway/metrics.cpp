@@ -90,6 +90,9 @@ std::string GatewayMetrics::render(const SchedulerStats& stats, bool ready, cons
   render_scalar(out, "moe_gateway_prompt_cached_tokens_total", "counter",
                 "Prompt tokens whose KV the worker found in its prefix cache (not computed again).",
                 static_cast<double>(cached_prompt_tokens_));
+  render_scalar(out, "moe_gateway_prompt_cached_ratio", "gauge",
+                "Share of the prompt tokens submitted so far that the prefix cache served.",
+                prompt_tokens_ ? static_cast<double>(cached_prompt_tokens_) / static_cast<double>(prompt_tokens_) : 0.0);
   render_scalar(out, "moe_gateway_completion_tokens_total", "counter", "Tokens generated.",
                 static_cast<double>(completion_tokens_));
   ttft_.render(out, "moe_gateway_time_to_first_token_seconds",
