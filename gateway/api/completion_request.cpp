@@ -112,8 +112,9 @@ std::optional<ApiError> validated_tool_calls(const json& calls, const std::strin
 }
 
 // The grammar of tool_choice "required" (any of the tools) or one named
-// function: <tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>, again
-// after a newline when parallel calls are allowed. A tool's arguments
+// function: <tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>; under
+// "required" again after a newline when parallel calls are allowed (a named
+// function: once). A tool's arguments
 // follow its parameters' schema when that compiles on its own (no $ref),
 // else any object; more than 8 tools: a name among them and any object.
 Result<std::shared_ptr<const structured::Schema>> tool_call_schema(const CompletionRequest& req) {
@@ -145,8 +146,9 @@ Result<std::shared_ptr<const structured::Schema>> tool_call_schema(const Complet
   }
   auto compiled = structured::compile_json_schema(call);
   if (!compiled.ok()) return make_error(compiled.error());
-  return structured::tool_call_sequence(**compiled, "<tool_call>\n", "\n</tool_call>",
-                                        req.parallel_tool_calls ? "\n" : "");
+  // A named function is called once; "required" may call several when parallel calls are allowed.
+  const bool repeat = req.parallel_tool_calls && req.tool_choice == CompletionRequest::ToolChoice::required;
+  return structured::tool_call_sequence(**compiled, "<tool_call>\n", "\n</tool_call>", repeat ? "\n" : "");
 }
 
 std::optional<ApiError> parse_tools(const json& body, const TextCodec& codec, CompletionRequest* req) {

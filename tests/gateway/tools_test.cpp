@@ -170,8 +170,7 @@ TEST_CASE("tools: a forced choice installs a grammar of the call, in the model's
   gw.scheduler().set_script(speak("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"x\"}}\n</tool_call>"));
   auto r = post(gw, "/v1/chat/completions",
                 chat_body({{"tools", {kWeather, kTime}},
-                           {"tool_choice", {{"type", "function"}, {"function", {{"name", "get_weather"}}}}},
-                           {"parallel_tool_calls", false}}));
+                           {"tool_choice", {{"type", "function"}, {"function", {{"name", "get_weather"}}}}}}));
   REQUIRE(r.status == 200);
   const SequenceRequest sub = gw.scheduler().submitted().back();
   REQUIRE(sub.grammar);

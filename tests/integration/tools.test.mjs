@@ -88,3 +88,29 @@ test('the call and its result go back into the conversation', async () => {
   const alone = await raw('POST', '/tokenize', JSON.stringify({ model, tools, messages }));
   assert.ok(tok.json.count > alone.json.count + 20);
 });
+
+test('the SDK\'s runTools helper calls our function with the parsed arguments', async () => {
+  const model = await modelId();
+  let seen = null;
+  const runner = client().chat.completions.runTools({
+    model, messages, max_tokens: 200, temperature: 0,
+    tool_choice: { type: 'function', function: { name: 'get_weather' } },
+    // The same tools as the first test (the same prompt, the same greedy call).
+    tools: [{
+      type: 'function',
+      function: {
+        name: 'get_weather', description: tools[0].function.description, parameters: tools[0].function.parameters,
+        parse: JSON.parse, function: (args) => { seen = args; return '{"temp": 3}'; },
+      },
+    }, {
+      type: 'function',
+      function: { name: 'get_time', parameters: tools[1].function.parameters, parse: JSON.parse, function: () => '"noon"' },
+    }],
+  });
+  await runner.done();
+  assert.ok(seen, 'the function was called');
+  assert.equal(typeof seen.city, 'string');
+  assert.ok(['celsius', 'fahrenheit'].includes(seen.unit));
+  const sent = runner.messages.map((m) => m.role);
+  assert.deepEqual(sent.slice(-2), ['assistant', 'tool']);  // the call and its result, as the helper keeps them
+});
