@@ -117,7 +117,8 @@ std::optional<ApiError> validated_tool_calls(const json& calls, const std::strin
 // function: once). A tool's arguments
 // follow its parameters' schema when that compiles on its own (no $ref),
 // else any object; more than 8 tools: a name among them and any object.
-Result<std::shared_ptr<const structured::Schema>> tool_call_schema(const CompletionRequest& req) {
+Result<std::shared_ptr<const structured::Schema>> tool_call_schema(const CompletionRequest& req,
+                                                                    TextCodec::ToolFormat format) {
   json options = json::array();
   json names = json::array();
   for (const json& t : req.tools) {
@@ -144,10 +145,18 @@ Result<std::shared_ptr<const structured::Schema>> tool_call_schema(const Complet
             {"required", {"name", "arguments"}},
             {"additionalProperties", false}};
   }
-  auto compiled = structured::compile_json_schema(call);
-  if (!compiled.ok()) return make_error(compiled.error());
   // A named function is called once; "required" may call several when parallel calls are allowed.
   const bool repeat = req.parallel_tool_calls && req.tool_choice == CompletionRequest::ToolChoice::required;
+  if (format == TextCodec::ToolFormat::mistral) {
+    // [TOOL_CALLS] [{…}, …]: the calls as one JSON list.
+    json list = {{"type", "array"}, {"items", call}, {"minItems", 1}};
+    if (!repeat) list["maxItems"] = 1;
+    auto compiled = structured::compile_json_schema(list);
+    if (!compiled.ok()) return make_error(compiled.error());
+    return structured::tool_call_sequence(**compiled, "[TOOL_CALLS]", "", "");
+  }
+  auto compiled = structured::compile_json_schema(call);
+  if (!compiled.ok()) return make_error(compiled.error());
   return structured::tool_call_sequence(**compiled, "<tool_call>\n", "\n</tool_call>", repeat ? "\n" : "");
 }
 
@@ -219,7 +228,7 @@ std::optional<ApiError> parse_tools(const json& body, const TextCodec& codec, Co
     if (req->response_schema)
       return invalid_param("tool_choice", "'tool_choice' that forces a call cannot be combined with 'response_format'.",
                            "invalid_value");
-    auto g = tool_call_schema(*req);
+    auto g = tool_call_schema(*req, codec.tool_format());
     if (!g.ok()) return invalid_param("tools", "'tools': " + g.error() + ".", "invalid_value");
     req->response_schema = *g;
   }

@@ -167,7 +167,9 @@ void Generation::begin(uint64_t seed) {
         }
       }
       if (req_.kind == ApiKind::chat && req_.tool_choice != CompletionRequest::ToolChoice::none)
-        c->tool_parser.emplace();
+        c->tool_parser.emplace(ctx_.codec->tool_format() == TextCodec::ToolFormat::mistral
+                                   ? ToolCallParser::Markup::mistral
+                                   : ToolCallParser::Markup::hermes);
       choices_.push_back(std::move(c));
     }
   }
@@ -460,14 +462,25 @@ std::string Generation::tool_text(Choice& c, const std::string& text, bool last)
   for (ToolCallParser::Call& call : step.calls) {
     // parallel_tool_calls false: the first call only.
     if (!req_.parallel_tool_calls && !c.tool_calls.empty()) break;
-    json entry = {{"id", "call_" + ctx_.response_id.substr(ctx_.response_id.find('-') + 1) + "_" +
-                             std::to_string(c.index) + "_" + std::to_string(c.tool_calls.size())},
+    json entry = {{"id", tool_call_id(c.index, c.tool_calls.size())},
                   {"type", "function"},
                   {"function", {{"name", std::move(call.name)}, {"arguments", std::move(call.arguments)}}}};
     if (req_.stream) send_tool_chunk(c, entry);
     c.tool_calls.push_back(std::move(entry));
   }
   return step.text;
+}
+
+std::string Generation::tool_call_id(int choice, size_t k) const {
+  // Mistral's templates take ids of nine letters and digits; others call_….
+  const std::string base = ctx_.response_id.substr(ctx_.response_id.find('-') + 1);
+  if (ctx_.codec->tool_format() != TextCodec::ToolFormat::mistral)
+    return "call_" + base + "_" + std::to_string(choice) + "_" + std::to_string(k);
+  uint64_t h = std::hash<std::string>{}(base + "/" + std::to_string(choice) + "/" + std::to_string(k));
+  static const char kChars[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+  std::string id;
+  for (int i = 0; i < 9; ++i, h /= 62) id += kChars[h % 62];
+  return id;
 }
 
 void Generation::send_tool_chunk(const Choice& c, const json& call) {

@@ -134,6 +134,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   // each call made is kept, and in a stream sent as a tool_calls delta.
   std::string tool_text(Choice& c, const std::string& text, bool last);
   void send_tool_chunk(const Choice& c, const nlohmann::json& call);
+  std::string tool_call_id(int choice, size_t k) const;
   nlohmann::json usage() const;
   bool is_stop_id(int32_t id) const;
   // Candidates a prompt: best_of when above n.

@@ -55,10 +55,11 @@ class ModelTextCodec final : public TextCodec {
   }
 
   bool is_special(int32_t id) const override { return tok_->is_special(id); }
-  // A template that describes tools and writes <tool_call> (Qwen's, Hermes').
+  // A template that describes tools and writes [TOOL_CALLS] (Mistral's) or <tool_call> (Qwen's, Hermes').
   ToolFormat tool_format() const override {
-    if (tmpl_ && tmpl_->source().find("<tool_call>") != std::string::npos && tmpl_->source().find("tools") != std::string::npos)
-      return ToolFormat::hermes;
+    if (!tmpl_ || tmpl_->source().find("tools") == std::string::npos) return ToolFormat::none;
+    if (tmpl_->source().find("[TOOL_CALLS]") != std::string::npos) return ToolFormat::mistral;
+    if (tmpl_->source().find("<tool_call>") != std::string::npos) return ToolFormat::hermes;
     return ToolFormat::none;
   }
   int vocab_size() const override { return tok_->vocab_size(); }

@@ -51,8 +51,9 @@ class TextCodec {
   };
   virtual ReasoningTags reasoning_tags() const { return {}; }
   // How the model's chat template asks for tool calls: Hermes-style
-  // <tool_call>{json}</tool_call> (Qwen's), or none (its template takes no tools).
-  enum class ToolFormat { none, hermes };
+  // <tool_call>{json}</tool_call> (Qwen's), Mistral's [TOOL_CALLS] [{json}, …],
+  // or none (its template takes no tools).
+  enum class ToolFormat { none, hermes, mistral };
   virtual ToolFormat tool_format() const { return ToolFormat::none; }
   virtual std::unique_ptr<TokenTextStream> stream_decoder() const = 0;
   // The bytes one token stands for (may be part of a UTF-8 character); for logprobs.

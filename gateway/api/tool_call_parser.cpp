@@ -7,6 +7,17 @@ namespace {
 
 constexpr std::string_view kOpen = "<tool_call>";
 constexpr std::string_view kClose = "</tool_call>";
+constexpr std::string_view kMarker = "[TOOL_CALLS]";
+
+// One call object: {"name": string, "arguments": object or string}.
+bool as_call(const nlohmann::json& j, ToolCallParser::Call* out) {
+  if (!j.is_object() || !j.contains("name") || !j["name"].is_string()) return false;
+  if (j.contains("arguments") && !j["arguments"].is_object() && !j["arguments"].is_string()) return false;
+  out->name = j["name"].get<std::string>();
+  out->arguments = !j.contains("arguments") ? "{}" : j["arguments"].is_string() ? j["arguments"].get<std::string>()
+                                                                               : j["arguments"].dump();
+  return true;
+}
 
 // How much of the end of `s` could be the start of `tag`.
 size_t partial_suffix(std::string_view s, std::string_view tag) {
@@ -17,15 +28,29 @@ size_t partial_suffix(std::string_view s, std::string_view tag) {
 
 }  // namespace
 
+void ToolCallParser::take_list(Step* out) {
+  const nlohmann::json j = nlohmann::json::parse(held_, nullptr, false);
+  std::vector<Call> calls;
+  bool ok = j.is_array() && !j.empty();
+  for (size_t i = 0; ok && i < j.size(); ++i) {
+    Call c;
+    ok = as_call(j[i], &c);
+    calls.push_back(std::move(c));
+  }
+  if (ok)
+    out->calls.insert(out->calls.end(), calls.begin(), calls.end());
+  else
+    out->text += std::string(kMarker) + held_;
+  held_.clear();
+  inside_ = false;
+}
+
 void ToolCallParser::take_block(Step* out, bool closed) {
   const nlohmann::json j = nlohmann::json::parse(held_, nullptr, false);
-  const bool call = j.is_object() && j.contains("name") && j["name"].is_string() &&
-                    (!j.contains("arguments") || j["arguments"].is_object() || j["arguments"].is_string());
-  if (call) {
+  Call c;
+  if (as_call(j, &c)) {
     after_call_ = true;
-    std::string args = "{}";
-    if (j.contains("arguments")) args = j["arguments"].is_string() ? j["arguments"].get<std::string>() : j["arguments"].dump();
-    out->calls.push_back({j["name"].get<std::string>(), std::move(args)});
+    out->calls.push_back(std::move(c));
   } else {  // not a call after all: the text as the model wrote it
     out->text += std::string(kOpen) + held_ + (closed ? std::string(kClose) : std::string());
   }
@@ -36,6 +61,20 @@ void ToolCallParser::take_block(Step* out, bool closed) {
 ToolCallParser::Step ToolCallParser::push(std::string_view piece) {
   Step out;
   held_.append(piece);
+  if (markup_ == Markup::mistral) {
+    if (inside_) return out;  // the list runs to the end of the output
+    const size_t at = held_.find(kMarker);
+    if (at == std::string::npos) {
+      const size_t keep = partial_suffix(held_, kMarker);
+      out.text += held_.substr(0, held_.size() - keep);
+      held_.erase(0, held_.size() - keep);
+      return out;
+    }
+    out.text += held_.substr(0, at);
+    held_.erase(0, at + kMarker.size());
+    inside_ = true;
+    return out;
+  }
   for (;;) {
     if (!inside_) {
       // Whitespace right after a call (between calls) is not content.
@@ -68,7 +107,9 @@ ToolCallParser::Step ToolCallParser::push(std::string_view piece) {
 
 ToolCallParser::Step ToolCallParser::finish() {
   Step out;
-  if (inside_) {
+  if (inside_ && markup_ == Markup::mistral) {
+    take_list(&out);
+  } else if (inside_) {
     take_block(&out, false);
   } else {
     if (!after_call_) out.text = held_;  // (whitespace after a call is not content)

@@ -294,7 +294,8 @@ std::shared_ptr<const Schema> tool_call_sequence(const Schema& value, const std:
   };
   SchemaNode seq;
   seq.kind = NodeKind::sequence;
-  seq.options = {literal(open), value.root, literal(close)};
+  seq.options = {literal(open), value.root};
+  if (!close.empty()) seq.options.push_back(literal(close));
   seq.items = separator.empty() ? -1 : literal(separator);
   s.nodes.push_back(std::move(seq));
   s.root = int(s.nodes.size()) - 1;

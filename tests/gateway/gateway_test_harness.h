@@ -34,7 +34,9 @@ class ByteCodec final : public TextCodec {
   // tool calls and call id, as JSON) and asks for Hermes-style calls.
   Result<std::vector<int32_t>> encode_chat(const nlohmann::json& messages,
                                            const nlohmann::json& template_kwargs) const override;
-  ToolFormat tool_format() const override { return ToolFormat::hermes; }
+  ToolFormat tool_format() const override { return tool_format_; }
+  // The markup its template would ask tools to be called in (hermes by default).
+  ToolFormat tool_format_ = ToolFormat::hermes;
   std::unique_ptr<TokenTextStream> stream_decoder() const override;
   std::string token_bytes(int32_t id) const override;
   int vocab_size() const override { return 257; }

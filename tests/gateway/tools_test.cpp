@@ -5,6 +5,8 @@
 // forced choice installs.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <cctype>
 #include <string>
 #include <vector>
 
@@ -194,4 +196,47 @@ TEST_CASE("tools: a forced choice installs a grammar of the call, in the model's
   CHECK(g.finishable(sa));
   CHECK(g.feed(sa, "\n<tool_call>\n{\"arguments\": {\"city\": \"b\"}, \"name\": \"get_weather\"}\n</tool_call>"));
   CHECK(g.finishable(sa));
+}
+
+TEST_CASE("tools: Mistral's [TOOL_CALLS] list, parsed at the end; ids of nine characters; a forced call's grammar",
+          "[gateway][tools]") {
+  ToolCallParser p(ToolCallParser::Markup::mistral);
+  const std::string text = "ok [TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}, "
+                           "{\"name\": \"get_time\", \"arguments\": {}}]";
+  std::string shown;
+  for (size_t at = 0; at < text.size(); at += 3) shown += p.push(std::string_view(text).substr(at, 3)).text;
+  auto end = p.finish();
+  CHECK(shown + end.text == "ok ");
+  REQUIRE(end.calls.size() == 2);
+  CHECK(end.calls[0].name == "get_weather");
+  CHECK(end.calls[1].name == "get_time");
+  ToolCallParser bad(ToolCallParser::Markup::mistral);
+  auto b = bad.push("[TOOL_CALLS] [not a list");
+  auto be = bad.finish();
+  CHECK(b.text + be.text == "[TOOL_CALLS] [not a list");
+
+  ByteCodec codec;
+  codec.tool_format_ = TextCodec::ToolFormat::mistral;
+  TestGateway gw({}, {}, &codec);
+  gw.scheduler().set_script(speak("[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"x\"}}]"));
+  json r = json::parse(post(gw, "/v1/chat/completions", chat_body({{"tools", {kWeather}}})).body);
+  const json& m = r["choices"][0]["message"];
+  REQUIRE(m["tool_calls"].size() == 1);
+  const std::string id = m["tool_calls"][0]["id"];
+  CHECK(id.size() == 9);
+  CHECK(std::all_of(id.begin(), id.end(), [](char ch) { return std::isalnum(static_cast<unsigned char>(ch)); }));
+  CHECK(r["choices"][0]["finish_reason"] == "tool_calls");
+  post(gw, "/v1/chat/completions",
+       chat_body({{"tools", {kWeather, kTime}}, {"tool_choice", {{"type", "function"}, {"function", {{"name", "get_time"}}}}}}));
+  const SequenceRequest sub = gw.scheduler().submitted().back();
+  REQUIRE(sub.grammar);
+  const auto& sc = sub.grammar->schema();
+  auto accepts = [&](const std::string& t) {
+    auto g = structured::GrammarState::start(sc);
+    return g.feed(sc, t) && g.finishable(sc);
+  };
+  CHECK(accepts("[TOOL_CALLS] [{\"name\": \"get_time\", \"arguments\": {}}]"));
+  CHECK_FALSE(accepts("[TOOL_CALLS] [{\"name\": \"get_time\", \"arguments\": {}}, {\"name\": \"get_time\", \"arguments\": {}}]"));
+  CHECK_FALSE(accepts("[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"a\"}}]"));
+  CHECK_FALSE(accepts("[TOOL_CALLS] []"));
 }
