@@ -242,6 +242,14 @@ std::optional<ApiError> chat_prompt(const json& body, const TextCodec& codec, co
                                     ChatMessages* messages, std::vector<std::vector<int32_t>>* out, int64_t fit,
                                     int* dropped, int64_t* dropped_tokens, const json& tools) {
   if (auto err = parse_chat_messages(body, messages)) return err;
+  // A template that knows no tools would drop an assistant turn's calls.
+  if (codec.tool_format() == TextCodec::ToolFormat::none)
+    for (size_t i = 0; i < messages->size(); ++i)
+      if (!(*messages)[i].tool_calls.empty()) {
+        const std::string p = "messages[" + std::to_string(i) + "].tool_calls";
+        return invalid_param(p, "This model's chat template does not render tool calls ('" + p + "').",
+                             "unsupported_parameter");
+      }
   json kwargs;
   if (auto err = parse_template_kwargs(body, &kwargs)) return err;
   if (!tools.empty()) kwargs["tools"] = tools;

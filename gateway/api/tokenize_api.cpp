@@ -89,6 +89,12 @@ HttpResponse tokenize_response(const std::string& text, const TextCodec& codec, 
     }
     ChatMessages messages;
     if (auto err = parse_chat_messages(body, &messages)) return api_error_response(*err);
+    if (codec.tool_format() == TextCodec::ToolFormat::none)
+      for (size_t i = 0; i < messages.size(); ++i)
+        if (!messages[i].tool_calls.empty())
+          return api_error_response(invalid_param("messages[" + std::to_string(i) + "].tool_calls",
+                                                  "This model's chat template does not render tool calls.",
+                                                  "unsupported_parameter"));
     auto encoded = codec.encode_chat(template_messages({}, messages), kwargs);
     if (!encoded.ok())
       return api_error_response(invalid_param("messages", "The chat template rejected the messages: " + encoded.error()));

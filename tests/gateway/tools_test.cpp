@@ -240,3 +240,23 @@ TEST_CASE("tools: Mistral's [TOOL_CALLS] list, parsed at the end; ids of nine ch
   CHECK_FALSE(accepts("[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"a\"}}]"));
   CHECK_FALSE(accepts("[TOOL_CALLS] []"));
 }
+
+TEST_CASE("tools: a template that knows no tools refuses tools and an assistant turn's tool calls", "[gateway][tools]") {
+  ByteCodec codec;
+  codec.tool_format_ = TextCodec::ToolFormat::none;
+  TestGateway gw({}, {}, &codec);
+  auto r = post(gw, "/v1/chat/completions", chat_body({{"tools", {kWeather}}}));
+  CHECK(r.status == 400);
+  CHECK(json::parse(r.body)["error"]["param"] == "tools");
+  json msgs = {{{"role", "user"}, {"content", "x"}},
+               {{"role", "assistant"},
+                {"content", nullptr},
+                {"tool_calls", {{{"id", "c"}, {"type", "function"}, {"function", {{"name", "f"}, {"arguments", "{}"}}}}}}},
+               {{"role", "user"}, {"content", "y"}}};
+  auto t = post(gw, "/v1/chat/completions", chat_body({{"messages", msgs}}));
+  CHECK(t.status == 400);
+  json j = json::parse(t.body);
+  CHECK(j["error"]["param"] == "messages[1].tool_calls");
+  CHECK(j["error"]["code"] == "unsupported_parameter");
+  CHECK(gw.scheduler().submitted().empty());
+}
