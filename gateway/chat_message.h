@@ -4,11 +4,17 @@
 // stored turns), so that nothing else a client sent travels with it.
 
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace moe::gw {
 
 struct ChatMessage {
+  ChatMessage() = default;
+  ChatMessage(std::string r, std::string c, std::string calls = {}, std::string call_id = {})
+      : role(std::move(r)), content(std::move(c)), tool_calls(std::move(calls)), tool_call_id(std::move(call_id)) {}
+  bool operator==(const ChatMessage&) const = default;
+
   std::string role;     // system, user, assistant or tool ("developer" arrives as system)
   std::string content;  // the text (content parts joined)
   // An assistant turn's tool calls, as validated compact JSON
