@@ -667,6 +667,10 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
   if (kind == ApiKind::chat) {
     if (auto e = parse_tools(body, codec, &req)) return *e;
   }
+  // A grammar's whole value allows only the stop ids, which min_tokens would ban.
+  if (req.response_schema && req.min_tokens > 0)
+    return invalid_param("min_tokens", "'min_tokens' cannot be combined with 'response_format' or a forced 'tool_choice': "
+                                       "the answer ends where its value does.", "invalid_value");
 
   if (const json* opts = member(body, "stream_options")) {
     if (!opts->is_object()) return *wrong_type("stream_options", "an object");

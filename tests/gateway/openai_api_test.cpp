@@ -491,6 +491,7 @@ TEST_CASE("api: penalties, min_p, logit_bias and min_tokens reach the sequence; 
       {{{"logit_bias", {{"999999", 1}}}}, "logit_bias", "invalid_value"},  // outside the vocabulary
       {{{"logit_bias", {{"7", 1}, {"007", 2}}}}, "logit_bias", "invalid_value"},
       {{{"logit_bias", json::array({1})}}, "logit_bias", "invalid_type"},
+      {{{"min_tokens", 2}, {"response_format", {{"type", "json_object"}}}}, "min_tokens", "invalid_value"},
   };
   for (const auto& [extra, param, code] : bad) {
     INFO(extra.dump());
