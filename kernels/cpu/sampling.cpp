@@ -43,7 +43,7 @@ int32_t sample_token(const float* logits, int vocab, const SampleDraw& p, int64_
   if (!limit_k && !limit_p) {
     const double total = std::accumulate(prob.begin(), prob.end(), 0.0);
     double target = u * total, acc = 0.0;
-    int last = argmax(logits, vocab);  // rounding may leave the target past the end: the last drawable token
+    int last = 0;  // rounding may leave the target past the end: the last drawable token (the best has p = 1)
     for (int i = 0; i < vocab; ++i) {
       acc += prob[i];
       if (prob[i] > 0.0) last = i;
