@@ -13,11 +13,7 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
   // Fresh prompts that start with cached blocks compute only the rest.
   std::vector<SeqInput> reused;
   std::vector<int> skipped;
-  if (m.opts.prefix_cache) {
-    reused.assign(inputs.begin(), inputs.end());
-    m.kv_pool->reuse_prefixes(reused, &skipped);
-    inputs = reused;
-  }
+  if (m.opts.prefix_cache) inputs = m.kv_pool->reuse_prefixes(inputs, &reused, &skipped);
   for (const SeqInput& in : inputs)
     m.kv_pool->extend(in.seq_id, in.start_pos, in.start_pos + int(in.tokens.size()), in.tokens);
 

@@ -51,11 +51,7 @@ Result<std::vector<SeqOutput>> CpuEngine::step(std::span<const SeqInput> inputs)
   // Fresh prompts that start with cached blocks compute only the rest.
   std::vector<SeqInput> reused;
   std::vector<int> skipped;
-  if (prefix_cache_) {
-    reused.assign(inputs.begin(), inputs.end());
-    kv_pool_->reuse_prefixes(reused, &skipped);
-    inputs = reused;
-  }
+  if (prefix_cache_) inputs = kv_pool_->reuse_prefixes(inputs, &reused, &skipped);
 
   Batch b;
   std::vector<size_t> logit_of(inputs.size(), SIZE_MAX);

@@ -152,33 +152,40 @@ void KvBlockPool::attach_prefix(uint64_t seq, std::span<const int32_t> tokens, i
   attach_blocks(h, tokens, blocks);
 }
 
-int KvBlockPool::reuse_prefixes(std::vector<SeqInput>& inputs, std::vector<int>* skipped) {
-  int total = 0;
-  if (skipped) skipped->assign(inputs.size(), 0);
+int KvBlockPool::reusable_blocks(const SeqInput& in) const {
+  if (in.start_pos == 0) return cached_blocks_after(0, in.tokens);
+  // The next chunk of a prompt whose blocks so far are whole and hashed
+  // (a long prompt arrives in several chunks).
+  auto it = seqs_.find(in.seq_id);
+  if (it == seqs_.end() || !it->second.hashing || !it->second.partial.empty() || it->second.length != in.start_pos ||
+      in.start_pos % block_tokens_ != 0)
+    return 0;
+  return cached_blocks_after(it->second.chain, in.tokens);
+}
+
+std::span<const SeqInput> KvBlockPool::reuse_prefixes(std::span<const SeqInput> inputs, std::vector<SeqInput>* rewritten,
+                                                      std::vector<int>* skipped) {
+  skipped->clear();
+  std::vector<int> blocks(inputs.size(), 0);
+  bool any = false;
+  for (size_t i = 0; i < inputs.size(); ++i) any = (blocks[i] = reusable_blocks(inputs[i])) > 0 || any;
+  if (!any) return inputs;  // nothing cached: the step runs as given, nothing copied
+  rewritten->assign(inputs.begin(), inputs.end());
+  skipped->assign(inputs.size(), 0);
   for (size_t i = 0; i < inputs.size(); ++i) {
-    SeqInput& in = inputs[i];
-    // A fresh prompt, or the next chunk of a prompt whose blocks so far are
-    // whole and hashed (a long prompt arrives in several chunks).
-    int blocks = 0;
-    if (in.start_pos == 0) {
-      ++lookups_;
-      blocks = cached_blocks_after(0, in.tokens);
-      if (blocks > 0) attach_prefix(in.seq_id, in.tokens, blocks);
-    } else if (auto it = seqs_.find(in.seq_id); it != seqs_.end() && it->second.hashing &&
-                                                 it->second.partial.empty() && it->second.length == in.start_pos &&
-                                                 in.start_pos % block_tokens_ == 0) {
-      blocks = cached_blocks_after(it->second.chain, in.tokens);
-      if (blocks > 0) attach_blocks(it->second, in.tokens, blocks);
-    }
-    if (blocks == 0) continue;
-    const int n = blocks * block_tokens_;
+    if (blocks[i] == 0) continue;
+    SeqInput& in = (*rewritten)[i];
+    if (in.start_pos == 0)
+      attach_prefix(in.seq_id, in.tokens, blocks[i]);
+    else
+      attach_blocks(seqs_.at(in.seq_id), in.tokens, blocks[i]);
+    const int n = blocks[i] * block_tokens_;
     in.tokens.erase(in.tokens.begin(), in.tokens.begin() + n);
     in.start_pos += n;
-    total += n;
-    if (skipped) (*skipped)[i] = n;
+    (*skipped)[i] = n;
+    reused_tokens_ += uint64_t(n);
   }
-  reused_tokens_ += uint64_t(total);
-  return total;
+  return *rewritten;
 }
 
 std::optional<std::vector<int32_t>> KvBlockPool::take(int n) {

@@ -54,13 +54,14 @@ class KvBlockPool {
   // `seq` starts afresh holding those blocks (shared, read only): its next
   // tokens go from blocks * block_tokens().
   void attach_prefix(uint64_t seq, std::span<const int32_t> tokens, int blocks);
-  // Inputs whose tokens continue a cached chain (a fresh prompt, or the next
-  // chunk of one whose blocks so far are whole and hashed) are rewritten to
-  // start after the cached blocks, which are attached; returns the tokens
-  // skipped, and each input's in *skipped (when given). Call after the
+  // A step's inputs with those that continue a cached chain (a fresh
+  // prompt, or the next chunk of one whose blocks so far are whole and
+  // hashed) rewritten into *rewritten to start after the cached blocks,
+  // which are attached; *skipped: the tokens skipped per input (empty when
+  // none was: the inputs come back as given, nothing copied). Call after the
   // step's checks passed, before extend.
-  int reuse_prefixes(std::vector<SeqInput>& inputs, std::vector<int>* skipped = nullptr);
-  uint64_t prefix_lookups() const { return lookups_; }
+  std::span<const SeqInput> reuse_prefixes(std::span<const SeqInput> inputs, std::vector<SeqInput>* rewritten,
+                                           std::vector<int>* skipped);
   uint64_t prefix_tokens_reused() const { return reused_tokens_; }
 
   // Blocks outside any sequence (a one-off forward pass); nullopt when too
@@ -78,6 +79,7 @@ class KvBlockPool {
   };
   int32_t take_block();
   int cached_blocks_after(uint64_t chain, std::span<const int32_t> tokens) const;
+  int reusable_blocks(const SeqInput& in) const;  // cached blocks that input could attach
   void attach_blocks(Held& h, std::span<const int32_t> tokens, int blocks);
   uint64_t block_hash(uint64_t chain, std::span<const int32_t> block) const;
   void unref(int32_t b);
@@ -93,7 +95,7 @@ class KvBlockPool {
   std::list<int32_t> cached_;
   std::vector<std::list<int32_t>::iterator> cached_at_;
   uint64_t salt_ = 0;
-  uint64_t lookups_ = 0, reused_tokens_ = 0;
+  uint64_t reused_tokens_ = 0;
 };
 
 // Why a step's input cannot run now; the worker answers each with its own

@@ -134,13 +134,23 @@ TEST_CASE("prefix cache: released whole blocks are found by their prefix, shared
   step[1].seq_id = 7;
   step[1].tokens = {8, 8, 8};
   std::vector<int> skipped;
-  CHECK(pool.reuse_prefixes(step, &skipped) == 8);
+  std::vector<SeqInput> rewritten;
+  const auto ran = pool.reuse_prefixes(step, &rewritten, &skipped);
   CHECK(skipped == std::vector<int>{8, 0});
-  CHECK(step[0].start_pos == 8);
-  CHECK(step[0].tokens == std::vector<int32_t>{9, 10});
-  CHECK(step[1].start_pos == 0);
+  REQUIRE(ran.size() == 2);
+  CHECK(ran[0].start_pos == 8);
+  CHECK(ran[0].tokens == std::vector<int32_t>{9, 10});
+  CHECK(ran[1].start_pos == 0);
+  CHECK(step[0].start_pos == 0);  // the caller's inputs stay as they were
   CHECK(pool.length(6) == 8);
   CHECK(pool.prefix_tokens_reused() == 8);
+  // Nothing cached for any input: the inputs come back as given, nothing copied.
+  std::vector<SeqInput> uncached(1);
+  uncached[0].seq_id = 8;
+  uncached[0].tokens = {5, 5, 5, 5, 5};
+  const auto same = pool.reuse_prefixes(uncached, &rewritten, &skipped);
+  CHECK(same.data() == uncached.data());
+  CHECK(skipped.empty());
   // Extends without tokens (a caller that does not hash) cache nothing.
   KvBlockPool plain(4, 4);
   plain.extend(1, 0, 8);
