@@ -176,8 +176,10 @@ void Generation::begin(uint64_t seed) {
   if (req_.stream && req_.kind == ApiKind::chat) {
     for (const auto& c : choices_) send_chunk(*c, "", nullptr, nullptr, true);
   }
+  if (req_.echo)  // each prompt's text once, for all its choices
+    for (int p = 0; p < n_prompts; ++p) echo_texts_.push_back(prompt_text(p));
   if (req_.stream && req_.echo) {
-    for (const auto& c : choices_) send_chunk(*c, prompt_text(c->prompt), nullptr, nullptr, false);
+    for (const auto& c : choices_) send_chunk(*c, echo_texts_[size_t(c->prompt)], nullptr, nullptr, false);
   }
   for (auto& c : choices_) {
     SequenceRequest sr;
@@ -397,7 +399,7 @@ void Generation::complete() {
       choices.push_back({{"index", c->index}, {"message", message}, {"logprobs", lp}, {"finish_reason", c->finish_reason}});
     } else {
       choices.push_back({{"index", c->index},
-                         {"text", req_.echo ? prompt_text(c->prompt) + c->text : c->text},
+                         {"text", req_.echo ? echo_texts_[size_t(c->prompt)] + c->text : c->text},
                          {"logprobs", lp},
                          {"finish_reason", c->finish_reason}});
     }

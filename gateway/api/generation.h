@@ -139,7 +139,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   bool is_stop_id(int32_t id) const;
   // Candidates a prompt: best_of when above n.
   int candidates() const { return std::max(req_.n, req_.best_of); }
-  // echo: prompt p as text.
+  // Prompt p as text (echo).
   std::string prompt_text(int p) const;
 
   GenerationContext ctx_;
@@ -147,6 +147,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   std::shared_ptr<HttpExchange> ex_;
   std::vector<int32_t> stop_ids_;
   std::vector<std::unique_ptr<Choice>> choices_;
+  std::vector<std::string> echo_texts_;  // echo: each prompt's text
   int finished_ = 0;
   bool over_ = false;  // response ended (completed, failed or aborted)
   size_t held_bytes_ = 0;  // text and logprobs a whole response holds so far
