@@ -147,6 +147,45 @@ def gateway_healthy(port):
         return False
 
 
+class Stack:
+    """moe-worker on `model` (its log in `work`) and moe-gateway in front of
+    it; `port` is the gateway's once entered, both are stopped on exit."""
+
+    def __init__(self, build, model, work, backend="cuda", worker_args=(), gateway_args=()):
+        self.build, self.model, self.work = build, model, work
+        self.backend, self.worker_args, self.gateway_args = backend, list(worker_args), list(gateway_args)
+        self.worker = self.gateway = None
+
+    def __enter__(self):
+        sock = os.path.join(self.work, "w.sock")
+        self.worker_log = os.path.join(self.work, "worker.log")
+        self.gateway_log = os.path.join(self.work, "gateway.log")
+        wlog = open(self.worker_log, "w+")
+        self.worker = subprocess.Popen([os.path.join(self.build, "worker", "moe-worker"), "--backend", self.backend,
+                                        "--model", self.model, "--socket", sock, *self.worker_args],
+                                       stdout=wlog, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: self.worker.poll() is not None or "listening on" in open(self.worker_log).read(), 900,
+                     "the worker")
+            if self.worker.poll() is not None:
+                raise RuntimeError("the worker exited:\n" + open(self.worker_log).read()[-3000:])
+            self.port = free_port()
+            self.gateway = subprocess.Popen([os.path.join(self.build, "gateway", "moe-gateway"), "--model", self.model,
+                                             "--worker", "unix:" + sock, "--port", str(self.port), *self.gateway_args],
+                                            stdout=open(self.gateway_log, "w+"), stderr=subprocess.STDOUT)
+            wait_for(lambda: gateway_healthy(self.port), 120, "the gateway")
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for p in (self.gateway, self.worker):
+            if p and p.poll() is None:
+                p.terminate()
+                p.wait()
+
+
 def wait_for(pred, timeout, what):
     end = time.time() + timeout
     while time.time() < end:

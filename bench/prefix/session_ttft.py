@@ -11,13 +11,12 @@ import argparse
 import http.client
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gateway"))
-from full_stack import free_port, gateway_healthy, wait_for  # noqa: E402
+from full_stack import Stack  # noqa: E402
 
 SYSTEM = ("You are a careful assistant for a team that maintains a large C++ inference server. " * 40).strip()
 QUESTIONS = ["How do I add a new sampling parameter?", "Where are the KV blocks allocated?",
@@ -72,32 +71,15 @@ def main():
     model = os.path.basename(a.model.rstrip("/"))
     out = []
     for mode in ("on", "off"):
-        work = tempfile.mkdtemp(prefix="moe-prefix-")
-        sock = os.path.join(work, "w.sock")
-        wlog = open(os.path.join(work, "worker.log"), "w+")
-        w = subprocess.Popen([os.path.join(a.build, "worker", "moe-worker"), "--backend", a.backend, "--model", a.model,
-                              "--socket", sock, "--prefix-cache", mode], stdout=wlog, stderr=subprocess.STDOUT)
-        try:
-            wait_for(lambda: w.poll() is not None or "listening on" in open(wlog.name).read(), 900, "the worker")
-            port = free_port()
-            g = subprocess.Popen([os.path.join(a.build, "gateway", "moe-gateway"), "--model", a.model, "--worker",
-                                  "unix:" + sock, "--port", str(port)], stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL)
-            try:
-                wait_for(lambda: gateway_healthy(port), 120, "the gateway")
-                turn(port, model, [{"role": "user", "content": "warm up"}], 4)
-                rows = session(port, model, a.max_tokens)
-                for r in rows:
-                    r["prefix_cache"] = mode
-                    print(f"prefix cache {mode}: turn {r['turn']}: TTFT {r['ttft_ms']:.1f} ms, prompt {r['prompt_tokens']} "
-                          f"tokens, {r['cached_tokens']} from the cache", flush=True)
-                out += rows
-            finally:
-                g.terminate()
-                g.wait()
-        finally:
-            w.terminate()
-            w.wait()
+        with Stack(a.build, a.model, tempfile.mkdtemp(prefix="moe-prefix-"), a.backend,
+                   worker_args=["--prefix-cache", mode]) as stack:
+            turn(stack.port, model, [{"role": "user", "content": "warm up"}], 4)
+            rows = session(stack.port, model, a.max_tokens)
+            for r in rows:
+                r["prefix_cache"] = mode
+                print(f"prefix cache {mode}: turn {r['turn']}: TTFT {r['ttft_ms']:.1f} ms, prompt {r['prompt_tokens']} "
+                      f"tokens, {r['cached_tokens']} from the cache", flush=True)
+            out += rows
     on = [r for r in out if r["prefix_cache"] == "on"]
     off = [r for r in out if r["prefix_cache"] == "off"]
     for x, y in zip(on, off):

@@ -16,14 +16,13 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gateway"))
-from full_stack import free_port, gateway_healthy, percentile, wait_for  # noqa: E402
+from full_stack import Stack, percentile  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -106,50 +105,31 @@ def main():
     ap.add_argument("--worker-arg", action="append", default=[])
     ap.add_argument("--json", default="")
     a = ap.parse_args()
-    work = tempfile.mkdtemp(prefix="moe-structured-")
-    sock = os.path.join(work, "w.sock")
-    wlog = open(os.path.join(work, "worker.log"), "w+")
-    w = subprocess.Popen([os.path.join(a.build, "worker", "moe-worker"), "--backend", a.backend, "--model", a.model,
-                          "--socket", sock, *a.worker_arg], stdout=wlog, stderr=subprocess.STDOUT)
     rows = []
-    try:
-        wait_for(lambda: w.poll() is not None or "listening on" in open(wlog.name).read(), 900, "the worker")
-        if w.poll() is not None:
-            raise RuntimeError("the worker exited:\n" + open(wlog.name).read()[-3000:])
-        port = free_port()
-        glog = open(os.path.join(work, "gateway.log"), "w+")
-        g = subprocess.Popen([os.path.join(a.build, "gateway", "moe-gateway"), "--model", a.model, "--worker",
-                              "unix:" + sock, "--port", str(port)], stdout=glog, stderr=subprocess.STDOUT)
-        try:
-            wait_for(lambda: gateway_healthy(port), 120, "the gateway")
-            model = os.path.basename(a.model.rstrip("/"))
-            # Warm-up, a structured request included: a server that has seen the schema.
-            run(port, model, 1, 16, False, 1)
-            run(port, model, 1, 32, True, 1)
-            for conc in [int(x) for x in a.concurrency.split(",")]:
-                for structured in (False, True):
-                    before = metrics(port)
-                    r = run(port, model, conc, a.new_tokens, structured, a.rounds)
-                    after = metrics(port)
-                    r.update({k: round(after[k] - before[k], 4) for k in after})
-                    r.update({"concurrency": conc, "mode": "json_schema" if structured else "free text",
-                              "backend": a.backend})
-                    rows.append(r)
-                    print(f"c{conc} {r['mode']:>11}: {r['decode_tok_s']:.1f} tok/s a stream, ITL p50/p99 "
-                          f"{r['itl_ms_p50']:.2f}/{r['itl_ms_p99']:.2f} ms, {r['pieces']} pieces in {r['streams']} "
-                          f"streams, masks computed {r['masks_computed_total']:.0f} ({r['mask_seconds_total']:.3f} s), "
-                          f"hits {r['mask_hits_total']:.0f}" + (f", {r['whole_json']} whole JSON" if structured else ""),
-                          flush=True)
-                free, js = rows[-2], rows[-1]
-                print(f"c{conc}: json_schema decodes at {100 * js['decode_tok_s'] / free['decode_tok_s']:.1f} % of free "
-                      f"text", flush=True)
-        finally:
-            g.terminate()
-            g.wait()
-            sys.stdout.write("".join(l for l in open(glog.name) if "structured" in l))
-    finally:
-        w.terminate()
-        w.wait()
+    with Stack(a.build, a.model, tempfile.mkdtemp(prefix="moe-structured-"), a.backend, a.worker_arg) as stack:
+        port = stack.port
+        model = os.path.basename(a.model.rstrip("/"))
+        # Warm-up, a structured request included: a server that has seen the schema.
+        run(port, model, 1, 16, False, 1)
+        run(port, model, 1, 32, True, 1)
+        for conc in [int(x) for x in a.concurrency.split(",")]:
+            for structured in (False, True):
+                before = metrics(port)
+                r = run(port, model, conc, a.new_tokens, structured, a.rounds)
+                after = metrics(port)
+                r.update({k: round(after[k] - before[k], 4) for k in after})
+                r.update({"concurrency": conc, "mode": "json_schema" if structured else "free text",
+                          "backend": a.backend})
+                rows.append(r)
+                print(f"c{conc} {r['mode']:>11}: {r['decode_tok_s']:.1f} tok/s a stream, ITL p50/p99 "
+                      f"{r['itl_ms_p50']:.2f}/{r['itl_ms_p99']:.2f} ms, {r['pieces']} pieces in {r['streams']} "
+                      f"streams, masks computed {r['masks_computed_total']:.0f} ({r['mask_seconds_total']:.3f} s), "
+                      f"hits {r['mask_hits_total']:.0f}" + (f", {r['whole_json']} whole JSON" if structured else ""),
+                      flush=True)
+            free, js = rows[-2], rows[-1]
+            print(f"c{conc}: json_schema decodes at {100 * js['decode_tok_s'] / free['decode_tok_s']:.1f} % of free "
+                  f"text", flush=True)
+    sys.stdout.write("".join(l for l in open(stack.gateway_log) if "structured" in l))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
