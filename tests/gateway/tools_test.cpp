@@ -42,6 +42,12 @@ json chat_body(json extra) {
   return j;
 }
 
+// A whole value of the grammar `sc`.
+bool accepts(const structured::Schema& sc, const std::string& text) {
+  auto g = structured::GrammarState::start(sc);
+  return g.feed(sc, text) && g.finishable(sc);
+}
+
 // The script speaks `text`, byte by byte, then EOS.
 ScriptedScheduler::Script speak(std::string text) {
   return [text](const SequenceRequest&, int step) -> int32_t {
@@ -177,15 +183,11 @@ TEST_CASE("tools: a forced choice installs a grammar of the call, in the model's
   const SequenceRequest sub = gw.scheduler().submitted().back();
   REQUIRE(sub.grammar);
   const auto& sc = sub.grammar->schema();
-  auto accepts = [&](const std::string& t) {
-    auto g = structured::GrammarState::start(sc);
-    return g.feed(sc, t) && g.finishable(sc);
-  };
-  CHECK(accepts("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\", \"days\": 2}}\n</tool_call>"));
-  CHECK_FALSE(accepts("<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>"));  // not the named one
-  CHECK_FALSE(accepts("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"days\": 2}}\n</tool_call>"));  // city
-  CHECK_FALSE(accepts("Sure! <tool_call>"));
-  CHECK_FALSE(accepts("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"a\"}}\n</tool_call>\n<tool_call>"));
+  CHECK(accepts(sc, "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\", \"days\": 2}}\n</tool_call>"));
+  CHECK_FALSE(accepts(sc, "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>"));  // not the named one
+  CHECK_FALSE(accepts(sc, "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"days\": 2}}\n</tool_call>"));  // city
+  CHECK_FALSE(accepts(sc, "Sure! <tool_call>"));
+  CHECK_FALSE(accepts(sc, "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"a\"}}\n</tool_call>\n<tool_call>"));
   // required, parallel: any of the tools, one call or more.
   post(gw, "/v1/chat/completions", chat_body({{"tools", {kWeather, kTime}}, {"tool_choice", "required"}}));
   const SequenceRequest any = gw.scheduler().submitted().back();
@@ -231,14 +233,10 @@ TEST_CASE("tools: Mistral's [TOOL_CALLS] list, parsed at the end; ids of nine ch
   const SequenceRequest sub = gw.scheduler().submitted().back();
   REQUIRE(sub.grammar);
   const auto& sc = sub.grammar->schema();
-  auto accepts = [&](const std::string& t) {
-    auto g = structured::GrammarState::start(sc);
-    return g.feed(sc, t) && g.finishable(sc);
-  };
-  CHECK(accepts("[TOOL_CALLS] [{\"name\": \"get_time\", \"arguments\": {}}]"));
-  CHECK_FALSE(accepts("[TOOL_CALLS] [{\"name\": \"get_time\", \"arguments\": {}}, {\"name\": \"get_time\", \"arguments\": {}}]"));
-  CHECK_FALSE(accepts("[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"a\"}}]"));
-  CHECK_FALSE(accepts("[TOOL_CALLS] []"));
+  CHECK(accepts(sc, "[TOOL_CALLS] [{\"name\": \"get_time\", \"arguments\": {}}]"));
+  CHECK_FALSE(accepts(sc, "[TOOL_CALLS] [{\"name\": \"get_time\", \"arguments\": {}}, {\"name\": \"get_time\", \"arguments\": {}}]"));
+  CHECK_FALSE(accepts(sc, "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"a\"}}]"));
+  CHECK_FALSE(accepts(sc, "[TOOL_CALLS] []"));
 }
 
 TEST_CASE("tools: a template that knows no tools refuses tools and an assistant turn's tool calls", "[gateway][tools]") {
