@@ -161,11 +161,15 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   // Candidates are drawable tokens only: a masked or banned one (-inf) never
-  // takes a place (a mask of five tokens under top_k 40 keeps five).
-  int finite = 0;
-  for (int i = threadIdx.x; i < vocab; i += kThreads) finite += row[i] > -INFINITY ? 1 : 0;
-  finite = block_sum(finite, seg);
-  const int C = min(min(min(limit_k ? p.top_k : kMaxCandidates, kMaxCandidates), vocab), max(finite, 1));
+  // takes a place (a mask of five tokens under top_k 40 keeps five). Only a
+  // row with a mask or adjustments (bans) can hold -inf: the others skip the count.
+  int drawable = vocab;
+  if (row.mask || (spans && spans[blockIdx.x].count > 0)) {
+    int finite = 0;
+    for (int i = threadIdx.x; i < vocab; i += kThreads) finite += row[i] > -INFINITY ? 1 : 0;
+    drawable = max(block_sum(finite, seg), 1);
+  }
+  const int C = min(min(min(limit_k ? p.top_k : kMaxCandidates, kMaxCandidates), vocab), drawable);
   if (threadIdx.x == 0) {
     s_prefix = 0;
     s_mask = 0;
