@@ -110,7 +110,8 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   MOE_CUDA_TRY(cudaGetDevice(&dev_index));
   char bus[32] = {};
   MOE_CUDA_TRY(cudaDeviceGetPCIBusId(bus, int(sizeof(bus)), dev_index));
-  auto meter = DeviceMemoryMeter::open(bus);
+  m.pci_bus_id = bus;
+  auto meter = NvmlCard::open(bus);
   std::optional<uint64_t> used_before;
   if (meter) {
     if (auto u = (*meter)->device_used_bytes()) used_before = *u;

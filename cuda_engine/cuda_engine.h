@@ -73,6 +73,8 @@ class CudaEngine final : public Engine {
 
   // What the process holds on the device now (reads NVML: not every step).
   DeviceMemory device_memory() const;
+  // The device's PCI bus id ("0000:3b:00.0"): the card NVML reads for it.
+  const std::string& pci_bus_id() const;
 
   const IslandPlan& plan() const;
 

@@ -38,7 +38,7 @@
 #include <unordered_set>
 
 #include "engine/weights.h"
-#include "cuda_engine/device_memory.h"
+#include "card/nvml_card.h"
 #include "residency/eviction_policy.h"
 #include "residency/expert_predictor.h"
 #include "cuda_engine/host_experts.h"
@@ -152,7 +152,8 @@ using namespace cuda_engine_detail;
 struct CudaEngine::Impl {
   std::atomic<uint64_t>* progress = nullptr;  // CudaEngine::set_progress
   // What the process holds on the device (docs/cuda-worker.md).
-  std::unique_ptr<DeviceMemoryMeter> meter;  // null without NVML
+  std::unique_ptr<NvmlCard> meter;  // null without NVML
+  std::string pci_bus_id;           // the device as NVML and nvidia-smi name it
   uint64_t base_device_bytes = 0;             // the context and libraries, before the arena
   uint64_t budget_bytes = 0;                  // --vram-budget (or the default), the whole process
   mutable uint64_t peak_device_bytes = 0;     // the largest process_bytes() seen

@@ -241,6 +241,8 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
 
 void CudaEngine::set_progress(std::atomic<uint64_t>* progress) { impl_->progress = progress; }
 
+const std::string& CudaEngine::pci_bus_id() const { return impl_->pci_bus_id; }
+
 DeviceMemory CudaEngine::device_memory() const {
   Impl& m = *impl_;
   DeviceMemory d;

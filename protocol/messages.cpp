@@ -633,6 +633,27 @@ std::vector<uint8_t> encode_stats_reply(const StatsReply& m) {
   resident.reserve(m.resident.size());
   for (const ExpertRef& e : m.resident) resident.emplace_back(e.layer, e.expert);
   auto rv = b.CreateVectorOfStructs(resident);
+  const CardHealth& c = m.card;
+  auto reason = str(b, c.reason);
+  auto name = str(b, c.name);
+  fb::CardHealthBuilder cb(b);
+  cb.add_available(c.available);
+  cb.add_reason(reason);
+  cb.add_name(name);
+  cb.add_temperature_c(c.temperature_c);
+  cb.add_sm_clock_mhz(c.sm_clock_mhz);
+  cb.add_sm_clock_max_mhz(c.sm_clock_max_mhz);
+  cb.add_memory_clock_mhz(c.memory_clock_mhz);
+  cb.add_power_mw(c.power_mw);
+  cb.add_power_limit_mw(c.power_limit_mw);
+  cb.add_throttle_reasons(c.throttle_reasons);
+  cb.add_process_memory_bytes(c.process_memory_bytes);
+  cb.add_memory_total_bytes(c.memory_total_bytes);
+  cb.add_pcie_tx_kbps(c.pcie_tx_kbps);
+  cb.add_pcie_rx_kbps(c.pcie_rx_kbps);
+  cb.add_sample_age_ms(c.sample_age_ms);
+  cb.add_sample_seq(c.sample_seq);
+  auto card = cb.Finish();
   fb::StatsReplyBuilder tb(b);
   tb.add_expert_hits(m.expert_hits);
   tb.add_expert_misses(m.expert_misses);
@@ -648,6 +669,7 @@ std::vector<uint8_t> encode_stats_reply(const StatsReply& m) {
   tb.add_uptime_ms(m.uptime_ms);
   tb.add_resident(rv);
   tb.add_bytes_streamed(m.bytes_streamed);
+  tb.add_card(card);
   b.Finish(tb.Finish());
   return finish(b);
 }
@@ -674,6 +696,25 @@ Result<StatsReply> decode_stats_reply(Payload p) {
             rv && r.within(rv->size(), kMaxExpertsPerMessage, "resident")) {
           m.resident.reserve(rv->size());
           for (const fb::ExpertRef* e : *rv) m.resident.push_back({e->layer(), e->expert()});
+        }
+        if (const fb::CardHealth* c = t.card()) {
+          CardHealth& h = m.card;
+          h.available = c->available();
+          h.reason = r.string(c->reason(), "card.reason");
+          h.name = r.string(c->name(), "card.name");
+          h.temperature_c = c->temperature_c();
+          h.sm_clock_mhz = c->sm_clock_mhz();
+          h.sm_clock_max_mhz = c->sm_clock_max_mhz();
+          h.memory_clock_mhz = c->memory_clock_mhz();
+          h.power_mw = c->power_mw();
+          h.power_limit_mw = c->power_limit_mw();
+          h.throttle_reasons = c->throttle_reasons();
+          h.process_memory_bytes = c->process_memory_bytes();
+          h.memory_total_bytes = c->memory_total_bytes();
+          h.pcie_tx_kbps = c->pcie_tx_kbps();
+          h.pcie_rx_kbps = c->pcie_rx_kbps();
+          h.sample_age_ms = c->sample_age_ms();
+          h.sample_seq = c->sample_seq();
         }
         return r.result(std::move(m));
       });

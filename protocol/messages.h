@@ -224,6 +224,33 @@ struct StatsRequest {
   bool operator==(const StatsRequest&) const = default;
 };
 
+// NVML's throttle-reason bits (nvmlClocksThrottleReason*), as CardHealth carries them.
+namespace throttle {
+constexpr uint64_t gpu_idle = 0x1, applications_clocks = 0x2, sw_power_cap = 0x4, hw_slowdown = 0x8,
+                   sync_boost = 0x10, sw_thermal = 0x20, hw_thermal = 0x40, hw_power_brake = 0x80,
+                   display_clocks = 0x100;
+}  // namespace throttle
+
+struct CardHealth {
+  bool available = false;
+  std::string reason;  // why not available
+  std::string name;
+  int32_t temperature_c = 0;
+  uint32_t sm_clock_mhz = 0;
+  uint32_t sm_clock_max_mhz = 0;
+  uint32_t memory_clock_mhz = 0;
+  uint32_t power_mw = 0;
+  uint32_t power_limit_mw = 0;
+  uint64_t throttle_reasons = 0;
+  uint64_t process_memory_bytes = 0;
+  uint64_t memory_total_bytes = 0;
+  uint32_t pcie_tx_kbps = 0;
+  uint32_t pcie_rx_kbps = 0;
+  uint32_t sample_age_ms = 0;
+  uint64_t sample_seq = 0;  // counts samples: the same number is the same sample
+  bool operator==(const CardHealth&) const = default;
+};
+
 struct StatsReply {
   uint64_t expert_hits = 0;
   uint64_t expert_misses = 0;
@@ -239,6 +266,7 @@ struct StatsReply {
   uint64_t uptime_ms = 0;
   std::vector<ExpertRef> resident;  // when include_resident was asked
   uint64_t bytes_streamed = 0;      // expert bytes the kernels read from host memory
+  CardHealth card;
   bool operator==(const StatsReply&) const = default;
 };
 

@@ -65,6 +65,9 @@ class Backend {
   virtual void fill_expert_stats(protocol::StatsReply& /*r*/) const {}
   // One line on the device memory the process holds ("" without a device).
   virtual std::string device_memory_summary() const { return {}; }
+  // The PCI bus id of the card the backend computes on ("" without one):
+  // the card whose health the worker samples (card/health_monitor.h).
+  virtual std::string card_pci_bus_id() const { return {}; }
   // Non-empty once the backend can no longer compute (a sticky device
   // error): the worker then says `break` and exits for supervision to
   // restart it, leaving the step unanswered so that the gateway reruns it.

@@ -42,6 +42,8 @@ class CudaBackend final : public EngineBackend {
            mib(d.arena) + (d.measured ? ", now " + mib(d.now) + ", peak " + mib(d.peak) : ", not measured (no NVML)");
   }
 
+  std::string card_pci_bus_id() const override { return engine_->pci_bus_id(); }
+
   size_t warm(const std::vector<protocol::ExpertRef>& experts) override { return warm_in_pieces(experts, false); }
   void hint(const std::vector<protocol::ExpertRef>& experts) override { warm_in_pieces(experts, true); }
   std::vector<protocol::ExpertRef> resident() const override {

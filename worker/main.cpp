@@ -124,6 +124,12 @@ int main(int argc, char** argv) {
     redis->start();
     so.hooks = redis.get();
   }
+  // The card's health, sampled once a second for the gateway's /metrics.
+  std::unique_ptr<moe::CardHealthMonitor> card;
+  if (const std::string bus = (*backend)->card_pci_bus_id(); !bus.empty()) {
+    card = std::make_unique<moe::CardHealthMonitor>(bus);
+    so.card = card.get();
+  }
   moe::worker::WorkerServer server(backend->get(), so);
   if (auto st = server.listen(); !st.ok()) {
     std::fprintf(stderr, "moe-worker: %s\n", st.error().c_str());

@@ -403,6 +403,10 @@ void WorkerServer::handle_frame(const pr::Frame& f) {
     r.uptime_ms = now_ms() - started_ms_;
     backend_->fill_expert_stats(r);
     if (sr->include_resident) r.resident = backend_->resident();
+    if (opts_.card)
+      r.card = opts_.card->latest();
+    else
+      r.card.reason = "the " + backend_->describe().backend + " backend computes on no card";
     queue(pr::make_frame(f.request_id, r).value());
   } else if (auto* sd = std::get_if<pr::Shutdown>(&*msg)) {
     // Every step received before it was answered already (steps run in order).

@@ -39,6 +39,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "card/health_monitor.h"
 #include "worker/backend.h"
 #include "model/result.h"
 #include "protocol/frame.h"
@@ -59,6 +60,8 @@ struct ServerOptions {
   size_t max_frame_bytes = protocol::kMaxFrameBytes;
   uint64_t vram_budget_bytes = 0;  // reported in hello
   StepHooks* hooks = nullptr;      // optional, must outlive the server
+  // The card's health for stats replies; null: the backend has no card.
+  const CardHealthMonitor* card = nullptr;
   int parent_pid = 0;              // > 0: exit when that process is gone
   int stall_exit_s = 30;           // a step without progress this long ends the process
 };

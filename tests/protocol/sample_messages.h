@@ -152,6 +152,25 @@ class SampleMessages {
     StatsReply s{u64(), u64(), u64(), u32(), u32(), u32(), u32(),
                  u64(), u64(), u64(), u32(), u64(), {}, u64()};
     for (size_t i = 0, n = pick(0, 30); i < n; ++i) s.resident.push_back({u16(), u16()});
+    if (coin()) {
+      CardHealth& c = s.card;
+      c.available = coin();
+      c.reason = c.available ? "" : "libnvidia-ml.so.1: cannot open shared object file";
+      c.name = "NVIDIA H200";
+      c.temperature_c = int32_t(pick(0, 120)) - 10;
+      c.sm_clock_mhz = u32();
+      c.sm_clock_max_mhz = u32();
+      c.memory_clock_mhz = u32();
+      c.power_mw = u32();
+      c.power_limit_mw = u32();
+      c.throttle_reasons = u64();
+      c.process_memory_bytes = u64();
+      c.memory_total_bytes = u64();
+      c.pcie_tx_kbps = u32();
+      c.pcie_rx_kbps = u32();
+      c.sample_age_ms = u32();
+      c.sample_seq = u64();
+    }
     return s;
   }
 
