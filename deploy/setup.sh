@@ -11,7 +11,7 @@ BUILD_DIR=${1:-build}
 PACKAGES=(build-essential cmake ninja-build pkg-config ccache git
           libuv1-dev libflatbuffers-dev flatbuffers-compiler libhiredis-dev
           catch2 nlohmann-json3-dev libpcre2-dev libutf8proc-dev
-          redis-server supervisor curl python3 ${MOE_EXTRA_PACKAGES:-})
+          redis-server supervisor curl python3 nginx iproute2 ${MOE_EXTRA_PACKAGES:-})
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

@@ -12,9 +12,17 @@
 #      BACKEND (cuda | cpu; default as above), WORKER_ARGS (more moe-worker
 #      options for the main worker, e.g. "--vram-budget 10GiB"),
 #      API_KEY_FILE (the gateway's keys, one a line; MOE_API_KEY in the
-#      environment works too: supervisord passes it on), REDIS_PASSWORD_FILE
+#      environment works too: supervisord passes it on), KEYS_FILE (keys with
+#      a name, priority and rate limit: moe-gateway --keys-file, see
+#      docs/operations.md), OVERLOAD_WAIT_MS (default 10000) and
+#      OVERLOAD_QUEUE_DEPTH (default 0: off): past either, new requests go to
+#      the fallback worker (X-Moe-Degraded: 1); GATEWAY_ARGS (more moe-gateway
+#      options, words split), WORKER_NAME and FALLBACK_NAME (the workers'
+#      names in Redis and /metrics, default worker and fallback: unique per
+#      host when several hosts share one Redis), REDIS_PASSWORD_FILE
 #      (a password for Redis, first line: Redis, the workers and the gateway
-#      read it from files, so it never shows in ps).
+#      read it from files, so it never shows in ps), REDIS_URL (a Redis
+#      shared by several hosts, redis://HOST:PORT: none is started here).
 #   Programs from elsewhere than the build and PATH (a machine where nothing
 #   is installed, bench/e2e/failover_gpu.sh): GATEWAY_BIN, WORKER_BIN (the
 #   executables; default BUILD_DIR/gateway/moe-gateway, BUILD_DIR/worker/
@@ -60,8 +68,12 @@ if [ "$MOE_FALLBACK_MODEL" != "$MOE_MODEL" ] && [ -d "$MOE_MODEL" ] && [ -d "$MO
   fi
 fi
 export MOE_HOST=${HOST:-127.0.0.1} MOE_PORT=${PORT:-8080} MOE_REDIS_PORT=${REDIS_PORT:-6390}
-export MOE_REDIS_SERVER=${REDIS_SERVER:-$(command -v redis-server || true)}
-[ -n "$MOE_REDIS_SERVER" ] && [ -x "$MOE_REDIS_SERVER" ] ||
+# REDIS_URL: a Redis elsewhere, shared by several hosts (docs/scale-out.md);
+# then none is started here.
+export MOE_REDIS_URL=${REDIS_URL:-redis://127.0.0.1:$MOE_REDIS_PORT} MOE_REDIS_LOCAL=true
+[ -n "${REDIS_URL:-}" ] && MOE_REDIS_LOCAL=false
+export MOE_REDIS_SERVER=${REDIS_SERVER:-$(command -v redis-server || echo /usr/bin/redis-server)}
+[ "$MOE_REDIS_LOCAL" = false ] || [ -x "$MOE_REDIS_SERVER" ] ||
   { echo "supervise: redis-server is not installed (deploy/setup.sh installs it; or give REDIS_SERVER)" >&2; exit 1; }
 read -r -a supervisord_cmd <<< "${SUPERVISORD:-supervisord}"
 command -v "${supervisord_cmd[0]}" >/dev/null ||
@@ -76,14 +88,25 @@ if [ -z "${BACKEND:-}" ]; then
   fi
 fi
 export MOE_WORKER_ARGS=${WORKER_ARGS:-}
+# The workers' names (their sockets' stems): what Redis and /metrics call
+# them. Unique per host when several hosts share one Redis (docs/scale-out.md).
+export MOE_WORKER_NAME=${WORKER_NAME:-worker} MOE_FALLBACK_NAME=${FALLBACK_NAME:-fallback}
+case "$MOE_WORKER_NAME$MOE_FALLBACK_NAME" in *[!A-Za-z0-9_.-]*)
+  echo "supervise: WORKER_NAME and FALLBACK_NAME may hold only letters, digits, '_', '.' and '-'" >&2; exit 1 ;; esac
 # The gateway's keys.
 MOE_GATEWAY_ARGS=""
 if [ -n "${API_KEY_FILE:-}" ]; then
   [ -r "$API_KEY_FILE" ] || { echo "supervise: cannot read API_KEY_FILE $API_KEY_FILE" >&2; exit 1; }
   MOE_GATEWAY_ARGS="--api-key-file $(cd "$(dirname "$API_KEY_FILE")" && pwd)/$(basename "$API_KEY_FILE")"
 fi
+if [ -n "${KEYS_FILE:-}" ]; then
+  [ -r "$KEYS_FILE" ] || { echo "supervise: cannot read KEYS_FILE $KEYS_FILE" >&2; exit 1; }
+  MOE_GATEWAY_ARGS="$MOE_GATEWAY_ARGS --keys-file $(cd "$(dirname "$KEYS_FILE")" && pwd)/$(basename "$KEYS_FILE")"
+fi
 [ -z "$MOE_GATEWAY_ARGS" ] && [ -z "${MOE_API_KEY:-}" ] &&
-  echo "supervise: no API_KEY_FILE or MOE_API_KEY: the API is open to whoever reaches $MOE_HOST:$MOE_PORT" >&2
+  echo "supervise: no API_KEY_FILE, KEYS_FILE or MOE_API_KEY: the API is open to whoever reaches $MOE_HOST:$MOE_PORT" >&2
+# Overload goes to the fallback worker rather than waiting (docs/operations.md).
+MOE_GATEWAY_ARGS="$MOE_GATEWAY_ARGS --overload-wait-ms ${OVERLOAD_WAIT_MS:-10000} --overload-queue-depth ${OVERLOAD_QUEUE_DEPTH:-0} ${GATEWAY_ARGS:-}"
 export MOE_GATEWAY_ARGS
 # Redis: its configuration in the state folder (0600), with the password if
 # one is given; the workers and the gateway read the same file.
@@ -102,5 +125,5 @@ fi
 export MOE_REDIS_AUTH_ARGS
 export MOE_BACKEND=$BACKEND
 echo "supervise: $MOE_MODEL on $MOE_BACKEND, fallback $MOE_FALLBACK_MODEL on cpu, http://$MOE_HOST:$MOE_PORT," \
-     "Redis on 127.0.0.1:$MOE_REDIS_PORT, logs in $MOE_LOG_DIR" >&2
+     "Redis $MOE_REDIS_URL$([ "$MOE_REDIS_LOCAL" = true ] && echo ' (started here)'), logs in $MOE_LOG_DIR" >&2
 exec "${supervisord_cmd[@]}" -n -c "$root/deploy/supervisord.conf"

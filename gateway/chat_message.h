@@ -21,6 +21,13 @@ struct ChatMessage {
   // ([{"id", "type": "function", "function": {"name", "arguments"}}]); "" none.
   std::string tool_calls;
   std::string tool_call_id;  // a tool turn: the call it answers ("" none)
+  // A stored assistant turn: the Idempotency-Key of the request it answered
+  // ("" none), a digest of that request's new turns, and how it finished,
+  // so that a retried turn is answered from the store, not run and stored
+  // twice (docs/scale-out.md).
+  std::string request_key;
+  std::string request_digest;
+  std::string finish_reason;
 };
 
 using ChatMessages = std::vector<ChatMessage>;

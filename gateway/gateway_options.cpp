@@ -59,13 +59,19 @@ const std::vector<Numeric>& numeric_options() {
       {"--predict-half-life", 1, 1'000'000'000, [](GatewayOptions& o, uint64_t v) { o.predict_half_life = double(v); }},
       {"--predict-experts", 1, 4096, [](GatewayOptions& o, uint64_t v) { o.predict_experts = int(v); }},
       {"--grouping-max-skips", 0, 1'000'000, [](GatewayOptions& o, uint64_t v) { o.grouping_max_skips = int(v); }},
+      {"--priority-max-wait-ms", 0, kDayMs, [](GatewayOptions& o, uint64_t v) { o.priority_max_wait_ms = v; }},
+      {"--overload-queue-depth", 0, 1'000'000, [](GatewayOptions& o, uint64_t v) { o.overload_queue_depth = int(v); }},
+      {"--overload-wait-ms", 0, kDayMs, [](GatewayOptions& o, uint64_t v) { o.overload_wait_ms = v; }},
+      {"--stats-interval-ms", 0, 3'600'000, [](GatewayOptions& o, uint64_t v) { o.stats_interval_ms = v; }},
+      {"--thermal-hot-c", 30, 120, [](GatewayOptions& o, uint64_t v) { o.thermal_hot_c = int(v); }},
   };
   return table;
 }
 
 const char* const kTextOptions[] = {"--model",  "--worker",       "--fallback-worker", "--worker-arg", "--host",
                                     "--api-key", "--api-key-file", "--served-model-name", "--redis",
-                                    "--redis-password-file", "--predict", "--grouped-batching"};
+                                    "--redis-password-file", "--predict", "--grouped-batching",
+                                    "--keys-file", "--request-priority"};
 
 bool takes_value(const std::string& name) {
   for (const char* t : kTextOptions)
@@ -96,7 +102,8 @@ std::string gateway_usage() {
          "  --worker-arg ARG          an option for the gateway's own worker (without --worker),\n"
          "                            repeatable: --worker-arg --vram-budget --worker-arg 10GiB.\n"
          "                            Its backend is auto: the GPU when the worker was built with\n"
-         "                            CUDA and one is visible, else the CPU (/health says which)\n"
+         "                            CUDA and one is visible, else the CPU (/health says which);\n"
+         "                            it shares the gateway's --redis unless these name one\n"
          "  --host ADDR               address to listen on (default 127.0.0.1)\n"
          "  --port N                  TCP port (default 8080; 0 picks a free one)\n"
          "\n"
@@ -113,6 +120,26 @@ std::string gateway_usage() {
          "                            more is 429 with Retry-After\n"
          "  --max-waiting N           sequences waiting for the worker, everyone together\n"
          "                            (default 1024); more is 429 with Retry-After\n"
+         "  --keys-file FILE          API keys with a name, a priority and a rate limit, one a\n"
+         "                            line: NAME SHA256-OF-KEY PRIORITY REQUESTS-PER-MINUTE|-\n"
+         "                            (the digest: printf %s KEY | sha256sum); lower priorities\n"
+         "                            run first, --api-key keys have priority 0, no limit\n"
+         "  --request-priority on|off honour the body's 'priority' (default off: a non-zero one\n"
+         "                            is 400); never earlier than the caller's key allows\n"
+         "  --priority-max-wait-ms N  a sequence submitted N ms ago runs before any later one\n"
+         "                            and is no longer preempted for priority (default 30000;\n"
+         "                            0: no bound)\n"
+         "\n"
+         "Overload and the card (docs/operations.md):\n"
+         "  --overload-queue-depth N  while N sequences or more wait for the main workers, new\n"
+         "                            requests go to --fallback-worker (X-Moe-Degraded: 1), or\n"
+         "                            are 429 with Retry-After without one (default 0: off)\n"
+         "  --overload-wait-ms N      the same while the oldest has waited N ms (default 0: off)\n"
+         "  --stats-interval-ms N     ask each worker for its stats and its card's health (NVML)\n"
+         "                            every N ms, shown in /metrics (default 1000; 0: never)\n"
+         "  --thermal-hot-c N         a card this hot (or throttling for heat) has its worker's\n"
+         "                            step budget and batch halved until it is 5 degrees\n"
+         "                            cooler for 10 samples (default 87)\n"
          "\n"
          "What one request may cost:\n"
          "  --max-body-bytes N        largest request body accepted (default 1048576); more is 413\n"
@@ -229,9 +256,12 @@ Result<GatewayCommandLine> parse_gateway_args(const std::vector<std::string>& ar
       o.redis_url = value;
     } else if (name == "--redis-password-file") {
       o.redis_password_file = value;
-    } else if (name == "--predict" || name == "--grouped-batching") {
+    } else if (name == "--predict" || name == "--grouped-batching" || name == "--request-priority") {
       if (value != "on" && value != "off") return make_error("option " + name + " needs on or off, got '" + value + "'");
-      (name == "--predict" ? o.predict : o.grouped_batching) = value == "on";
+      (name == "--predict" ? o.predict : name == "--grouped-batching" ? o.grouped_batching : o.request_priority) =
+          value == "on";
+    } else if (name == "--keys-file") {
+      o.keys_file = value;
     }
   }
   if (!cl.help && !cl.version) {

@@ -50,6 +50,14 @@ struct GatewayOptions {
   double predict_half_life = 500;          // --predict-half-life: in routing summaries
   int predict_experts = 8;                 // --predict-experts: per MoE layer
   int grouping_max_skips = 4;              // --grouping-max-skips
+  // Operations (docs/operations.md).
+  std::string keys_file;                   // --keys-file: name, key digest, priority, rate per key
+  bool request_priority = false;           // --request-priority on|off: the body's `priority` honoured
+  uint64_t priority_max_wait_ms = 30'000;  // --priority-max-wait-ms: the starvation bound (0: none)
+  int overload_queue_depth = 0;            // --overload-queue-depth (0: off)
+  uint64_t overload_wait_ms = 0;           // --overload-wait-ms (0: off)
+  uint64_t stats_interval_ms = 1000;       // --stats-interval-ms: workers' stats and card health (0: never)
+  int thermal_hot_c = 87;                  // --thermal-hot-c
 };
 
 struct GatewayCommandLine {

@@ -187,6 +187,19 @@ int main(int argc, char** argv) {
   api_opts.sessions = &sessions;
   api_opts.served_model_name = opts.served_model_name;
   api_opts.api_keys = keys.value();
+  if (!opts.keys_file.empty()) {
+    auto kf = moe::gw::load_keys_file(opts.keys_file);
+    if (!kf.ok()) {
+      std::fprintf(stderr, "moe-gateway: %s\n", kf.error().c_str());
+      return 2;
+    }
+    api_opts.keys = std::move(kf.value());
+  }
+  api_opts.allow_request_priority = opts.request_priority;
+  api_opts.overload_queue_depth = opts.overload_queue_depth;
+  api_opts.overload_wait_ms = opts.overload_wait_ms;
+  if ((opts.overload_queue_depth > 0 || opts.overload_wait_ms > 0) && opts.fallback_worker.empty())
+    std::fprintf(stderr, "moe-gateway: overload bounds set without --fallback-worker: past them requests are 429\n");
   api_opts.max_request_tokens = opts.max_request_tokens;
   api_opts.max_logprob_entries = opts.max_logprob_entries;
   api_opts.max_response_bytes = opts.max_response_bytes;
@@ -216,7 +229,9 @@ int main(int argc, char** argv) {
   }
   std::fprintf(stderr, "moe-gateway %s: serving '%s' on http://%s:%d (%s, up to %zu connections)\n", MOE_VERSION,
                opts.served_model_name.c_str(), opts.host.c_str(), server.port(),
-               api_opts.api_keys.empty() ? "no API key" : (std::to_string(api_opts.api_keys.size()) + " API key(s)").c_str(),
+               api_opts.api_keys.empty() && api_opts.keys.empty()
+                   ? "no API key"
+                   : (std::to_string(api_opts.api_keys.size() + api_opts.keys.size()) + " API key(s)").c_str(),
                max_connections);
 
   std::signal(SIGPIPE, SIG_IGN);

@@ -2,6 +2,8 @@
 
 #include <cstdio>
 
+#include "gateway/sched/thermal_governor.h"
+
 namespace moe::gw {
 namespace {
 
@@ -109,6 +111,29 @@ std::string GatewayMetrics::render(const SchedulerStats& stats, bool ready, cons
                 static_cast<double>(stats.preemptions));
   render_scalar(out, "moe_gateway_degraded", "gauge", "1 while serving from the fallback worker.",
                 stats.degraded ? 1 : 0);
+  render_scalar(out, "moe_gateway_main_waiting", "gauge",
+                "Sequences waiting for a main (non-fallback) worker: what the overload rule counts.",
+                double(stats.main_waiting));
+  render_scalar(out, "moe_gateway_main_oldest_wait_seconds", "gauge",
+                "How long the oldest sequence waiting for a main worker has waited.",
+                double(stats.main_oldest_wait_ms) / 1000.0);
+  render_scalar(out, "moe_gateway_sequences_on_fallback", "gauge",
+                "Sequences the fallback worker serves because the main workers were overloaded.",
+                double(stats.on_fallback));
+  render_scalar(out, "moe_gateway_overload_fallback_total", "counter",
+                "Requests sent to the fallback worker because the main workers were overloaded.",
+                double(g.overload_fallback));
+  render_scalar(out, "moe_gateway_overload_refused_total", "counter",
+                "Requests refused (429) because the main workers were overloaded and no fallback was ready.",
+                double(g.overload_refused));
+  render_scalar(out, "moe_gateway_rate_limited_total", "counter",
+                "Requests refused (429) by their key's rate limit.", double(g.rate_limited));
+  render_scalar(out, "moe_gateway_replayed_turns_total", "counter",
+                "Retried session turns (the same Idempotency-Key) answered from the store, not run again.",
+                double(g.replayed));
+  render_scalar(out, "moe_gateway_priority_preemptions_total", "counter",
+                "Sequences preempted to make room for an earlier priority.",
+                double(stats.priority_preemptions));
   render_scalar(out, "moe_gateway_degraded_responses_total", "counter",
                 "Responses served while degraded.", static_cast<double>(degraded_responses_));
   render_scalar(out, "moe_gateway_client_disconnects_total", "counter",
@@ -183,14 +208,108 @@ std::string GatewayMetrics::render(const SchedulerStats& stats, bool ready, cons
          [](const WorkerStats& w) { return double(w.assigned); }},
         {"moe_gateway_worker_steps_total", "counter", "Steps sent to the worker.",
          [](const WorkerStats& w) { return double(w.steps); }},
+        {"moe_gateway_worker_hot", "gauge", "1 while the worker's card runs hot (its step budget and batch halved).",
+         [](const WorkerStats& w) { return w.hot ? 1.0 : 0.0; }},
+        {"moe_gateway_worker_step_token_budget", "gauge", "Tokens one step of the worker may carry now.",
+         [](const WorkerStats& w) { return double(w.step_token_budget); }},
+        {"moe_gateway_worker_batch_limit", "gauge", "Sequences the worker may run at once now.",
+         [](const WorkerStats& w) { return double(w.batch_limit); }},
+    };
+    auto labels = [&label](const WorkerStats& w) {
+      return std::string("{worker=\"") + label(w.name) + "\",fallback=\"" + (w.fallback ? "1" : "0") + "\"}";
     };
     for (const Series& m : series) {
       out += std::string("# HELP ") + m.name + " " + m.help + "\n# TYPE " + m.name + " " + m.type + "\n";
       for (const WorkerStats& w : stats.workers) {
-        out += std::string(m.name) + "{worker=\"" + label(w.name) + "\",fallback=\"" + (w.fallback ? "1" : "0") +
-               "\"} ";
+        out += m.name + labels(w) + " ";
         append_number(out, m.get(w));
         out += '\n';
+      }
+    }
+    // What each worker's last stats reply said (docs/operations.md): its
+    // residency, and the card it runs on when NVML reads it.
+    struct StatSeries {
+      const char* name;
+      const char* type;
+      const char* help;
+      bool card;  // only for workers whose card is read
+      double (*get)(const protocol::StatsReply&);
+    };
+    const StatSeries stat_series[] = {
+        {"moe_worker_card_available", "gauge", "1 when the worker reads its card's health through NVML.", false,
+         [](const protocol::StatsReply& r) { return r.card.available ? 1.0 : 0.0; }},
+        {"moe_worker_card_temperature_celsius", "gauge", "The card's temperature.", true,
+         [](const protocol::StatsReply& r) { return double(r.card.temperature_c); }},
+        {"moe_worker_card_sm_clock_mhz", "gauge", "The card's SM clock now.", true,
+         [](const protocol::StatsReply& r) { return double(r.card.sm_clock_mhz); }},
+        {"moe_worker_card_sm_clock_max_mhz", "gauge", "The card's highest SM clock.", true,
+         [](const protocol::StatsReply& r) { return double(r.card.sm_clock_max_mhz); }},
+        {"moe_worker_card_memory_clock_mhz", "gauge", "The card's memory clock now.", true,
+         [](const protocol::StatsReply& r) { return double(r.card.memory_clock_mhz); }},
+        {"moe_worker_card_power_watts", "gauge", "The card's power draw.", true,
+         [](const protocol::StatsReply& r) { return double(r.card.power_mw) / 1000.0; }},
+        {"moe_worker_card_power_limit_watts", "gauge", "The card's enforced power limit.", true,
+         [](const protocol::StatsReply& r) { return double(r.card.power_limit_mw) / 1000.0; }},
+        {"moe_worker_card_process_memory_bytes", "gauge", "Device memory the worker process holds.", true,
+         [](const protocol::StatsReply& r) { return double(r.card.process_memory_bytes); }},
+        {"moe_worker_card_memory_total_bytes", "gauge", "The card's memory.", true,
+         [](const protocol::StatsReply& r) { return double(r.card.memory_total_bytes); }},
+        {"moe_worker_card_pcie_tx_bytes_per_second", "gauge", "PCIe bytes the card sends a second.", true,
+         [](const protocol::StatsReply& r) { return double(r.card.pcie_tx_kbps) * 1024.0; }},
+        {"moe_worker_card_pcie_rx_bytes_per_second", "gauge", "PCIe bytes the card receives a second.", true,
+         [](const protocol::StatsReply& r) { return double(r.card.pcie_rx_kbps) * 1024.0; }},
+        {"moe_worker_card_sample_age_seconds", "gauge", "Age of the health sample when the worker replied.", true,
+         [](const protocol::StatsReply& r) { return double(r.card.sample_age_ms) / 1000.0; }},
+        {"moe_worker_islands_used", "gauge", "Expert islands (slots) in use.", false,
+         [](const protocol::StatsReply& r) { return double(r.islands_used); }},
+        {"moe_worker_islands_total", "gauge", "Expert islands (slots) the worker has.", false,
+         [](const protocol::StatsReply& r) { return double(r.islands_total); }},
+        {"moe_worker_expert_hits_total", "counter", "Expert uses found resident.", false,
+         [](const protocol::StatsReply& r) { return double(r.expert_hits); }},
+        {"moe_worker_expert_misses_total", "counter", "Expert uses not resident (copied in or streamed).", false,
+         [](const protocol::StatsReply& r) { return double(r.expert_misses); }},
+        {"moe_worker_expert_bytes_copied_total", "counter", "Expert bytes copied into islands.", false,
+         [](const protocol::StatsReply& r) { return double(r.bytes_copied); }},
+        {"moe_worker_expert_bytes_streamed_total", "counter",
+         "Expert bytes the kernels read from host memory over the link.", false,
+         [](const protocol::StatsReply& r) { return double(r.bytes_streamed); }},
+        {"moe_worker_tokens_total", "counter", "Tokens run through the model.", false,
+         [](const protocol::StatsReply& r) { return double(r.tokens); }},
+        {"moe_worker_kv_blocks_used", "gauge", "KV blocks in use, as the worker counts them.", false,
+         [](const protocol::StatsReply& r) { return double(r.kv_blocks_used); }},
+        {"moe_worker_kv_blocks_free", "gauge", "KV blocks free, as the worker counts them.", false,
+         [](const protocol::StatsReply& r) { return double(r.kv_blocks_free); }},
+        {"moe_worker_uptime_seconds", "gauge", "Since the worker started (a drop: it restarted).", false,
+         [](const protocol::StatsReply& r) { return double(r.uptime_ms) / 1000.0; }},
+    };
+    for (const StatSeries& m : stat_series) {
+      bool any = false;
+      for (const WorkerStats& w : stats.workers) any |= w.have_stats && (!m.card || w.stats.card.available);
+      if (!any) continue;
+      out += std::string("# HELP ") + m.name + " " + m.help + "\n# TYPE " + m.name + " " + m.type + "\n";
+      for (const WorkerStats& w : stats.workers) {
+        if (!w.have_stats || (m.card && !w.stats.card.available)) continue;
+        out += m.name + labels(w) + " ";
+        append_number(out, m.get(w.stats));
+        out += '\n';
+      }
+    }
+    static const uint64_t kReasonBits[] = {protocol::throttle::gpu_idle,     protocol::throttle::applications_clocks,
+                                           protocol::throttle::sw_power_cap, protocol::throttle::hw_slowdown,
+                                           protocol::throttle::sync_boost,   protocol::throttle::sw_thermal,
+                                           protocol::throttle::hw_thermal,   protocol::throttle::hw_power_brake,
+                                           protocol::throttle::display_clocks};
+    bool any_card = false;
+    for (const WorkerStats& w : stats.workers) any_card |= w.have_stats && w.stats.card.available;
+    if (any_card) {
+      out += "# HELP moe_worker_card_throttle 1 per clock-throttle reason the card reports now.\n"
+             "# TYPE moe_worker_card_throttle gauge\n";
+      for (const WorkerStats& w : stats.workers) {
+        if (!w.have_stats || !w.stats.card.available) continue;
+        const std::string base = labels(w);
+        for (uint64_t bit : kReasonBits)
+          out += "moe_worker_card_throttle" + base.substr(0, base.size() - 1) + ",reason=\"" +
+                 throttle_reason_names(bit) + "\"} " + ((w.stats.card.throttle_reasons & bit) ? "1" : "0") + "\n";
       }
     }
   }

@@ -42,6 +42,10 @@ struct GatewayGauges {
   size_t sessions_in_memory = 0;       // the session store's mirror
   size_t session_memory_bytes = 0;
   uint64_t internal_errors = 0;        // exceptions the last resort caught
+  uint64_t overload_fallback = 0;      // requests sent to the fallback by overload
+  uint64_t overload_refused = 0;       // requests refused by overload (429)
+  uint64_t rate_limited = 0;           // requests refused by their key's rate limit (429)
+  uint64_t replayed = 0;               // retried session turns answered from the store
 };
 
 class GatewayMetrics {

@@ -193,6 +193,8 @@ void Generation::begin(uint64_t seed) {
     sr.min_tokens = req_.min_tokens;
     if (req_.response_schema && ctx_.grammars) sr.grammar = ctx_.grammars->grammar(req_.response_schema);
     sr.group = ctx_.request_serial;
+    sr.priority = ctx_.priority;
+    sr.on_fallback = ctx_.on_fallback;
     c->last_token_ns = ctx_.start_ns;
     c->seq = ctx_.scheduler->submit(std::move(sr), c.get());
     c->submitted = true;
@@ -337,7 +339,9 @@ void Generation::complete() {
   if (ctx_.degraded) ctx_.metrics->count_degraded_response();
   if (ctx_.on_complete && !choices_.empty()) {
     const Choice& c0 = *choices_[0];
-    ctx_.on_complete({"assistant", c0.text, c0.tool_calls.empty() ? std::string() : c0.tool_calls.dump(), ""});
+    ChatMessage reply{"assistant", c0.text, c0.tool_calls.empty() ? std::string() : c0.tool_calls.dump(), ""};
+    reply.finish_reason = c0.finish_reason;
+    ctx_.on_complete(reply);
   }
   if (req_.stream) {
     if (req_.include_usage) {

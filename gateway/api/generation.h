@@ -46,6 +46,8 @@ struct GenerationContext {
   uint64_t start_ns = 0;      // uv_hrtime() when the request was accepted
   bool degraded = false;      // adds X-Moe-Degraded: 1
   uint64_t request_serial = 0;  // the scheduler starts sequences round-robin across these
+  int priority = 0;             // SequenceRequest::priority (lower first)
+  bool on_fallback = false;     // overload: served by the fallback worker (SequenceRequest::on_fallback)
   // A whole (not streamed) response may hold at most this many bytes of
   // text and logprobs; past it the request fails with 400 response_too_large.
   size_t max_response_bytes = size_t(64) << 20;

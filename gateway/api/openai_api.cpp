@@ -1,5 +1,7 @@
 #include "gateway/api/openai_api.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <ctime>
 
@@ -11,6 +13,8 @@
 #include "gateway/last_resort.h"
 #include "gateway/api/prediction_debug.h"
 #include "gateway/api/tokenize_api.h"
+#include "gateway/state/sha256.h"
+#include "protocol/redis_schema.h"
 
 namespace moe::gw {
 namespace {
@@ -46,7 +50,19 @@ OpenAiApi::OpenAiApi(ApiOptions opts, Scheduler* scheduler, const TextCodec* cod
       admission_(opts_.admission),
       started_at_(static_cast<int64_t>(std::time(nullptr))),
       rng_(std::random_device{}()) {
-  for (const std::string& k : opts_.api_keys) key_owners_.push_back(SessionStore::owner_of_key(k));
+  // Every key as its digest: a plain key and the same key in the keys file
+  // are one caller with the same sessions, and the file's priority and rate
+  // limit hold for it.
+  keys_ = opts_.keys;
+  for (const std::string& k : opts_.api_keys) {
+    ApiKeyEntry e;
+    e.sha256_hex = sha256_hex(k);
+    e.name = "key-" + e.sha256_hex.substr(0, 8);
+    if (std::none_of(keys_.begin(), keys_.end(), [&](const ApiKeyEntry& f) { return f.sha256_hex == e.sha256_hex; }))
+      keys_.push_back(std::move(e));
+  }
+  for (const ApiKeyEntry& k : keys_)
+    key_owners_.push_back(protocol::session_owner_of_key(k.sha256_hex.substr(0, 32)));
 }
 
 std::string OpenAiApi::new_id(const char* prefix) {
@@ -64,11 +80,11 @@ int OpenAiApi::key_index(const HttpRequest& req) const {
   std::string scheme = h->substr(0, 7);
   for (char& c : scheme) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (scheme != "bearer ") return -1;
-  const std::string given = h->substr(7);
-  // Every key is compared, so the time taken says nothing of which matched.
+  const std::string given = sha256_hex(h->substr(7));
+  // Every digest is compared, so the time taken says nothing of which matched.
   int found = -1;
-  for (size_t i = 0; i < opts_.api_keys.size(); ++i)
-    if (constant_time_equal(given, opts_.api_keys[i]) && found < 0) found = int(i);
+  for (size_t i = 0; i < keys_.size(); ++i)
+    if (constant_time_equal(given, keys_[i].sha256_hex) && found < 0) found = int(i);
   return found;
 }
 
@@ -121,7 +137,7 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
   }
   // The key first: without it nothing, not even which routes exist, is told.
   Caller caller;
-  if (route.endpoint != kHealth && !opts_.api_keys.empty()) {
+  if (route.endpoint != kHealth && !keys_.empty()) {
     const int k = key_index(req);
     if (k < 0) {
       HttpResponse r = api_error_response(ApiError{
@@ -135,6 +151,7 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
     }
     caller.id = "key:" + key_owners_[size_t(k)];
     caller.session_owner = key_owners_[size_t(k)];
+    caller.key = &keys_[size_t(k)];
   } else {
     caller.id = "addr:" + req.peer;
     caller.session_owner = SessionStore::open_owner();
@@ -196,7 +213,7 @@ void OpenAiApi::completions(ApiKind kind, const std::shared_ptr<HttpExchange>& e
       return reply_error(ex, kChat,
                          ApiError{400, "session_id must be 1-128 characters of letters, digits, '_', '-', '.', ':'.",
                                   "invalid_request_error", "session_id", "invalid_session_id"});
-    } else if (!id.empty() && opts_.api_keys.empty() && !SessionStore::issued_shape(id)) {
+    } else if (!id.empty() && keys_.empty() && !SessionStore::issued_shape(id)) {
       // Without API keys nobody is known: only an id the server issued
       // (unguessable) keeps a conversation private.
       return reply_error(ex, kChat,
@@ -223,9 +240,88 @@ void OpenAiApi::completions(ApiKind kind, const std::shared_ptr<HttpExchange>& e
   });
 }
 
+void OpenAiApi::replay(const std::shared_ptr<HttpExchange>& ex, const json& body, const SessionKey& session,
+                       const ChatMessage& stored) {
+  // The turn this key names was answered and stored already (its answer
+  // was lost on the way, or the client retried): the stored answer, once.
+  json message = {{"role", "assistant"}, {"content", stored.content}};
+  if (!stored.tool_calls.empty()) message["tool_calls"] = json::parse(stored.tool_calls, nullptr, false);
+  const std::string finish = !stored.finish_reason.empty() ? stored.finish_reason
+                             : stored.tool_calls.empty()   ? "stop"
+                                                           : "tool_calls";
+  const std::string model = body.is_object() && body.contains("model") && body["model"].is_string()
+                                ? body["model"].get<std::string>()
+                                : opts_.served_model_name;
+  const std::string id = new_id("chatcmpl-");
+  const int64_t created = static_cast<int64_t>(std::time(nullptr));
+  const json usage = {{"prompt_tokens", 0}, {"completion_tokens", 0}, {"total_tokens", 0}};
+  HttpHeaders headers = {{"X-Session-Id", session.id}, {"X-Moe-Replayed", "1"}};
+  const bool stream = body.is_object() && body.contains("stream") && body["stream"].is_boolean() && body["stream"].get<bool>();
+  ++replayed_;
+  if (!stream) {
+    HttpResponse r;
+    r.headers = {{"Content-Type", "application/json"}};
+    r.headers.insert(r.headers.end(), headers.begin(), headers.end());
+    r.body = json_text(json{{"id", id},
+                            {"object", "chat.completion"},
+                            {"created", created},
+                            {"model", model},
+                            {"choices", json::array({{{"index", 0}, {"message", message}, {"logprobs", nullptr},
+                                                      {"finish_reason", finish}}})},
+                            {"usage", usage}});
+    return reply(ex, kChat, std::move(r));
+  }
+  headers.insert(headers.begin(), {{"Content-Type", "text/event-stream"}, {"Cache-Control", "no-cache"}});
+  ex->begin_stream(200, std::move(headers));
+  metrics_->count_request(kChat, 200);
+  auto chunk = [&](json delta, json finish) {
+    return "data: " +
+           json_text(json{{"id", id},
+                          {"object", "chat.completion.chunk"},
+                          {"created", created},
+                          {"model", model},
+                          {"choices", json::array({{{"index", 0}, {"delta", std::move(delta)}, {"logprobs", nullptr},
+                                                    {"finish_reason", std::move(finish)}}})}}) +
+           "\n\n";
+  };
+  message.erase("role");
+  if (message.contains("tool_calls") && message["tool_calls"].is_array())
+    for (size_t i = 0; i < message["tool_calls"].size(); ++i) message["tool_calls"][i]["index"] = i;
+  ex->send(chunk({{"role", "assistant"}, {"content", ""}}, nullptr));
+  ex->send(chunk(message, nullptr));
+  ex->send(chunk(json::object(), finish));
+  ex->send("data: [DONE]\n\n");
+  ex->end();
+}
+
 void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller,
                                const json& body, const SessionKey& session, ChatMessages prior) {
   const char* endpoint = kind == ApiKind::chat ? kChat : kCompletions;
+  // A session turn may carry an Idempotency-Key: the same key again (a
+  // retry) is answered from the store when its turn was stored already.
+  std::string request_key, request_digest;
+  if (!session.id.empty()) {
+    if (const std::string* k = ex->request().header("idempotency-key")) {
+      request_key = *k;
+      const bool printable = std::all_of(request_key.begin(), request_key.end(),
+                                         [](char c) { return c > 0x20 && c < 0x7f; });
+      if (request_key.empty() || request_key.size() > 128 || !printable)
+        return reply_error(ex, endpoint,
+                           ApiError{400, "Idempotency-Key must be 1-128 printable characters without spaces.",
+                                    "invalid_request_error", "", "invalid_idempotency_key"});
+      // The same key names the same turn: a digest of its new messages
+      // tells a retry from a key reused for another turn.
+      const auto msgs = body.find("messages");
+      request_digest = sha256_hex(msgs == body.end() ? std::string() : msgs->dump()).substr(0, 32);
+      if (!prior.empty() && prior.back().role == "assistant" && prior.back().request_key == request_key) {
+        if (prior.back().request_digest != request_digest)
+          return reply_error(ex, endpoint,
+                             ApiError{422, "This Idempotency-Key answered another turn of the session; use a new key "
+                                           "for a new turn.", "invalid_request_error", "", "idempotency_key_reused"});
+        return replay(ex, body, session, prior.back());
+      }
+    }
+  }
   RequestLimits limits;
   limits.served_model_name = opts_.served_model_name;
   limits.max_context = scheduler_->ready() ? scheduler_->max_context() : 0;
@@ -238,13 +334,73 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
     return reply_error(ex, endpoint,
                        ApiError{503, "The engine is not ready yet; retry shortly.", "server_error", "", "engine_not_ready"});
   }
+  // Priority: the key's, or the body's where the operator allows it (never
+  // earlier than the key's own).
+  int priority = caller.key ? caller.key->priority : 0;
+  if (auto p = body.find("priority"); p != body.end() && !p->is_null()) {
+    const bool integral = p->is_number_integer() || (p->is_number_float() && p->get<double>() == std::floor(p->get<double>()));
+    if (!integral || p->get<double>() < kMinPriority || p->get<double>() > kMaxPriority)
+      return reply_error(ex, endpoint, invalid_param("priority", "'priority' must be an integer from " +
+                                                         std::to_string(kMinPriority) + " to " +
+                                                         std::to_string(kMaxPriority) + " (lower runs first).",
+                                                     "invalid_value"));
+    const int asked = int(p->get<double>());
+    if (!opts_.allow_request_priority && asked != 0)
+      return reply_error(ex, endpoint, invalid_param("priority", "'priority' is not enabled on this server (its "
+                                                     "operator may allow it: --request-priority on).",
+                                                     "unsupported_parameter"));
+    priority = std::max(priority, asked);
+  }
+  auto too_many = [&](const ApiError& e, uint64_t retry_after_s) {
+    HttpResponse r = api_error_response(e);
+    r.headers.emplace_back("Retry-After", std::to_string(retry_after_s));
+    reply(ex, endpoint, std::move(r));
+  };
+  if (caller.key && caller.key->rate_per_minute > 0) {
+    uint64_t wait_ms = 0;
+    if (!rate_limiter_.allow(caller.key->name, caller.key->rate_per_minute, uv_hrtime() / 1000000, &wait_ms)) {
+      ++rate_limited_;
+      return too_many(ApiError{429,
+                               "Rate limit reached for key '" + caller.key->name + "': " +
+                                   std::to_string(caller.key->rate_per_minute) + " requests a minute.",
+                               "rate_limit_error", "", "rate_limit_exceeded"},
+                      std::max<uint64_t>(1, (wait_ms + 999) / 1000));
+    }
+  }
   CompletionRequest req = std::move(std::get<CompletionRequest>(parsed));
   const int sequences = static_cast<int>(req.prompts.size()) * std::max(req.n, req.best_of);
-  auto admitted = admission_.admit(caller.id, sequences, scheduler_->stats().waiting);
-  if (auto* err = std::get_if<ApiError>(&admitted)) {
-    HttpResponse r = api_error_response(*err);
-    r.headers.emplace_back("Retry-After", std::to_string(admission_.limits().retry_after_s));
-    return reply(ex, endpoint, std::move(r));
+  const SchedulerStats now = scheduler_->stats();
+  auto admitted = admission_.admit(caller.id, sequences, now.waiting);
+  if (auto* err = std::get_if<ApiError>(&admitted))
+    return too_many(*err, uint64_t(admission_.limits().retry_after_s));
+  // Overload: too much waits for the main workers ahead of this request
+  // (its priority or earlier); the fallback takes it when its context
+  // holds it, else it is refused (docs/operations.md).
+  bool on_fallback = false;
+  if (!now.degraded && (opts_.overload_queue_depth > 0 || opts_.overload_wait_ms > 0)) {
+    const OverloadView ov = scheduler_->overload(priority);
+    const bool overloaded = (opts_.overload_queue_depth > 0 && ov.waiting >= opts_.overload_queue_depth) ||
+                            (opts_.overload_wait_ms > 0 && ov.oldest_wait_ms >= opts_.overload_wait_ms);
+    bool fits_fallback = ov.fallback_ready;
+    // Without max_tokens a choice may end at the fallback's context (length).
+    for (const auto& p : req.prompts)
+      fits_fallback &= ov.fallback_max_context <= 0 ||
+                       int64_t(p.size()) + (req.max_tokens_given ? req.max_new_tokens : 1) <=
+                           int64_t(ov.fallback_max_context);
+    if (overloaded && fits_fallback) {
+      on_fallback = true;
+      ++overload_fallback_;
+    } else if (overloaded) {
+      ++overload_refused_;
+      return too_many(ApiError{429,
+                               "The server is overloaded: " + std::to_string(ov.waiting) +
+                                   " sequences wait ahead of this request, the oldest for " +
+                                   std::to_string(ov.oldest_wait_ms / 1000) + " s" +
+                                   (ov.fallback_ready ? "; the fallback's context is too small for it" : "") +
+                                   "; retry shortly.",
+                               "rate_limit_error", "", "overloaded"},
+                      std::clamp<uint64_t>((ov.oldest_wait_ms + 999) / 1000, 1, 30));
+    }
   }
   uint64_t seed = req.seed_given ? req.sampling.seed : rng_();
 
@@ -257,7 +413,9 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
   ctx.response_id = new_id(kind == ApiKind::chat ? "chatcmpl-" : "cmpl-");
   ctx.created = static_cast<int64_t>(std::time(nullptr));
   ctx.start_ns = uv_hrtime();
-  ctx.degraded = scheduler_->stats().degraded;
+  ctx.degraded = now.degraded || on_fallback;
+  ctx.on_fallback = on_fallback;
+  ctx.priority = priority;
   ctx.request_serial = next_request_serial_++;
   ctx.max_response_bytes = opts_.max_response_bytes;
   ctx.ticket = std::move(std::get<AdmissionTicket>(admitted));
@@ -270,8 +428,13 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
     ChatMessages conversation = std::move(prior);
     conversation.insert(conversation.end(), req.messages.begin(), req.messages.end());
     SessionStore* store = opts_.sessions;
-    ctx.on_complete = [store, session, conversation = std::move(conversation)](const ChatMessage& reply) mutable {
+    ctx.on_complete = [store, session, request_key, request_digest,
+                       conversation = std::move(conversation)](const ChatMessage& reply) mutable {
       conversation.push_back(reply);
+      // What a retry needs, only for a turn that can be retried by its key.
+      conversation.back().request_key = request_key;
+      conversation.back().request_digest = request_key.empty() ? std::string() : request_digest;
+      if (request_key.empty()) conversation.back().finish_reason.clear();
       store->save(session, std::move(conversation));
     };
   }
@@ -335,6 +498,10 @@ void OpenAiApi::metrics(const std::shared_ptr<HttpExchange>& ex) {
     g.session_memory_bytes = opts_.sessions->memory_bytes();
   }
   g.internal_errors = escaped_exceptions();
+  g.overload_fallback = overload_fallback_;
+  g.overload_refused = overload_refused_;
+  g.rate_limited = rate_limited_;
+  g.replayed = replayed_;
   r.body = metrics_->render(scheduler_->stats(), scheduler_->ready(), g);
   // Structured output's token masks (docs/structured-output.md).
   const structured::GrammarRegistry::Stats& gs = grammars_.stats();

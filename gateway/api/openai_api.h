@@ -25,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gateway/admission.h"
+#include "gateway/api_keys.h"
 #include "gateway/api/completion_request.h"
 #include "gateway/predict/expert_prediction.h"
 #include "gateway/http/http_server.h"
@@ -38,7 +39,13 @@ namespace moe::gw {
 
 struct ApiOptions {
   std::string served_model_name = "demo-moe";
-  std::vector<std::string> api_keys;  // empty: no authentication; any one of them opens every endpoint
+  std::vector<std::string> api_keys;  // any one of them opens every endpoint (priority 0, no rate limit)
+  std::vector<ApiKeyEntry> keys;      // the keys file's (api_keys.h); no keys at all: no authentication
+  bool allow_request_priority = false;  // the body's `priority` may set a request's priority
+  // Overload (docs/operations.md): past either bound (0: off) new requests
+  // go to the fallback worker, or are refused with 429 without one.
+  int overload_queue_depth = 0;
+  uint64_t overload_wait_ms = 0;
   int max_choices = 128;              // prompts × n per request
   int64_t max_request_tokens = int64_t(1) << 20;   // RequestLimits
   int64_t max_logprob_entries = int64_t(1) << 18;  // RequestLimits
@@ -67,12 +74,16 @@ class OpenAiApi final : public HttpHandler {
   struct Caller {
     std::string id;             // "key:<digest>" or "addr:<client address>"
     std::string session_owner;  // SessionKey::owner
+    const ApiKeyEntry* key = nullptr;  // the key it called with (null: no keys configured)
   };
 
   void completions(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller);
   // After the session's stored turns (if any) were loaded.
   void run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller,
                       const nlohmann::json& body, const SessionKey& session, ChatMessages prior);
+  // A retried session turn whose answer is stored: that answer again.
+  void replay(const std::shared_ptr<HttpExchange>& ex, const nlohmann::json& body, const SessionKey& session,
+              const ChatMessage& stored);
   void models(const std::shared_ptr<HttpExchange>& ex, const std::string& path);
   void health(const std::shared_ptr<HttpExchange>& ex);
   void metrics(const std::shared_ptr<HttpExchange>& ex);
@@ -84,7 +95,10 @@ class OpenAiApi final : public HttpHandler {
   std::string new_id(const char* prefix);
 
   ApiOptions opts_;
-  std::vector<std::string> key_owners_;  // SessionStore::owner_of_key of each key
+  std::vector<ApiKeyEntry> keys_;         // --api-key's and the keys file's, by digest
+  std::vector<std::string> key_owners_;  // the session owner of each key (a digest of it)
+  KeyRateLimiter rate_limiter_;
+  uint64_t overload_fallback_ = 0, overload_refused_ = 0, rate_limited_ = 0, replayed_ = 0;
   Scheduler* scheduler_;
   const TextCodec* codec_;
   structured::GrammarRegistry grammars_;  // response_format: the vocabulary trie, grammars, masks

@@ -41,6 +41,27 @@ struct SequenceRequest {
   // admitted round-robin across groups, so a request of many choices cannot
   // hold back the requests that came after it.
   uint64_t group = 0;
+  // Lower runs first (docs/operations.md, "Priorities"); 0 the default.
+  int priority = 0;
+  // Served by the fallback worker to its end (overload, docs/operations.md);
+  // unset again if the fallback is lost under it.
+  bool on_fallback = false;
+  // When the scheduler took it (uv_now, ms): the starvation bound. Set by submit().
+  uint64_t submitted_ms = 0;
+  // When it last began to wait (submitted, preempted, moved from a lost
+  // worker): the overload rule's oldest wait.
+  uint64_t waiting_since_ms = 0;
+};
+
+// What the overload rule reads for a new request of one priority
+// (docs/operations.md): the sequences waiting for a main worker that would
+// go before it (its priority or an earlier one), the longest of their
+// current waits, and whether the fallback could take it.
+struct OverloadView {
+  int waiting = 0;
+  uint64_t oldest_wait_ms = 0;
+  bool fallback_ready = false;
+  int fallback_max_context = 0;  // tokens a sequence may have there
 };
 
 struct TokenEvent {
@@ -71,6 +92,13 @@ struct WorkerStats {
   int waiting = 0;          // given to it, not yet admitted
   uint64_t assigned = 0;    // sequences ever given to it
   uint64_t steps = 0;       // steps sent to it
+  // Its last stats reply (residency counters, the card's health), when one came.
+  bool have_stats = false;
+  protocol::StatsReply stats;
+  // The thermal governor (docs/operations.md): hot halves these two.
+  bool hot = false;
+  int step_token_budget = 0;
+  int batch_limit = 0;
 };
 
 struct SchedulerStats {
@@ -79,7 +107,14 @@ struct SchedulerStats {
   int kv_blocks_used = 0;
   int kv_blocks_total = 0;
   uint64_t preemptions = 0;
+  uint64_t priority_preemptions = 0;  // of those, to make room for an earlier priority
   bool degraded = false;  // serving from the fallback worker
+  // What the overload rule reads (docs/operations.md, "Overload"): sequences
+  // waiting for a main worker, and how long the oldest of them has waited.
+  int main_waiting = 0;
+  uint64_t main_oldest_wait_ms = 0;
+  bool fallback_ready = false;  // a fallback worker is configured and ready
+  int on_fallback = 0;          // sequences the fallback serves by overload
   // Expert prediction (docs/expert-prediction.md); zeros while --predict off.
   bool predicting = false;
   uint64_t prediction_requests = 0;    // finished requests whose prediction was checked
@@ -112,6 +147,8 @@ class Scheduler {
   virtual int max_context() const = 0;
   // The backend of the worker that serves now ("cpu", "cuda"; "" while none).
   virtual std::string backend() const { return ""; }
+  // The overload rule's view for a request of `priority`.
+  virtual OverloadView overload(int /*priority*/) const { return {}; }
 };
 
 }  // namespace moe::gw

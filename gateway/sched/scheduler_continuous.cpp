@@ -1,6 +1,7 @@
 #include "gateway/sched/scheduler_continuous.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <filesystem>
 #include <variant>
@@ -30,12 +31,27 @@ ContinuousScheduler::ContinuousScheduler(uv_loop_t* loop, std::vector<std::strin
     w.name = std::filesystem::path(worker_sockets[i]).stem().string();
     w.fallback = opts_.last_is_fallback && worker_sockets.size() > 1 && i + 1 == worker_sockets.size();
   }
-  for (auto& w : workers_) w.link->start();
+  for (auto& w : workers_) {
+    w.thermal = ThermalGovernor(opts_.thermal);
+    w.link->start();
+  }
+  if (opts_.stats_interval_ms > 0) {
+    stats_timer_ = new uv_timer_t;
+    uv_timer_init(loop_, stats_timer_);
+    stats_timer_->data = this;
+    uv_timer_start(stats_timer_, [](uv_timer_t* t) {
+      if (auto* self = static_cast<ContinuousScheduler*>(t->data)) last_resort("asking for stats", [self] { self->poll_stats(); });
+    }, opts_.stats_interval_ms, opts_.stats_interval_ms);
+  }
 }
 
 ContinuousScheduler::~ContinuousScheduler() {
   kick_timer_->data = nullptr;
   uv_close(reinterpret_cast<uv_handle_t*>(kick_timer_), [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
+  if (stats_timer_) {
+    stats_timer_->data = nullptr;
+    uv_close(reinterpret_cast<uv_handle_t*>(stats_timer_), [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
+  }
   workers_.clear();
   supervisor_.reset();
 }
@@ -46,6 +62,41 @@ bool ContinuousScheduler::serving(size_t w) const {
   for (const Worker& o : workers_)
     if (!o.fallback && o.link->ready()) return false;
   return true;
+}
+
+bool ContinuousScheduler::stepping(size_t w) const {
+  if (serving(w)) return true;
+  const Worker& wk = workers_[w];
+  return wk.fallback && wk.link->ready() && wk.policy.running() + wk.policy.waiting() > 0;
+}
+
+void ContinuousScheduler::poll_stats() {
+  for (Worker& w : workers_)
+    if (w.link->ready()) (void)w.link->send(pr::Message(pr::StatsRequest{}));
+}
+
+void ContinuousScheduler::on_stats(size_t w, const pr::StatsReply& r) {
+  Worker& wk = workers_[w];
+  wk.have_stats = true;
+  wk.stats = r;
+  if (!wk.thermal.observe(r.card)) return;
+  const PolicyLimits before = wk.policy.limits();
+  apply_limits(w);
+  const PolicyLimits& now = wk.policy.limits();
+  std::fprintf(stderr, "moe-gateway: worker %s is %s (%s): step budget %d -> %d tokens, batch %d -> %d\n",
+               wk.name.c_str(), wk.thermal.hot() ? "hot" : "cool again", wk.thermal.why().c_str(),
+               before.max_step_tokens, now.max_step_tokens, before.max_batch_sequences, now.max_batch_sequences);
+  request_kick();
+}
+
+void ContinuousScheduler::apply_limits(size_t w) {
+  Worker& wk = workers_[w];
+  PolicyLimits lim = wk.base_limits;
+  if (wk.thermal.hot()) {
+    lim.max_step_tokens = std::min(lim.max_step_tokens, std::max(16, lim.max_step_tokens / 2));
+    lim.max_batch_sequences = std::max(1, lim.max_batch_sequences / 2);
+  }
+  wk.policy.set_limits(lim);
 }
 
 bool ContinuousScheduler::ready() const {
@@ -77,19 +128,33 @@ uint64_t ContinuousScheduler::steps_sent() const {
 SchedulerStats ContinuousScheduler::stats() const {
   SchedulerStats s;
   s.waiting = int(queued_.size());
+  for (const SequenceState& q : queued_) s.on_fallback += q.req.on_fallback ? 1 : 0;
+  const OverloadView all = overload(INT_MAX);
+  s.main_waiting = all.waiting;
+  s.main_oldest_wait_ms = all.oldest_wait_ms;
   for (size_t i = 0; i < workers_.size(); ++i) {
     const Worker& w = workers_[i];
     s.waiting += w.policy.waiting();
     s.running += w.policy.running();
     s.kv_blocks_used += w.policy.kv_blocks_used();
     s.preemptions += w.policy.preemptions();
+    s.priority_preemptions += w.policy.priority_preemptions();
+    s.on_fallback += w.policy.on_fallback();
     if (serving(i)) {
       s.kv_blocks_total += w.policy.limits().kv_blocks_total;
       if (w.fallback) s.degraded = true;
     }
-    s.workers.push_back({w.name, w.link->ready(), w.fallback, w.policy.running(), w.policy.waiting(), w.assigned,
-                         w.steps_sent});
+    if (w.fallback) s.fallback_ready |= w.link->ready();
+    WorkerStats ws{w.name, w.link->ready(), w.fallback, w.policy.running(), w.policy.waiting(), w.assigned,
+                   w.steps_sent};
+    ws.have_stats = w.have_stats;
+    ws.stats = w.stats;
+    ws.hot = w.thermal.hot();
+    ws.step_token_budget = w.policy.limits().max_step_tokens;
+    ws.batch_limit = w.policy.limits().max_batch_sequences;
+    s.workers.push_back(std::move(ws));
   }
+
   if (PromptExpertPredictor* p = opts_.predictor) {
     const PredictionStats ps = p->stats();
     s.predicting = true;
@@ -109,6 +174,29 @@ SchedulerStats ContinuousScheduler::stats() const {
   return s;
 }
 
+OverloadView ContinuousScheduler::overload(int priority) const {
+  OverloadView v;
+  uint64_t oldest = 0;  // the earliest waiting_since_ms of those counted
+  for (const SequenceState& q : queued_) {
+    if (q.req.on_fallback || q.req.priority > priority) continue;
+    ++v.waiting;
+    if (q.req.waiting_since_ms != 0 && (oldest == 0 || q.req.waiting_since_ms < oldest)) oldest = q.req.waiting_since_ms;
+  }
+  for (const Worker& w : workers_) {
+    if (w.fallback) {
+      if (w.link->ready()) {
+        v.fallback_ready = true;
+        v.fallback_max_context = int(w.link->worker_hello().max_context);
+      }
+      continue;
+    }
+    w.policy.waiting_at_or_before(priority, &v.waiting, &oldest);
+  }
+  const uint64_t now = uv_now(loop_);
+  if (oldest != 0 && now > oldest) v.oldest_wait_ms = now - oldest;
+  return v;
+}
+
 uint64_t ContinuousScheduler::submit(SequenceRequest req, SequenceObserver* obs) {
   const uint64_t id = next_seq_id_++;
   observers_[id] = obs;
@@ -121,6 +209,8 @@ uint64_t ContinuousScheduler::submit(SequenceRequest req, SequenceObserver* obs)
     st.hints.route_tag = pr.prediction.tag;
   }
   st.req = std::move(req);
+  st.req.submitted_ms = std::max<uint64_t>(uv_now(loop_), 1);
+  st.req.waiting_since_ms = st.req.submitted_ms;
   queued_.push_back(std::move(st));
   request_kick();
   return id;
@@ -192,7 +282,9 @@ void ContinuousScheduler::request_kick() {
 }
 
 void ContinuousScheduler::requeue(std::vector<SequenceState> seqs) {
+  const uint64_t now = std::max<uint64_t>(uv_now(loop_), 1);
   for (auto it = seqs.rbegin(); it != seqs.rend(); ++it) {
+    it->req.waiting_since_ms = now;
     owner_.erase(it->id);
     moved_.insert(it->id);
     queued_.push_front(std::move(*it));
@@ -213,9 +305,11 @@ void ContinuousScheduler::on_ready(size_t w, const pr::Hello& h) {
   lim.headroom_blocks = opts_.headroom_blocks;
   lim.grouped_batching = opts_.grouped_batching;
   lim.grouping_max_skips = opts_.grouping_max_skips;
+  lim.priority_max_wait_ms = opts_.priority_max_wait_ms;
   if (h.max_batch_sequences > 0) lim.max_batch_sequences = int(h.max_batch_sequences);
   if (h.max_step_tokens > 0 && int(h.max_step_tokens) < lim.max_step_tokens) lim.max_step_tokens = int(h.max_step_tokens);
-  wk.policy.set_limits(lim);
+  wk.base_limits = lim;
+  apply_limits(w);
   request_kick();
 }
 
@@ -229,12 +323,21 @@ void ContinuousScheduler::on_down(size_t w, bool unresponsive) {
   // every sequence it held is recomputed wherever it goes next.
   wk.in_flight = false;
   wk.in_flight_plan = {};
-  requeue(wk.policy.take_all());
+  wk.have_stats = false;
+  std::vector<SequenceState> held = wk.policy.take_all();
+  // What rode on a lost fallback by overload goes wherever it can now.
+  if (wk.fallback)
+    for (SequenceState& s : held) s.req.on_fallback = false;
+  requeue(std::move(held));
   request_kick();
 }
 
 void ContinuousScheduler::on_frame(size_t w, const pr::Frame& f) {
   Worker& wk = workers_[w];
+  if (pr::Command(f.command) == pr::Command::stats_reply) {
+    if (auto r = pr::decode_stats_reply(f.payload); r.ok()) on_stats(w, *r);
+    return;
+  }
   if (pr::Command(f.command) == pr::Command::pressure) {
     auto p = pr::decode_pressure(f.payload);
     if (!p.ok()) return;
@@ -343,10 +446,55 @@ void ContinuousScheduler::dispatch(std::vector<SequenceUpdate>& updates) {
 }
 
 void ContinuousScheduler::assign_queued() {
+  // Sequences sent to the fallback by overload go there while it is ready;
+  // without it they are ordinary sequences again.
+  int fallback = -1;
+  for (size_t i = 0; i < workers_.size(); ++i)
+    if (workers_[i].fallback && workers_[i].link->ready()) fallback = int(i);
+  for (auto it = queued_.begin(); it != queued_.end();) {
+    if (!it->req.on_fallback) {
+      ++it;
+      continue;
+    }
+    if (fallback < 0) {
+      it->req.on_fallback = false;
+      ++it;
+      continue;
+    }
+    Worker& fb = workers_[size_t(fallback)];
+    owner_[it->id] = size_t(fallback);
+    ++fb.assigned;
+    const bool ran_before = moved_.erase(it->id) > 0;
+    fb.policy.add_resumed(std::move(*it), ran_before);
+    it = queued_.erase(it);
+  }
   std::vector<size_t> candidates;
   for (size_t i = 0; i < workers_.size(); ++i) {
     if (workers_[i].pressure && workers_[i].policy.demand_blocks() == 0) workers_[i].pressure = 0;
     if (serving(i) && !workers_[i].pressure) candidates.push_back(i);  // KV pressure: admit nothing new
+  }
+  if (candidates.empty() && !queued_.empty()) {
+    // Every serving worker is under KV pressure: a sequence of an earlier
+    // priority than some a worker holds still goes there, where it may
+    // preempt them (docs/operations.md); the rest wait here.
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      if (!serving(i) || !workers_[i].pressure || workers_[i].policy.running() + workers_[i].policy.waiting() == 0)
+        continue;
+      Worker& wk = workers_[i];
+      const int worst = wk.policy.latest_priority();
+      for (auto it = queued_.begin(); it != queued_.end();) {
+        if (it->req.priority >= worst) {
+          ++it;
+          continue;
+        }
+        owner_[it->id] = i;
+        ++wk.assigned;
+        const bool ran_before = moved_.erase(it->id) > 0;
+        wk.policy.add_resumed(std::move(*it), ran_before);
+        it = queued_.erase(it);
+      }
+    }
+    return;
   }
   if (candidates.empty() || queued_.empty()) return;
 
@@ -408,15 +556,18 @@ void ContinuousScheduler::kick() {
   for (const Worker& w : workers_) main_ready |= !w.fallback && w.link->ready();
   for (size_t i = 0; i < workers_.size() && main_ready; ++i) {
     Worker& fb = workers_[i];
-    if (!fb.fallback || fb.in_flight || fb.policy.running() + fb.policy.waiting() == 0) continue;
+    if (!fb.fallback || fb.in_flight || fb.policy.running() + fb.policy.waiting() == fb.policy.on_fallback()) continue;
     std::fprintf(stderr, "moe-gateway: a main worker is back; leaving %s\n", fb.link->socket_path().c_str());
-    send_releases(i, fb.policy.running_ids());
-    requeue(fb.policy.take_all());
+    std::vector<uint64_t> released;
+    std::vector<SequenceState> back =
+        fb.policy.take_if([](const SequenceRequest& r) { return !r.on_fallback; }, &released);
+    send_releases(i, std::move(released));
+    requeue(std::move(back));
   }
   assign_queued();
   rebalance();
   for (size_t i = 0; i < workers_.size(); ++i)
-    if (!workers_[i].in_flight && serving(i)) step(i);
+    if (!workers_[i].in_flight && stepping(i)) step(i);
 }
 
 void ContinuousScheduler::rebalance() {
@@ -442,7 +593,7 @@ void ContinuousScheduler::step(size_t w) {
   Worker& wk = workers_[w];
   WorkerLink* link = wk.link.get();
   std::vector<SequenceUpdate> rejected;
-  StepPlan plan = wk.policy.plan(&rejected);
+  StepPlan plan = wk.policy.plan(&rejected, uv_now(loop_));
   send_releases(w, plan.release);
   for (const SequenceUpdate& u : rejected) {
     owner_.erase(u.seq_id);

@@ -15,7 +15,9 @@
 // sequence it held goes back to the front of the shared queue and is
 // recomputed on another (the same restarted, the others, or the fallback),
 // resuming after the tokens its observer already has; when a main worker is
-// ready again, the fallback's sequences move back the same way.
+// ready again, the fallback's sequences move back the same way — except
+// those sent to the fallback by overload (SequenceRequest::on_fallback),
+// which stay there to their end (docs/operations.md).
 
 #include <cstdint>
 #include <deque>
@@ -32,6 +34,7 @@
 #include "gateway/predict/expert_prediction.h"
 #include "gateway/sched/scheduler.h"
 #include "gateway/sched/scheduler_policy.h"
+#include "gateway/sched/thermal_governor.h"
 #include "gateway/sched/worker_choice.h"
 #include "gateway/sched/worker_link.h"
 #include "gateway/sched/worker_supervisor.h"
@@ -57,6 +60,12 @@ struct ContinuousSchedulerOptions {
   // resident set text; read when a sequence is given to a worker. May be unset.
   std::function<std::map<std::string, std::string>()> resident_sets;
   WorkerChoiceParams choice;
+  // Operations (docs/operations.md): each ready worker is asked for its
+  // stats (residency, the card's health) this often (0: never); a hot card
+  // halves its worker's step budget and batch.
+  uint64_t stats_interval_ms = 1000;
+  ThermalLimits thermal;
+  uint64_t priority_max_wait_ms = 30'000;  // PolicyLimits
 };
 
 class ContinuousScheduler final : public Scheduler {
@@ -74,6 +83,7 @@ class ContinuousScheduler final : public Scheduler {
   SchedulerStats stats() const override;
   int max_context() const override;
   std::string backend() const override;
+  OverloadView overload(int priority) const override;
 
   uint64_t steps_sent() const;
   // Per worker, in the order given (tests, logs).
@@ -100,7 +110,20 @@ class ContinuousScheduler final : public Scheduler {
     // is given no new sequences; a step reply with 20 % of its KV free (or
     // an empty queue) clears it.
     int pressure = 0;
+    // Its limits as its hello set them, before the thermal governor's cut.
+    PolicyLimits base_limits;
+    ThermalGovernor thermal;
+    bool have_stats = false;
+    protocol::StatsReply stats;  // its last stats reply
   };
+
+  // The policy's limits from the worker's base ones and its card's state.
+  void apply_limits(size_t w);
+  void poll_stats();  // the stats timer
+  void on_stats(size_t w, const protocol::StatsReply& r);
+  // Ready, and holding sequences that ride on it by overload (the fallback):
+  // it steps even while a main worker serves.
+  bool stepping(size_t w) const;
 
   void on_ready(size_t w, const protocol::Hello& h);
   void on_frame(size_t w, const protocol::Frame& f);
@@ -128,6 +151,7 @@ class ContinuousScheduler final : public Scheduler {
   std::unordered_map<uint64_t, SequenceObserver*> observers_;
   uint64_t next_seq_id_ = 1;  // 0 is reserved by the protocol
   uv_timer_t* kick_timer_ = nullptr;
+  uv_timer_t* stats_timer_ = nullptr;
   struct Predicted {
     ExpertPrediction prediction;
     std::vector<float> usage;  // [layer * n_experts + expert]: tokens the worker reported

@@ -4,6 +4,7 @@
 // --fallback-worker serves only while none of the others is ready.
 #include "gateway/sched/scheduler_factory.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -28,6 +29,9 @@ Result<std::unique_ptr<Scheduler>> make_scheduler(uv_loop_t* loop, const Gateway
   so.grouped_batching = opts.grouped_batching;
   so.grouping_max_skips = opts.grouping_max_skips;
   so.resident_sets = std::move(resident_sets);
+  so.stats_interval_ms = opts.stats_interval_ms;
+  so.thermal.hot_c = opts.thermal_hot_c;
+  so.priority_max_wait_ms = opts.priority_max_wait_ms;
   std::vector<std::string> sockets;
   for (const std::string& w : opts.workers) {
     if (w.rfind("unix:", 0) != 0) return make_error("--worker needs unix:PATH, got '" + w + "'");
@@ -44,6 +48,16 @@ Result<std::unique_ptr<Scheduler>> make_scheduler(uv_loop_t* loop, const Gateway
     sup.worker_bin = bin.value();
     sup.model_path = opts.model_path;
     sup.extra_args = opts.worker_args;
+    // The gateway's Redis is its own worker's too (re-warm, routing
+    // summaries), unless the worker's arguments name one.
+    const bool names_redis = std::any_of(opts.worker_args.begin(), opts.worker_args.end(), [](const std::string& a) {
+      return a == "--redis" || a.rfind("--redis=", 0) == 0;
+    });
+    if (!opts.redis_url.empty() && !names_redis) {
+      sup.extra_args.insert(sup.extra_args.end(), {"--redis", opts.redis_url});
+      if (!opts.redis_password_file.empty())
+        sup.extra_args.insert(sup.extra_args.end(), {"--redis-password-file", opts.redis_password_file});
+    }
     auto s = WorkerSupervisor::start(loop, sup);
     if (!s.ok()) return make_error(s.error());
     supervisor = std::move(s.value());

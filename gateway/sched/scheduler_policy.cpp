@@ -1,6 +1,7 @@
 #include "gateway/sched/scheduler_policy.h"
 
 #include <algorithm>
+#include <climits>
 #include <unordered_map>
 
 namespace moe::gw {
@@ -19,7 +20,48 @@ void BatchPolicy::count_group(uint64_t group, int delta) {
   if (it->second.sequences <= 0) groups_.erase(it);
 }
 
+int64_t BatchPolicy::effective_priority(const Seq& s) const {
+  const uint64_t bound = limits_.priority_max_wait_ms;
+  if (bound > 0 && now_ms_ >= s.req.submitted_ms + bound) return INT64_MIN;
+  return s.req.priority;
+}
+
+uint64_t BatchPolicy::victim() const {
+  uint64_t id = running_.back();
+  int64_t worst = effective_priority(seqs_.at(id));
+  for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
+    const int64_t p = effective_priority(seqs_.at(*it));
+    if (p > worst) {
+      worst = p;
+      id = *it;
+    }
+  }
+  return id;
+}
+
 std::vector<size_t> BatchPolicy::admission_order(size_t limit) const {
+  // Classes first: when the waiting sequences ask for more than one
+  // priority, the order below is kept within each class.
+  bool mixed = false;
+  for (size_t i = 1; i < waiting_.size() && !mixed; ++i)
+    mixed = seqs_.at(waiting_[i]).req.priority != seqs_.at(waiting_[0]).req.priority;
+  if (mixed && limit < waiting_.size()) {
+    std::vector<size_t> all = admission_order_within(waiting_.size());
+    std::stable_sort(all.begin(), all.end(), [this](size_t a, size_t b) {
+      return effective_priority(seqs_.at(waiting_[a])) < effective_priority(seqs_.at(waiting_[b]));
+    });
+    all.resize(limit);
+    return all;
+  }
+  std::vector<size_t> order = admission_order_within(limit);
+  if (mixed)
+    std::stable_sort(order.begin(), order.end(), [this](size_t a, size_t b) {
+      return effective_priority(seqs_.at(waiting_[a])) < effective_priority(seqs_.at(waiting_[b]));
+    });
+  return order;
+}
+
+std::vector<size_t> BatchPolicy::admission_order_within(size_t limit) const {
   std::vector<size_t> order;
   // Put back at the front: first, in queue order.
   for (size_t i = 0; i < waiting_.size() && order.size() < limit; ++i)
@@ -145,8 +187,63 @@ bool BatchPolicy::can_ever_run(const Seq& s, std::string* why) const {
   return true;
 }
 
+void BatchPolicy::preempt_for_priority(StepPlan& plan) {
+  if (waiting_.empty() || running_.empty()) return;
+  const std::vector<size_t> first = admission_order(1);
+  const Seq& want = seqs_.at(waiting_[first[0]]);
+  const int64_t p = effective_priority(want);
+  // Who may make room: running sequences of a later class now and of a
+  // later priority as asked (an aged sequence goes first among those
+  // waiting, but preempts no earlier or equal priority; equal priorities
+  // never preempt each other).
+  auto eligible = [&](const Seq& s) { return effective_priority(s) > p && s.req.priority > want.req.priority; };
+  const int len = int(want.context.size());
+  const int total = limits_.kv_blocks_total;
+  auto held = [&](const Seq& s) { return blocks_for(std::max<int>(s.on_worker + 1, int(s.context.size()))); };
+  auto decodes = [&] {
+    int n = 0;
+    for (uint64_t id : running_) n += int(seqs_.at(id).context.size()) - seqs_.at(id).on_worker == 1;
+    return n;
+  };
+  // Room means all three: its KV (with headroom), a batch slot, and step
+  // tokens left after the decodes for its first chunk.
+  auto room = [&](int committed, int running, int decoding) {
+    const int need = running == 0 ? blocks_for(len + 1) : blocks_for(len) + limits_.headroom_blocks;
+    return committed + need <= total && running < limits_.max_batch_sequences && decoding < limits_.max_step_tokens;
+  };
+  if (room(committed_blocks(), int(running_.size()), decodes())) return;  // it fits as things are
+  // Only when the eligible ones' room is enough: never preempt in vain.
+  int freeable = 0, n_eligible = 0, eligible_decoding = 0;
+  for (uint64_t id : running_) {
+    const Seq& s = seqs_.at(id);
+    if (!eligible(s)) continue;
+    freeable += held(s);
+    ++n_eligible;
+    eligible_decoding += int(s.context.size()) - s.on_worker == 1;
+  }
+  if (n_eligible == 0 || !room(committed_blocks() - freeable, int(running_.size()) - n_eligible,
+                               decodes() - eligible_decoding))
+    return;
+  while (!room(committed_blocks(), int(running_.size()), decodes())) {
+    // The latest class first, the youngest of it.
+    uint64_t v = 0;
+    int64_t worst = INT64_MIN;
+    for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
+      const Seq& s = seqs_.at(*it);
+      if (eligible(s) && (v == 0 || effective_priority(s) > worst)) {
+        v = *it;
+        worst = effective_priority(s);
+      }
+    }
+    if (v == 0) break;
+    preempt(v, plan);
+    ++priority_preemptions_;
+  }
+}
+
 void BatchPolicy::preempt(uint64_t id, StepPlan& plan) {
   Seq& s = seqs_.at(id);
+  s.req.waiting_since_ms = now_ms_;
   running_.erase(std::remove(running_.begin(), running_.end(), id), running_.end());
   s.admitted = false;
   s.front = true;
@@ -156,7 +253,8 @@ void BatchPolicy::preempt(uint64_t id, StepPlan& plan) {
   ++preemptions_;
 }
 
-StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected) {
+StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected, uint64_t now_ms) {
+  now_ms_ = now_ms;
   StepPlan plan;
   // Requests that can never run leave the queue with an error.
   for (auto it = waiting_.begin(); it != waiting_.end();) {
@@ -182,7 +280,8 @@ StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected) {
     }
     return need;
   };
-  while (!running_.empty() && decode_need() > total - kv_blocks_used()) preempt(running_.back(), plan);
+  preempt_for_priority(plan);
+  while (!running_.empty() && decode_need() > total - kv_blocks_used()) preempt(victim(), plan);
 
   int budget = limits_.max_step_tokens;
   int free_blocks = total - kv_blocks_used();
@@ -273,7 +372,14 @@ StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected) {
   }
   size_t next = 0;  // order[next..] are the candidates still waiting
   while (budget > 0 && next < order.size() && int(running_.size()) < limits_.max_batch_sequences) {
-    const size_t w = std::min(window, order.size() - next);
+    size_t w = std::min(window, order.size() - next);
+    // Grouping chooses within the head's class only.
+    const int64_t head_class = effective_priority(seqs_.at(order[next]));
+    for (size_t i = 1; i < w; ++i)
+      if (effective_priority(seqs_.at(order[next + i])) != head_class) {
+        w = i;
+        break;
+      }
     size_t pick = 0;
     if (grouping && w > 1 && seqs_.at(order[next]).skips < limits_.grouping_max_skips) {
       const std::vector<uint64_t> candidates(order.begin() + long(next), order.begin() + long(next + w));
@@ -371,6 +477,58 @@ std::vector<SequenceState> BatchPolicy::take_all() {
   waiting_.clear();
   groups_.clear();
   return out;
+}
+
+std::vector<SequenceState> BatchPolicy::take_if(const std::function<bool(const SequenceRequest&)>& which,
+                                                std::vector<uint64_t>* released) {
+  std::vector<SequenceState> out;
+  auto take = [&](uint64_t id) {
+    Seq& s = seqs_.at(id);
+    count_group(s.req.group, -1);
+    out.push_back({id, std::move(s.req), std::move(s.generated), std::move(s.hints)});
+    seqs_.erase(id);
+  };
+  std::vector<uint64_t> keep_running, keep_waiting;
+  for (uint64_t id : running_) {
+    if (!which(seqs_.at(id).req)) {
+      keep_running.push_back(id);
+      continue;
+    }
+    if (released) released->push_back(id);
+    take(id);
+  }
+  for (uint64_t id : waiting_) {
+    if (!which(seqs_.at(id).req)) {
+      keep_waiting.push_back(id);
+      continue;
+    }
+    take(id);
+  }
+  running_ = std::move(keep_running);
+  waiting_.assign(keep_waiting.begin(), keep_waiting.end());
+  return out;
+}
+
+void BatchPolicy::waiting_at_or_before(int priority, int* count, uint64_t* oldest_since) const {
+  for (uint64_t id : waiting_) {
+    const SequenceRequest& r = seqs_.at(id).req;
+    if (r.priority > priority) continue;
+    ++*count;
+    if (r.waiting_since_ms != 0 && (*oldest_since == 0 || r.waiting_since_ms < *oldest_since))
+      *oldest_since = r.waiting_since_ms;
+  }
+}
+
+int BatchPolicy::latest_priority() const {
+  int p = INT_MIN;
+  for (const auto& [id, s] : seqs_) p = std::max(p, s.req.priority);
+  return p;
+}
+
+int BatchPolicy::on_fallback() const {
+  int n = 0;
+  for (const auto& [id, s] : seqs_) n += s.req.on_fallback ? 1 : 0;
+  return n;
 }
 
 std::vector<SequenceState> BatchPolicy::take_waiting(size_t n) {

@@ -17,6 +17,13 @@
 // came after it. Sequences put back at the front (preempted, or moved from a
 // lost worker) go before all of these.
 //
+// Priorities (docs/operations.md) come before all of that: waiting sequences
+// are considered by class (SequenceRequest::priority, lower first; one
+// submitted priority_max_wait_ms ago or more counts as the most urgent), the
+// order above holding within a class; a waiting sequence that does not fit
+// preempts running ones of a later class when that makes room, and the
+// victim of a decode short of blocks is the latest class's youngest.
+//
 // Expert-grouped batching (docs/expert-prediction.md): when more prefill
 // chunks or waiting requests compete for a step than its budget takes, the
 // ones whose predicted experts overlap most with what the step already uses
@@ -26,6 +33,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <unordered_map>
 #include <string>
@@ -47,6 +55,9 @@ struct PolicyLimits {
   bool grouped_batching = true;  // choose by predicted-expert overlap (else first come first served)
   int grouping_max_skips = 4;    // times a sequence may be passed over before it goes next
   int grouping_window = 16;      // waiting requests considered for admission at once
+  // Priorities (docs/operations.md): a sequence submitted this long ago or
+  // more counts as the most urgent class (0: never).
+  uint64_t priority_max_wait_ms = 30'000;
 };
 
 // What the gateway predicted for a sequence (expert_prediction.h).
@@ -114,7 +125,8 @@ class BatchPolicy {
   bool cancel(uint64_t id);
 
   // The next step. Requests that can never run are reported in `rejected`.
-  StepPlan plan(std::vector<SequenceUpdate>* rejected = nullptr);
+  // `now_ms` (the clock of SequenceRequest::submitted_ms) ages priorities.
+  StepPlan plan(std::vector<SequenceUpdate>* rejected = nullptr, uint64_t now_ms = 0);
   // Folds the worker's answers to `plan` back in (results of cancelled
   // sequences are ignored). Finished sequences are forgotten; their ids are
   // added to `release_after` so their KV is freed.
@@ -128,6 +140,11 @@ class BatchPolicy {
   // queue in order. The caller releases the admitted ones on the worker if it
   // still holds their KV (running_ids() before the call).
   std::vector<SequenceState> take_all();
+  // Removes the sequences `which` selects (admitted ones first, then the
+  // queue, each in order); the ids of the admitted ones, whose KV the worker
+  // holds, go to `released`.
+  std::vector<SequenceState> take_if(const std::function<bool(const SequenceRequest&)>& which,
+                                     std::vector<uint64_t>* released);
   // Removes up to `n` sequences from the back of the queue (the youngest; none
   // holds KV on the worker), oldest of them first.
   std::vector<SequenceState> take_waiting(size_t n);
@@ -137,6 +154,15 @@ class BatchPolicy {
   // KV blocks the admitted sequences will hold plus those the queue's
   // prompts need: the worker's load as this policy sees it.
   int demand_blocks() const;
+  // Waiting sequences of `priority` or an earlier one: how many, and the
+  // earliest SequenceRequest::waiting_since_ms among them (0: none).
+  void waiting_at_or_before(int priority, int* count, uint64_t* oldest_since) const;
+  // Sequences here that ride on the fallback by overload.
+  int on_fallback() const;
+  // The latest (numerically largest) priority among the sequences here
+  // (INT_MIN when none).
+  int latest_priority() const;
+  uint64_t priority_preemptions() const { return priority_preemptions_; }
 
   // Observation (tests, stats).
   int waiting() const { return int(waiting_.size()); }
@@ -167,12 +193,21 @@ class BatchPolicy {
   // admission considers them: those put back at the front, then round-robin
   // across groups (the group admitted least recently first).
   std::vector<size_t> admission_order(size_t limit) const;
+  // The same, priorities aside.
+  std::vector<size_t> admission_order_within(size_t limit) const;
   void count_group(uint64_t group, int delta);
   // Grouped batching: which of `candidates` (oldest first) goes next.
   size_t pick_grouped(const std::vector<uint64_t>& candidates, const ExpertSet& step) const;
   int blocks_for(int tokens) const;
   int committed_blocks() const;  // blocks admitted sequences hold or will hold once prefilled
   void preempt(uint64_t id, StepPlan& plan);
+  // Priorities: a sequence's class now (lower first; aged: the most urgent).
+  int64_t effective_priority(const Seq& s) const;
+  // The running sequence to preempt first: the latest class, then the youngest.
+  uint64_t victim() const;
+  // Frees room for the first waiting sequence by preempting running ones of
+  // a later class, when that is enough for it to fit.
+  void preempt_for_priority(StepPlan& plan);
   bool can_ever_run(const Seq& s, std::string* why) const;
 
   PolicyLimits limits_;
@@ -181,6 +216,8 @@ class BatchPolicy {
   std::vector<uint64_t> running_;  // admission order
   uint64_t admit_counter_ = 0;
   uint64_t preemptions_ = 0;
+  uint64_t priority_preemptions_ = 0;
+  uint64_t now_ms_ = 0;  // the last plan()'s clock
   struct Group {
     int sequences = 0;       // waiting or running
     uint64_t admitted = 0;   // admit_counter_ at its last admission (0: never)

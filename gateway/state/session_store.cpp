@@ -170,6 +170,14 @@ ChatMessages SessionStore::from_redis(const std::string& key, std::string_view t
       if (!id->is_string()) return bad("a turn's tool_call_id is not a string");
       turn.tool_call_id = id->get<std::string>();
     }
+    for (auto [name, field] : {std::pair{"request_key", &turn.request_key},
+                               std::pair{"request_digest", &turn.request_digest},
+                               std::pair{"finish_reason", &turn.finish_reason}}) {
+      auto k = m.find(name);
+      if (k == m.end()) continue;
+      if (!k->is_string() || k->get_ref<const std::string&>().size() > 128) return bad("a turn's request fields are malformed");
+      *field = k->get<std::string>();
+    }
     out.push_back(std::move(turn));
   }
   return capped(std::move(out), opts_.max_messages, opts_.max_bytes);
@@ -196,6 +204,11 @@ void SessionStore::save(const SessionKey& sk, ChatMessages messages) {
     json t = {{"role", m.role}, {"content", m.content}};
     if (!m.tool_calls.empty()) t["tool_calls"] = json::parse(m.tool_calls, nullptr, false);
     if (!m.tool_call_id.empty()) t["tool_call_id"] = m.tool_call_id;
+    if (!m.request_key.empty()) {
+      t["request_key"] = m.request_key;
+      t["request_digest"] = m.request_digest;
+      t["finish_reason"] = m.finish_reason;
+    }
     list.push_back(std::move(t));
   }
   redis_->command({"SET", key, json_text(list), "EX", std::to_string(opts_.ttl_s)}, [](const redisReply*) {});

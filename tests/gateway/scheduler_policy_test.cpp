@@ -8,8 +8,10 @@
 #include <vector>
 
 #include "gateway/sched/scheduler_policy.h"
+#include "tests/gateway/policy_test_parts.h"
 
 using namespace moe::gw;
+using moe::gw::test::answer;
 
 namespace {
 
@@ -30,19 +32,6 @@ std::string picture(const StepPlan& p) {
          (c.sample ? "s" : "");
   }
   return s;
-}
-
-// Answers every sampling chunk with token `base + seq_id`.
-std::vector<ChunkResult> answer(const StepPlan& p, int base = 100) {
-  std::vector<ChunkResult> out;
-  for (const auto& c : p.chunks) {
-    ChunkResult r;
-    r.seq_id = c.seq_id;
-    r.sampled = c.sample;
-    r.token.token = c.sample ? base + int(c.seq_id) : 0;
-    out.push_back(r);
-  }
-  return out;
 }
 
 PolicyLimits limits(int budget, int blocks, int block_tokens = 4) {

@@ -4,7 +4,6 @@ than it holds. The worker says `warn`/`evict` as its pool fills (the gateway
 counts them on /metrics and holds new sequences back), and every stream
 still ends with the text it has when it runs alone.
 """
-import http.client
 import os
 import sys
 
@@ -15,17 +14,6 @@ STREAMS = 12
 MAX_TOKENS = 48
 
 
-def metrics(port):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    c.request("GET", "/metrics")
-    out = {}
-    for line in c.getresponse().read().decode().splitlines():
-        if line and not line.startswith("#"):
-            k, _, v = line.rpartition(" ")
-            out[k] = float(v)
-    return out
-
-
 def main():
     c = h.Cluster("pressure")
     ok = False
@@ -33,20 +21,10 @@ def main():
         sock = c.start_worker("worker", redis=False, extra=["--kv-blocks", "24"])
         port = c.start_gateway([sock], redis=False)
         ps = h.prompts(STREAMS)
-        twins = []
-        for p in ps:
-            status, _, body = h.complete(port, p, MAX_TOKENS)
-            assert status == 200, body
-            twins.append(body["choices"][0]["text"])
+        twins = h.twins_of(port, ps, MAX_TOKENS)
         streams = [h.Stream(port, p, MAX_TOKENS).start() for p in ps]
-        lost = 0
-        for i, s in enumerate(streams):
-            if not s.join(300):
-                s.error = "did not finish in 300 s"
-            if s.error or s.finish not in ("stop", "length") or s.text != twins[i]:
-                lost += 1
-                print(f"stream {i}: error={s.error} finish={s.finish}\n  got  {s.text!r}\n  want {twins[i]!r}")
-        m = metrics(port)
+        lost = h.lost_streams(streams, twins)
+        m = h.metrics(port)
         warn = m.get('moe_gateway_worker_pressure_total{level="warn"}', 0)
         evict = m.get('moe_gateway_worker_pressure_total{level="evict"}', 0)
         said = [l for l in c.log("gateway").splitlines() if "says warn" in l or "says evict" in l]

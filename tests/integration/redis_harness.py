@@ -231,6 +231,41 @@ class Stream:
             self.error = f"{type(e).__name__}: {e}"
 
 
+def metrics(port, headers=None):
+    """The gateway's /metrics as {series with labels: value}."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    c.request("GET", "/metrics", headers=headers or {})
+    out = {}
+    for line in c.getresponse().read().decode().splitlines():
+        if line and not line.startswith("#"):
+            k, _, v = line.rpartition(" ")
+            out[k] = float(v)
+    return out
+
+
+def twins_of(port, prompts_, max_tokens, headers=None):
+    """Each prompt's greedy text when it runs alone."""
+    out = []
+    for p in prompts_:
+        status, _, body = complete(port, p, max_tokens, headers=headers)
+        assert status == 200, body
+        out.append(body["choices"][0]["text"])
+    return out
+
+
+def lost_streams(streams, twins, label="", timeout=300):
+    """Waits for every stream; counts (and prints) those that failed, ended
+    badly or differ from their twin."""
+    lost = 0
+    for i, s in enumerate(streams):
+        if not s.join(timeout):
+            s.error = f"did not finish in {timeout} s"
+        if s.error or s.finish not in ("stop", "length") or s.text != twins[i]:
+            lost += 1
+            print(f"{label}stream {i}: error={s.error} finish={s.finish}\n  got  {s.text!r}\n  want {twins[i]!r}")
+    return lost
+
+
 def complete(port, prompt, max_tokens, extra=None, headers=None):
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}

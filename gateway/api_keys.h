@@ -1,0 +1,55 @@
+#pragma once
+// Who may call, at which priority and how often (docs/operations.md,
+// "Priorities"): the keys file, and the per-key rate limit.
+//
+// A keys file holds one key a line, as whitespace-separated columns
+//
+//   NAME  SHA256-HEX-OF-THE-KEY  PRIORITY  REQUESTS-PER-MINUTE
+//
+// (priority: an integer, lower runs first; rate: a positive integer, or `-`
+// or 0 for unlimited); blank lines and lines starting with '#' are skipped.
+// It holds digests only, never keys. Names are unique; so are digests.
+//
+// Threading: loop thread only.
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "model/result.h"
+
+namespace moe::gw {
+
+struct ApiKeyEntry {
+  std::string name;
+  std::string sha256_hex;  // lower-case, 64 characters
+  int priority = 0;        // lower runs first
+  int rate_per_minute = 0; // 0: unlimited
+};
+
+// The priorities a keys file or a request may name.
+constexpr int kMinPriority = -1000, kMaxPriority = 1000;
+
+// Parses a keys file's text; an error names `source` and the line.
+Result<std::vector<ApiKeyEntry>> parse_keys_file(const std::string& text, const std::string& source);
+// Reads and parses the file at `path`.
+Result<std::vector<ApiKeyEntry>> load_keys_file(const std::string& path);
+
+// A token bucket per key: `rate` requests a minute, at most `rate` at once.
+class KeyRateLimiter {
+ public:
+  // True when the key may send a request at `now_ms` (and counts it); else
+  // false with the milliseconds until it may in `retry_after_ms`.
+  bool allow(const std::string& key, int rate_per_minute, uint64_t now_ms, uint64_t* retry_after_ms);
+  size_t keys() const { return buckets_.size(); }
+
+ private:
+  struct Bucket {
+    double tokens = 0;
+    uint64_t at_ms = 0;
+  };
+  std::unordered_map<std::string, Bucket> buckets_;
+};
+
+}  // namespace moe::gw
