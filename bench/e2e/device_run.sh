@@ -16,6 +16,8 @@
 #      deleted; then llama.cpp's llama-quantize to Q4_K_M
 #   4. bench/e2e/side_by_side.py per shape, uniform and replayed routing
 #   5. bench/e2e/failover_gpu.sh, when it is there and time is left
+#   and, once the first packed file exists, the card's health through the
+#   product (bench/gpu/card_metrics.py; CARD_CHECK=0 leaves it out)
 #
 # Environment (a run that fills in rows missing from an earlier one):
 #   SHAPES="q3 q15"           the shapes to make and run (q3: Qwen3-30B-A3B,
@@ -24,6 +26,9 @@
 #                             resident,12GiB,8GiB and resident,6GiB)
 #   SKIP_TESTS=1              leave out stage 2 (e.g. when the demo weights
 #                             stayed behind to keep the tree under 64 MiB)
+#   LLAMA_RESIDENT_MIB=N      llama-server's resident peak from an earlier run of
+#                             the shape (e2e-latest.json), for modes without
+#                             the resident row (Q3_MODES=8GiB: 22152 for q3)
 #   FAILOVER_SHAPE=q3         whose packed file the failover run serves, and
 #   FAILOVER_BUDGET=12GiB     under which budget
 set -uo pipefail
@@ -51,6 +56,7 @@ collect() {
   cp -f $W/rows-*.jsonl "$out/" 2>/dev/null
   (cd $W && tar cJf "$out/logs.tar.xz" logs state $(ls -d runs-* 2>/dev/null) 2>/dev/null)
   cp -f $W/failover-gpu.json "$out/" 2>/dev/null
+  cp -f $W/card/card-metrics.json $W/card/metrics-*.txt "$out/" 2>/dev/null
   true
 }
 trap collect EXIT
@@ -146,8 +152,30 @@ make_shape() {  # s shape-name
   mark $s-converted
 }
 
+# The card's health through the product (docs/operations.md): NVML from the
+# card test, and /metrics of a gateway + CUDA worker on the first packed file
+# made, before any timed row (CARD_CHECK=0 leaves it out).
+card_check() {
+  local s=$1
+  [ "${CARD_CHECK:-1}" = 1 ] && ! is_done card-check && is_done $s-pack && [ "$(left)" -gt 200 ] || return 0
+  mark card-check
+  [ -x $BIN/moe_card_tests ] && $BIN/moe_card_tests >$W/logs/moe_card_tests.txt 2>&1
+  echo "moe_card_tests exit $?" >>$W/logs/gpu-tests.txt
+  mkdir -p $W/cardbuild/worker $W/cardbuild/gateway $W/card
+  ln -sf $BIN/moe-worker $W/cardbuild/worker/moe-worker
+  ln -sf $BIN/moe-gateway $W/cardbuild/gateway/moe-gateway
+  say "card health through /metrics ($s, ${CARD_BUDGET:-8GiB})"
+  timeout 240 python3 bench/gpu/card_metrics.py --build $W/cardbuild --model "$(cat $W/state/$s-pack.path)" \
+    --budget ${CARD_BUDGET:-8GiB} --out $W/card >$W/logs/card-metrics.log 2>&1
+  echo "card_metrics exit $?" >>$W/logs/gpu-tests.txt
+  tail -30 $W/logs/card-metrics.log
+  cp -f $W/card/card-metrics.json $W/card/metrics-*.txt "$out/" 2>/dev/null
+  true
+}
+
 # Qwen3 first, while the disk is empty; Qwen1.5 while llama.cpp still builds.
 if want q3; then make_shape q3 qwen3-30b-a3b 61 || say "q3 not made yet"; fi
+if want q3; then card_check q3; fi
 if want q3; then quantize q3 || true; fi
 if want q15; then is_done llama-built || make_shape q15 qwen1.5-moe-a2.7b 27 || say "q15 not made yet"; fi
 while ! is_done llama-built && [ "$(left)" -gt 200 ] && pgrep -f "llama-build" >/dev/null; do sleep 5; done
@@ -155,6 +183,7 @@ is_done llama-built || { say "llama.cpp not built yet:"; tail -5 $W/logs/llama-b
 if want q3; then quantize q3 || true; fi
 if want q15; then
   make_shape q15 qwen1.5-moe-a2.7b 27 || say "q15 not made yet"
+  card_check q15
   quantize q15 || true
 fi
 df -h /tmp /dev/shm | sed 's/^/   /'
@@ -171,7 +200,8 @@ run_shape() {
     --gguf "$(cat $W/state/$s-q4.path)" --bin $BIN --llama-bin $W/llama-build/bin --modes $modes \
     --routings uniform,replay:bench/e2e/traces/$shape.safetensors --resident-routings uniform \
     --requests-at-1 2 --long-max-concurrency 8 --tokenizer $TOK/tokenizer.json --rows $W/rows-$s.jsonl \
-    --deadline $((deadline - 15)) --work $W/runs-$s 2>&1 | tee -a $W/logs/$s-runs.log
+    --deadline $((deadline - 15)) --work $W/runs-$s ${LLAMA_RESIDENT_MIB:+--llama-resident-mib $LLAMA_RESIDENT_MIB} \
+    2>&1 | tee -a $W/logs/$s-runs.log
   [ "${PIPESTATUS[0]}" = 0 ] && mark $s-runs
 }
 if want q3; then run_shape q3 qwen3-30b-a3b ${Q3_MODES:-resident,12GiB,8GiB} || true; fi

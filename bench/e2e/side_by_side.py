@@ -381,6 +381,10 @@ def main():
     ap.add_argument("--tokenizer", required=True, help="the checkpoint's tokenizer.json (llama-server's banned ids)")
     ap.add_argument("--ours-backend", default="cuda", help="cpu: a dry run of this script without a GPU")
     ap.add_argument("--rows", required=True, help="JSON lines, appended; rows already there are skipped")
+    ap.add_argument("--llama-resident-mib", type=int, default=0,
+                    help="llama-server's peak GPU MiB all resident, from an earlier run of this shape (its row in "
+                         "bench/results/e2e-latest.json): a budget mode then runs without the resident row; the "
+                         "--n-cpu-moe it predicts is still measured after load and corrected")
     ap.add_argument("--deadline", type=float, default=0, help="Unix time: no row starts that would end after it")
     ap.add_argument("--work", default="", help="logs folder (default: a temp folder, kept)")
     a = ap.parse_args()
@@ -461,6 +465,8 @@ def main():
     llama_resident_peak = None
     calib_path = a.rows + ".llama-calibration.json"
     calib = json.load(open(calib_path)) if os.path.exists(calib_path) else {}
+    if a.llama_resident_mib and "resident_peak_mib" not in calib:
+        calib["resident_peak_mib"] = a.llama_resident_mib
     for mode in a.modes.split(","):
         resident = mode == "resident"
         slots = 32 if resident else 8
@@ -488,7 +494,8 @@ def main():
                 budget_mib = int(re.match(r"(\d+)GiB", mode).group(1)) * 1024
                 base = calib.get("resident_peak_mib")
                 if base is None:
-                    raise SystemExit("side_by_side: llama.cpp's resident row first (its peak calibrates --n-cpu-moe)")
+                    raise SystemExit("side_by_side: llama.cpp's resident row first (its peak calibrates --n-cpu-moe), "
+                                     "or --llama-resident-mib from an earlier run")
                 # The resident peak less the KV it held, plus this mode's KV,
                 # less the experts of the first N layers (--n-cpu-moe N).
                 fixed = base - (32 - slots) * a.slot_tokens * kv_tok / 2**20
