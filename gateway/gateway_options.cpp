@@ -71,7 +71,7 @@ const std::vector<Numeric>& numeric_options() {
 const char* const kTextOptions[] = {"--model",  "--worker",       "--fallback-worker", "--worker-arg", "--host",
                                     "--api-key", "--api-key-file", "--served-model-name", "--redis",
                                     "--redis-password-file", "--predict", "--grouped-batching",
-                                    "--keys-file", "--request-priority"};
+                                    "--keys-file", "--request-priority", "--trusted-proxy"};
 
 bool takes_value(const std::string& name) {
   for (const char* t : kTextOptions)
@@ -112,6 +112,9 @@ std::string gateway_usage() {
          "                            /health; repeatable. Visible in ps: prefer the two below\n"
          "  --api-key-file FILE       keys, one a line ('#' comments); repeatable\n"
          "                            (the environment variable MOE_API_KEY adds one more)\n"
+         "  --trusted-proxy ADDR      a balancer in front (its address, repeatable): a request from\n"
+         "                            it is the client its X-Forwarded-For names last, for the\n"
+         "                            bounds per caller without keys (docs/scale-out.md)\n"
          "  --max-connections N       open connections at most; more are answered 503 (default:\n"
          "                            the descriptor limit less 64 kept for workers and Redis,\n"
          "                            at most 4096)\n"
@@ -262,6 +265,11 @@ Result<GatewayCommandLine> parse_gateway_args(const std::vector<std::string>& ar
           value == "on";
     } else if (name == "--keys-file") {
       o.keys_file = value;
+    } else if (name == "--trusted-proxy") {
+      if (value.empty() || value.size() > 45 ||
+          value.find_first_not_of("0123456789abcdefABCDEF:.") != std::string::npos)
+        return make_error("option --trusted-proxy needs an IP address, got '" + value + "'");
+      o.trusted_proxies.push_back(value);
     }
   }
   if (!cl.help && !cl.version) {

@@ -20,6 +20,9 @@ struct GatewayOptions {
   // Authentication: any of these keys opens every endpoint but /health.
   std::vector<std::string> api_keys;  // --api-key KEY (repeatable)
   std::vector<std::string> api_key_files;  // --api-key-file FILE (repeatable): one key a line
+  // --trusted-proxy ADDR (repeatable): a balancer whose X-Forwarded-For names
+  // the client (docs/scale-out.md); a keyless caller is then that address.
+  std::vector<std::string> trusted_proxies;
   size_t max_body_bytes = 1 << 20;    // --max-body-bytes
   std::string served_model_name;      // --served-model-name (default: the model's folder/file name)
   std::string redis_url;              // --redis (sessions, warm experts; "" → in-process)

@@ -196,6 +196,7 @@ int main(int argc, char** argv) {
     api_opts.keys = std::move(kf.value());
   }
   api_opts.allow_request_priority = opts.request_priority;
+  api_opts.trusted_proxies = opts.trusted_proxies;
   api_opts.overload_queue_depth = opts.overload_queue_depth;
   api_opts.overload_wait_ms = opts.overload_wait_ms;
   if ((opts.overload_queue_depth > 0 || opts.overload_wait_ms > 0) && opts.fallback_worker.empty())

@@ -58,7 +58,7 @@ start_host() {
   for _ in $(seq 1 300); do [ -S "$sock" ] && break; sleep 0.05; done
   # shellcheck disable=SC2086
   ip netns exec "$ns" setsid "$build/gateway/moe-gateway" --model "$model" --host "$addr" --port 8080 \
-    --worker "unix:$sock" --redis "redis://$net.1:$redis_port" ${GATEWAY_ARGS:-} \
+    --worker "unix:$sock" --redis "redis://$net.1:$redis_port" --trusted-proxy "$net.1" ${GATEWAY_ARGS:-} \
     >>"$state/logs/h$i.log" 2>&1 </dev/null &
 }
 

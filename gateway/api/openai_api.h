@@ -42,6 +42,8 @@ struct ApiOptions {
   std::vector<std::string> api_keys;  // any one of them opens every endpoint (priority 0, no rate limit)
   std::vector<ApiKeyEntry> keys;      // the keys file's (api_keys.h); no keys at all: no authentication
   bool allow_request_priority = false;  // the body's `priority` may set a request's priority
+  // Balancers whose X-Forwarded-For names the client (a keyless caller's address).
+  std::vector<std::string> trusted_proxies;
   // Overload (docs/operations.md): past either bound (0: off) new requests
   // go to the fallback worker, or are refused with 429 without one.
   int overload_queue_depth = 0;
@@ -92,6 +94,9 @@ class OpenAiApi final : public HttpHandler {
   void reply_error(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint, const ApiError& e);
   // The index of the key the request carries, -1 for none or a wrong one.
   int key_index(const HttpRequest& req) const;
+  // The client's address: the peer's, or behind a trusted proxy the last
+  // address of X-Forwarded-For that is not itself a trusted proxy.
+  std::string client_address(const HttpRequest& req) const;
   std::string new_id(const char* prefix);
 
   ApiOptions opts_;

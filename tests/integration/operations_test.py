@@ -15,7 +15,9 @@ workers on the demo model, the gateway, HTTP clients.
    key with a rate of 2 a minute gets 429 rate_limit_exceeded on its third.
 4. A session turn retried with its Idempotency-Key is answered from the
    store (whole and streamed), not run again.
-5. /metrics: each worker's stats (islands, tokens, its card: not available
+5. Behind --trusted-proxy a keyless caller is the client X-Forwarded-For
+   names; from anyone else the header is ignored.
+6. /metrics: each worker's stats (islands, tokens, its card: not available
    on a CPU worker) and the overload counters.
 """
 import hashlib
@@ -200,12 +202,45 @@ def priorities(c):
     c.close(keep=True)
 
 
+def trusted_proxy(c):
+    """Behind a trusted proxy a keyless caller is the client X-Forwarded-For
+    names last; from anyone else the header is ignored."""
+    main = c.start_worker("main", redis=False, extra=["--kv-blocks", "4"])
+    port = c.start_gateway([main], redis=False, extra=["--trusted-proxy", "127.0.0.1", "--max-caller-sequences", "1"])
+    ps = [f"def proxied_{i}(values):\n" for i in range(3)]
+
+    def admitted(forwarded):
+        """Starts a long stream for each X-Forwarded-For value at once;
+        returns which were refused 429 too_many_sequences."""
+        streams = [h.Stream(port, p, 60, headers={"X-Forwarded-For": f} if f else {}).start()
+                   for p, f in zip(ps, forwarded)]
+        for s in streams:
+            s.join(120)
+        return [bool(s.error and "429" in s.error and "too_many_sequences" in s.error) for s in streams]
+
+    # Three clients behind the proxy: each its own caller, all admitted.
+    distinct = admitted(["10.1.0.1", "198.51.100.7, 10.1.0.2", "10.1.0.3"])
+    # The same client three times (a spoofed first hop is not the client: the last one is).
+    same = admitted(["10.1.0.9", "6.6.6.6, 10.1.0.9", "10.1.0.9"])
+    print(f"RESULT trusted proxy: distinct clients refused={distinct}, one client thrice refused={same}")
+    assert distinct == [False, False, False], distinct
+    assert sum(same) == 2, same
+    c.close(keep=True)
+    # Not behind a trusted proxy: the header is ignored, every stream is 127.0.0.1.
+    port2 = c.start_gateway([c.start_worker("main2", redis=False, extra=["--kv-blocks", "4"])], redis=False,
+                            name="gateway2", extra=["--max-caller-sequences", "1"])
+    port = port2
+    ignored = admitted(["10.1.0.1", "10.1.0.2", "10.1.0.3"])
+    assert sum(ignored) == 2, ignored
+    c.close(keep=True)
+
+
 def main():
     ok = False
     clusters = []
     try:
         for name, part in (("overload-fb", overload_with_fallback), ("overload-429", overload_without_fallback),
-                           ("priorities", priorities)):
+                           ("priorities", priorities), ("proxy", trusted_proxy)):
             c = h.Cluster(name)
             clusters.append(c)
             part(c)
