@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <string>
 #include <thread>
+#include <cerrno>
 #include <vector>
 
 #include <csignal>
@@ -106,7 +107,14 @@ struct Client {
     sockaddr_un a{};
     a.sun_family = AF_UNIX;
     std::strcpy(a.sun_path, path.c_str());
-    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+    // The socket file appears at bind, a moment before listen: retry a refusal.
+    int rc = -1;
+    for (int i = 0; i < 200; ++i) {
+      rc = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+      if (rc == 0 || errno != ECONNREFUSED) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    REQUIRE(rc == 0);
   }
   ~Client() {
     if (fd >= 0) ::close(fd);
