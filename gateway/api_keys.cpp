@@ -83,6 +83,31 @@ Result<std::vector<ApiKeyEntry>> load_keys_file(const std::string& path) {
   return parse_keys_file(ss.str(), path);
 }
 
+bool looks_like_ip_address(std::string_view text) {
+  return !text.empty() && text.size() <= 45 && text.find_first_not_of("0123456789abcdefABCDEF:.") == std::string::npos;
+}
+
+std::string forwarded_client(const std::string& peer, const std::string* forwarded_for,
+                             const std::vector<std::string>& trusted) {
+  auto is_trusted = [&](const std::string& a) { return std::find(trusted.begin(), trusted.end(), a) != trusted.end(); };
+  if (!is_trusted(peer) || !forwarded_for) return peer;
+  // Right to left: each proxy appends the address it saw.
+  const std::string& xff = *forwarded_for;
+  size_t end = xff.size();
+  while (end > 0) {
+    const size_t comma = xff.rfind(',', end - 1);
+    const size_t begin = comma == std::string::npos ? 0 : comma + 1;
+    std::string a = xff.substr(begin, end - begin);
+    const size_t b = a.find_first_not_of(' '), e = a.find_last_not_of(' ');
+    a = b == std::string::npos ? std::string() : a.substr(b, e - b + 1);
+    if (!looks_like_ip_address(a)) return peer;  // not an address: trust nothing of it
+    if (!is_trusted(a)) return a;
+    if (comma == std::string::npos) break;
+    end = comma;
+  }
+  return peer;
+}
+
 bool KeyRateLimiter::allow(const std::string& key, int rate, uint64_t now_ms, uint64_t* retry_after_ms) {
   if (rate <= 0) return true;
   auto [it, fresh] = buckets_.try_emplace(key);

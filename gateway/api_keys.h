@@ -1,6 +1,7 @@
 #pragma once
 // Who may call, at which priority and how often (docs/operations.md,
-// "Priorities"): the keys file, and the per-key rate limit.
+// "Priorities"): the keys file, the per-key rate limit, and who a keyless
+// caller is behind a trusted balancer.
 //
 // A keys file holds one key a line, as whitespace-separated columns
 //
@@ -14,6 +15,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -35,6 +37,17 @@ constexpr int kMinPriority = -1000, kMaxPriority = 1000;
 Result<std::vector<ApiKeyEntry>> parse_keys_file(const std::string& text, const std::string& source);
 // Reads and parses the file at `path`.
 Result<std::vector<ApiKeyEntry>> load_keys_file(const std::string& path);
+
+// True for the text of an IPv4 or IPv6 address as a peer or a proxy header
+// writes it (digits, hex, ':' and '.'; at most 45 characters).
+bool looks_like_ip_address(std::string_view text);
+
+// Who sent a request without a key (docs/scale-out.md): its peer, or behind
+// a `trusted` proxy the last address of `forwarded_for` (X-Forwarded-For,
+// null: absent) that is not itself a trusted proxy; a header that is not a
+// list of addresses is ignored.
+std::string forwarded_client(const std::string& peer, const std::string* forwarded_for,
+                             const std::vector<std::string>& trusted);
 
 // A token bucket per key: `rate` requests a minute, at most `rate` at once.
 class KeyRateLimiter {

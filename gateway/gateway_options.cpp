@@ -9,6 +9,8 @@
 
 #include <sys/stat.h>
 
+#include "gateway/api_keys.h"
+
 namespace moe::gw {
 namespace {
 
@@ -266,8 +268,7 @@ Result<GatewayCommandLine> parse_gateway_args(const std::vector<std::string>& ar
     } else if (name == "--keys-file") {
       o.keys_file = value;
     } else if (name == "--trusted-proxy") {
-      if (value.empty() || value.size() > 45 ||
-          value.find_first_not_of("0123456789abcdefABCDEF:.") != std::string::npos)
+      if (!looks_like_ip_address(value))
         return make_error("option --trusted-proxy needs an IP address, got '" + value + "'");
       o.trusted_proxies.push_back(value);
     }

@@ -2,8 +2,6 @@
 
 #include <cstdio>
 
-#include "gateway/sched/thermal_governor.h"
-
 namespace moe::gw {
 namespace {
 
@@ -215,8 +213,9 @@ std::string GatewayMetrics::render(const SchedulerStats& stats, bool ready, cons
         {"moe_gateway_worker_batch_limit", "gauge", "Sequences the worker may run at once now.",
          [](const WorkerStats& w) { return double(w.batch_limit); }},
     };
-    auto labels = [&label](const WorkerStats& w) {
-      return std::string("{worker=\"") + label(w.name) + "\",fallback=\"" + (w.fallback ? "1" : "0") + "\"}";
+    auto labels = [&label](const WorkerStats& w, const std::string& more = "") {
+      return std::string("{worker=\"") + label(w.name) + "\",fallback=\"" + (w.fallback ? "1" : "0") + "\"" + more +
+             "}";
     };
     for (const Series& m : series) {
       out += std::string("# HELP ") + m.name + " " + m.help + "\n# TYPE " + m.name + " " + m.type + "\n";
@@ -294,11 +293,6 @@ std::string GatewayMetrics::render(const SchedulerStats& stats, bool ready, cons
         out += '\n';
       }
     }
-    static const uint64_t kReasonBits[] = {protocol::throttle::gpu_idle,     protocol::throttle::applications_clocks,
-                                           protocol::throttle::sw_power_cap, protocol::throttle::hw_slowdown,
-                                           protocol::throttle::sync_boost,   protocol::throttle::sw_thermal,
-                                           protocol::throttle::hw_thermal,   protocol::throttle::hw_power_brake,
-                                           protocol::throttle::display_clocks};
     bool any_card = false;
     for (const WorkerStats& w : stats.workers) any_card |= w.have_stats && w.stats.card.available;
     if (any_card) {
@@ -306,10 +300,9 @@ std::string GatewayMetrics::render(const SchedulerStats& stats, bool ready, cons
              "# TYPE moe_worker_card_throttle gauge\n";
       for (const WorkerStats& w : stats.workers) {
         if (!w.have_stats || !w.stats.card.available) continue;
-        const std::string base = labels(w);
-        for (uint64_t bit : kReasonBits)
-          out += "moe_worker_card_throttle" + base.substr(0, base.size() - 1) + ",reason=\"" +
-                 throttle_reason_names(bit) + "\"} " + ((w.stats.card.throttle_reasons & bit) ? "1" : "0") + "\n";
+        for (const auto& r : protocol::throttle::kReasons)
+          out += "moe_worker_card_throttle" + labels(w, std::string(",reason=\"") + r.name + "\"") + " " +
+                 ((w.stats.card.throttle_reasons & r.bit) ? "1" : "0") + "\n";
       }
     }
   }

@@ -229,6 +229,16 @@ namespace throttle {
 constexpr uint64_t gpu_idle = 0x1, applications_clocks = 0x2, sw_power_cap = 0x4, hw_slowdown = 0x8,
                    sync_boost = 0x10, sw_thermal = 0x20, hw_thermal = 0x40, hw_power_brake = 0x80,
                    display_clocks = 0x100;
+// Each bit with its name, as /metrics and the logs spell it.
+struct Reason {
+  uint64_t bit;
+  const char* name;
+};
+inline constexpr Reason kReasons[] = {{gpu_idle, "gpu_idle"},         {applications_clocks, "applications_clocks"},
+                                      {sw_power_cap, "sw_power_cap"}, {hw_slowdown, "hw_slowdown"},
+                                      {sync_boost, "sync_boost"},     {sw_thermal, "sw_thermal"},
+                                      {hw_thermal, "hw_thermal"},     {hw_power_brake, "hw_power_brake"},
+                                      {display_clocks, "display_clocks"}};
 }  // namespace throttle
 
 struct CardHealth {

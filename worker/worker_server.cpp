@@ -88,6 +88,7 @@ bool peer_allowed(int fd, std::string* why) {
 WorkerServer::WorkerServer(Backend* backend, ServerOptions opts)
     : backend_(backend), opts_(std::move(opts)), decoder_(opts_.max_frame_bytes), started_ms_(now_ms()) {
   backend_->set_progress(&progress_);
+  if (!opts_.card) no_card_reason_ = "the " + backend_->describe().backend + " backend computes on no card";
   (void)fault();
 }
 
@@ -406,7 +407,7 @@ void WorkerServer::handle_frame(const pr::Frame& f) {
     if (opts_.card)
       r.card = opts_.card->latest();
     else
-      r.card.reason = "the " + backend_->describe().backend + " backend computes on no card";
+      r.card.reason = no_card_reason_;
     queue(pr::make_frame(f.request_id, r).value());
   } else if (auto* sd = std::get_if<pr::Shutdown>(&*msg)) {
     // Every step received before it was answered already (steps run in order).

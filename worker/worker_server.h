@@ -131,6 +131,7 @@ class WorkerServer {
   uint64_t steps_ = 0, tokens_ = 0, sampled_tokens_ = 0;
   int kv_pressure_said_ = 0;  // 0 none, 1 warn, 2 evict: the last level sent since the pool was roomy
   int exit_code_ = 0;
+  std::string no_card_reason_;  // a stats reply's CardHealth.reason without a card
 
   // The beat thread and what it watches.
   std::atomic<uint64_t> progress_{0};  // bumped by the backend as a step advances

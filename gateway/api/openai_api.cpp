@@ -88,31 +88,6 @@ int OpenAiApi::key_index(const HttpRequest& req) const {
   return found;
 }
 
-std::string OpenAiApi::client_address(const HttpRequest& req) const {
-  auto trusted = [this](const std::string& a) {
-    return std::find(opts_.trusted_proxies.begin(), opts_.trusted_proxies.end(), a) != opts_.trusted_proxies.end();
-  };
-  if (!trusted(req.peer)) return req.peer;
-  const std::string* xff = req.header("x-forwarded-for");
-  if (!xff) return req.peer;
-  // Right to left: each proxy appends the address it saw.
-  size_t end = xff->size();
-  while (end > 0) {
-    const size_t comma = xff->rfind(',', end - 1);
-    const size_t begin = comma == std::string::npos ? 0 : comma + 1;
-    std::string a = xff->substr(begin, end - begin);
-    const size_t b = a.find_first_not_of(' '), e = a.find_last_not_of(' ');
-    a = b == std::string::npos ? std::string() : a.substr(b, e - b + 1);
-    const bool looks_like_ip =
-        !a.empty() && a.size() <= 45 && a.find_first_not_of("0123456789abcdefABCDEF:.") == std::string::npos;
-    if (!looks_like_ip) return req.peer;  // not an address: trust nothing of it
-    if (!trusted(a)) return a;
-    if (comma == std::string::npos) break;
-    end = comma;
-  }
-  return req.peer;
-}
-
 void OpenAiApi::reply(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint, HttpResponse r) {
   metrics_->count_request(endpoint, r.status);
   ex->respond(std::move(r));
@@ -178,7 +153,7 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
     caller.session_owner = key_owners_[size_t(k)];
     caller.key = &keys_[size_t(k)];
   } else {
-    caller.id = "addr:" + client_address(req);
+    caller.id = "addr:" + forwarded_client(req.peer, req.header("x-forwarded-for"), opts_.trusted_proxies);
     caller.session_owner = SessionStore::open_owner();
   }
   if (!route.endpoint) {

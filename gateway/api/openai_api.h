@@ -94,9 +94,6 @@ class OpenAiApi final : public HttpHandler {
   void reply_error(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint, const ApiError& e);
   // The index of the key the request carries, -1 for none or a wrong one.
   int key_index(const HttpRequest& req) const;
-  // The client's address: the peer's, or behind a trusted proxy the last
-  // address of X-Forwarded-For that is not itself a trusted proxy.
-  std::string client_address(const HttpRequest& req) const;
   std::string new_id(const char* prefix);
 
   ApiOptions opts_;

@@ -113,7 +113,6 @@ struct SchedulerStats {
   // waiting for a main worker, and how long the oldest of them has waited.
   int main_waiting = 0;
   uint64_t main_oldest_wait_ms = 0;
-  bool fallback_ready = false;  // a fallback worker is configured and ready
   int on_fallback = 0;          // sequences the fallback serves by overload
   // Expert prediction (docs/expert-prediction.md); zeros while --predict off.
   bool predicting = false;

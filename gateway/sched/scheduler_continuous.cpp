@@ -144,7 +144,6 @@ SchedulerStats ContinuousScheduler::stats() const {
       s.kv_blocks_total += w.policy.limits().kv_blocks_total;
       if (w.fallback) s.degraded = true;
     }
-    if (w.fallback) s.fallback_ready |= w.link->ready();
     WorkerStats ws{w.name, w.link->ready(), w.fallback, w.policy.running(), w.policy.waiting(), w.assigned,
                    w.steps_sent};
     ws.have_stats = w.have_stats;
@@ -445,6 +444,15 @@ void ContinuousScheduler::dispatch(std::vector<SequenceUpdate>& updates) {
   }
 }
 
+std::deque<SequenceState>::iterator ContinuousScheduler::give(size_t w, std::deque<SequenceState>::iterator it) {
+  Worker& wk = workers_[w];
+  owner_[it->id] = w;
+  ++wk.assigned;
+  const bool ran_before = moved_.erase(it->id) > 0;  // sequences that ran elsewhere go first
+  wk.policy.add_resumed(std::move(*it), ran_before);
+  return queued_.erase(it);
+}
+
 void ContinuousScheduler::assign_queued() {
   // Sequences sent to the fallback by overload go there while it is ready;
   // without it they are ordinary sequences again.
@@ -461,12 +469,7 @@ void ContinuousScheduler::assign_queued() {
       ++it;
       continue;
     }
-    Worker& fb = workers_[size_t(fallback)];
-    owner_[it->id] = size_t(fallback);
-    ++fb.assigned;
-    const bool ran_before = moved_.erase(it->id) > 0;
-    fb.policy.add_resumed(std::move(*it), ran_before);
-    it = queued_.erase(it);
+    it = give(size_t(fallback), it);
   }
   std::vector<size_t> candidates;
   for (size_t i = 0; i < workers_.size(); ++i) {
@@ -480,19 +483,8 @@ void ContinuousScheduler::assign_queued() {
     for (size_t i = 0; i < workers_.size(); ++i) {
       if (!serving(i) || !workers_[i].pressure || workers_[i].policy.running() + workers_[i].policy.waiting() == 0)
         continue;
-      Worker& wk = workers_[i];
-      const int worst = wk.policy.latest_priority();
-      for (auto it = queued_.begin(); it != queued_.end();) {
-        if (it->req.priority >= worst) {
-          ++it;
-          continue;
-        }
-        owner_[it->id] = i;
-        ++wk.assigned;
-        const bool ran_before = moved_.erase(it->id) > 0;
-        wk.policy.add_resumed(std::move(*it), ran_before);
-        it = queued_.erase(it);
-      }
+      const int worst = workers_[i].policy.latest_priority();
+      for (auto it = queued_.begin(); it != queued_.end();) it = it->req.priority < worst ? give(i, it) : it + 1;
     }
     return;
   }

@@ -131,6 +131,8 @@ class ContinuousScheduler final : public Scheduler {
   void request_kick();  // plans on the next loop turn (never inside a caller's call)
   void kick();
   void assign_queued();
+  // Gives the queued sequence at `it` to worker `w`; the next queued one.
+  std::deque<SequenceState>::iterator give(size_t w, std::deque<SequenceState>::iterator it);
   void rebalance();  // an idle worker takes half the queue of the busiest one
   void step(size_t w);
   void finish_step(size_t w, const std::vector<ChunkResult>& results);

@@ -26,13 +26,14 @@ int64_t BatchPolicy::effective_priority(const Seq& s) const {
   return s.req.priority;
 }
 
-uint64_t BatchPolicy::victim() const {
-  uint64_t id = running_.back();
-  int64_t worst = effective_priority(seqs_.at(id));
+uint64_t BatchPolicy::victim(const std::function<bool(const Seq&)>& eligible) const {
+  uint64_t id = 0;
+  int64_t worst = INT64_MIN;
   for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
-    const int64_t p = effective_priority(seqs_.at(*it));
-    if (p > worst) {
-      worst = p;
+    const Seq& s = seqs_.at(*it);
+    if (eligible && !eligible(s)) continue;
+    if (id == 0 || effective_priority(s) > worst) {
+      worst = effective_priority(s);
       id = *it;
     }
   }
@@ -45,20 +46,13 @@ std::vector<size_t> BatchPolicy::admission_order(size_t limit) const {
   bool mixed = false;
   for (size_t i = 1; i < waiting_.size() && !mixed; ++i)
     mixed = seqs_.at(waiting_[i]).req.priority != seqs_.at(waiting_[0]).req.priority;
-  if (mixed && limit < waiting_.size()) {
-    std::vector<size_t> all = admission_order_within(waiting_.size());
-    std::stable_sort(all.begin(), all.end(), [this](size_t a, size_t b) {
-      return effective_priority(seqs_.at(waiting_[a])) < effective_priority(seqs_.at(waiting_[b]));
-    });
-    all.resize(limit);
-    return all;
-  }
-  std::vector<size_t> order = admission_order_within(limit);
-  if (mixed)
-    std::stable_sort(order.begin(), order.end(), [this](size_t a, size_t b) {
-      return effective_priority(seqs_.at(waiting_[a])) < effective_priority(seqs_.at(waiting_[b]));
-    });
-  return order;
+  if (!mixed) return admission_order_within(limit);
+  std::vector<size_t> all = admission_order_within(waiting_.size());
+  std::stable_sort(all.begin(), all.end(), [this](size_t a, size_t b) {
+    return effective_priority(seqs_.at(waiting_[a])) < effective_priority(seqs_.at(waiting_[b]));
+  });
+  if (all.size() > limit) all.resize(limit);
+  return all;
 }
 
 std::vector<size_t> BatchPolicy::admission_order_within(size_t limit) const {
@@ -202,7 +196,7 @@ void BatchPolicy::preempt_for_priority(StepPlan& plan) {
   auto held = [&](const Seq& s) { return blocks_for(std::max<int>(s.on_worker + 1, int(s.context.size()))); };
   auto decodes = [&] {
     int n = 0;
-    for (uint64_t id : running_) n += int(seqs_.at(id).context.size()) - seqs_.at(id).on_worker == 1;
+    for (uint64_t id : running_) n += decoding(seqs_.at(id));
     return n;
   };
   // Room means all three: its KV (with headroom), a batch slot, and step
@@ -219,22 +213,13 @@ void BatchPolicy::preempt_for_priority(StepPlan& plan) {
     if (!eligible(s)) continue;
     freeable += held(s);
     ++n_eligible;
-    eligible_decoding += int(s.context.size()) - s.on_worker == 1;
+    eligible_decoding += decoding(s);
   }
   if (n_eligible == 0 || !room(committed_blocks() - freeable, int(running_.size()) - n_eligible,
                                decodes() - eligible_decoding))
     return;
   while (!room(committed_blocks(), int(running_.size()), decodes())) {
-    // The latest class first, the youngest of it.
-    uint64_t v = 0;
-    int64_t worst = INT64_MIN;
-    for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
-      const Seq& s = seqs_.at(*it);
-      if (eligible(s) && (v == 0 || effective_priority(s) > worst)) {
-        v = *it;
-        worst = effective_priority(s);
-      }
-    }
+    const uint64_t v = victim(eligible);
     if (v == 0) break;
     preempt(v, plan);
     ++priority_preemptions_;
@@ -276,18 +261,18 @@ StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected, uint64_t now_m
     int need = 0;
     for (uint64_t id : running_) {
       const Seq& s = seqs_.at(id);
-      if (int(s.context.size()) - s.on_worker == 1) need += blocks_for(s.on_worker + 1) - blocks_for(s.on_worker);
+      if (decoding(s)) need += blocks_for(s.on_worker + 1) - blocks_for(s.on_worker);
     }
     return need;
   };
   preempt_for_priority(plan);
-  while (!running_.empty() && decode_need() > total - kv_blocks_used()) preempt(victim(), plan);
+  while (!running_.empty() && decode_need() > total - kv_blocks_used()) preempt(victim({}), plan);
 
   int budget = limits_.max_step_tokens;
   int free_blocks = total - kv_blocks_used();
   for (uint64_t id : running_) {
     Seq& s = seqs_.at(id);
-    if (int(s.context.size()) - s.on_worker != 1) continue;
+    if (!decoding(s)) continue;
     free_blocks -= blocks_for(s.on_worker + 1) - blocks_for(s.on_worker);
     plan.chunks.push_back({id, {s.context.back()}, s.on_worker, true, s.req.sampling, s.hints.route_tag});
     plan.chunks.back().sampling.adjust = s.controls.next(s.req, int(s.generated.size()));

@@ -203,8 +203,11 @@ class BatchPolicy {
   void preempt(uint64_t id, StepPlan& plan);
   // Priorities: a sequence's class now (lower first; aged: the most urgent).
   int64_t effective_priority(const Seq& s) const;
-  // The running sequence to preempt first: the latest class, then the youngest.
-  uint64_t victim() const;
+  // The running sequence to preempt first, among those `eligible` takes:
+  // the latest class, then the youngest.
+  uint64_t victim(const std::function<bool(const Seq&)>& eligible) const;  // 0: none eligible (null: any)
+  // Its prompt is on the worker: the next step carries its one decode token.
+  static bool decoding(const Seq& s) { return int(s.context.size()) - s.on_worker == 1; }
   // Frees room for the first waiting sequence by preempting running ones of
   // a later class, when that is enough for it to fit.
   void preempt_for_priority(StepPlan& plan);

@@ -3,20 +3,11 @@
 namespace moe::gw {
 
 std::string throttle_reason_names(uint64_t reasons) {
-  namespace t = protocol::throttle;
-  static constexpr struct {
-    uint64_t bit;
-    const char* name;
-  } kNames[] = {{t::gpu_idle, "gpu_idle"},       {t::applications_clocks, "applications_clocks"},
-                {t::sw_power_cap, "sw_power_cap"}, {t::hw_slowdown, "hw_slowdown"},
-                {t::sync_boost, "sync_boost"},   {t::sw_thermal, "sw_thermal"},
-                {t::hw_thermal, "hw_thermal"},   {t::hw_power_brake, "hw_power_brake"},
-                {t::display_clocks, "display_clocks"}};
   std::string out;
-  for (const auto& n : kNames)
-    if (reasons & n.bit) {
+  for (const auto& r : protocol::throttle::kReasons)
+    if (reasons & r.bit) {
       if (!out.empty()) out += ',';
-      out += n.name;
+      out += r.name;
     }
   return out;
 }

@@ -231,9 +231,9 @@ class Stream:
             self.error = f"{type(e).__name__}: {e}"
 
 
-def metrics(port, headers=None):
+def metrics(port, headers=None, host="127.0.0.1"):
     """The gateway's /metrics as {series with labels: value}."""
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    c = http.client.HTTPConnection(host, port, timeout=10)
     c.request("GET", "/metrics", headers=headers or {})
     out = {}
     for line in c.getresponse().read().decode().splitlines():

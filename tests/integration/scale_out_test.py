@@ -25,6 +25,9 @@ import threading
 import time
 import uuid
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import redis_harness as h  # noqa: E402
+
 SKIP = 77
 SESSIONS = int(os.environ.get("MOE_SCALE_OUT_SESSIONS", "64"))
 TURNS = 4
@@ -222,13 +225,7 @@ def main():
         for i in range(1, HOSTS + 1):
             if i == KILLED:
                 continue
-            c = http.client.HTTPConnection(f"{env['NET']}.{10 + i}", 8080, timeout=10)
-            c.request("GET", "/metrics")
-            m = {}
-            for line in c.getresponse().read().decode().splitlines():
-                if line and not line.startswith("#"):
-                    k, _, v = line.rpartition(" ")
-                    m[k] = float(v)
+            m = h.metrics(8080, host=f"{env['NET']}.{10 + i}")
             served = m.get('moe_gateway_requests_total{endpoint="/v1/chat/completions",status="200"}', 0)
             learned[i] = (served, m.get("moe_gateway_routing_summaries_learned_total", 0))
         print("routing summaries learned by each surviving gateway (its own requests, learned): " +
