@@ -59,6 +59,8 @@ class ModelFiles {
 
  private:
   friend class PackedModelReader;
+  friend class GgufModelReader;            // model/gguf_model.h
+  friend class QuantizedCheckpointReader;  // model/quantized_checkpoint.h
   std::string path_;
   bool packed_ = false;
   ModelDesc desc_;
@@ -70,6 +72,9 @@ class ModelFiles {
   std::map<std::string, TensorView> packed_tensors_;
   std::vector<const uint8_t*> expert_blobs_;  // [layer * n_experts + expert]
   std::map<std::string, std::string> text_files_;
+  // Heap buffers behind tensors and expert blobs that are not views of a
+  // mapping (weights dequantised or re-laid out at open).
+  std::vector<std::shared_ptr<const void>> owned_;
 };
 
 }  // namespace moe
