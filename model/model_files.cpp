@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "model/packed_model.h"
+#include "model/quantized_checkpoint.h"
 
 namespace moe {
 
@@ -38,6 +39,12 @@ Result<std::shared_ptr<ModelFiles>> ModelFiles::open(const std::string& path) {
       ss << in.rdbuf();
       files->text_files_[name] = ss.str();
     }
+    // A GPTQ or AWQ checkpoint: experts into INT4 blobs, other quantised
+    // Linears into f32 (docs/quantized-checkpoints.md).
+    auto quant = read_quantization_config(files->text_files_["config.json"]);
+    if (!quant) return make_error(path + "/" + quant.error());
+    if (quant->has_value())
+      if (Status s = QuantizedCheckpointReader::read(**quant, files.get()); !s) return make_error(s.error());
     return files;
   }
   if (!fs::exists(path, ec)) return make_error(path + ": no such file or folder");

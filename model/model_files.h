@@ -2,7 +2,9 @@
 // A model as every engine and tool sees it: the description, the tensors, the
 // INT4 expert blobs and the tokenizer files, whether it came from a Hugging
 // Face checkpoint folder or from the project's packed file (`moe convert`,
-// docs/packed-format.md). Everything is mapped, nothing copied.
+// docs/packed-format.md). Everything is mapped, nothing copied, except for a
+// GPTQ or AWQ checkpoint folder (docs/quantized-checkpoints.md), whose
+// experts become INT4 blobs and other quantised Linears f32 at open.
 
 #include <cstdint>
 #include <map>
@@ -19,7 +21,8 @@ namespace moe {
 
 class ModelFiles {
  public:
-  // `path`: a checkpoint folder (config.json + safetensors) or a packed file.
+  // `path`: a checkpoint folder (config.json + safetensors; a GPTQ or AWQ
+  // INT4 one too) or a packed file.
   static Result<std::shared_ptr<ModelFiles>> open(const std::string& path);
 
   // A model held in memory (benchmarks with generated weights): the
@@ -34,16 +37,20 @@ class ModelFiles {
 
   const ModelDesc& desc() const { return desc_; }
   const std::string& path() const { return path_; }
+  // True when the tensors are held here (a packed file, a model in memory,
+  // a GPTQ/AWQ folder converted at open), not looked up in the checkpoint.
   bool is_packed() const { return packed_; }
 
   // A tensor by its Hugging Face name (bf16/f16/f32 as stored), nullptr if
-  // absent. In a packed file whose experts are INT4, expert matrices are not
-  // found here: use expert_q4.
+  // absent. Where the experts are INT4 (packed file, GPTQ/AWQ folder),
+  // expert matrices are not found here: use expert_q4. A GPTQ/AWQ folder's
+  // other quantised Linears are found as f32 `<prefix>.weight`.
   const TensorView* find(const std::string& name) const;
   // Every tensor find() can return, by name.
   const std::map<std::string, TensorView>& tensors() const;
 
-  // INT4 experts: present in packed files made with quantised experts.
+  // INT4 experts: present in packed files made with quantised experts and
+  // in GPTQ/AWQ checkpoint folders.
   bool experts_q4() const { return experts_q4_; }
   int q4_group() const { return q4_group_; }
   const ExpertLayout& expert_layout() const { return layout_; }
