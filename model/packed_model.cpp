@@ -198,6 +198,14 @@ Status write_packed_model(const std::string& model_dir, const std::string& out_p
   const ModelFiles& files = **opened;
   const ModelDesc& d = files.desc();
   const int H = d.hidden_size, I = d.moe.expert_intermediate;
+  // A GPTQ/AWQ folder (docs/quantized-checkpoints.md): its experts are INT4
+  // blobs already, of the group the checkpoint gave; they are written as
+  // they are.
+  const bool source_q4 = files.experts_q4();
+  if (source_q4 && !opts.quantize_experts)
+    return make_error(model_dir + ": the routed experts of this GPTQ/AWQ checkpoint are INT4 already; "
+                      "--no-quantize cannot give them back in bf16");
+  const int group = source_q4 ? files.q4_group() : opts.group_size;
   const bool q4 = opts.quantize_experts && d.n_moe_layers() > 0;
   if (q4 && (H % 2 != 0 || I % 2 != 0))
     return make_error(model_dir + ": INT4 experts need even hidden and expert intermediate sizes");
@@ -206,15 +214,17 @@ Status write_packed_model(const std::string& model_dir, const std::string& out_p
   std::set<std::string> expert_names;
   std::vector<OutTensor> out;
   std::vector<OutTensor> experts;
-  const ExpertLayout layout = q4 ? expert_layout(H, I, opts.group_size) : ExpertLayout{};
+  const ExpertLayout layout = !q4 ? ExpertLayout{} : source_q4 ? files.expert_layout() : expert_layout(H, I, group);
   for (int l = 0; l < d.n_layers; ++l) {
     if (!d.layer_is_moe[size_t(l)]) continue;
     for (int e = 0; e < d.moe.n_experts; ++e) {
       const ExpertWeightNames n = expert_weight_names(d, l, e);
-      if (Status s = check_expert_matrix(files, n.gate, I, H); !s) return s;
-      if (Status s = check_expert_matrix(files, n.up, I, H); !s) return s;
-      if (Status s = check_expert_matrix(files, n.down, H, I); !s) return s;
-      expert_names.insert({n.gate, n.up, n.down});
+      if (!source_q4) {
+        if (Status s = check_expert_matrix(files, n.gate, I, H); !s) return s;
+        if (Status s = check_expert_matrix(files, n.up, I, H); !s) return s;
+        if (Status s = check_expert_matrix(files, n.down, H, I); !s) return s;
+        expert_names.insert({n.gate, n.up, n.down});
+      }
       if (q4) {
         OutTensor t;
         t.name = expert_q4_name(l, e);
@@ -260,7 +270,7 @@ Status write_packed_model(const std::string& model_dir, const std::string& out_p
     const std::string text = files.tokenizer_file(name);
     if (!text.empty()) text_files[name] = text;
   }
-  json quant = {{"experts", q4 ? "q4" : "bf16"}, {"group_size", q4 ? opts.group_size : 0}};
+  json quant = {{"experts", q4 ? "q4" : "bf16"}, {"group_size", q4 ? group : 0}};
   if (q4) quant["expert_blob_bytes"] = layout.blob_bytes;
   const json header = {{"format", "moe-packed"},
                        {"version", kPackedVersion},
@@ -304,6 +314,8 @@ Status write_packed_model(const std::string& model_dir, const std::string& out_p
       if (t.src) {
         f.write(t.src->data, t.bytes);
         drop_pages(t.src->data, t.bytes);
+      } else if (source_q4) {
+        f.write(files.expert_q4(t.layer, t.expert), t.bytes);
       } else {
         if (i >= batch_end) {
           batch_begin = i;

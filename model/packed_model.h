@@ -43,6 +43,9 @@ struct PackOptions {
 
 // Packs the checkpoint folder `model_dir` into `out_path`, writing
 // `out_path`.tmp first and renaming it over `out_path` only when complete.
+// A GPTQ/AWQ folder's experts are INT4 already: they are written as the
+// folder opens them, with its group (opts.group_size does not apply), and
+// its dequantised Linears as F32.
 [[nodiscard]] Status write_packed_model(const std::string& model_dir, const std::string& out_path,
                                         const PackOptions& opts);
 

@@ -451,3 +451,38 @@ TEST_CASE("broken GPTQ and AWQ checkpoints are refused, naming the file and the 
     CHECK(open_error(dir).find("both quantised") != std::string::npos);
   }
 }
+
+TEST_CASE("moe convert packs a GPTQ folder with its INT4 experts as they open", "[quantized][packed]") {
+  TempDir tmp("quantized_pack");
+  const std::string dir = (tmp.path / "q").string(), out = (tmp.path / "q.moepack").string();
+  moe::test::write_quantized_checkpoint(fixture_dir("mixtral"), dir, gptq(32));
+  PackOptions opts;  // group 64 asked; the checkpoint's 32 is kept
+  REQUIRE(write_packed_model(dir, out, opts).ok());
+  auto folder = ModelFiles::open(dir);
+  auto packed = ModelFiles::open(out);
+  REQUIRE(folder.ok());
+  INFO((packed.ok() ? std::string() : packed.error()));
+  REQUIRE(packed.ok());
+  const ModelFiles& F = **folder;
+  const ModelFiles& P = **packed;
+  REQUIRE(P.experts_q4());
+  CHECK(P.q4_group() == 32);
+  REQUIRE(P.expert_layout().blob_bytes == F.expert_layout().blob_bytes);
+  const ModelDesc& d = F.desc();
+  for (int l = 0; l < d.n_layers; ++l)
+    for (int e = 0; e < d.moe.n_experts; ++e)
+      CHECK(std::memcmp(P.expert_q4(l, e), F.expert_q4(l, e), F.expert_layout().blob_bytes) == 0);
+  REQUIRE(P.tensors().size() == F.tensors().size());
+  for (const auto& [name, t] : F.tensors()) {
+    INFO(name);
+    const TensorView* p = P.find(name);
+    REQUIRE(p);
+    CHECK(p->dtype == t.dtype);
+    REQUIRE(p->nbytes == t.nbytes);
+    CHECK(std::memcmp(p->data, t.data, t.nbytes) == 0);
+  }
+  opts.quantize_experts = false;
+  const Status s = write_packed_model(dir, out + "2", opts);
+  REQUIRE_FALSE(s.ok());
+  CHECK(s.error().find("INT4 already") != std::string::npos);
+}

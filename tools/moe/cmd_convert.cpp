@@ -21,7 +21,8 @@ void usage(FILE* out) {
       "  --model DIR        a checkpoint folder: config.json, model.safetensors (or shards\n"
       "                     with model.safetensors.index.json), tokenizer files\n"
       "  --out FILE         the packed model file to write (written to FILE.tmp, then renamed)\n"
-      "  --group-size G     INT4 group size along each row's inputs (default 64)\n"
+      "  --group-size G     INT4 group size along each row's inputs (default 64); a GPTQ or\n"
+      "                     AWQ folder keeps its INT4 experts and its own group size\n"
       "  --no-quantize      keep the routed experts as stored (bf16) instead of INT4\n");
 }
 
