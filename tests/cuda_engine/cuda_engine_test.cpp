@@ -27,6 +27,7 @@
 #include "model/packed_model.h"
 #include "model/safetensors.h"
 #include "tests/cuda_skip.h"
+#include "tests/model/quantized_checkpoint_writer.h"
 #include "tests/model/safetensors_writer.h"
 
 namespace fs = std::filesystem;
@@ -819,6 +820,30 @@ TEST_CASE("cuda engine: a budget too small is refused saying what would fit; war
   CHECK(small->resident().size() == size_t(E - 2));
   // Every expert resident: nothing is unloaded.
   CHECK(full->unload(drop).size() == 2);
+}
+
+// GPTQ and AWQ folders made from a fixture (docs/quantized-checkpoints.md):
+// both engines read the same INT4 blobs, carried over from the checkpoint,
+// and the same dequantised f32 Linears (bf16 on the GPU).
+TEST_CASE("cuda engine: GPTQ and AWQ folders serve as on the CPU engine", "[cuda][engine][quantized]") {
+  SKIP_WITHOUT_GPU();
+  for (const std::string method : {"gptq", "awq"}) {
+    SECTION(method) {
+      const fs::path dir = fs::temp_directory_path() / ("moe-cuda-engine-test-" + std::to_string(::getpid())) /
+                           ("quantized-" + method);
+      moe::test::QuantRecipe r;
+      r.method = method;
+      r.group = 32;
+      moe::test::write_quantized_checkpoint(model_dir("qwen3_moe"), dir.string(), r);
+      auto cpu = cpu_engine(dir.string());
+      auto gpu = cuda_engine(dir.string());
+      const Compare cmp = run_against_cpu(*cpu, *gpu, 12);
+      std::printf("cuda engine vs cpu, qwen3_moe %s g32: %d outputs, %d same greedy token, %d near ties; "
+                  "|dlogprob| of the top 8 where routing agreed: max %.4f\n",
+                  method.c_str(), cmp.tokens, cmp.agree, cmp.near_ties, cmp.max_lp_diff);
+      CHECK(cmp.agree >= cmp.tokens - 2);
+    }
+  }
 }
 
 TEST_CASE("cuda engine: a checkpoint folder is quantised at load exactly as the packed file", "[cuda][engine]") {
