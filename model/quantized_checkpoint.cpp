@@ -230,12 +230,13 @@ Status describe(const Checkpoint& ck, const QuantizedCheckpointConfig& cfg, cons
   q->groups = (q->in + group - 1) / group;
   const std::string groups = std::to_string(q->groups);
   const std::string out8 = std::to_string(q->out / 8);
+  // A missing part is named beside the qweight's file (a shard's index
+  // does not list what is not there).
   if (!q->scales)
-    return bad(prefix + ".scales", "missing: the quantised Linear '" + prefix + "' (" + qw.name +
-                                       ") has no scales");
+    return bad(qw.name, "the quantised Linear '" + prefix + "' has no scales: '" + prefix + ".scales' is missing");
   if (!q->qzeros)
-    return bad(prefix + ".qzeros", "missing: the quantised Linear '" + prefix + "' (" + qw.name +
-                                       ") has no zero points");
+    return bad(qw.name, "the quantised Linear '" + prefix + "' has no zero points: '" + prefix +
+                            ".qzeros' is missing");
   if (q->scales->shape != std::vector<int64_t>{q->groups, q->out})
     return bad(q->scales->name, "has shape " + shape_str(q->scales->shape) + ", expected [" + groups +
                                     ", " + std::to_string(q->out) + "] for " + qw.name + " " +
@@ -272,7 +273,7 @@ Status describe(const Checkpoint& ck, const QuantizedCheckpointConfig& cfg, cons
     }
   } else {
     if (cfg.method == QuantMethod::gptq && cfg.desc_act)
-      return bad(prefix + ".g_idx", "missing, and desc_act is true: the groups of the inputs are unknown");
+      return bad(qw.name, "'" + prefix + ".g_idx' is missing, and desc_act is true: the groups of the inputs are unknown");
     for (int i = 0; i < q->in; ++i) q->group_of[size_t(i)] = i / group;
   }
   return {};

@@ -486,3 +486,41 @@ TEST_CASE("moe convert packs a GPTQ folder with its INT4 experts as they open", 
   REQUIRE_FALSE(s.ok());
   CHECK(s.error().find("INT4 already") != std::string::npos);
 }
+
+TEST_CASE("a sharded GPTQ checkpoint opens, and its errors name the shard", "[quantized]") {
+  TempDir tmp("quantized_shards");
+  const std::string dir = (tmp.path / "q").string();
+  const std::string up = "model.layers.1.mlp.experts.2.up_proj";
+  auto write_sharded = [&](bool break_scales) {
+    fs::remove_all(dir);
+    moe::test::write_quantized_checkpoint(fixture_dir("qwen3_moe"), dir, gptq(32),
+                                          [&](std::vector<moe::test::OwnedTensor>& ts, nlohmann::json&) {
+                                            if (!break_scales) return;
+                                            for (auto& t : ts)
+                                              if (t.view.name == up + ".scales") t.view.shape = {t.view.shape[1], 2};
+                                          });
+    // Layer 1 in a second shard, everything else in the first.
+    const std::string single = dir + "/model.safetensors";
+    {
+      auto ck = Checkpoint::open_file(single);
+      REQUIRE(ck.ok());
+      std::vector<const TensorView*> a, b;
+      nlohmann::json map = nlohmann::json::object();
+      for (const auto& [name, t] : ck->tensors()) {
+        const bool second = name.rfind("model.layers.1.", 0) == 0;
+        (second ? b : a).push_back(&t);
+        map[name] = second ? "model-00002-of-00002.safetensors" : "model-00001-of-00002.safetensors";
+      }
+      moe::test::write_safetensors(dir + "/model-00001-of-00002.safetensors", a);
+      moe::test::write_safetensors(dir + "/model-00002-of-00002.safetensors", b);
+      std::ofstream(dir + "/model.safetensors.index.json") << nlohmann::json{{"weight_map", map}}.dump();
+    }
+    fs::remove(single);
+  };
+  write_sharded(false);
+  check_quantized_folder(dir, 32);
+  write_sharded(true);
+  const std::string e = open_error(dir);
+  INFO(e);
+  CHECK(e.find(dir + "/model-00002-of-00002.safetensors: tensor '" + up + ".scales'") != std::string::npos);
+}
