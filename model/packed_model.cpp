@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "model/int4.h"
+#include "model/parallel_for.h"
 #include "model/model_files.h"
 #include "model/safetensors.h"
 
@@ -136,18 +137,6 @@ void drop_pages(const uint8_t* p, size_t n) {
   const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) / page * page;
   const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) / page * page;
   if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
-}
-
-// Runs fn(0..n-1) on up to `threads` threads.
-void parallel_for(size_t n, size_t threads, const std::function<void(size_t)>& fn) {
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t k; (k = next.fetch_add(1)) < n;) fn(k);
-  };
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t < std::min(threads, n); ++t) pool.emplace_back(work);
-  work();
-  for (auto& th : pool) th.join();
 }
 
 std::vector<uint8_t> quantize_expert(const ModelFiles& files, const ExpertWeightNames& n,
@@ -305,7 +294,7 @@ Status write_packed_model(const std::string& model_dir, const std::string& out_p
     // Expert blobs are quantised a batch at a time on all threads, then
     // written in order.
     const size_t threads =
-        opts.threads > 0 ? size_t(opts.threads) : std::max(1u, std::thread::hardware_concurrency());
+        opts.threads > 0 ? size_t(opts.threads) : host_threads();
     std::vector<std::vector<uint8_t>> blobs;  // [batch][blob_bytes]
     size_t batch_begin = 0, batch_end = 0;    // the out[] range `blobs` holds
     for (size_t i = 0; i < out.size() && !f.failed(); ++i) {

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "model/int4.h"
+#include "model/parallel_for.h"
 #include "model/model_files.h"
 #include "model/packed_model.h"  // expert_weight_names
 #include "model/safetensors.h"
@@ -289,23 +290,15 @@ int blob_group_for(int group_size) {
 
 // Runs every job on the host's cores; the first failure is returned.
 Status run_jobs(const std::vector<std::function<Status()>>& jobs) {
-  std::atomic<size_t> next{0};
   std::mutex mu;
   Status first;
-  auto work = [&] {
-    for (size_t k; (k = next.fetch_add(1)) < jobs.size();) {
-      Status s = jobs[k]();
-      if (!s) {
-        std::lock_guard<std::mutex> lock(mu);
-        if (first.ok()) first = std::move(s);
-      }
+  parallel_for(jobs.size(), host_threads(), [&](size_t k) {
+    Status s = jobs[k]();
+    if (!s) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (first.ok()) first = std::move(s);
     }
-  };
-  const size_t threads = std::min<size_t>(jobs.size(), std::max(1u, std::thread::hardware_concurrency()));
-  std::vector<std::thread> team;
-  for (size_t t = 1; t < threads; ++t) team.emplace_back(work);
-  work();
-  for (auto& t : team) t.join();
+  });
   return first;
 }
 
