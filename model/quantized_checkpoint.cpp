@@ -35,10 +35,6 @@ using json = nlohmann::json;
 // kAwqNibbleOf[j] (what AutoAWQ calls the reverse order).
 constexpr int kAwqNibbleOf[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 
-bool ends_with(const std::string& s, const std::string& tail) {
-  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
-}
-
 std::string lower(std::string s) {
   for (char& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
   return s;
@@ -389,7 +385,7 @@ Status QuantizedCheckpointReader::read(const QuantizedCheckpointConfig& cfg, Mod
   std::map<std::string, QLinear> qlinears;
   std::set<std::string> consumed;  // checkpoint tensors that are not exposed as they are
   for (const auto& [name, t] : ck.tensors()) {
-    if (!ends_with(name, ".qweight")) continue;
+    if (!name.ends_with(".qweight")) continue;
     const std::string prefix = name.substr(0, name.size() - std::string(".qweight").size());
     if (ck.find(prefix + ".weight"))
       return make_error(where(prefix + ".weight") + ": the Linear '" + prefix +
