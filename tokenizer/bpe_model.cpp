@@ -50,8 +50,15 @@ Result<std::unique_ptr<BpeModel>> BpeModel::from_json(const nlohmann::json& mode
     m->byte_ids_[static_cast<size_t>(b)] = m->token_to_id(name);
   }
 
-  // Merges: "a b" strings (older files) or [a, b] pairs.
+  // Merges: "a b" strings (older files) or [a, b] pairs. Their rank is
+  // their place in the list, or, where "merge_ranks" gives one per merge
+  // (our own key: a GGUF SentencePiece vocabulary ranks its merges by the
+  // merged piece's score, equal scores tying, docs/gguf.md), that.
   const auto& merges = model.value("merges", nlohmann::json::array());
+  const auto& ranks = model.value("merge_ranks", nlohmann::json::array());
+  if (!ranks.empty() && ranks.size() != merges.size())
+    return make_error("model: merge_ranks has " + std::to_string(ranks.size()) + " entries for " +
+                      std::to_string(merges.size()) + " merges");
   int32_t rank = 0;
   for (const auto& mg : merges) {
     std::string a, b;
@@ -76,7 +83,9 @@ Result<std::unique_ptr<BpeModel>> BpeModel::from_json(const nlohmann::json& mode
                                                                          : 0);
     const int32_t inew = m->token_to_id(joined);
     if (inew < 0) return make_error("model: merge result '" + joined + "' not in the vocab");
-    m->merges_.emplace(pair_key(ia, ib), Merge{rank++, inew});
+    const int32_t r = ranks.empty() ? rank : ranks[size_t(rank)].get<int32_t>();
+    ++rank;
+    m->merges_.emplace(pair_key(ia, ib), Merge{r, inew});
   }
   return m;
 }

@@ -94,6 +94,25 @@ Result<std::string> read_file(const std::filesystem::path& p) {
 
 }  // namespace
 
+std::string clean_up_tokenization_spaces(std::string_view text) {
+  // The replacements of transformers' clean_up_tokenization, in its order.
+  static constexpr std::pair<std::string_view, std::string_view> kRules[] = {
+      {" .", "."},   {" ?", "?"},   {" !", "!"},   {" ,", ","},   {" ' ", "'"},
+      {" n't", "n't"}, {" 'm", "'m"}, {" 's", "'s"}, {" 've", "'ve"}, {" 're", "'re"},
+  };
+  std::string s(text);
+  for (const auto& [from, to] : kRules) {
+    std::string out;
+    out.reserve(s.size());
+    size_t at = 0;
+    for (size_t hit; (hit = s.find(from, at)) != std::string::npos; at = hit + from.size())
+      out.append(s, at, hit - at).append(to);
+    out.append(s, at, std::string::npos);
+    s = std::move(out);
+  }
+  return s;
+}
+
 Result<std::unique_ptr<Tokenizer>> Tokenizer::from_json(std::string_view tokenizer_json,
                                                         std::string_view tokenizer_config_json) {
   try {
@@ -150,6 +169,11 @@ Result<std::unique_ptr<Tokenizer>> Tokenizer::from_json(std::string_view tokeniz
     if (!raw.empty()) im.raw_matcher = std::make_unique<tok::AddedMatcher>(std::move(raw));
     if (!normalized.empty())
       im.normalized_matcher = std::make_unique<tok::AddedMatcher>(std::move(normalized));
+
+    // transformers' clean_up_tokenization: decode() drops the space before
+    // . ? ! , and English contractions (off unless the config says true).
+    if (cfg.contains("clean_up_tokenization_spaces") && cfg["clean_up_tokenization_spaces"].is_boolean())
+      t->clean_up_spaces_ = cfg["clean_up_tokenization_spaces"].get<bool>();
 
     t->bos_token_ = config_token(cfg, "bos_token");
     t->eos_token_ = config_token(cfg, "eos_token");
@@ -234,7 +258,7 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_to
     if (i && !im.decoder) out.push_back(' ');
     out += tokens[i];
   }
-  return out;
+  return clean_up_spaces_ ? clean_up_tokenization_spaces(out) : out;
 }
 
 int32_t Tokenizer::token_to_id(std::string_view token) const {

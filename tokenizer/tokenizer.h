@@ -50,6 +50,9 @@ class Tokenizer {
   int32_t bos_id() const { return bos_id_; }                   // -1 if none
   int32_t eos_id() const { return eos_id_; }                   // -1 if none
   bool is_special(int32_t id) const;
+  // tokenizer_config.json's clean_up_tokenization_spaces: decode() removes
+  // the space before . ? ! , and contractions ('s 'm 've 're n't).
+  bool cleans_up_spaces() const { return clean_up_spaces_; }
 
  private:
   struct Impl;  // the parsed tokenizer.json stages (tokenizer.cpp)
@@ -57,7 +60,11 @@ class Tokenizer {
   std::unique_ptr<Impl> impl_;
   std::string bos_token_, eos_token_;
   int32_t bos_id_ = -1, eos_id_ = -1;
+  bool clean_up_spaces_ = false;
 };
+
+// transformers' clean_up_tokenization on a decoded text.
+std::string clean_up_tokenization_spaces(std::string_view text);
 
 // Streaming detokenisation: feed one id at a time, get back only complete
 // UTF-8 text (never half a character). Keeps a small window of previous ids

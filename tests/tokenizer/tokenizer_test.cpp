@@ -422,3 +422,28 @@ TEST_CASE("a Metaspace pre-tokenizer and decoder match the Prepend+Replace norma
     }
   }
 }
+
+TEST_CASE("clean_up_tokenization_spaces: decode drops the space before punctuation, streaming agrees",
+          "[tokenizer][stream]") {
+  // transformers' rules, in its order.
+  CHECK(moe::clean_up_tokenization_spaces("Hi , there . Why ? Yes ! it 's I 'm we 've they 're do n't") ==
+        "Hi, there. Why? Yes! it's I'm we've they're don't");
+  CHECK(moe::clean_up_tokenization_spaces("a ' b") == "a'b");
+  CHECK(moe::clean_up_tokenization_spaces("no change here") == "no change here");
+
+  const std::string dir = kFixtures + "/tokenizers/bytelevel_gpt2";
+  const std::string tj = slurp(dir + "/tokenizer.json");
+  auto plain = moe::Tokenizer::from_json(tj, R"({"clean_up_tokenization_spaces": false})");
+  auto clean = moe::Tokenizer::from_json(tj, R"({"clean_up_tokenization_spaces": true})");
+  REQUIRE(plain.ok());
+  REQUIRE(clean.ok());
+  CHECK_FALSE(plain.value()->cleans_up_spaces());
+  CHECK(clean.value()->cleans_up_spaces());
+  const std::string text = "price: $3.14 , 99.9% off !!! ??? it 's here . Done";
+  const auto ids = clean.value()->encode(text, false);
+  CHECK(plain.value()->decode(ids, false) == text);
+  const std::string cleaned = clean.value()->decode(ids, false);
+  CHECK(cleaned == "price: $3.14, 99.9% off!!!??? it's here. Done");
+  // The stream holds a trailing space back until the next piece shows whether it goes.
+  CHECK(stream_all(*clean.value(), ids, false) == cleaned);
+}
