@@ -6,6 +6,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "model/gguf_file.h"
+#include "model/gguf_model.h"
 #include "model/packed_model.h"
 #include "model/quantized_checkpoint.h"
 
@@ -48,8 +50,9 @@ Result<std::shared_ptr<ModelFiles>> ModelFiles::open(const std::string& path) {
     return files;
   }
   if (!fs::exists(path, ec)) return make_error(path + ": no such file or folder");
+  if (is_gguf_file(path)) return open_gguf_model(path, GgufOpenOptions{});
   if (!is_packed_model_file(path))
-    return make_error(path + ": neither a checkpoint folder nor a packed model file (bad magic)");
+    return make_error(path + ": neither a checkpoint folder, a packed model file nor a GGUF file (bad magic)");
   if (Status s = PackedModelReader::read(path, files.get()); !s) return make_error(s.error());
   return files;
 }
@@ -80,12 +83,14 @@ Result<std::shared_ptr<ModelFiles>> ModelFiles::from_memory(const std::string& c
 }
 
 const TensorView* ModelFiles::find(const std::string& name) const {
+  if (gguf_) return gguf_->find(name);
   if (!packed_) return ckpt_.find(name);
   auto it = packed_tensors_.find(name);
   return it == packed_tensors_.end() ? nullptr : &it->second;
 }
 
 const std::map<std::string, TensorView>& ModelFiles::tensors() const {
+  if (gguf_) return gguf_->tensors();
   return packed_ ? packed_tensors_ : ckpt_.tensors();
 }
 
@@ -93,6 +98,7 @@ const uint8_t* ModelFiles::expert_q4(int layer, int expert) const {
   if (!experts_q4_ || layer < 0 || layer >= desc_.n_layers || expert < 0 ||
       expert >= desc_.moe.n_experts)
     return nullptr;
+  if (gguf_) return gguf_->expert_q4(layer, expert);
   return expert_blobs_[size_t(layer) * size_t(desc_.moe.n_experts) + size_t(expert)];
 }
 

@@ -19,10 +19,13 @@
 
 namespace moe {
 
+class GgufTensorSource;
+
 class ModelFiles {
  public:
   // `path`: a checkpoint folder (config.json + safetensors; a GPTQ or AWQ
-  // INT4 one too) or a packed file.
+  // INT4 one too), a packed file, or a GGUF file (model/gguf_model.h;
+  // open_gguf_model takes options).
   static Result<std::shared_ptr<ModelFiles>> open(const std::string& path);
 
   // A model held in memory (benchmarks with generated weights): the
@@ -82,6 +85,8 @@ class ModelFiles {
   // Heap buffers behind tensors and expert blobs that are not views of a
   // mapping (weights dequantised or re-laid out at open).
   std::vector<std::shared_ptr<const void>> owned_;
+  // A GGUF model's tensors, made on first use (find, tensors, expert_q4 go there).
+  std::shared_ptr<const GgufTensorSource> gguf_;
 };
 
 }  // namespace moe

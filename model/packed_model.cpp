@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "model/gguf_file.h"
 #include "model/int4.h"
 #include "model/parallel_for.h"
 #include "model/model_files.h"
@@ -180,8 +181,8 @@ Status write_packed_model(const std::string& model_dir, const std::string& out_p
   if (opts.group_size != 32 && opts.group_size != 64 && opts.group_size != 128)
     return make_error("group size " + std::to_string(opts.group_size) +
                       " is not one of 32, 64, 128");
-  if (!std::filesystem::is_directory(model_dir))
-    return make_error(model_dir + ": not a checkpoint folder (config.json + safetensors)");
+  if (!std::filesystem::is_directory(model_dir) && !is_gguf_file(model_dir))
+    return make_error(model_dir + ": not a checkpoint folder (config.json + safetensors) or a GGUF file");
   auto opened = ModelFiles::open(model_dir);
   if (!opened) return make_error(opened.error());
   const ModelFiles& files = **opened;

@@ -1,4 +1,4 @@
-// moe convert: packs a checkpoint folder into one packed model file
+// moe convert: packs a checkpoint folder or a GGUF file into one packed model file
 // (docs/packed-format.md), with the routed experts quantised to INT4.
 
 #include <chrono>
@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 
+#include "model/model_files.h"
 #include "model/packed_model.h"
 #include "tools/moe/commands.h"
 
@@ -17,12 +18,13 @@ namespace {
 void usage(FILE* out) {
   std::fprintf(
       out,
-      "usage: moe convert --model DIR --out FILE [--group-size 32|64|128] [--no-quantize]\n\n"
-      "  --model DIR        a checkpoint folder: config.json, model.safetensors (or shards\n"
-      "                     with model.safetensors.index.json), tokenizer files\n"
+      "usage: moe convert --model DIR|FILE --out FILE [--group-size 32|64|128] [--no-quantize]\n\n"
+      "  --model DIR|FILE   a checkpoint folder: config.json, model.safetensors (or shards\n"
+      "                     with model.safetensors.index.json), tokenizer files; or a GGUF\n"
+      "                     file (its quantised experts become INT4 of group 32 as when served)\n"
       "  --out FILE         the packed model file to write (written to FILE.tmp, then renamed)\n"
       "  --group-size G     INT4 group size along each row's inputs (default 64); a GPTQ or\n"
-      "                     AWQ folder keeps its INT4 experts and its own group size\n"
+      "                     AWQ folder or a GGUF keeps its INT4 experts and their group size\n"
       "  --no-quantize      keep the routed experts as stored (bf16) instead of INT4\n");
 }
 
@@ -96,10 +98,12 @@ int cmd_convert(int argc, char** argv) {
     return 1;
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::fprintf(stderr, "moe convert: wrote %s (experts %s) in %.1f s\n", out.c_str(),
-               opts.quantize_experts ? ("INT4, group " + std::to_string(opts.group_size)).c_str()
-                                     : "as stored",
-               secs);
+  // The group written (a GPTQ/AWQ folder or a GGUF keeps its own).
+  auto written = ModelFiles::open(out);
+  const std::string experts = !written ? "?" : written.value()->experts_q4()
+                                                   ? "INT4, group " + std::to_string(written.value()->q4_group())
+                                                   : "as stored";
+  std::fprintf(stderr, "moe convert: wrote %s (experts %s) in %.1f s\n", out.c_str(), experts.c_str(), secs);
   return 0;
 }
 
