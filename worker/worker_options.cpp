@@ -143,7 +143,7 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
 std::string worker_usage() {
   return "usage: moe-worker --model DIR|FILE --socket PATH [options]\n"
          "Loads a model and serves steps to one gateway over a Unix socket.\n"
-         "  --model DIR|FILE        checkpoint folder or packed model file\n"
+         "  --model DIR|FILE        checkpoint folder (bf16, GPTQ, AWQ), GGUF file or packed model file\n"
          "  --socket PATH           Unix socket to listen on (parent made 0700, socket 0600)\n"
          "  --backend auto|cpu|cuda compute backend (default auto: cuda when this build has it and a\n"
          "                          GPU is visible, else cpu; the log says which and why)\n"

@@ -846,6 +846,26 @@ TEST_CASE("cuda engine: GPTQ and AWQ folders serve as on the CPU engine", "[cuda
   }
 }
 
+// GGUF files made by llama.cpp's own tools (tests/data/gguf): both engines
+// read the same tensors through ModelFiles (Q4_0 / Q4_1 / Q4_K experts as
+// their codes, other expert types quantised again to INT4, docs/gguf.md).
+TEST_CASE("cuda engine: GGUF files made by llama.cpp serve as on the CPU engine", "[cuda][engine][gguf]") {
+  SKIP_WITHOUT_GPU();
+  for (const std::string stem : {"qwen3_moe-q8_0", "qwen3_moe-q4_k_m", "qwen2_moe-q4_k_m", "mixtral-q4_k_m",
+                                 "olmoe-q8_0", "qwen2_dense-q4_k_m", "demo-moe-mixed"}) {
+    SECTION(stem) {
+      const std::string path = data_dir() + "/gguf/" + stem + ".gguf";
+      auto cpu = cpu_engine(path);
+      auto gpu = cuda_engine(path);
+      const Compare cmp = run_against_cpu(*cpu, *gpu, 12);
+      std::printf("cuda engine vs cpu, %-18s: %d outputs, %d same greedy token, %d near ties; "
+                  "|dlogprob| of the top 8 where routing agreed: max %.4f\n",
+                  stem.c_str(), cmp.tokens, cmp.agree, cmp.near_ties, cmp.max_lp_diff);
+      CHECK(cmp.agree >= cmp.tokens - 2);
+    }
+  }
+}
+
 TEST_CASE("cuda engine: a checkpoint folder is quantised at load exactly as the packed file", "[cuda][engine]") {
   SKIP_WITHOUT_GPU();
   auto a = cuda_engine(packed("qwen3_moe"));

@@ -18,7 +18,7 @@ void usage(FILE* out) {
   std::fprintf(out,
                "usage: moe detokenize --model DIR [--skip-special] < ids.json\n\n"
                "  --model DIR       a folder with tokenizer.json (and tokenizer_config.json),\n"
-               "                    or a packed model file\n"
+               "                    a GGUF file or a packed model file\n"
                "  --skip-special    leave special tokens (BOS, EOS, ...) out of the text\n");
 }
 }  // namespace

@@ -25,7 +25,7 @@ namespace {
 void usage(FILE* out) {
   std::fprintf(out,
                "usage: moe generate --model DIR|FILE --prompt TEXT [options]\n\n"
-               "  --model DIR|FILE   a checkpoint folder or a packed model file\n"
+               "  --model DIR|FILE   a checkpoint folder, a GGUF file or a packed model file\n"
                "  --prompt TEXT      the prompt\n"
                "  --chat             wrap the prompt as one user message in the chat template\n"
                "  --max-tokens N     tokens to generate at most (default 128)\n"

@@ -25,7 +25,7 @@ void usage(FILE* out) {
   std::fprintf(
       out,
       "usage: moe perplexity --model DIR|FILE --file TEXT [options]\n\n"
-      "  --model DIR|FILE   a checkpoint folder or a packed model file\n"
+      "  --model DIR|FILE   a checkpoint folder, a GGUF file or a packed model file\n"
       "  --file TEXT        the text (special tokens written in it are recognised;\n"
       "                     no BOS unless the tokenizer's post-processor adds one)\n"
       "  --ctx N            predicted tokens per window (default 512)\n"

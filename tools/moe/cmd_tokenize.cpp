@@ -17,7 +17,7 @@ void usage(FILE* out) {
   std::fprintf(out,
                "usage: moe tokenize --model DIR [--no-special] < text\n\n"
                "  --model DIR     a folder with tokenizer.json (and tokenizer_config.json),\n"
-               "                  or a packed model file\n"
+               "                  a GGUF file or a packed model file\n"
                "  --no-special    do not add the post-processor's special tokens (e.g. BOS);\n"
                "                  special tokens written in the text are still recognised\n");
 }
