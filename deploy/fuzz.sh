@@ -11,7 +11,8 @@ out=$(mktemp -d /tmp/moe-fuzz-XXXXXX)
 status=0
 for spec in tests/gateway/moe_http_fuzz:tests/gateway/fuzz_corpus/http_request \
             tests/tokenizer/moe_chat_template_fuzz:tests/tokenizer/fuzz_corpus/chat_template \
-            tests/protocol/moe_protocol_fuzz:; do
+            tests/protocol/moe_protocol_fuzz: \
+            tests/model/moe_gguf_fuzz:tests/model/fuzz_corpus/gguf; do
   bin=$build/${spec%%:*}
   seeds=${spec#*:}
   name=$(basename "$bin")

@@ -12,7 +12,7 @@ echo "== the sanitized build (clang, ASan + UBSan, libFuzzer)"
 CC=clang CXX=clang++ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DMOE_SANITIZE=ON -DMOE_FUZZ=ON -DMOE_CUDA=OFF >/dev/null
 cmake --build build-asan -j "$(nproc)" --target moe_protocol_tests moe_gateway_tests moe_scheduler_tests moe_structured_tests \
-  moe_prediction_tests moe-gateway moe-worker moe_protocol_fuzz moe_http_fuzz moe_chat_template_fuzz
+  moe_prediction_tests moe-gateway moe-worker moe_protocol_fuzz moe_http_fuzz moe_chat_template_fuzz moe_gguf_fuzz
 
 echo "== fuzzing, ${MOE_FUZZ_SECONDS:-30} s a target"
 deploy/fuzz.sh build-asan "${MOE_FUZZ_SECONDS:-30}"

@@ -16,10 +16,21 @@ constexpr uint32_t kGgufMagic = 0x46554747;  // "GGUF" read as a little-endian u
 constexpr uint32_t kDefaultAlignment = 32;
 // Bounds on what a header may claim, so that a corrupt count fails as an
 // error instead of an allocation of terabytes.
-constexpr uint64_t kMaxArrayLength = uint64_t(1) << 28;
+constexpr uint64_t kMaxArrayLength = uint64_t(1) << 24;  // vocabularies are < 2^19
+constexpr uint64_t kMaxValues = uint64_t(1) << 25;       // every metadata value of a part
 constexpr uint64_t kMaxStringBytes = uint64_t(1) << 30;
+constexpr uint64_t kMaxNameBytes = 256;                  // ggml's own limit is 64
+constexpr uint64_t kMaxTensorCount = uint64_t(1) << 20;
 constexpr int kMaxDims = 4;
 constexpr int kMaxNesting = 4;
+
+// The fewest bytes one value of a metadata type takes in the file (an array:
+// its element type and length), so that a length is checked against the
+// bytes left before anything is allocated for it.
+uint64_t min_value_bytes(uint32_t type) {
+  static constexpr uint64_t kBytes[] = {1, 1, 2, 2, 4, 4, 4, 1, 8, 12, 8, 8, 8};
+  return type < std::size(kBytes) ? kBytes[type] : 1;
+}
 
 // A bounds-checked cursor over the start of one mapped part.
 class Cursor {
@@ -27,6 +38,12 @@ class Cursor {
   Cursor(const MappedFile& f) : p_(f.data()), end_(f.data() + f.size()), base_(f.data()), path_(f.path()) {}
 
   size_t offset() const { return size_t(p_ - base_); }
+  uint64_t left() const { return uint64_t(end_ - p_); }
+  // Counts values read against kMaxValues.
+  bool count_values(uint64_t n) {
+    values_ += n;
+    return values_ <= kMaxValues;
+  }
 
   template <typename T>
   Status read(T* out, const char* what) {
@@ -36,10 +53,11 @@ class Cursor {
     return Status::ok_status();
   }
 
-  Status read_string(std::string* out, const char* what) {
+  Status read_string(std::string* out, const char* what, uint64_t max_bytes = kMaxStringBytes) {
     uint64_t n = 0;
     MOE_TRY(read(&n, what));
-    if (n > kMaxStringBytes || n > uint64_t(end_ - p_)) return truncated(what);
+    if (n > uint64_t(end_ - p_)) return truncated(what);
+    if (n > max_bytes) return error(std::string(what) + " of " + std::to_string(n) + " bytes");
     out->assign(reinterpret_cast<const char*>(p_), size_t(n));
     p_ += n;
     return Status::ok_status();
@@ -56,6 +74,7 @@ class Cursor {
   const uint8_t* end_;
   const uint8_t* base_;
   std::string path_;
+  uint64_t values_ = 0;
 };
 
 Status read_value(Cursor& c, uint32_t type, int depth, GgufValue* out);
@@ -120,8 +139,15 @@ Status read_value(Cursor& c, uint32_t type, int depth, GgufValue* out) {
   MOE_TRY(c.read(&elem_type, "an array's element type"));
   MOE_TRY(c.read(&n, "an array's length"));
   if (n > kMaxArrayLength) return c.error("an array of " + std::to_string(n) + " elements");
-  std::vector<GgufValue> items(static_cast<size_t>(n));
-  for (GgufValue& item : items) MOE_TRY(read_value(c, elem_type, depth + 1, &item));
+  if (n > c.left() / min_value_bytes(elem_type)) return c.error("an array of " + std::to_string(n) +
+                                                                " elements: the file ends before them");
+  if (!c.count_values(n)) return c.error("more than " + std::to_string(kMaxValues) + " metadata values");
+  std::vector<GgufValue> items;
+  items.reserve(static_cast<size_t>(n));
+  for (uint64_t i = 0; i < n; ++i) {
+    items.emplace_back();
+    MOE_TRY(read_value(c, elem_type, depth + 1, &items.back()));
+  }
   out->kind = GgufValue::Kind::array;
   out->v = std::move(items);
   return Status::ok_status();
@@ -135,7 +161,8 @@ std::vector<std::string> part_paths(const std::string& path) {
   static const std::regex kSplit(R"((.*)-(\d{5})-of-(\d{5})\.gguf)");
   std::smatch m;
   if (!std::regex_match(path, m, kSplit)) return {path};
-  const int count = std::stoi(m[3].str());
+  const int count = std::stoi(m[3].str());  // five digits
+  if (count < 1) return {path};  // "-of-00000": not a split name; opens (and fails) as one file
   std::vector<std::string> out;
   for (int i = 1; i <= count; ++i) {
     char tail[32];
@@ -205,7 +232,7 @@ const char* gguf_kind_name(GgufValue::Kind k) {
 
 int64_t GgufTensor::numel() const {
   int64_t n = 1;
-  for (int64_t d : ne) n *= d;
+  for (int64_t d : ne) n *= d;  // bounded at open (at most 2^62)
   return n;
 }
 
@@ -289,7 +316,7 @@ Result<std::unique_ptr<GgufFile>> GgufFile::open(const std::string& path) {
     uint64_t n_tensors = 0, n_kv = 0;
     MOE_TRY(c.read(&n_tensors, "the tensor count"));
     MOE_TRY(c.read(&n_kv, "the metadata count"));
-    if (n_tensors > kMaxArrayLength || n_kv > kMaxArrayLength)
+    if (n_tensors > kMaxTensorCount || n_kv > kMaxArrayLength)
       return c.error("implausible counts: " + std::to_string(n_tensors) + " tensors, " + std::to_string(n_kv) +
                      " metadata keys");
 
@@ -297,7 +324,7 @@ Result<std::unique_ptr<GgufFile>> GgufFile::open(const std::string& path) {
     for (uint64_t i = 0; i < n_kv; ++i) {
       std::string key;
       uint32_t type = 0;
-      MOE_TRY(c.read_string(&key, "a metadata key"));
+      MOE_TRY(c.read_string(&key, "a metadata key", 65535));
       MOE_TRY(c.read(&type, "a metadata value type"));
       GgufValue v;
       if (Status s = read_value(c, type, 0, &v); !s) return make_error(s.error() + " (key '" + key + "')");
@@ -306,8 +333,8 @@ Result<std::unique_ptr<GgufFile>> GgufFile::open(const std::string& path) {
     uint64_t alignment = kDefaultAlignment;
     if (auto it = meta.find("general.alignment"); it != meta.end()) {
       int64_t a = 0;
-      if (!it->second.as_int(&a) || a <= 0 || (a & (a - 1)) != 0)
-        return make_error(p + ": general.alignment is not a power of two");
+      if (!it->second.as_int(&a) || a < 8 || a > (1 << 20) || (a & (a - 1)) != 0)
+        return make_error(p + ": general.alignment is not a power of two of at least 8");
       alignment = uint64_t(a);
     }
 
@@ -320,14 +347,18 @@ Result<std::unique_ptr<GgufFile>> GgufFile::open(const std::string& path) {
       Pending pt;
       GgufTensor& t = pt.t;
       uint32_t n_dims = 0;
-      MOE_TRY(c.read_string(&t.name, "a tensor name"));
+      MOE_TRY(c.read_string(&t.name, "a tensor name", kMaxNameBytes));
       MOE_TRY(c.read(&n_dims, "a tensor's dimension count"));
       if (n_dims < 1 || n_dims > kMaxDims)
         return c.error("tensor '" + t.name + "' has " + std::to_string(n_dims) + " dimensions");
+      uint64_t numel = 1;
       for (uint32_t d = 0; d < n_dims; ++d) {
         uint64_t ne = 0;
         MOE_TRY(c.read(&ne, "a tensor's shape"));
-        if (ne == 0 || ne > (uint64_t(1) << 40)) return c.error("tensor '" + t.name + "' has a dimension of " + std::to_string(ne));
+        if (ne == 0 || ne > (uint64_t(1) << 40) || __builtin_mul_overflow(numel, ne, &numel) ||
+            numel > (uint64_t(1) << 62))
+          return c.error("tensor '" + t.name + "' has a dimension of " + std::to_string(ne) +
+                         " (or too many elements in all)");
         t.ne.push_back(int64_t(ne));
       }
       MOE_TRY(c.read(&t.type, "a tensor's type"));
@@ -338,7 +369,11 @@ Result<std::unique_ptr<GgufFile>> GgufFile::open(const std::string& path) {
         return make_error(p + ": tensor '" + t.name + "' (" + info->name + ") has rows of " +
                           std::to_string(t.ne[0]) + ", not a multiple of its block of " +
                           std::to_string(info->block_elems));
-      t.nbytes = ggml_row_bytes(*info, t.ne[0]) * size_t(t.numel() / t.ne[0]);
+      const uint64_t row_bytes = ggml_row_bytes(*info, t.ne[0]);
+      uint64_t nbytes = 0;
+      if (__builtin_mul_overflow(row_bytes, uint64_t(t.numel() / t.ne[0]), &nbytes) || nbytes > f.size())
+        return make_error(p + ": tensor '" + t.name + "' would hold more bytes than the file has");
+      t.nbytes = size_t(nbytes);
       t.part = int(part);
       pending.push_back(std::move(pt));
     }
@@ -347,7 +382,8 @@ Result<std::unique_ptr<GgufFile>> GgufFile::open(const std::string& path) {
       GgufTensor& t = pt.t;
       if (pt.offset % alignment != 0)
         return make_error(p + ": tensor '" + t.name + "' is not aligned to " + std::to_string(alignment));
-      if (data_start + pt.offset > f.size() || t.nbytes > f.size() - data_start - pt.offset)
+      if (data_start > f.size() || pt.offset > f.size() - data_start ||
+          t.nbytes > f.size() - data_start - pt.offset)
         return make_error(p + ": tensor '" + t.name + "' extends past the end of the file (" +
                           std::to_string(f.size()) + " bytes): truncated?");
       t.data = f.data() + data_start + pt.offset;

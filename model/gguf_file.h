@@ -26,7 +26,7 @@ struct GgufValue {
 
   bool is_integer() const;
   bool is_number() const;  // integer or float
-  // The value as an integer (an integral float included); false otherwise.
+  // The value as an integer (of any integer type that fits int64); false otherwise.
   bool as_int(int64_t* out) const;
   bool as_double(double* out) const;
   const std::string* as_string() const;             // nullptr unless a string

@@ -5,7 +5,6 @@
 #include <chrono>
 #include <cstdio>
 #include <nlohmann/json.hpp>
-#include <regex>
 #include <thread>
 
 #include "model/gguf_quants.h"
@@ -24,6 +23,8 @@ struct ArchNames {
   const char* model_type;  // our config.json spelling
 };
 
+constexpr int64_t kMaxLayers = 4096;
+
 constexpr ArchNames kArchs[] = {
     {"qwen2moe", "qwen2_moe"}, {"qwen3moe", "qwen3_moe"}, {"llama", "mixtral"},
     {"olmoe", "olmoe"},        {"deepseek2", "deepseek_v2"}, {"qwen2", "qwen2"},
@@ -40,10 +41,10 @@ class ConfigWriter {
  public:
   ConfigWriter(const GgufFile& g, std::string arch) : g_(g), arch_(std::move(arch)) {}
 
-  // `key` under the architecture's prefix, as an integer into j[field].
-  Status int_key(const char* key, json& j, const char* field, bool required) {
+  // `key` under the architecture's prefix, as an integer in [0, max] into j[field].
+  Status int_key(const char* key, json& j, const char* field, bool required, int64_t max = kMaxSize) {
     int64_t v = 0;
-    auto got = g_.get_int(arch_ + "." + key, &v);
+    auto got = get_int(key, &v, max);
     if (!got) return make_error(got.error());
     if (!*got) {
       if (const GgufValue* a = g_.find_value(arch_ + "." + key); a && a->as_array())
@@ -61,7 +62,16 @@ class ConfigWriter {
     if (*got) j[field] = v;
     return Status::ok_status();
   }
-  Result<bool> get_int(const char* key, int64_t* v) { return g_.get_int(arch_ + "." + key, v); }
+  // Sizes and counts are refused outside [0, max] (a corrupt value would
+  // otherwise size allocations).
+  Result<bool> get_int(const char* key, int64_t* v, int64_t max = kMaxSize) {
+    auto got = g_.get_int(arch_ + "." + key, v);
+    if (got && *got && (*v < 0 || *v > max))
+      return make_error(g_.path() + ": metadata '" + arch_ + "." + key + "' = " + std::to_string(*v) +
+                        " is out of range (0.." + std::to_string(max) + ")");
+    return got;
+  }
+  static constexpr int64_t kMaxSize = int64_t(1) << 30;
   Result<bool> get_float(const char* key, double* v) { return g_.get_float(arch_ + "." + key, v); }
   Result<bool> get_bool(const char* key, bool* v) { return g_.get_bool(arch_ + "." + key, v); }
   Result<bool> get_string(const char* key, std::string* v) { return g_.get_string(arch_ + "." + key, v); }
@@ -84,9 +94,9 @@ Result<std::string> make_config(const GgufFile& g, const std::string& arch, cons
   if (!embed || embed->ne.size() != 2) return make_error(g.path() + ": no 2-D token_embd.weight");
   j["vocab_size"] = embed->ne[1];
   MOE_TRY(c.int_key("embedding_length", j, "hidden_size", true));
-  MOE_TRY(c.int_key("block_count", j, "num_hidden_layers", true));
-  MOE_TRY(c.int_key("attention.head_count", j, "num_attention_heads", true));
-  MOE_TRY(c.int_key("attention.head_count_kv", j, "num_key_value_heads", false));
+  MOE_TRY(c.int_key("block_count", j, "num_hidden_layers", true, kMaxLayers));
+  MOE_TRY(c.int_key("attention.head_count", j, "num_attention_heads", true, 4096));
+  MOE_TRY(c.int_key("attention.head_count_kv", j, "num_key_value_heads", false, 4096));
   MOE_TRY(c.int_key("feed_forward_length", j, "intermediate_size", false));
   MOE_TRY(c.int_key("context_length", j, "max_position_embeddings", false));
   MOE_TRY(c.float_key("attention.layer_norm_rms_epsilon", j, "rms_norm_eps"));
@@ -120,14 +130,14 @@ Result<std::string> make_config(const GgufFile& g, const std::string& arch, cons
   }
 
   int64_t experts = 0;
-  if (auto got = c.get_int("expert_count", &experts); !got) return make_error(got.error());
+  if (auto got = c.get_int("expert_count", &experts, 4096); !got) return make_error(got.error());
   const bool moe = experts > 0;
   if (model_type == "mixtral" && !moe)
     return make_error(g.path() + ": a dense 'llama' model; the llama architecture is served with experts (Mixtral) only");
   if (model_type != "qwen2" && !moe) return make_error(g.path() + ": " + arch + " without " + arch + ".expert_count");
   if (moe) {
     j["num_experts"] = experts;
-    MOE_TRY(c.int_key("expert_used_count", j, "num_experts_per_tok", true));
+    MOE_TRY(c.int_key("expert_used_count", j, "num_experts_per_tok", true, experts));
     // llama.cpp's own choice per architecture where the file does not say.
     bool norm = model_type == "qwen3_moe" || model_type == "mixtral";
     if (auto got = c.get_bool("expert_weights_norm", &norm); !got) return make_error(got.error());
@@ -137,7 +147,9 @@ Result<std::string> make_config(const GgufFile& g, const std::string& arch, cons
     for (int l = 0; l < layers && first_moe < 0; ++l)
       if (layer_tensor(g, l, "ffn_gate_exps")) first_moe = l;
     if (first_moe < 0) return make_error(g.path() + ": no blk.N.ffn_gate_exps tensor (per-expert tensors are not read)");
-    const int64_t inter = layer_tensor(g, first_moe, "ffn_gate_exps")->ne[1];
+    const GgufTensor* gate = layer_tensor(g, first_moe, "ffn_gate_exps");
+    if (gate->ne.size() != 3) return make_error(g.path() + ": '" + gate->name + "' is not 3-D");
+    const int64_t inter = gate->ne[1];
     if (model_type == "mixtral" || model_type == "olmoe") {
       j["intermediate_size"] = inter;
     } else {
@@ -150,12 +162,12 @@ Result<std::string> make_config(const GgufFile& g, const std::string& arch, cons
       j["mlp_only_layers"] = dense;
       if (!dense.empty() && !j.contains("intermediate_size")) {
         const GgufTensor* t = layer_tensor(g, dense.front(), "ffn_gate");
-        if (t) j["intermediate_size"] = t->ne[1];
+        if (t && t->ne.size() == 2) j["intermediate_size"] = t->ne[1];
       }
     }
     if (model_type == "qwen2_moe") {
       const GgufTensor* sh = layer_tensor(g, first_moe, "ffn_gate_shexp");
-      j["shared_expert_intermediate_size"] = sh ? sh->ne[1] : 0;
+      j["shared_expert_intermediate_size"] = sh && sh->ne.size() == 2 ? sh->ne[1] : 0;
     }
     if (model_type == "deepseek_v2") {
       int64_t gating = 1;
@@ -231,17 +243,26 @@ Result<std::string> make_config(const GgufFile& g, const std::string& arch, cons
 
   if (!eos_ids.empty()) j["eos_token_id"] = eos_ids;
   if (bos_id >= 0) j["bos_token_id"] = bos_id;
-  return j.dump(2);
+  return j.dump(2, ' ', false, json::error_handler_t::replace);
 }
 
 // "blk.12.attn_q.weight" → (12, "attn_q", "weight"); false for other names.
 bool split_layer_name(const std::string& name, int* layer, std::string* base, std::string* kind) {
-  static const std::regex kName(R"(blk\.(\d+)\.(.+)\.(weight|bias))");
-  std::smatch m;
-  if (!std::regex_match(name, m, kName)) return false;
-  *layer = std::stoi(m[1].str());
-  *base = m[2].str();
-  *kind = m[3].str();
+  // By hand (names are at most 256 bytes, gguf_file.cpp): "blk." digits "." base "." kind.
+  if (!name.starts_with("blk.")) return false;
+  const size_t dot = name.find('.', 4);
+  if (dot == std::string::npos || dot == 4 || dot > 4 + 6) return false;
+  int n = 0;
+  for (size_t i = 4; i < dot; ++i) {
+    if (name[i] < '0' || name[i] > '9') return false;
+    n = n * 10 + (name[i] - '0');
+  }
+  const size_t last = name.rfind('.');
+  if (last <= dot + 1) return false;
+  *kind = name.substr(last + 1);
+  if (*kind != "weight" && *kind != "bias") return false;
+  *layer = n;
+  *base = name.substr(dot + 1, last - dot - 1);
   return true;
 }
 
@@ -289,7 +310,9 @@ Status GgufTensorSource::make(const std::string& name, Entry& e, TensorView& v) 
   if (!info->dequantizable)
     return make_error(file_->path() + ": tensor '" + t.name + "' is " + info->name + "; the types read are " +
                       gguf_readable_types());
-  const int64_t row = t.ne[0];
+  // A 1-D tensor un-permuted (a q/k bias) is rows of one value (F32, checked at open).
+  const bool vector_rows = e.make == Make::unpermute_qk && t.ne.size() == 1;
+  const int64_t row = vector_rows ? 1 : t.ne[0];
   const size_t row_bytes = ggml_row_bytes(*info, row);
   switch (e.make) {
     case Make::view:
@@ -306,7 +329,7 @@ Status GgufTensorSource::make(const std::string& name, Entry& e, TensorView& v) 
       // ggml's rope pairs neighbours (2i, 2i+1) of a head where the
       // Hugging Face weights pair (i, i + d/2): the converter interleaved each
       // head's rows; put them back.
-      const int64_t rows = t.ne[1];
+      const int64_t rows = vector_rows ? t.ne[0] : t.ne[1];
       const int64_t hd = rows / e.heads, half = hd / 2;
       e.storage.resize(size_t(rows * row));
       for (int64_t h = 0; h < e.heads; ++h)
@@ -432,7 +455,15 @@ void GgufTensorSource::make_experts() const {
 const uint8_t* GgufTensorSource::expert_q4(int layer, int expert) const {
   if (!experts_q4_ || layer < 0 || layer >= desc_.n_layers || expert < 0 || expert >= desc_.moe.n_experts)
     return nullptr;
-  std::call_once(experts_once_, [this] { make_experts(); });
+  std::call_once(experts_once_, [this] {
+    try {
+      make_experts();
+    } catch (const std::exception& e) {  // std::bad_alloc: the host has no room for the blobs
+      std::fprintf(stderr, "gguf: %s: the INT4 experts could not be made: %s\n", file_->path().c_str(), e.what());
+      blobs_.clear();
+    }
+  });
+  if (blobs_.empty()) return nullptr;  // the engine reports the missing expert
   return blobs_[size_t(layer) * size_t(desc_.moe.n_experts) + size_t(expert)];
 }
 
@@ -518,6 +549,8 @@ Status GgufModelReader::read(const std::string& path, const GgufOpenOptions& opt
     if (base == "ffn_gate_exps" || base == "ffn_up_exps" || base == "ffn_down_exps") {
       if (t.ne.size() != 3 || t.ne[2] != d.moe.n_experts)
         return make_error(path + ": '" + t.name + "' is not [*, *, " + std::to_string(d.moe.n_experts) + "]");
+      if (!d.layer_is_moe[size_t(layer)])
+        return make_error(path + ": '" + t.name + "' on layer " + std::to_string(layer) + ", which the metadata makes dense");
       auto& le = src->experts_[size_t(layer)];
       (base == "ffn_gate_exps" ? le.gate : base == "ffn_up_exps" ? le.up : le.down) = &t;
       if (!is_float_type(t.type)) any_quantised_expert = true;
@@ -527,6 +560,9 @@ Status GgufModelReader::read(const std::string& path, const GgufOpenOptions& opt
       const GgufTensor* vb = g.find_tensor("blk." + std::to_string(layer) + ".attn_v_b.weight");
       if (!vb) return make_error(path + ": '" + t.name + "' without its attn_v_b");
       if (g.find_tensor("blk." + std::to_string(layer) + ".attn_kv_b.weight")) continue;  // kv_b itself is there
+      if (t.ne.size() != 3 || vb->ne.size() != 3 || vb->ne[0] != t.ne[1] || vb->ne[2] != t.ne[2])
+        return make_error(path + ": '" + t.name + "' and '" + vb->name +
+                          "' are not [nope, kv_lora, heads] and [kv_lora, v, heads]");
       GgufTensorSource::Entry e;
       e.make = GgufTensorSource::Make::kv_b;
       e.src = &t;
@@ -544,9 +580,16 @@ Status GgufModelReader::read(const std::string& path, const GgufOpenOptions& opt
     std::vector<int64_t> shape = t.shape();
     if (base == "ffn_gate_inp_shexp" && shape.size() == 1) shape = {1, shape[0]};
     GgufTensorSource::Entry e = plain(&t);
-    if (d.arch == Arch::mixtral && kind == "weight" && (base == "attn_q" || base == "attn_k")) {
+    if (d.arch == Arch::mixtral && (base == "attn_q" || base == "attn_k")) {
+      // The converter permuted the rows of the weight and of a bias alike.
       e.make = GgufTensorSource::Make::unpermute_qk;
       e.heads = base == "attn_q" ? d.n_heads : d.n_kv_heads;
+      const bool matrix = kind == "weight" && t.ne.size() == 2;
+      const bool vector = kind == "bias" && t.ne.size() == 1 && t.type == kGgmlF32;
+      const int64_t rows = matrix ? t.ne[1] : t.ne[0];
+      if ((!matrix && !vector) || e.heads <= 0 || rows % e.heads != 0 || (rows / e.heads) % 2 != 0)
+        return make_error(path + ": '" + t.name + "' does not split into " + std::to_string(e.heads) +
+                          " heads of even width");
     }
     add(hf, std::move(e), std::move(shape));
   }
@@ -565,6 +608,24 @@ Status GgufModelReader::read(const std::string& path, const GgufOpenOptions& opt
         le.down->ne[0] != I || le.down->ne[1] != H)
       return make_error(path + ": layer " + std::to_string(l) + "'s expert tensors are not [" + std::to_string(H) +
                         ", " + std::to_string(I) + "] / [" + std::to_string(I) + ", " + std::to_string(H) + "]");
+  }
+  // Every tensor that will be made is of a type we read: checked now, so that
+  // a Q2_K expert is refused at open rather than found missing (or zero) later.
+  auto readable = [&](const GgufTensor* t) -> Status {
+    const GgmlTypeInfo* info = t ? ggml_type_info(t->type) : nullptr;
+    if (t && !info->dequantizable)
+      return make_error(path + ": tensor '" + t->name + "' is " + info->name + "; the types read are " +
+                        gguf_readable_types());
+    return Status::ok_status();
+  };
+  for (const auto& [name, e] : src->entries_) {
+    MOE_TRY(readable(e.src));
+    MOE_TRY(readable(e.src2));
+  }
+  for (const auto& le : src->experts_) {
+    MOE_TRY(readable(le.gate));
+    MOE_TRY(readable(le.up));
+    MOE_TRY(readable(le.down));
   }
   src->experts_q4_ = any_quantised_expert && opts.experts == GgufExperts::int4;
   if (src->experts_q4_) src->layout_ = expert_layout(d.hidden_size, d.moe.expert_intermediate, 32);
@@ -606,7 +667,11 @@ Status GgufModelReader::read(const std::string& path, const GgufOpenOptions& opt
 
 Result<std::shared_ptr<ModelFiles>> open_gguf_model(const std::string& path, const GgufOpenOptions& opts) {
   auto files = std::make_shared<ModelFiles>();
-  if (Status s = GgufModelReader::read(path, opts, files.get()); !s) return make_error(s.error());
+  try {
+    if (Status s = GgufModelReader::read(path, opts, files.get()); !s) return make_error(s.error());
+  } catch (const std::exception& e) {  // a backstop: every check above returns an error first
+    return make_error(path + ": " + e.what());
+  }
   return files;
 }
 

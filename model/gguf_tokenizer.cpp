@@ -83,6 +83,10 @@ size_t utf8_len(unsigned char c) { return c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c 
 // equal scores. As BPE merges: every split of every piece into two pieces,
 // ranked by the joined piece's score (equal scores, equal ranks; our BPE
 // breaks rank ties leftmost).
+// Longer pieces (none in the vocabularies we know, whose longest are < 64
+// bytes) are not made by merges.
+constexpr size_t kMaxMergedPieceBytes = 512;
+
 void spm_merges(const std::vector<std::string>& tokens, const std::vector<int64_t>& types,
                 const std::vector<double>& scores, json* merges, json* ranks) {
   std::unordered_map<std::string, int32_t> id;
@@ -98,6 +102,7 @@ void spm_merges(const std::vector<std::string>& tokens, const std::vector<int64_
   };
   std::vector<M> all;
   for (const auto& [t, i] : id) {
+    if (t.size() > kMaxMergedPieceBytes) continue;  // every split of a piece is tried: bound the work
     const int32_t rank =
         int32_t(std::lower_bound(distinct.begin(), distinct.end(), scores[size_t(i)], std::greater<>()) - distinct.begin());
     for (size_t k = utf8_len(static_cast<unsigned char>(t[0])); k < t.size(); k += utf8_len(static_cast<unsigned char>(t[k])))
@@ -246,8 +251,9 @@ Result<GgufTokenizerFiles> gguf_tokenizer_files(const GgufFile& g) {
   else if (*got) cfg["chat_template"] = chat;
 
   GgufTokenizerFiles out;
-  out.tokenizer_json = tj.dump();
-  out.tokenizer_config_json = cfg.dump(2);
+  // A string that is not UTF-8 (GGUF requires it) comes out with U+FFFD in its place.
+  out.tokenizer_json = tj.dump(-1, ' ', false, json::error_handler_t::replace);
+  out.tokenizer_config_json = cfg.dump(2, ' ', false, json::error_handler_t::replace);
   for (int64_t id : {eos, eot, eom})
     if (id >= 0 && std::find(out.eos_ids.begin(), out.eos_ids.end(), int32_t(id)) == out.eos_ids.end())
       out.eos_ids.push_back(int32_t(id));

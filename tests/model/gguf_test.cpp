@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "model/gguf_file.h"
@@ -18,6 +19,7 @@
 #include "model/model_files.h"
 #include "model/safetensors.h"
 #include "tests/model/fixture_paths.h"
+#include "tests/model/gguf_writer.h"
 #include "tests/model/temp_dir.h"
 
 using namespace moe;
@@ -247,4 +249,94 @@ TEST_CASE("broken GGUF files are refused with the reason", "[model][gguf]") {
   auto mf = ModelFiles::open((tmp.path / "truncated.gguf").string());
   REQUIRE_FALSE(mf.ok());
   CHECK(mf.error().find("truncated") != std::string::npos);
+}
+
+TEST_CASE("GGUF files changed in one place are refused with the reason, never read past", "[model][gguf]") {
+  TempDir tmp("gguf_changed");
+  auto qwen = GgufFile::open(gguf_dir() + "/qwen3_moe-q8_0.gguf");
+  auto deepseek = GgufFile::open(gguf_dir() + "/deepseek_v2-q8_0.gguf");
+  auto demo = GgufFile::open(gguf_dir() + "/demo-moe-q8_0.gguf");  // rows of 256: room for a K-quant block
+  REQUIRE((qwen.ok() && deepseek.ok() && demo.ok()));
+  // Rewritten unchanged, the file opens and serves the same tensors.
+  GgufWriterFile::from(**qwen).write((tmp.path / "same.gguf").string());
+  auto reopened = ModelFiles::open((tmp.path / "same.gguf").string());
+  REQUIRE(reopened.ok());
+  auto original = ModelFiles::open(gguf_dir() + "/qwen3_moe-q8_0.gguf");
+  REQUIRE(original.ok());
+  const TensorView* a = (*reopened)->find("model.layers.1.self_attn.q_proj.weight");
+  const TensorView* b = (*original)->find("model.layers.1.self_attn.q_proj.weight");
+  REQUIRE((a && b && a->nbytes == b->nbytes));
+  CHECK(std::memcmp(a->data, b->data, a->nbytes) == 0);
+
+  auto set_int = [](GgufWriterFile& f, const std::string& key, uint64_t v) {
+    GgufValue x;
+    x.kind = GgufValue::Kind::u64;
+    x.v = v;
+    if (GgufValue* have = f.find(key)) *have = x;
+    else f.meta.emplace_back(key, x);
+  };
+  struct Case {
+    const char* name;
+    const GgufFile* base;
+    std::function<void(GgufWriterFile&)> change;
+    const char* says;
+  };
+  const Case cases[] = {
+      {"a layer count of 400 million", qwen->get(),
+       [&](GgufWriterFile& f) { set_int(f, "qwen3moe.block_count", 400000000); }, "out of range"},
+      {"an expert count of a million", qwen->get(),
+       [&](GgufWriterFile& f) { set_int(f, "qwen3moe.expert_count", 1000000); }, "out of range"},
+      {"an alignment of 1", qwen->get(), [&](GgufWriterFile& f) { set_int(f, "general.alignment", 1); },
+       "alignment"},
+      {"a tensor name of 100 kB", qwen->get(),
+       [](GgufWriterFile& f) { f.tensors[0].name = "blk.1." + std::string(100000, 'x'); }, "tensor name of"},
+      {"dimensions whose product overflows", qwen->get(),
+       [](GgufWriterFile& f) {
+         f.tensors.push_back({"blk.0.extra.weight", kGgmlF32, {uint64_t(1) << 22, uint64_t(1) << 21, uint64_t(1) << 21}, ""});
+       },
+       "too many elements"},
+      {"experts of a type we do not read", demo->get(),
+       [](GgufWriterFile& f) {
+         GgufWriterTensor* t = f.tensor("blk.0.ffn_up_exps.weight");
+         REQUIRE(t != nullptr);
+         REQUIRE(t->ne[0] == 256);
+         t->type = kGgmlQ2_K;  // 84 bytes a block of 256 values
+         t->bytes.assign(size_t(84) * t->ne[1] * t->ne[2], '\0');
+       },
+       "is Q2_K"},
+      {"experts on a layer the metadata makes dense", deepseek->get(),
+       [&](GgufWriterFile& f) { set_int(f, "deepseek2.leading_dense_block_count", 2); }, "makes dense"},
+      {"kv_b halves that do not fit together", deepseek->get(),
+       [](GgufWriterFile& f) {
+         GgufWriterTensor* t = f.tensor("blk.1.attn_v_b.weight");
+         REQUIRE(t != nullptr);
+         t->ne.back() = 1;  // one head where attn_k_b has four
+         t->bytes.resize(t->bytes.size() / 4);
+       },
+       "[kv_lora, v, heads]"},
+  };
+  for (const Case& c : cases) {
+    INFO(c.name);
+    GgufWriterFile f = GgufWriterFile::from(*c.base);
+    c.change(f);
+    const std::string path = (tmp.path / "changed.gguf").string();
+    f.write(path);
+    auto m = ModelFiles::open(path);
+    REQUIRE_FALSE(m.ok());
+    INFO(m.error());
+    CHECK(m.error().find(c.says) != std::string::npos);
+  }
+
+  // An array that claims more elements than the file has bytes left is
+  // refused before anything is allocated for it.
+  std::string bytes = GgufWriterFile::from(**qwen).bytes();
+  const std::string key = "tokenizer.ggml.tokens";
+  const size_t at = bytes.find(key);
+  REQUIRE(at != std::string::npos);
+  const uint64_t claimed = uint64_t(1) << 23;  // after the key: value type (4), element type (4), count (8)
+  std::memcpy(&bytes[at + key.size() + 8], &claimed, 8);
+  write_bytes(tmp.path / "vocab.gguf", bytes);
+  auto v = ModelFiles::open((tmp.path / "vocab.gguf").string());
+  REQUIRE_FALSE(v.ok());
+  CHECK(v.error().find("the file ends before them") != std::string::npos);
 }
