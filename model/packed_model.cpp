@@ -193,8 +193,11 @@ Status write_packed_model(const std::string& model_dir, const std::string& out_p
   // they are.
   const bool source_q4 = files.experts_q4();
   if (source_q4 && !opts.quantize_experts)
-    return make_error(model_dir + ": the routed experts of this GPTQ/AWQ checkpoint are INT4 already; "
-                      "--no-quantize cannot give them back in bf16");
+    return make_error(model_dir + (is_gguf_file(model_dir)
+                                       ? ": a GGUF file's quantised experts become INT4 blobs (docs/gguf.md); "
+                                         "--no-quantize is for checkpoint folders"
+                                       : ": the routed experts of this GPTQ/AWQ checkpoint are INT4 already; "
+                                         "--no-quantize cannot give them back in bf16"));
   const int group = source_q4 ? files.q4_group() : opts.group_size;
   const bool q4 = opts.quantize_experts && d.n_moe_layers() > 0;
   if (q4 && (H % 2 != 0 || I % 2 != 0))
