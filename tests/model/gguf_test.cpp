@@ -340,3 +340,67 @@ TEST_CASE("GGUF files changed in one place are refused with the reason, never re
   REQUIRE_FALSE(v.ok());
   CHECK(v.error().find("the file ends before them") != std::string::npos);
 }
+
+TEST_CASE("a split GGUF (name-0000k-of-0000N.gguf) opens from its first part as the whole file", "[model][gguf]") {
+  // The layout llama.cpp's gguf-split writes: every part a GGUF of its own,
+  // the first holding the model's metadata, each part split.no / split.count
+  // / split.tensors.count and its share of the tensors.
+  TempDir tmp("gguf_split");
+  auto whole = GgufFile::open(gguf_dir() + "/qwen3_moe-q8_0.gguf");
+  REQUIRE(whole.ok());
+  const GgufWriterFile all = GgufWriterFile::from(**whole);
+  auto u16 = [](uint64_t v) {
+    GgufValue x;
+    x.kind = GgufValue::Kind::u16;
+    x.v = v;
+    return x;
+  };
+  auto i32 = [](int64_t v) {
+    GgufValue x;
+    x.kind = GgufValue::Kind::i32;
+    x.v = v;
+    return x;
+  };
+  const size_t n = all.tensors.size(), cut = n / 3;
+  const std::pair<size_t, size_t> ranges[] = {{0, cut}, {cut, 2 * cut}, {2 * cut, n}};
+  for (int part = 0; part < 3; ++part) {
+    GgufWriterFile f;
+    if (part == 0) f.meta = all.meta;
+    f.meta.emplace_back("split.no", u16(uint64_t(part)));
+    f.meta.emplace_back("split.count", u16(3));
+    f.meta.emplace_back("split.tensors.count", i32(int64_t(n)));
+    f.tensors.assign(all.tensors.begin() + ptrdiff_t(ranges[part].first), all.tensors.begin() + ptrdiff_t(ranges[part].second));
+    f.write((tmp.path / ("m-0000" + std::to_string(part + 1) + "-of-00003.gguf")).string());
+  }
+  auto split = ModelFiles::open((tmp.path / "m-00001-of-00003.gguf").string());
+  REQUIRE(split.ok());
+  auto one = ModelFiles::open(gguf_dir() + "/qwen3_moe-q8_0.gguf");
+  REQUIRE(one.ok());
+  CHECK((*split)->tensors().size() == (*one)->tensors().size());
+  for (const auto& [name, view] : (*one)->tensors()) {
+    INFO(name);
+    const TensorView* got = (*split)->find(name);
+    REQUIRE(got != nullptr);
+    REQUIRE(got->nbytes == view.nbytes);
+    CHECK(std::memcmp(got->data, view.data, view.nbytes) == 0);
+  }
+  const ModelDesc& d = (*one)->desc();
+  for (int l = 0; l < d.n_layers; ++l) {
+    const uint8_t* a = (*split)->expert_q4(l, 5);
+    const uint8_t* b = (*one)->expert_q4(l, 5);
+    REQUIRE((a && b));
+    CHECK(std::memcmp(a, b, (*one)->expert_layout().blob_bytes) == 0);
+  }
+  // A part that disagrees about the count is refused.
+  GgufWriterFile bad;
+  bad.meta = all.meta;
+  bad.meta.emplace_back("split.count", u16(2));
+  bad.tensors = all.tensors;
+  bad.write((tmp.path / "b-00001-of-00003.gguf").string());
+  for (int part = 2; part <= 3; ++part)
+    std::filesystem::copy_file(tmp.path / ("m-0000" + std::to_string(part) + "-of-00003.gguf"),
+                               tmp.path / ("b-0000" + std::to_string(part) + "-of-00003.gguf"));
+  auto b = GgufFile::open((tmp.path / "b-00001-of-00003.gguf").string());
+  REQUIRE_FALSE(b.ok());
+  CHECK(b.error().find("split.count says 2") != std::string::npos);
+}
