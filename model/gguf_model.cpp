@@ -321,8 +321,16 @@ Status GgufTensorSource::make(const std::string& name, Entry& e, TensorView& v) 
       const int64_t rows = e.expert >= 0 ? t.ne[1] : t.numel() / row;
       const uint8_t* base = t.data + (e.expert >= 0 ? size_t(e.expert) * size_t(rows) * row_bytes : 0);
       e.storage.resize(size_t(rows * row));
-      for (int64_t r = 0; r < rows; ++r)
-        gguf_dequantize_row(t.type, base + size_t(r) * row_bytes, row, e.storage.data() + r * row);
+      // An embedding or lm_head of 150k rows takes seconds on one core: by
+      // chunks of rows on every core (threads_ as for the experts).
+      constexpr int64_t kChunk = 256;
+      const size_t chunks = size_t((rows + kChunk - 1) / kChunk);
+      const size_t threads = std::min(chunks, threads_ > 0 ? size_t(threads_) : host_threads());
+      parallel_for(chunks, threads, [&](size_t c) {
+        const int64_t end = std::min(rows, int64_t(c + 1) * kChunk);
+        for (int64_t r = int64_t(c) * kChunk; r < end; ++r)
+          gguf_dequantize_row(t.type, base + size_t(r) * row_bytes, row, e.storage.data() + r * row);
+      });
       break;
     }
     case Make::unpermute_qk: {
