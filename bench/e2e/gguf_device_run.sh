@@ -16,7 +16,8 @@
 #   4. bench/e2e/side_by_side.py --servers ours, on the Q4_K_M GGUF and on the
 #      packed file: resident and 6GiB, uniform routing, concurrency 1 and 8,
 #      128-token prompts, 128 new tokens (rows-gguf.jsonl, rows-packed.jsonl)
-# Environment: MODES (default resident,6GiB), CONCURRENCY (1,8), PROMPTS (128).
+# Environment: MODES (default resident,6GiB), CONCURRENCY (1,8), PROMPTS (128), ROWS (which
+# files: "gguf packed").
 set -uo pipefail
 limit=${1:-560}
 deadline=$(($(date +%s) + limit))
@@ -102,6 +103,6 @@ run_rows() {  # name model-path
     2>&1 | tee -a $W/logs/rows-$name.log
   [ "${PIPESTATUS[0]}" = 0 ] && mark rows-$name
 }
-run_rows gguf $F/q15-q4_k_m.gguf || true
-run_rows packed $F/q15.moepack || true
+[[ " ${ROWS:-gguf packed} " == *" gguf "* ]] && { run_rows gguf $F/q15-q4_k_m.gguf || true; }
+[[ " ${ROWS:-gguf packed} " == *" packed "* ]] && { run_rows packed $F/q15.moepack || true; }
 say "stop; state: $(ls $W/state | tr '\n' ' ')"
