@@ -49,16 +49,21 @@ Result<std::string> cuda_device_summary() {
          format_bytes(prop.totalGlobalMem) + ")";
 }
 
+std::string CudaEngine::model_refusal(const ModelDesc& d) {
+  if (d.attention != AttentionKind::gqa)
+    return std::string("the cuda backend does not run ") + arch_name(d.arch) +
+           " (multi-head latent attention); use --backend cpu";
+  if (d.moe.topk_method != "greedy")
+    return "the cuda backend has no group-limited expert selection (" + d.moe.topk_method + ")";
+  return "";
+}
+
 Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFiles> files,
                                                        const CudaEngineOptions& opts) {
   auto dev = cuda_device_summary();
   if (!dev) return make_error("the cuda backend needs a CUDA device: " + dev.error());
   const ModelDesc& d = files->desc();
-  if (d.attention != AttentionKind::gqa)
-    return make_error(std::string("the cuda backend does not run ") + arch_name(d.arch) +
-                      " (multi-head latent attention); use --backend cpu");
-  if (d.moe.topk_method != "greedy")
-    return make_error("the cuda backend has no group-limited expert selection (" + d.moe.topk_method + ")");
+  if (const std::string refusal = model_refusal(d); !refusal.empty()) return make_error(refusal);
   if (opts.max_step_tokens < 1 || opts.max_step_tokens > 8192)
     return make_error("max_step_tokens must be in [1, 8192]");
   if (opts.fuse_max_tokens < 0 || opts.fuse_max_tokens > cuda::kGemvMaxTokens)

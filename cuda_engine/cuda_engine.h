@@ -58,6 +58,8 @@ class CudaEngine final : public Engine {
   // fixed part, saying what would fit.
   static Result<std::unique_ptr<CudaEngine>> create(std::shared_ptr<ModelFiles> files,
                                                     const CudaEngineOptions& opts);
+  // Why create() refuses a model of this description ("" when it serves it).
+  static std::string model_refusal(const ModelDesc& d);
   ~CudaEngine();
   CudaEngine(const CudaEngine&) = delete;
   CudaEngine& operator=(const CudaEngine&) = delete;

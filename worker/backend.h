@@ -93,6 +93,9 @@ bool cuda_backend_built();
 // Why the CUDA backend cannot run here ("" when it can): a build without the
 // toolkit, or no visible device. `device` gets the device's name and memory.
 std::string cuda_unavailable_reason(std::string* device = nullptr);
+// Why the CUDA backend would refuse the model at `model_path` ("" when it
+// serves it, or when the description cannot be read: opening then says why).
+std::string cuda_model_refusal(const std::string& model_path);
 // The CUDA backend (cuda_engine/cuda_engine.h); an error without a device or
 // in a binary built without CUDA.
 Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string& model_path, const CudaEngineOptions& opts);

@@ -1,10 +1,12 @@
 // The CUDA backend: protocol steps onto moe::CudaEngine (docs/cuda-worker.md).
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <span>
 
 #include "worker/engine_backend.h"
 #include "cuda_engine/cuda_engine.h"
+#include "model/model_config.h"
 #include "worker/model_hello.h"
 #include "worker/step_translation.h"
 
@@ -136,6 +138,18 @@ std::string cuda_unavailable_reason(std::string* device) {
   if (!dev.ok()) return dev.error();
   if (device) *device = dev.value();
   return "";
+}
+
+std::string cuda_model_refusal(const std::string& model_path) {
+  // A folder's config.json alone (opening a GPTQ/AWQ folder converts it);
+  // a packed or GGUF file opens by mmap, cheaply.
+  std::error_code ec;
+  if (std::filesystem::is_directory(model_path, ec)) {
+    auto d = load_model_desc(model_path);
+    return d.ok() ? CudaEngine::model_refusal(d.value()) : "";
+  }
+  auto files = ModelFiles::open(model_path);
+  return files.ok() ? CudaEngine::model_refusal(files.value()->desc()) : "";
 }
 
 Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string& model_path, const CudaEngineOptions& opts) {

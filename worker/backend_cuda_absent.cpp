@@ -8,6 +8,8 @@ bool cuda_backend_built() { return false; }
 
 std::string cuda_unavailable_reason(std::string*) { return "this moe-worker was built without the CUDA toolkit"; }
 
+std::string cuda_model_refusal(const std::string&) { return ""; }
+
 Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string&, const CudaEngineOptions&) {
   return make_error("this moe-worker was built without the CUDA toolkit; rebuild with nvcc installed or use --backend cpu");
 }
