@@ -390,7 +390,14 @@ const TensorView* GgufTensorSource::find(const std::string& name) const {
   }
   Entry& e = listed ? entries_.at(name) : expert_entries_.at(name);
   if (!e.ready) {
-    if (Status s = make(name, e, it->second); !s) {
+    Status s = Status::ok_status();
+    try {
+      s = make(name, e, it->second);
+    } catch (const std::exception& ex) {  // std::bad_alloc: no room for the f32 copy
+      s = make_error(file_->path() + ": tensor '" + name + "': " + ex.what());
+      e.storage = {};
+    }
+    if (!s) {
       std::fprintf(stderr, "gguf: %s\n", s.error().c_str());
       return nullptr;
     }
@@ -403,9 +410,12 @@ const std::map<std::string, TensorView>& GgufTensorSource::tensors() const {
     std::lock_guard<std::mutex> lock(mu_);
     if (all_made_) return views_;
   }
-  for (const auto& kv : entries_) find(kv.first);
+  bool all = true;
+  for (const auto& kv : entries_) all = find(kv.first) != nullptr && all;
   std::lock_guard<std::mutex> lock(mu_);
-  all_made_ = true;
+  // A tensor that could not be made (said on stderr) is tried again by the
+  // next call; its view stays empty (data null, 0 bytes) meanwhile.
+  all_made_ = all;
   return views_;
 }
 
