@@ -304,7 +304,7 @@ std::string hf_layer_name(Arch arch, int layer, const std::string& base, const s
 // ---------------------------------------------------------------------------
 // GgufTensorSource
 
-Status GgufTensorSource::make(const std::string& name, Entry& e, TensorView& v) const {
+Status GgufTensorSource::make(Entry& e, TensorView& v) const {
   const GgufTensor& t = *e.src;
   const GgmlTypeInfo* info = ggml_type_info(t.type);
   if (!info->dequantizable)
@@ -376,7 +376,6 @@ Status GgufTensorSource::make(const std::string& name, Entry& e, TensorView& v) 
     v.nbytes = e.storage.size() * 4;
   }
   e.ready = true;
-  (void)name;
   return Status::ok_status();
 }
 
@@ -392,7 +391,7 @@ const TensorView* GgufTensorSource::find(const std::string& name) const {
   if (!e.ready) {
     Status s = Status::ok_status();
     try {
-      s = make(name, e, it->second);
+      s = make(e, it->second);
     } catch (const std::exception& ex) {  // std::bad_alloc: no room for the f32 copy
       s = make_error(file_->path() + ": tensor '" + name + "': " + ex.what());
       e.storage = {};

@@ -62,7 +62,7 @@ class GgufTensorSource {
     bool ready = false;
     std::vector<float> storage;
   };
-  Status make(const std::string& name, Entry& e, TensorView& v) const;
+  Status make(Entry& e, TensorView& v) const;
   void make_experts() const;
 
   std::unique_ptr<GgufFile> file_;
