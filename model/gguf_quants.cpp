@@ -178,18 +178,8 @@ void dequant_q6_k(const uint8_t* b, float* y) {
   }
 }
 
-// Our INT4 row: code of input i in the low (i even) or high (i odd) nibble of
-// byte i/2; (scale, bias) halves of group g at params + 4 g.
-void put_group(uint8_t* codes_row, uint8_t* params_row, int g, int group, const uint8_t* q, uint16_t scale,
-               uint16_t bias) {
-  uint8_t* c = codes_row + size_t(g) * size_t(group) / 2;
-  for (int i = 0; i < group; i += 2) c[i / 2] = uint8_t((q[i] & 0xF) | (q[i + 1] << 4));
-  std::memcpy(params_row + size_t(g) * 4, &scale, 2);
-  std::memcpy(params_row + size_t(g) * 4 + 2, &bias, 2);
-}
-
-// One block of Q4_0 / Q4_1 (32 values) → group g of our row.
-void move_q4_01(uint32_t type, const uint8_t* b, uint8_t* codes_row, uint8_t* params_row, int g) {
+// One block of Q4_0 / Q4_1 (32 values) → group g of row r.
+void move_q4_01(uint32_t type, const uint8_t* b, const Q4MatrixLayout& m, uint8_t* blob, int r, int g) {
   const bool has_min = type == kGgmlQ4_1;
   const uint8_t* qs = b + (has_min ? 4 : 2);
   uint8_t q[32];
@@ -200,11 +190,11 @@ void move_q4_01(uint32_t type, const uint8_t* b, uint8_t* codes_row, uint8_t* pa
   const uint16_t scale = half_bits_at(b);
   // Q4_0: w = d (q - 8) = q d + (-8 d); -8 d is exact in half (a power-of-two multiple).
   const uint16_t bias = has_min ? half_bits_at(b + 2) : f32_to_f16(-8.0f * half_at(b));
-  put_group(codes_row, params_row, g, 32, q, scale, bias);
+  q4_store_group(m, blob, r, g, q, scale, bias);
 }
 
-// One Q4_K super-block (256 values) → groups g0..g0+7 of our row.
-void move_q4_k(const uint8_t* b, uint8_t* codes_row, uint8_t* params_row, int g0) {
+// One Q4_K super-block (256 values) → groups g0..g0+7 of row r.
+void move_q4_k(const uint8_t* b, const Q4MatrixLayout& m, uint8_t* blob, int r, int g0) {
   const uint8_t* qs = b + 16;
   for (int chunk = 0; chunk < 4; ++chunk, qs += 32) {
     uint8_t lo[32], hi[32];
@@ -213,8 +203,8 @@ void move_q4_k(const uint8_t* b, uint8_t* codes_row, uint8_t* params_row, int g0
       hi[l] = qs[l] >> 4;
     }
     const KSubBlock s0 = k_sub_block(b, 2 * chunk), s1 = k_sub_block(b, 2 * chunk + 1);
-    put_group(codes_row, params_row, g0 + 2 * chunk, 32, lo, f32_to_f16(s0.scale), f32_to_f16(-s0.offset));
-    put_group(codes_row, params_row, g0 + 2 * chunk + 1, 32, hi, f32_to_f16(s1.scale), f32_to_f16(-s1.offset));
+    q4_store_group(m, blob, r, g0 + 2 * chunk, lo, f32_to_f16(s0.scale), f32_to_f16(-s0.offset));
+    q4_store_group(m, blob, r, g0 + 2 * chunk + 1, hi, f32_to_f16(s1.scale), f32_to_f16(-s1.offset));
   }
 }
 
@@ -274,18 +264,15 @@ void gguf_to_q4_rows(uint32_t type, const uint8_t* src, const Q4MatrixLayout& m,
   const GgmlTypeInfo* t = ggml_type_info(type);
   const size_t row_bytes = ggml_row_bytes(*t, m.cols);
   if (gguf_maps_to_q4(type, m.group)) {
-    const size_t groups = size_t(m.cols / m.group);
     for (int r = row_begin; r < row_end; ++r) {
       const uint8_t* row = src + size_t(r) * row_bytes;
-      uint8_t* codes_row = blob + m.codes_offset + size_t(r) * size_t(m.cols) / 2;
-      uint8_t* params_row = blob + m.params_offset + size_t(r) * groups * 4;
       const int blocks = m.cols / t->block_elems;
       for (int i = 0; i < blocks; ++i) {
         const uint8_t* b = row + size_t(i) * size_t(t->block_bytes);
         if (type == kGgmlQ4_K)
-          move_q4_k(b, codes_row, params_row, 8 * i);
+          move_q4_k(b, m, blob, r, 8 * i);
         else
-          move_q4_01(type, b, codes_row, params_row, i);
+          move_q4_01(type, b, m, blob, r, i);
       }
     }
     return;

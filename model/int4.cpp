@@ -151,6 +151,16 @@ void q4_quantize_matrix(const float* w, const Q4MatrixLayout& m, uint8_t* blob) 
           blob + m.params_offset + (size_t(r) * size_t(groups) + size_t(g)) * 4);
 }
 
+void q4_store_group(const Q4MatrixLayout& m, uint8_t* blob, int row, int g, const uint8_t* codes,
+                    uint16_t scale_bits, uint16_t bias_bits) {
+  const int groups = m.cols / m.group;
+  uint8_t* c = blob + m.codes_offset + size_t(row) * size_t(m.cols / 2) + size_t(g) * size_t(m.group / 2);
+  for (int i = 0; i < m.group; i += 2) c[i / 2] = uint8_t((codes[i] & 0xF) | (codes[i + 1] << 4));
+  uint8_t* p = blob + m.params_offset + (size_t(row) * size_t(groups) + size_t(g)) * 4;
+  std::memcpy(p, &scale_bits, 2);
+  std::memcpy(p + 2, &bias_bits, 2);
+}
+
 void q4_dequantize_row(const uint8_t* blob, const Q4MatrixLayout& m, int row, float* out) {
   const int groups = m.cols / m.group;
   const uint8_t* codes = blob + m.codes_offset + size_t(row) * size_t(m.cols / 2);

@@ -47,6 +47,12 @@ Q4MatrixLayout q4_row_slice(const Q4MatrixLayout& m, int r0, int n);
 // Quantises W [rows, cols] (f32, row-major) into `m`'s regions of `blob`.
 void q4_quantize_matrix(const float* w, const Q4MatrixLayout& m, uint8_t* blob);
 
+// Writes group g of row `row` of `m` as given: codes[m.group] (each 0..15)
+// and the bits of its (scale, bias) halves. For readers that carry a file's
+// own 4-bit codes over (GPTQ/AWQ, GGUF) instead of quantising.
+void q4_store_group(const Q4MatrixLayout& m, uint8_t* blob, int row, int g, const uint8_t* codes,
+                    uint16_t scale_bits, uint16_t bias_bits);
+
 // Dequantises row `row` of matrix `m` into out[cols].
 void q4_dequantize_row(const uint8_t* blob, const Q4MatrixLayout& m, int row, float* out);
 

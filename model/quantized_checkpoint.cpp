@@ -183,16 +183,12 @@ bool write_exact(const QLinear& q, const Unpacked& u, const Q4MatrixLayout& m, u
   const uint16_t* scale_bits = reinterpret_cast<const uint16_t*>(q.scales->data);
   for (int o = 0; o < m.rows; ++o) {
     const uint8_t* codes = u.codes.data() + size_t(o) * size_t(m.cols);
-    uint8_t* dst = blob + m.codes_offset + size_t(o) * size_t(m.cols / 2);
-    for (int b = 0; b < m.cols / 2; ++b) dst[b] = uint8_t(codes[2 * b] | (codes[2 * b + 1] << 4));
-    uint8_t* params = blob + m.params_offset + size_t(o) * size_t(ours) * 4;
     for (int j = 0; j < ours; ++j) {
       const size_t gk = size_t(q.group_of[size_t(j) * size_t(m.group)]) * size_t(q.out) + size_t(o);
       uint16_t s;
       std::memcpy(&s, scale_bits + gk, 2);  // the checkpoint's half, bit for bit
       const uint16_t bias = f32_to_f16(-float(u.zeros[gk]) * u.scales[gk]);
-      std::memcpy(params + size_t(j) * 4, &s, 2);
-      std::memcpy(params + size_t(j) * 4 + 2, &bias, 2);
+      q4_store_group(m, blob, o, j, codes + size_t(j) * size_t(m.group), s, bias);
     }
   }
   return true;
