@@ -266,6 +266,12 @@ bool split_layer_name(const std::string& name, int* layer, std::string* base, st
   return true;
 }
 
+// Expert e's slice of a stacked expert tensor (ne [cols, rows, n_experts]).
+size_t expert_slice_bytes(const GgufTensor& t) {
+  return size_t(t.ne[1]) * ggml_row_bytes(*ggml_type_info(t.type), t.ne[0]);
+}
+const uint8_t* expert_slice(const GgufTensor& t, int64_t e) { return t.data + size_t(e) * expert_slice_bytes(t); }
+
 // The Hugging Face name of a non-expert layer tensor ("" for one we do not use).
 std::string hf_layer_name(Arch arch, int layer, const std::string& base, const std::string& kind) {
   const std::string p = "model.layers." + std::to_string(layer) + ".";
@@ -305,11 +311,9 @@ std::string hf_layer_name(Arch arch, int layer, const std::string& base, const s
 // GgufTensorSource
 
 Status GgufTensorSource::make(Entry& e, TensorView& v) const {
+  // Every tensor's type was checked at open (GgufModelReader::read).
   const GgufTensor& t = *e.src;
   const GgmlTypeInfo* info = ggml_type_info(t.type);
-  if (!info->dequantizable)
-    return make_error(file_->path() + ": tensor '" + t.name + "' is " + info->name + "; the types read are " +
-                      gguf_readable_types());
   // A 1-D tensor un-permuted (a q/k bias) is rows of one value (F32, checked at open).
   const bool vector_rows = e.make == Make::unpermute_qk && t.ne.size() == 1;
   const int64_t row = vector_rows ? 1 : t.ne[0];
@@ -319,7 +323,7 @@ Status GgufTensorSource::make(Entry& e, TensorView& v) const {
       break;
     case Make::dequantize: {
       const int64_t rows = e.expert >= 0 ? t.ne[1] : t.numel() / row;
-      const uint8_t* base = t.data + (e.expert >= 0 ? size_t(e.expert) * size_t(rows) * row_bytes : 0);
+      const uint8_t* base = e.expert >= 0 ? expert_slice(t, e.expert) : t.data;
       e.storage.resize(size_t(rows * row));
       // An embedding or lm_head of 150k rows takes seconds on one core: by
       // chunks of rows on every core (threads_ as for the experts).
@@ -352,10 +356,6 @@ Status GgufTensorSource::make(Entry& e, TensorView& v) const {
       // attn_k_b [heads][kv_lora][nope] (k_b transposed per head) and
       // attn_v_b [heads][v][kv_lora] → kv_b_proj [heads*(nope+v)][kv_lora].
       const GgufTensor& vt = *e.src2;
-      const GgmlTypeInfo* vinfo = ggml_type_info(vt.type);
-      if (!vinfo->dequantizable)
-        return make_error(file_->path() + ": tensor '" + vt.name + "' is " + vinfo->name + "; the types read are " +
-                          gguf_readable_types());
       const int64_t nope = t.ne[0], kv_lora = t.ne[1], heads = t.ne[2], vd = vt.ne[1];
       std::vector<float> k(size_t(t.numel())), vv(size_t(vt.numel()));
       gguf_dequantize_row(t.type, t.data, t.numel(), k.data());
@@ -460,8 +460,7 @@ void GgufTensorSource::make_experts() const {
     const std::pair<const GgufTensor*, const Q4MatrixLayout*> mats[] = {
         {j.le->gate, &layout_.gate}, {j.le->up, &layout_.up}, {j.le->down, &layout_.down}};
     for (const auto& [t, m] : mats) {
-      const size_t one = size_t(t->ne[1]) * ggml_row_bytes(*ggml_type_info(t->type), t->ne[0]);
-      gguf_to_q4_rows(t->type, t->data + j.expert * one, *m, 0, m->rows, j.blob);
+      gguf_to_q4_rows(t->type, expert_slice(*t, int64_t(j.expert)), *m, 0, m->rows, j.blob);
     }
   });
   if (loud)
@@ -527,11 +526,9 @@ Status GgufModelReader::read(const std::string& path, const GgufOpenOptions& opt
     v.name = name;
     v.shape = std::move(shape);
     if (e.make == GgufTensorSource::Make::view) {
-      const GgmlTypeInfo* info = ggml_type_info(e.src->type);
-      const size_t one = e.expert >= 0 ? size_t(e.src->ne[1]) * ggml_row_bytes(*info, e.src->ne[0]) : e.src->nbytes;
       v.dtype = float_dtype(e.src->type);
-      v.data = e.src->data + (e.expert >= 0 ? size_t(e.expert) * one : 0);
-      v.nbytes = one;
+      v.data = e.expert >= 0 ? expert_slice(*e.src, e.expert) : e.src->data;
+      v.nbytes = e.expert >= 0 ? expert_slice_bytes(*e.src) : e.src->nbytes;
       e.ready = true;
     }
     (listed ? src->views_ : src->expert_views_).emplace(name, std::move(v));
