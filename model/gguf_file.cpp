@@ -174,12 +174,6 @@ std::vector<std::string> part_paths(const std::string& path) {
 
 }  // namespace
 
-bool GgufValue::is_integer() const {
-  return std::holds_alternative<uint64_t>(v) || std::holds_alternative<int64_t>(v);
-}
-
-bool GgufValue::is_number() const { return is_integer() || std::holds_alternative<double>(v); }
-
 bool GgufValue::as_int(int64_t* out) const {
   if (const auto* u = std::get_if<uint64_t>(&v)) {
     if (*u > uint64_t(INT64_MAX)) return false;

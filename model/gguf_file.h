@@ -24,8 +24,6 @@ struct GgufValue {
   Kind kind = Kind::u32;
   std::variant<uint64_t, int64_t, double, bool, std::string, std::vector<GgufValue>> v;
 
-  bool is_integer() const;
-  bool is_number() const;  // integer or float
   // The value as an integer (of any integer type that fits int64); false otherwise.
   bool as_int(int64_t* out) const;
   bool as_double(double* out) const;
@@ -58,7 +56,6 @@ class GgufFile {
 
   uint32_t version() const { return version_; }
   const std::string& path() const { return path_; }
-  int parts() const { return int(files_.size()); }
 
   const std::map<std::string, GgufValue>& metadata() const { return meta_; }
   const GgufValue* find_value(const std::string& key) const;
