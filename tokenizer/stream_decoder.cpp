@@ -16,13 +16,6 @@ size_t common_prefix(const std::string& a, const std::string& b) {
   return n;
 }
 
-// Whether text ends with a proper start of a clean-up pattern (tokenizer.h).
-bool may_be_cleaned_up(const std::string& text) {
-  for (std::string_view tail : {" ", " '", " n", " n'", " 'v", " 'r"})
-    if (text.ends_with(tail)) return true;
-  return false;
-}
-
 }  // namespace
 
 StreamDecoder::StreamDecoder(const Tokenizer& tok, bool skip_special)
@@ -37,7 +30,7 @@ std::string StreamDecoder::push(int32_t id) {
   if (after.size() <= before.size() || ends_with_replacement(after)) return {};
   // Clean-up may still change the tail (" ." → ".", " 's" → "'s"): held back
   // while it is the start of one of its patterns.
-  if (tok_.cleans_up_spaces() && may_be_cleaned_up(after)) return {};
+  if (tok_.cleans_up_spaces() && clean_up_may_change_tail(after)) return {};
   const size_t cut = after.starts_with(before) ? before.size() : common_prefix(before, after);
   std::string out = after.substr(cut);
   prefix_ = read_;

@@ -94,14 +94,26 @@ Result<std::string> read_file(const std::filesystem::path& p) {
 
 }  // namespace
 
+namespace {
+
+// The replacements of transformers' clean_up_tokenization, in its order.
+constexpr std::pair<std::string_view, std::string_view> kCleanUpRules[] = {
+    {" .", "."},   {" ?", "?"},   {" !", "!"},   {" ,", ","},   {" ' ", "'"},
+    {" n't", "n't"}, {" 'm", "'m"}, {" 's", "'s"}, {" 've", "'ve"}, {" 're", "'re"},
+};
+
+}  // namespace
+
+bool clean_up_may_change_tail(std::string_view text) {
+  for (const auto& [from, to] : kCleanUpRules)
+    for (size_t k = 1; k < from.size(); ++k)
+      if (text.ends_with(from.substr(0, k))) return true;
+  return false;
+}
+
 std::string clean_up_tokenization_spaces(std::string_view text) {
-  // The replacements of transformers' clean_up_tokenization, in its order.
-  static constexpr std::pair<std::string_view, std::string_view> kRules[] = {
-      {" .", "."},   {" ?", "?"},   {" !", "!"},   {" ,", ","},   {" ' ", "'"},
-      {" n't", "n't"}, {" 'm", "'m"}, {" 's", "'s"}, {" 've", "'ve"}, {" 're", "'re"},
-  };
   std::string s(text);
-  for (const auto& [from, to] : kRules) {
+  for (const auto& [from, to] : kCleanUpRules) {
     std::string out;
     out.reserve(s.size());
     size_t at = 0;

@@ -65,6 +65,9 @@ class Tokenizer {
 
 // transformers' clean_up_tokenization on a decoded text.
 std::string clean_up_tokenization_spaces(std::string_view text);
+// Whether text ends with a proper start of one of its patterns (" ", " '",
+// " n'", ...), which more text may still turn into a replacement.
+bool clean_up_may_change_tail(std::string_view text);
 
 // Streaming detokenisation: feed one id at a time, get back only complete
 // UTF-8 text (never half a character). Keeps a small window of previous ids
