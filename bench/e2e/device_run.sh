@@ -39,13 +39,7 @@ t_start=$(date +%s)
 deadline=$((t_start + limit))
 here=$(pwd)
 W=/tmp/e2e
-mkdir -p $W/state $W/logs
-out=${OUT:-$W/out}
-mkdir -p "$out"
-left() { echo $((deadline - $(date +%s))); }
-is_done() { [ -f "$W/state/$1" ]; }
-mark() { touch "$W/state/$1"; }
-say() { echo "== $(date -u +%T) [$(left) s left] $*"; }
+source "$(dirname "${BASH_SOURCE[0]}")/run_state.sh"
 avail() { df --output=avail -B1 "$1" | tail -1; }
 # A folder with room for N GB: the disk first, else /dev/shm.
 room_for() {

@@ -22,13 +22,7 @@ set -uo pipefail
 limit=${1:-560}
 deadline=$(($(date +%s) + limit))
 W=/tmp/e2e-gguf
-mkdir -p $W/state $W/logs
-out=${OUT:-$W/out}
-mkdir -p "$out"
-left() { echo $((deadline - $(date +%s))); }
-is_done() { [ -f "$W/state/$1" ]; }
-mark() { touch "$W/state/$1"; }
-say() { echo "== $(date -u +%T) [$(left) s left] $*"; }
+source "$(dirname "${BASH_SOURCE[0]}")/run_state.sh"
 collect() {
   cp -f $W/rows-*.jsonl "$out/" 2>/dev/null
   (cd $W && tar cJf "$out/gguf-logs.tar.xz" logs state runs-* 2>/dev/null)
