@@ -268,12 +268,8 @@ TEST_CASE("GGUF files changed in one place are refused with the reason, never re
   REQUIRE((a && b && a->nbytes == b->nbytes));
   CHECK(std::memcmp(a->data, b->data, a->nbytes) == 0);
 
-  auto set_int = [](GgufWriterFile& f, const std::string& key, uint64_t v) {
-    GgufValue x;
-    x.kind = GgufValue::Kind::u64;
-    x.v = v;
-    if (GgufValue* have = f.find(key)) *have = x;
-    else f.meta.emplace_back(key, x);
+  auto set_int = [](GgufWriterFile& f, const std::string& key, int64_t v) {
+    f.set(key, gguf_integer(GgufValue::Kind::u64, v));
   };
   struct Case {
     const char* name;
@@ -349,24 +345,14 @@ TEST_CASE("a split GGUF (name-0000k-of-0000N.gguf) opens from its first part as 
   auto whole = GgufFile::open(gguf_dir() + "/qwen3_moe-q8_0.gguf");
   REQUIRE(whole.ok());
   const GgufWriterFile all = GgufWriterFile::from(**whole);
-  auto u16 = [](uint64_t v) {
-    GgufValue x;
-    x.kind = GgufValue::Kind::u16;
-    x.v = v;
-    return x;
-  };
-  auto i32 = [](int64_t v) {
-    GgufValue x;
-    x.kind = GgufValue::Kind::i32;
-    x.v = v;
-    return x;
-  };
+  auto u16 = [](int64_t v) { return gguf_integer(GgufValue::Kind::u16, v); };
+  auto i32 = [](int64_t v) { return gguf_integer(GgufValue::Kind::i32, v); };
   const size_t n = all.tensors.size(), cut = n / 3;
   const std::pair<size_t, size_t> ranges[] = {{0, cut}, {cut, 2 * cut}, {2 * cut, n}};
   for (int part = 0; part < 3; ++part) {
     GgufWriterFile f;
     if (part == 0) f.meta = all.meta;
-    f.meta.emplace_back("split.no", u16(uint64_t(part)));
+    f.meta.emplace_back("split.no", u16(part));
     f.meta.emplace_back("split.count", u16(3));
     f.meta.emplace_back("split.tensors.count", i32(int64_t(n)));
     f.tensors.assign(all.tensors.begin() + ptrdiff_t(ranges[part].first), all.tensors.begin() + ptrdiff_t(ranges[part].second));

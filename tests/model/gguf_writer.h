@@ -17,6 +17,16 @@
 
 namespace moe::test {
 
+// An integer metadata value of the given kind (signed kinds held as int64).
+inline GgufValue gguf_integer(GgufValue::Kind kind, int64_t v) {
+  using K = GgufValue::Kind;
+  GgufValue x;
+  x.kind = kind;
+  if (kind == K::i8 || kind == K::i16 || kind == K::i32 || kind == K::i64) x.v = v;
+  else x.v = uint64_t(v);
+  return x;
+}
+
 struct GgufWriterTensor {
   std::string name;
   uint32_t type = 0;
@@ -42,6 +52,11 @@ struct GgufWriterFile {
     for (auto& [k, v] : meta)
       if (k == key) return &v;
     return nullptr;
+  }
+  // Sets `key` (replacing its value, or appending it).
+  void set(const std::string& key, const GgufValue& v) {
+    if (GgufValue* have = find(key)) *have = v;
+    else meta.emplace_back(key, v);
   }
   GgufWriterTensor* tensor(const std::string& name) {
     for (auto& t : tensors)
