@@ -40,18 +40,18 @@ const std::vector<PreTokenizer>& pre_tokenizers() {
   return kAll;
 }
 
-const std::string* tokens_at(const GgufFile& g, const char* key, std::vector<std::string>* out) {
+// The string array `key` into *out; false when absent or not all strings.
+bool tokens_at(const GgufFile& g, const char* key, std::vector<std::string>* out) {
   const GgufValue* v = g.find_value(key);
-  if (!v || !v->as_array()) return nullptr;
+  if (!v || !v->as_array()) return false;
   out->clear();
   out->reserve(v->as_array()->size());
   for (const GgufValue& x : *v->as_array()) {
     const std::string* s = x.as_string();
-    if (!s) return nullptr;
+    if (!s) return false;
     out->push_back(*s);
   }
-  static const std::string ok = "ok";
-  return &ok;
+  return true;
 }
 
 // The numeric array `key` of n entries (`fill` where the key is absent):
