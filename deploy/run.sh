@@ -2,7 +2,7 @@
 # The main job: set up, build, and serve at http://127.0.0.1:8080 (override
 # with HOST / PORT).
 #   deploy/run.sh [MODEL] [moe-gateway options...]
-# MODEL: a checkpoint folder or packed model file (default: the embedded demo
+# MODEL: a checkpoint folder, a GGUF file or a packed model file (default: the embedded demo
 # model). The gateway's own worker runs on the GPU when this build has CUDA
 # and a device is visible, else on the CPU; its log says which and why.
 set -euo pipefail
@@ -13,7 +13,7 @@ if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then
   shift
 fi
 if [ ! -e "$model" ]; then
-  echo "run.sh: no model at '$model' (a checkpoint folder or a packed model file)" >&2
+  echo "run.sh: no model at '$model' (a checkpoint folder, a GGUF file or a packed model file)" >&2
   exit 2
 fi
 deploy/setup.sh build
