@@ -84,8 +84,13 @@ class CudaEngine final : public Engine {
   // Makes experts resident into free islands only (re-warm, load_expert);
   // with may_evict (a gateway's warm hints) they may displace residents
   // that are neither in use nor predicted. Returns how many of `experts`
-  // are resident (or on their way) afterwards.
+  // are resident afterwards (without may_evict, their copies landed; with
+  // it, on their way).
   size_t warm(std::span<const ExpertKey> experts, bool may_evict = false);
+  // The eviction policy's prior for a MoE layer: each expert's share of
+  // tokens in a routing profile (EvictionPolicy::seed). Before warm(), so
+  // that the first prompts evict the profile's cold experts first.
+  void seed_residency(int moe_layer, std::span<const double> rates);
   // Drops unpinned residents; returns the ones that could not be dropped.
   std::vector<ExpertKey> unload(std::span<const ExpertKey> experts);
   std::vector<ExpertKey> resident() const;  // ordered by (layer, expert)

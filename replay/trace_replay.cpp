@@ -22,6 +22,14 @@ Result<std::unique_ptr<EvictionPolicy>> make_policy(const std::string& name,
   return p;
 }
 
+RoutingTrace trace_slice(const RoutingTrace& trace, int64_t first, int64_t count) {
+  RoutingTrace out = trace;
+  out.steps.clear();
+  for (const RoutingStep& s : trace.steps)
+    if (s.token >= first && (count < 0 || s.token < first + count)) out.steps.push_back(s);
+  return out;
+}
+
 Result<ReplayResult> replay_trace(const RoutingTrace& trace, std::unique_ptr<EvictionPolicy> policy,
                                   const ReplayOptions& opt) {
   const int n_experts = std::max(opt.n_experts, trace.n_experts);
@@ -35,6 +43,21 @@ Result<ReplayResult> replay_trace(const RoutingTrace& trace, std::unique_ptr<Evi
   ResidencyMap map(trace.n_layers, n_experts, opt.slots, opt.expert_bytes, std::move(policy),
                    max_scan);
   ExpertPredictor predictor(trace.n_layers, n_experts, opt.predictor);
+  if (const RoutingProfile* p = opt.warm_profile) {
+    if (p->n_moe_layers() < trace.n_layers || p->n_experts != n_experts)
+      return make_error("replay: the warm profile's " + std::to_string(p->n_moe_layers()) + " layers x " +
+                        std::to_string(p->n_experts) + " experts do not cover the trace's " +
+                        std::to_string(trace.n_layers) + " x " + std::to_string(n_experts));
+    if (opt.seed && p->tokens > 0)
+      for (int l = 0; l < trace.n_layers; ++l) map.seed(l, p->rates(l));
+    int64_t placed = 0;
+    for (const ExpertKey& k : p->warm_order()) {
+      if (placed >= opt.slots) break;
+      if (k.layer >= trace.n_layers) continue;
+      const int e = k.expert;
+      placed += int64_t(map.hint(k.layer, std::span<const int>(&e, 1), HintPriority::warm).size());
+    }
+  }
 
   for (const RoutingStep& s : trace.steps) {
     for (int e : s.experts) {

@@ -12,6 +12,7 @@
 #include "residency/eviction_policy.h"
 #include "residency/expert_predictor.h"
 #include "residency/residency.h"
+#include "residency/routing_profile.h"
 #include "replay/routing_trace.h"
 #include "model/result.h"
 
@@ -25,6 +26,11 @@ struct ReplayOptions {
   int64_t max_scan =
       ResidencyMap::kDefaultMaxScan;  // as the worker runs it; belady always scans all
   PredictorParams predictor;
+  // Before the first step: the policy's prior from this profile (with
+  // `seed`) and its most used experts warmed into the free islands, as
+  // `moe-worker --warm-profile` starts (residency/routing_profile.h).
+  const RoutingProfile* warm_profile = nullptr;
+  bool seed = true;
 };
 
 struct ReplayResult {
@@ -36,6 +42,9 @@ struct ReplayResult {
 // trace's future; the others only see it as it happens.
 [[nodiscard]] Result<std::unique_ptr<EvictionPolicy>> make_policy(const std::string& name,
                                                                   const RoutingTrace& trace);
+
+// The steps of tokens [first, first + count) (count < 0: to the end), in order.
+RoutingTrace trace_slice(const RoutingTrace& trace, int64_t first, int64_t count);
 
 // Each step: acquire the step's experts (pinned), drop the layer's unused
 // predictions, hint the next layer's guesses (with `predict`), unpin.

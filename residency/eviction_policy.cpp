@@ -37,6 +37,7 @@ LfuDecayPolicy::LfuDecayPolicy(double half_life_acquires)
     : half_life_(std::max(1.0, half_life_acquires)) {}
 
 void LfuDecayPolicy::attach(int n_layers, int n_experts) {
+  n_layers_ = n_layers;
   n_experts_ = n_experts;
   const size_t n = size_t(n_layers) * size_t(n_experts);
   count_.assign(n, 0.0);
@@ -49,6 +50,23 @@ void LfuDecayPolicy::on_access(ExpertKey key, uint64_t now) {
   count_[i] = count_[i] * std::exp2(-double(now - stamp_[i]) / half_life_) + 1.0;
   stamp_[i] = now;
   score_[i] = std::log2(count_[i]) + double(now) / half_life_;
+}
+
+void LfuDecayPolicy::seed(int layer, std::span<const double> rates) {
+  if (layer < 0 || layer >= n_layers_) return;
+  double per_token = 0;  // this layer's acquires a token (top_k)
+  for (double r : rates) per_token += r;
+  if (per_token <= 0) return;
+  // One half-life of acquires covers half_life / (layers x top_k) tokens.
+  const double tokens = half_life_ / (double(n_layers_) * per_token);
+  for (int e = 0; e < n_experts_; ++e)
+    if (count_[index_of({layer, e}, n_experts_)] != 0.0) return;  // it has real uses of its own
+  for (size_t e = 0; e < rates.size() && e < size_t(n_experts_); ++e) {
+    const size_t i = index_of({layer, int(e)}, n_experts_);
+    if (rates[e] <= 0) continue;
+    count_[i] = std::clamp(rates[e], 0.0, 1.0) * tokens;
+    score_[i] = std::log2(count_[i]);
+  }
 }
 
 double LfuDecayPolicy::keep_score(ExpertKey key, uint64_t) const {
@@ -116,6 +134,36 @@ void OursPolicy::on_access(ExpertKey key, uint64_t now) {
   last_visit_use_[i] = uint64_t(v);
   long_[i] = Rate{long_[i].uses * decay(long_pow_, v - long_[i].stamp) + 1.0, v};
   short_[i] = Rate{short_[i].uses * decay(short_pow_, v - short_[i].stamp) + 1.0, v};
+}
+
+void OursPolicy::seed(int layer, std::span<const double> rates) {
+  if (layer < 0 || layer >= n_layers_) return;
+  const size_t l = size_t(layer);
+  if (visits_[l] != 0) return;  // it has real uses of its own
+  const int64_t v = std::max<int64_t>(1, int64_t(prm_.long_half_life_visits));
+  const double fl = decay(long_pow_, 1), fs = decay(short_pow_, 1);
+  double lv = 0, sv = 0, lsq = 0, ssq = 0, cr = 0;
+  for (int64_t j = 0; j < v; ++j) {  // the sums on_access would have built over v visits
+    lv = lv * fl + 1.0;
+    sv = sv * fs + 1.0;
+    lsq = lsq * fl * fl + 1.0;
+    ssq = ssq * fs * fs + 1.0;
+    cr = cr * fl * fs + 1.0;
+  }
+  visits_[l] = v;
+  long_visits_[l] = lv;
+  short_visits_[l] = sv;
+  long_sq_[l] = lsq;
+  short_sq_[l] = ssq;
+  cross_[l] = cr;
+  for (size_t e = 0; e < rates.size() && e < size_t(n_experts_); ++e) {
+    const double r = std::clamp(rates[e], 0.0, 1.0);
+    const size_t i = index_of({layer, int(e)}, n_experts_);
+    long_[i] = Rate{r * lv, v};
+    short_[i] = Rate{r * sv, v};
+  }
+  mean_at_.clear();  // the layers' means are stale
+  mean_p_.clear();
 }
 
 double OursPolicy::use_probability(ExpertKey key) const {

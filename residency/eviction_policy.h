@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,12 @@ class EvictionPolicy {
   virtual bool worth_admitting(ExpertKey candidate, ExpertKey victim, uint64_t now) const {
     return keep_score(candidate, now) > keep_score(victim, now);
   }
+  // A prior belief, before any use: `rates[e]` is the share of tokens that
+  // expert e of `layer` served in a routing profile (residency/routing_profile.h),
+  // in [0, 1]. Policies that estimate popularity start from it, weighted as
+  // their own memory of past traffic, and let real uses take over; a layer
+  // already used keeps what it learned. Default: nothing (recency has no prior).
+  virtual void seed(int layer, std::span<const double> rates) {}
 };
 
 // ---- Least recently used: the score is the time of the last use or load.
@@ -76,9 +83,12 @@ class LfuDecayPolicy final : public EvictionPolicy {
   void attach(int n_layers, int n_experts) override;
   void on_access(ExpertKey key, uint64_t now) override;
   double keep_score(ExpertKey key, uint64_t now) const override;
+  // The rate as counts one half-life of acquires would hold.
+  void seed(int layer, std::span<const double> rates) override;
 
  private:
   double half_life_;
+  int n_layers_ = 0;
   int n_experts_ = 0;
   std::vector<double> count_;    // decayed uses as of stamp_
   std::vector<uint64_t> stamp_;  // acquire counter of the last update
@@ -120,6 +130,9 @@ class OursPolicy final : public EvictionPolicy {
   double keep_score(ExpertKey key, uint64_t now) const override;
   bool may_admit(ExpertKey candidate, uint64_t now) const override;
   bool worth_admitting(ExpertKey candidate, ExpertKey victim, uint64_t now) const override;
+  // Both estimates start at the rate, as if the layer had been visited
+  // long_half_life_visits times at batch 1 with that routing.
+  void seed(int layer, std::span<const double> rates) override;
 
   // The per-visit use probability the policy currently believes (tests).
   double use_probability(ExpertKey key) const;

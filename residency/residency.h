@@ -68,6 +68,9 @@ class ResidencyMap {
   int n_experts() const { return n_experts_; }
   int64_t n_islands() const { return int64_t(key_of_.size()); }
   const EvictionPolicy& policy() const { return *policy_; }
+  // The policy's prior for `layer` (EvictionPolicy::seed: a routing
+  // profile's per-token use rate of each of its experts).
+  void seed(int layer, std::span<const double> rates) { policy_->seed(layer, rates); }
 
   // ---- Lookups
   // The island holding `key`, or -1 when it is not resident.

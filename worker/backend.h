@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -41,10 +42,21 @@ class Backend {
   // experts may displace cold residents (not those in use, nor other
   // predictions), so that their copies start before the prompt's step.
   virtual void hint(const std::vector<protocol::ExpertRef>& experts) { warm(experts); }
+  // The eviction policy's prior for one MoE layer (index among MoE layers):
+  // each expert's share of tokens in a routing profile. Before warm().
+  virtual void seed_residency(int /*moe_layer*/, std::span<const double> /*rates*/) {}
   // The resident experts now, ordered by (layer, expert).
   virtual std::vector<protocol::ExpertRef> resident() const { return {}; }
   // Changes whenever the resident set changes (publish after a change).
   virtual uint64_t residency_version() const { return 0; }
+  // Tokens each expert served since the start, [moe layer * n_experts +
+  // expert] (empty: this backend does not count), and the tokens counted:
+  // what --save-profile writes (residency/routing_profile.h).
+  virtual const std::vector<uint64_t>& expert_use() const {
+    static const std::vector<uint64_t> none;
+    return none;
+  }
+  virtual uint64_t expert_use_tokens() const { return 0; }
 
   // load_expert / unload_expert. The default: a backend that reads every
   // expert from host memory has them all resident and drops none.

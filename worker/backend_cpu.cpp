@@ -17,10 +17,11 @@ class CpuBackend final : public EngineBackend {
       : EngineBackend(*engine, std::move(model_id), "cpu"),
         residency_(engine->desc().n_moe_layers(), engine->desc().moe.n_experts,
                    cpu_islands(engine->desc().n_moe_layers(), engine->desc().moe.n_experts), 0,
-                   std::make_unique<LruPolicy>()),
+                   std::make_unique<OursPolicy>()),
         engine_(std::move(engine)) {}
 
-  // A quarter of all experts, as a small GPU's island budget would hold.
+  // A quarter of all experts, as a small GPU's island budget would hold, under
+  // the CUDA engine's default policy (ours).
   static int64_t cpu_islands(int moe_layers, int experts) {
     return std::max<int64_t>(1, int64_t(moe_layers) * experts / 4);
   }
@@ -28,6 +29,7 @@ class CpuBackend final : public EngineBackend {
   protocol::StepReply step(const protocol::StepRequest& req) override {
     return run_engine_step(*engine_, req, [this](const Result<std::vector<SeqOutput>>& out) {
       if (!out.ok()) return;
+      tally_expert_use(*out);
       for (const SeqOutput& o : *out) touch_experts(o.expert_counts);
     });
   }
@@ -47,6 +49,7 @@ class CpuBackend final : public EngineBackend {
     }
     return resident;
   }
+  void seed_residency(int moe_layer, std::span<const double> rates) override { residency_.seed(moe_layer, rates); }
   std::vector<protocol::ExpertRef> resident() const override {
     std::vector<protocol::ExpertRef> out;
     for (int64_t i = 0; i < residency_.n_islands(); ++i)
@@ -57,6 +60,14 @@ class CpuBackend final : public EngineBackend {
     return out;
   }
   uint64_t residency_version() const override { return residency_version_; }
+  // The bookkeeping map's counters: what a GPU worker of this island budget
+  // would have hit and missed (no bytes move on this backend).
+  void fill_expert_stats(protocol::StatsReply& r) const override {
+    r.expert_hits = residency_.stats().hits;
+    r.expert_misses = residency_.stats().misses;
+    r.islands_used = uint32_t(residency_.stats().islands_in_use);
+    r.islands_total = uint32_t(residency_.n_islands());
+  }
 
  private:
   // The step's expert use, as a GPU worker would acquire and release them.

@@ -21,6 +21,7 @@ class CudaBackend final : public EngineBackend {
   protocol::StepReply step(const protocol::StepRequest& req) override {
     const CudaExpertStats before = engine_->expert_stats();
     protocol::StepReply reply = run_engine_step(*engine_, req, [this](const Result<std::vector<SeqOutput>>& out) {
+      if (out.ok()) tally_expert_use(*out);
       if (!out.ok() && broken_.empty()) broken_ = engine_->device_error();
     });
     const CudaExpertStats after = engine_->expert_stats();
@@ -48,6 +49,9 @@ class CudaBackend final : public EngineBackend {
 
   size_t warm(const std::vector<protocol::ExpertRef>& experts) override { return warm_in_pieces(experts, false); }
   void hint(const std::vector<protocol::ExpertRef>& experts) override { warm_in_pieces(experts, true); }
+  void seed_residency(int moe_layer, std::span<const double> rates) override {
+    engine_->seed_residency(moe_layer, rates);
+  }
   std::vector<protocol::ExpertRef> resident() const override {
     std::vector<protocol::ExpertRef> out;
     for (const ExpertKey& k : engine_->resident())

@@ -4,10 +4,12 @@
 // sequences held, release and progress. Each backend adds its own step
 // bookkeeping and expert residency.
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "engine/engine.h"
 #include "worker/backend.h"
@@ -26,16 +28,37 @@ class EngineBackend : public Backend {
     Backend::set_progress(progress);
     engine_.set_progress(progress);
   }
+  const std::vector<uint64_t>& expert_use() const override { return use_; }
+  uint64_t expert_use_tokens() const override { return use_tokens_; }
 
  protected:
   // `engine` outlives this object (the derived backend owns it).
   EngineBackend(Engine& engine, std::string model_id, const char* backend_name)
       : engine_(engine), model_id_(std::move(model_id)), backend_name_(backend_name) {}
 
+  // Adds a step's expert use to the totals (every step, whether or not the
+  // gateway asked for the use in the reply).
+  void tally_expert_use(const std::vector<SeqOutput>& outputs) {
+    const int top_k = std::max(engine_.desc().moe.top_k, 1);
+    const size_t per_layer = size_t(engine_.desc().moe.n_experts);
+    for (const SeqOutput& o : outputs) {
+      if (o.expert_counts.empty()) continue;
+      if (use_.size() < o.expert_counts.size()) use_.resize(o.expert_counts.size(), 0);
+      uint64_t first_layer = 0;
+      for (size_t i = 0; i < o.expert_counts.size(); ++i) {
+        use_[i] += o.expert_counts[i];
+        if (i < per_layer) first_layer += o.expert_counts[i];
+      }
+      use_tokens_ += first_layer / uint64_t(top_k);
+    }
+  }
+
  private:
   Engine& engine_;
   std::string model_id_;
   const char* backend_name_;
+  std::vector<uint64_t> use_;  // step thread only
+  uint64_t use_tokens_ = 0;
 };
 
 }  // namespace moe::worker

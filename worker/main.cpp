@@ -3,6 +3,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <chrono>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -14,6 +15,7 @@
 
 #include "worker/backend.h"
 #include "worker/redis_state.h"
+#include "worker/warm_profile.h"
 #include "worker/worker_options.h"
 #include "worker/worker_server.h"
 #include "moe_version.h"
@@ -124,7 +126,34 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "moe-worker: re-warmed %zu of %zu experts from Redis in %.1f ms%s\n", rw.resident, rw.previous,
                  rw.ms, rw.redis_reachable ? "" : " (Redis unreachable)");
     redis->start();
-    so.hooks = redis.get();
+    so.hooks.push_back(redis.get());
+  }
+  // A warm profile fills what the re-warm left free.
+  if (!o.warm_profile.empty()) {
+    auto w = moe::worker::warm_from_profile(**backend, o.warm_profile);
+    if (!w.ok()) {
+      std::fprintf(stderr, "moe-worker: --warm-profile: %s\n", w.error().c_str());
+      return 2;
+    }
+    if (w->islands == 0)
+      std::fprintf(stderr, "moe-worker: warm profile %s: every expert is resident already; nothing to warm\n",
+                   o.warm_profile.c_str());
+    else
+      std::fprintf(stderr,
+                   "moe-worker: warmed %zu of %zu experts from profile %s in %.1f ms (%u islands; they served "
+                   "%.1f %% of the profile's uses)\n",
+                   w->resident, w->asked, o.warm_profile.c_str(), w->ms, w->islands, 100.0 * w->coverage);
+  }
+  std::unique_ptr<moe::worker::ProfileSaver> saver;
+  if (!o.save_profile.empty()) {
+    saver = std::make_unique<moe::worker::ProfileSaver>(
+        o.save_profile, **backend,
+        "moe-worker " + std::filesystem::path(o.socket_path).stem().string() + " (" + (*backend)->describe().backend +
+            ", routing " + o.routing + ")",
+        std::chrono::milliseconds(int64_t(o.save_profile_every_s) * 1000));
+    if (saver->continued())
+      std::fprintf(stderr, "moe-worker: adding this worker's expert use to the profile in %s\n", o.save_profile.c_str());
+    so.hooks.push_back(saver.get());
   }
   // The card's health, sampled once a second for the gateway's /metrics.
   std::unique_ptr<moe::CardHealthMonitor> card;
@@ -154,6 +183,13 @@ int main(int argc, char** argv) {
                double(st.bytes_streamed) / 1e6, st.islands_used, st.islands_total);
   if (const std::string dm = (*backend)->device_memory_summary(); !dm.empty())
     std::fprintf(stderr, "moe-worker: %s\n", dm.c_str());
+  if (saver) {
+    if (moe::Status s = saver->save(); s.ok())
+      std::fprintf(stderr, "moe-worker: routing profile saved to %s (%llu tokens this run)\n", saver->path().c_str(),
+                   (unsigned long long)(*backend)->expert_use_tokens());
+    else
+      std::fprintf(stderr, "moe-worker: routing profile not saved: %s\n", s.error().c_str());
+  }
   if (!run.ok()) {
     std::fprintf(stderr, "moe-worker: %s\n", run.error().c_str());
     return 1;

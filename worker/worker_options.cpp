@@ -52,7 +52,8 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
                                           "--max-frame-bytes", "--vram-budget", "--redis",
                                           "--redis-password-file", "--parent-pid", "--stall-exit-s",
                                           "--max-step-tokens", "--expert-policy", "--prefetch", "--dense-weights",
-                                          "--host-experts", "--misses", "--routing", "--prefix-cache"};
+                                          "--host-experts", "--misses", "--routing", "--prefix-cache",
+                                          "--warm-profile", "--save-profile", "--save-profile-every-s"};
     bool known = false;
     for (const char* k : kValued) known = known || name == k;
     if (!known) return make_error("unknown option '" + a + "' (see --help)");
@@ -95,11 +96,14 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
       o.redis_url = value;
     } else if (name == "--redis-password-file") {
       o.redis_password_file = value;
-    } else if (name == "--parent-pid" || name == "--stall-exit-s") {
+    } else if (name == "--warm-profile" || name == "--save-profile") {
+      if (value.empty()) return make_error("option " + name + " needs a file name");
+      (name == "--warm-profile" ? o.warm_profile : o.save_profile) = value;
+    } else if (name == "--parent-pid" || name == "--stall-exit-s" || name == "--save-profile-every-s") {
       auto v = parse_count(name, value);
       if (!v.ok()) return make_error(v.error());
       if (*v < 1) return make_error("option " + name + " needs a positive number, got '" + value + "'");
-      (name == "--parent-pid" ? o.parent_pid : o.stall_exit_s) = *v;
+      (name == "--parent-pid" ? o.parent_pid : name == "--stall-exit-s" ? o.stall_exit_s : o.save_profile_every_s) = *v;
     } else if (name == "--max-step-tokens") {
       auto v = parse_count(name, value);
       if (!v.ok()) return make_error(v.error());
@@ -180,6 +184,14 @@ std::string worker_usage() {
          "                          kept), or replay:FILE (the choices of a recorded trace of this\n"
          "                          shape, bench/e2e/traces/, each sequence walking it from its own\n"
          "                          offset); the outputs are then not the model's (cuda)\n"
+         "  --warm-profile FILE     before serving, seed the eviction policy with a routing profile's\n"
+         "                          expert use and fill the free islands (after the re-warm from Redis,\n"
+         "                          if any) with its most used experts: a profile --save-profile wrote,\n"
+         "                          or `moe profile` made from a text, a routing trace or Redis;\n"
+         "                          another model's profile is refused\n"
+         "  --save-profile FILE     keep this worker's expert use (tokens each expert served) in FILE,\n"
+         "                          written whole every --save-profile-every-s seconds (default 60)\n"
+         "                          and at exit; a profile already there of this model is added to\n"
          "  --redis URL             Redis for warm-expert state and events\n"
          "                          (redis://[[USER]:PASSWORD@]HOST[:PORT][/DB])\n"
          "  --redis-password-file F the Redis password (or USER:PASSWORD), first line of F\n"

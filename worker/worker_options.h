@@ -41,6 +41,9 @@ struct WorkerOptions {
   // cuda backend, "uniform" or "replay:FILE" (cuda.uniform_routing_seed /
   // cuda.routing_trace hold what it asks for).
   std::string routing = "router";
+  std::string warm_profile;         // --warm-profile: fill the islands from this routing profile at start
+  std::string save_profile;         // --save-profile: keep this worker's expert use in this file
+  int save_profile_every_s = 60;    // --save-profile-every-s
 };
 
 struct WorkerCommandLine {

@@ -149,7 +149,7 @@ void WorkerServer::drop_client() {
   // The gateway that held these sequences is gone; their KV is freed.
   for (uint64_t id : client_seqs_) {
     backend_->release(id);
-    if (opts_.hooks) opts_.hooks->released(id);  // their routing summaries still count
+    for (StepHooks* h : opts_.hooks) h->released(id);  // their routing summaries still count
   }
   client_seqs_.clear();
   said_hello_ = false;
@@ -332,7 +332,7 @@ void WorkerServer::run_step(const pr::Frame& f, const pr::StepRequest& step) {
       exit_code_ = 3;
       return;
     }
-    if (opts_.hooks) opts_.hooks->after_step(*s, reply);
+    for (StepHooks* h : opts_.hooks) h->after_step(*s, reply);
     ++steps_;
     for (size_t i = 0; i < reply.results.size(); ++i) {
       const pr::StepResult& r = reply.results[i];
@@ -390,7 +390,7 @@ void WorkerServer::handle_frame(const pr::Frame& f) {
     for (uint64_t id : rel->seq_ids) {
       backend_->release(id);
       client_seqs_.erase(id);
-      if (opts_.hooks) opts_.hooks->released(id);
+      for (StepHooks* h : opts_.hooks) h->released(id);
     }
     report_kv_pressure();  // the pool may be roomy again
   } else if (auto* sr = std::get_if<pr::StatsRequest>(&*msg)) {

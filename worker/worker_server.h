@@ -59,7 +59,7 @@ struct ServerOptions {
   std::string socket_path;
   size_t max_frame_bytes = protocol::kMaxFrameBytes;
   uint64_t vram_budget_bytes = 0;  // reported in hello
-  StepHooks* hooks = nullptr;      // optional, must outlive the server
+  std::vector<StepHooks*> hooks;   // called in order; each must outlive the server
   // The card's health for stats replies; null: the backend has no card.
   const CardHealthMonitor* card = nullptr;
   int parent_pid = 0;              // > 0: exit when that process is gone

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,7 +32,12 @@ void usage(FILE* out) {
       "  --policy P                lru, lfu, ours, ours+prediction, belady, or all (default)\n"
       "  --model DIR               expert blob bytes from the model's config.json (INT4)\n"
       "  --group G                 INT4 group size for --model (default 64)\n"
-      "  --expert-bytes B          expert blob bytes, given directly\n\n"
+      "  --expert-bytes B          expert blob bytes, given directly\n"
+      "  --first-token N           replay from the trace's token N (default 0)\n"
+      "  --tokens N                replay only N tokens (default: to the end)\n"
+      "  --warm-profile FILE       start as `moe-worker --warm-profile FILE` does: the policy's\n"
+      "                            prior from the profile, its most used experts in the islands\n"
+      "  --no-seed                 with --warm-profile: warm the islands only, no prior\n\n"
       "prints: policy=<name> hit_rate=<0..1> bytes=<moved> and the map's other counters\n");
 }
 
@@ -46,8 +52,9 @@ bool parse_i64(const char* s, int64_t* out) {
 }  // namespace
 
 int cmd_replay_trace(int argc, char** argv) {
-  std::string trace_path, tensor = "eval.routing_topk", policy = "all", model_dir;
-  int64_t slots = 0, group = 64, expert_bytes = 0;
+  std::string trace_path, tensor = "eval.routing_topk", policy = "all", model_dir, profile_path;
+  int64_t slots = 0, group = 64, expert_bytes = 0, first_token = 0, n_tokens = -1;
+  bool seed = true;
   double fraction = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -55,6 +62,10 @@ int cmd_replay_trace(int argc, char** argv) {
     if (a == "--help" || a == "-h") {
       usage(stdout);
       return 0;
+    }
+    if (a == "--no-seed") {
+      seed = false;
+      continue;
     }
     if (!has) {
       std::fprintf(stderr, "replay-trace: %s needs a value\n", a.c_str());
@@ -70,6 +81,12 @@ int cmd_replay_trace(int argc, char** argv) {
       policy = v;
     else if (a == "--model")
       model_dir = v;
+    else if (a == "--warm-profile")
+      profile_path = v;
+    else if (a == "--first-token")
+      ok = parse_i64(v, &first_token) && first_token >= 0;
+    else if (a == "--tokens")
+      ok = parse_i64(v, &n_tokens) && n_tokens > 0;
     else if (a == "--slots")
       ok = parse_i64(v, &slots) && slots > 0;
     else if (a == "--group")
@@ -113,6 +130,24 @@ int cmd_replay_trace(int argc, char** argv) {
     std::fprintf(stderr, "replay-trace: %s\n", trace.error().c_str());
     return 1;
   }
+  if (first_token > 0 || n_tokens > 0) {
+    const size_t all = trace->steps.size();
+    trace = trace_slice(*trace, first_token, n_tokens);
+    if (trace->steps.empty()) {
+      std::fprintf(stderr, "replay-trace: no steps in tokens [%lld, +%lld) of the trace's %zu\n",
+                   (long long)first_token, (long long)n_tokens, all);
+      return 2;
+    }
+  }
+  std::optional<RoutingProfile> profile;
+  if (!profile_path.empty()) {
+    auto p = read_routing_profile(profile_path);
+    if (!p) {
+      std::fprintf(stderr, "replay-trace: %s\n", p.error().c_str());
+      return 1;
+    }
+    profile = std::move(p.value());
+  }
   const int n_experts = std::max(model_experts, trace->n_experts);
   const int64_t total = int64_t(trace->n_layers) * n_experts;
   if (slots == 0) slots = std::max<int64_t>(1, std::llround(fraction * double(total)));
@@ -143,6 +178,8 @@ int cmd_replay_trace(int argc, char** argv) {
     opt.expert_bytes = size_t(expert_bytes);
     opt.n_experts = n_experts;
     opt.predict = predict;
+    opt.warm_profile = profile ? &*profile : nullptr;
+    opt.seed = seed;
     auto r = replay_trace(*trace, std::move(p.value()), opt);
     if (!r) {
       std::fprintf(stderr, "replay-trace: %s\n", r.error().c_str());

@@ -16,6 +16,7 @@ const Command kCommands[] = {
     {"perplexity", "perplexity of a text file under the model (CPU engine)", cmd_perplexity},
     {"template", "chat messages (JSON) -> the prompt the model's chat template renders", cmd_template},
     {"replay-trace", "routing trace -> expert-island hit rate per eviction policy", cmd_replay_trace},
+    {"profile", "text, routing trace or Redis -> routing profile (moe-worker --warm-profile)", cmd_profile},
     {nullptr, nullptr, nullptr},
 };
 const int kNumCommands = sizeof(kCommands) / sizeof(kCommands[0]) - 1;

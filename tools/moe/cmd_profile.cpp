@@ -1,0 +1,334 @@
+// moe profile: makes a routing profile (residency/routing_profile.h), the
+// file `moe-worker --warm-profile` fills its islands from, out of a text run
+// through the model, a recorded routing trace, or the routing summaries the
+// workers published to Redis; or shows one.
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include <hiredis/hiredis.h>
+
+#include "engine/cpu_engine.h"
+#include "model/model_files.h"
+#include "protocol/redis_endpoint.h"
+#include "protocol/redis_schema.h"
+#include "replay/routing_trace.h"
+#include "replay/trace_replay.h"
+#include "residency/routing_profile.h"
+#include "tools/moe/commands.h"
+#include "tools/moe/load_tokenizer.h"
+
+namespace moe::cli {
+
+namespace {
+
+void usage(FILE* out) {
+  std::fprintf(
+      out,
+      "usage: moe profile --model DIR|FILE --out FILE (--text FILE | --trace FILE | --redis URL) [options]\n"
+      "       moe profile --show FILE [--islands N]\n\n"
+      "Makes a routing profile: the tokens each expert of each MoE layer served, which\n"
+      "`moe-worker --warm-profile FILE` fills its expert islands from before serving.\n\n"
+      "  --model DIR|FILE     the model the profile is for (its layers and experts; with --text,\n"
+      "                       the model that routes the text, on the CPU engine)\n"
+      "  --out FILE           where to write the profile (replaced whole)\n"
+      "  --text FILE          route this text (a sample of the traffic to expect) through the model\n"
+      "  --ctx N              --text: tokens per pass (default 512)\n"
+      "  --threads N          --text: CPU threads (default: all cores)\n"
+      "  --trace FILE         a recorded routing trace: JSON lines {\"token\",\"layer\",\"experts\"}\n"
+      "                       or a .safetensors [MoE layers, tokens, top_k] tensor; its layers count\n"
+      "                       MoE layers\n"
+      "  --tensor NAME        the trace's tensor (default eval.routing_topk)\n"
+      "  --first-token N      --trace: count from the trace's token N (default 0)\n"
+      "  --tokens N           --trace: count only N tokens (default: to the end)\n"
+      "  --redis URL          the routing summaries workers published for this model\n"
+      "                       (moe:<model id>:routing, as long as the stream keeps them)\n"
+      "  --redis-password-file F\n"
+      "  --model-id ID        --redis: the model's name in Redis (default: from --model, as the\n"
+      "                       worker names it)\n"
+      "  --show FILE          print a profile's summary: tokens, per layer the busiest experts,\n"
+      "                       and the share of uses N islands filled from it would serve\n"
+      "  --islands N          --show: that N (default: a quarter of all experts)\n");
+}
+
+Result<RoutingProfile> from_text(const std::string& model, const std::string& path, int ctx, int threads) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return make_error("cannot read " + path);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto files = ModelFiles::open(model);
+  if (!files) return make_error(files.error());
+  auto tok = load_tokenizer(model);
+  if (!tok) return make_error(tok.error());
+  const std::vector<int32_t> ids = tok.value()->encode(text, /*add_special_tokens=*/true);
+  if (ids.empty()) return make_error(path + " holds no tokens");
+  EngineOptions opts;
+  opts.threads = threads;
+  auto engine = CpuEngine::create(files.value(), opts);
+  if (!engine) return make_error(engine.error());
+  CpuEngine& e = *engine.value();
+  ctx = std::min(ctx, e.max_context() - 1);
+  RoutingProfile p = RoutingProfile::for_model(e.desc(), protocol::redis_model_name(model));
+  std::vector<uint64_t> use(p.counts.size());
+  for (size_t begin = 0; begin < ids.size(); begin += size_t(ctx)) {
+    const size_t end = std::min(ids.size(), begin + size_t(ctx));
+    SeqInput in_seq;
+    in_seq.seq_id = 1;
+    in_seq.tokens.assign(ids.begin() + long(begin), ids.begin() + long(end));
+    in_seq.sample = false;
+    auto out = e.step(std::span<const SeqInput>(&in_seq, 1));
+    if (!out) return make_error(out.error());
+    e.release(1);
+    const auto& c = (*out)[0].expert_counts;
+    std::fill(use.begin(), use.end(), 0);
+    for (size_t i = 0; i < std::min(c.size(), use.size()); ++i) use[i] = c[i];
+    p.add(use, end - begin);
+    std::fprintf(stderr, "\r%zu/%zu tokens", end, ids.size());
+  }
+  std::fprintf(stderr, "\n");
+  p.source = "moe profile --text " + path;
+  return p;
+}
+
+Result<RoutingProfile> from_trace(const ModelDesc& desc, const std::string& model_id, const std::string& path,
+                                  const std::string& tensor, long first, long count) {
+  auto tr = read_routing_trace(path, tensor);
+  if (!tr) return make_error(tr.error());
+  if (first > 0 || count > 0) tr = trace_slice(*tr, first, count > 0 ? count : -1);
+  if (tr->steps.empty()) return make_error(path + ": no steps in the tokens asked for");
+  RoutingProfile p = RoutingProfile::for_model(desc, model_id);
+  if (tr->n_layers > p.n_moe_layers())
+    return make_error(path + " routes " + std::to_string(tr->n_layers) + " MoE layers; the model has " +
+                      std::to_string(p.n_moe_layers()));
+  if (tr->n_experts > p.n_experts)
+    return make_error(path + " names expert " + std::to_string(tr->n_experts - 1) + "; the model has " +
+                      std::to_string(p.n_experts) + " a layer");
+  int64_t last = -1, tokens = 0;
+  for (const RoutingStep& s : tr->steps) {
+    for (int e : s.experts)
+      if (e >= 0) ++p.counts[size_t(s.layer) * size_t(p.n_experts) + size_t(e)];
+    if (s.layer == 0 && s.token != last) {
+      last = s.token;
+      ++tokens;
+    }
+  }
+  p.tokens = uint64_t(tokens);
+  p.source = "moe profile --trace " + path;
+  return p;
+}
+
+Result<RoutingProfile> from_redis(const ModelDesc& desc, const std::string& model_id, const std::string& url,
+                                  const std::string& password_file) {
+  auto ep = protocol::parse_redis_url(url);
+  if (!ep) return make_error(ep.error());
+  if (!password_file.empty()) MOE_TRY(protocol::read_redis_password_file(password_file, &ep.value()));
+  const timeval tv{2, 0};
+  redisContext* c = redisConnectWithTimeout(ep->host.c_str(), ep->port, tv);
+  struct Close {
+    redisContext* c;
+    ~Close() {
+      if (c) redisFree(c);
+    }
+  } closer{c};
+  if (!c || c->err) return make_error("Redis at " + ep->where() + ": " + (c ? c->errstr : "no memory"));
+  auto command = [&](const std::vector<std::string>& args) -> redisReply* {
+    std::vector<const char*> argv;
+    std::vector<size_t> lens;
+    for (const auto& a : args) {
+      argv.push_back(a.data());
+      lens.push_back(a.size());
+    }
+    return static_cast<redisReply*>(redisCommandArgv(c, int(argv.size()), argv.data(), lens.data()));
+  };
+  auto check = [&](redisReply* r, const char* what) -> Status {
+    if (!r) return make_error(std::string("Redis: ") + what + ": " + c->errstr);
+    if (r->type == REDIS_REPLY_ERROR) {
+      std::string e(r->str, r->len);
+      freeReplyObject(r);
+      return make_error(std::string("Redis: ") + what + ": " + e);
+    }
+    return {};
+  };
+  if (ep->auth()) {
+    std::vector<std::string> a = {"AUTH"};
+    if (!ep->user.empty()) a.push_back(ep->user);
+    a.push_back(ep->password);
+    redisReply* r = command(a);
+    MOE_TRY(check(r, "AUTH"));
+    freeReplyObject(r);
+  }
+  if (ep->db != 0) {
+    redisReply* r = command({"SELECT", std::to_string(ep->db)});
+    MOE_TRY(check(r, "SELECT"));
+    freeReplyObject(r);
+  }
+  RoutingProfile p = RoutingProfile::for_model(desc, model_id);
+  const std::string key = protocol::routing_stream_key(model_id);
+  std::string start = "-";
+  size_t entries = 0, skipped = 0;
+  std::vector<uint64_t> use(p.counts.size());
+  for (;;) {
+    redisReply* r = command({"XRANGE", key, start, "+", "COUNT", "1000"});
+    MOE_TRY(check(r, "XRANGE"));
+    const size_t n = r->type == REDIS_REPLY_ARRAY ? r->elements : 0;
+    for (size_t i = 0; i < n; ++i) {
+      const redisReply* e = r->element[i];
+      if (e->type != REDIS_REPLY_ARRAY || e->elements != 2) continue;
+      start = "(" + std::string(e->element[0]->str, e->element[0]->len);
+      const redisReply* f = e->element[1];
+      std::string layers;
+      bool have = false;
+      for (size_t k = 0; k + 1 < f->elements; k += 2)
+        if (std::string(f->element[k]->str, f->element[k]->len) == protocol::stream_field::kLayers) {
+          layers.assign(f->element[k + 1]->str, f->element[k + 1]->len);
+          have = true;
+        }
+      auto counts = have ? protocol::parse_routing_layers(layers, p.n_moe_layers(), p.n_experts)
+                         : Result<std::vector<float>>(make_error("no layers field"));
+      if (!counts) {
+        ++skipped;
+        continue;
+      }
+      std::fill(use.begin(), use.end(), 0);
+      for (size_t j = 0; j < std::min(counts->size(), use.size()); ++j) use[j] = uint64_t((*counts)[j] + 0.5f);
+      uint64_t first_layer = 0;
+      for (int x = 0; x < p.n_experts && size_t(x) < use.size(); ++x) first_layer += use[size_t(x)];
+      p.add(use, first_layer / uint64_t(std::max(p.top_k, 1)));
+      ++entries;
+    }
+    freeReplyObject(r);
+    if (n < 1000) break;
+  }
+  if (entries == 0)
+    return make_error("no routing summaries of model '" + model_id + "' in Redis at " + ep->where() + " (" + key +
+                      (skipped ? ": " + std::to_string(skipped) + " unreadable" : ": empty") + ")");
+  std::fprintf(stderr, "%zu routing summaries read from %s", entries, key.c_str());
+  if (skipped) std::fprintf(stderr, ", %zu skipped (not this model's shape or unreadable)", skipped);
+  std::fprintf(stderr, "\n");
+  p.source = "moe profile --redis " + ep->where() + " " + key;
+  return p;
+}
+
+int show(const std::string& path, long islands) {
+  auto p = read_routing_profile(path);
+  if (!p) {
+    std::fprintf(stderr, "moe profile: %s\n", p.error().c_str());
+    return 1;
+  }
+  const size_t all = size_t(p->n_moe_layers()) * size_t(p->n_experts);
+  const size_t n = islands > 0 ? size_t(islands) : std::max<size_t>(1, all / 4);
+  std::printf("profile %s: model %s (%s), %d MoE layers x %d experts, top-%d, %llu tokens\nsource: %s\n",
+              path.c_str(), p->model.c_str(), p->architecture.c_str(), p->n_moe_layers(), p->n_experts, p->top_k,
+              (unsigned long long)p->tokens, p->source.c_str());
+  std::printf("%zu islands (%.1f %% of the experts) filled from it serve %.1f %% of its uses\n", n,
+              100.0 * double(n) / double(std::max<size_t>(all, 1)), 100.0 * p->coverage(n));
+  for (int ml = 0; ml < p->n_moe_layers(); ++ml) {
+    std::vector<int> e(size_t(p->n_experts));
+    for (int i = 0; i < p->n_experts; ++i) e[size_t(i)] = i;
+    std::stable_sort(e.begin(), e.end(), [&](int a, int b) { return p->count(ml, a) > p->count(ml, b); });
+    uint64_t sum = 0;
+    for (int i = 0; i < p->n_experts; ++i) sum += p->count(ml, i);
+    std::printf("layer %3d:", p->model_layers[size_t(ml)]);
+    for (int i = 0; i < std::min(p->n_experts, 8); ++i)
+      std::printf(" %d (%.1f%%)", e[size_t(i)], sum ? 100.0 * double(p->count(ml, e[size_t(i)])) / double(sum) : 0.0);
+    std::printf("\n");
+  }
+  return 0;
+}
+
+}  // namespace
+
+int cmd_profile(int argc, char** argv) {
+  std::string model, out, text, trace, tensor = "eval.routing_topk", redis, password_file, model_id, show_path;
+  int ctx = 512, threads = 0;
+  long islands = 0, first_token = 0, n_tokens = 0;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      usage(stdout);
+      return 0;
+    }
+    if (i + 1 >= argc) {
+      std::fprintf(stderr, "moe profile: %s needs a value (see --help)\n", a.c_str());
+      return 2;
+    }
+    const std::string v = argv[++i];
+    auto number = [&](long lo, long* dst) {
+      char* end = nullptr;
+      const long x = std::strtol(v.c_str(), &end, 10);
+      if (!end || *end || end == v.c_str() || x < lo) {
+        std::fprintf(stderr, "moe profile: %s needs a whole number of at least %ld, got '%s'\n", a.c_str(), lo,
+                     v.c_str());
+        return false;
+      }
+      *dst = x;
+      return true;
+    };
+    long n = 0;
+    if (a == "--model") model = v;
+    else if (a == "--out") out = v;
+    else if (a == "--text") text = v;
+    else if (a == "--trace") trace = v;
+    else if (a == "--tensor") tensor = v;
+    else if (a == "--redis") redis = v;
+    else if (a == "--redis-password-file") password_file = v;
+    else if (a == "--model-id") model_id = v;
+    else if (a == "--show") show_path = v;
+    else if (a == "--ctx") {
+      if (!number(1, &n)) return 2;
+      ctx = int(std::min(n, 1L << 20));
+    } else if (a == "--threads") {
+      if (!number(0, &n)) return 2;
+      threads = int(std::min(n, 4096L));
+    } else if (a == "--first-token") {
+      if (!number(0, &first_token)) return 2;
+    } else if (a == "--tokens") {
+      if (!number(1, &n_tokens)) return 2;
+    } else if (a == "--islands") {
+      if (!number(1, &islands)) return 2;
+    } else {
+      std::fprintf(stderr, "moe profile: unknown option '%s' (see --help)\n", a.c_str());
+      return 2;
+    }
+  }
+  if (!show_path.empty()) return show(show_path, islands);
+  const int sources = int(!text.empty()) + int(!trace.empty()) + int(!redis.empty());
+  if (model.empty() || out.empty() || sources != 1) {
+    std::fprintf(stderr, "moe profile: needs --model, --out and one of --text, --trace, --redis\n\n");
+    usage(stderr);
+    return 2;
+  }
+  Result<RoutingProfile> p = make_error("no source");
+  if (!text.empty()) {
+    p = from_text(model, text, ctx, threads);
+  } else {
+    auto files = ModelFiles::open(model);
+    if (!files) {
+      std::fprintf(stderr, "moe profile: %s\n", files.error().c_str());
+      return 1;
+    }
+    const std::string id = model_id.empty() ? protocol::redis_model_name(model) : model_id;
+    p = !trace.empty() ? from_trace((*files)->desc(), id, trace, tensor, first_token, n_tokens)
+                       : from_redis((*files)->desc(), id, redis, password_file);
+  }
+  if (!p) {
+    std::fprintf(stderr, "moe profile: %s\n", p.error().c_str());
+    return 1;
+  }
+  if (Status s = write_routing_profile(out, *p); !s.ok()) {
+    std::fprintf(stderr, "moe profile: %s\n", s.error().c_str());
+    return 1;
+  }
+  const size_t all = p->counts.size();
+  std::printf("wrote %s: %llu tokens over %d MoE layers x %d experts; a quarter of the experts filled from it "
+              "serve %.1f %% of its uses\n",
+              out.c_str(), (unsigned long long)p->tokens, p->n_moe_layers(), p->n_experts,
+              100.0 * p->coverage(std::max<size_t>(1, all / 4)));
+  return 0;
+}
+
+}  // namespace moe::cli

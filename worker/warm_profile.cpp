@@ -1,0 +1,90 @@
+#include "worker/warm_profile.h"
+
+#include <cstdio>
+#include <filesystem>
+
+#include "protocol/messages.h"
+
+namespace moe::worker {
+
+RoutingProfile empty_profile_of(const Backend& backend) {
+  const protocol::Hello h = backend.describe();
+  const std::vector<int> layers(h.experts.moe_layers.begin(), h.experts.moe_layers.end());
+  RoutingProfile p = RoutingProfile::shaped(layers, int(h.experts.n_experts), int(h.experts.top_k));
+  p.model = h.model_id;
+  return p;
+}
+
+Result<ProfileWarm> warm_from_profile(Backend& backend, const std::string& path) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto prof = read_routing_profile(path);
+  if (!prof.ok()) return make_error(prof.error());
+  const RoutingProfile shape = empty_profile_of(backend);
+  if (const std::string why = prof->mismatch(shape.model_layers, shape.n_experts); !why.empty())
+    return make_error("routing profile " + path + " is not of this model's shape: " + why);
+  // The policy's prior first: the first prompts then evict the profile's
+  // cold experts before its hot ones.
+  if (prof->tokens > 0)
+    for (int ml = 0; ml < prof->n_moe_layers(); ++ml) backend.seed_residency(ml, prof->rates(ml));
+  protocol::StatsReply st;
+  backend.fill_expert_stats(st);
+  ProfileWarm w;
+  w.islands = st.islands_total;
+  const std::vector<ExpertKey> order = prof->warm_order();
+  // Offer what the free islands hold (all of it when the backend keeps
+  // every expert resident: it then reports no islands and warms nothing).
+  const size_t room = st.islands_total == 0 ? 0 : size_t(st.islands_total - std::min(st.islands_used, st.islands_total));
+  std::vector<protocol::ExpertRef> refs;
+  for (const ExpertKey& k : order) {
+    if (refs.size() >= room) break;
+    refs.push_back({uint16_t(prof->model_layers[size_t(k.layer)]), uint16_t(k.expert)});
+  }
+  w.asked = refs.size();
+  w.coverage = prof->coverage(refs.size());
+  w.resident = refs.empty() ? 0 : backend.warm(refs);
+  w.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return w;
+}
+
+ProfileSaver::ProfileSaver(std::string path, const Backend& backend, std::string source,
+                           std::chrono::milliseconds interval)
+    : path_(std::move(path)), backend_(backend), base_(empty_profile_of(backend)), interval_(interval) {
+  std::error_code ec;
+  if (std::filesystem::exists(path_, ec)) {
+    auto old = read_routing_profile(path_);
+    if (old.ok() && old->mismatch(base_.model_layers, base_.n_experts).empty()) {
+      base_.counts = old->counts;
+      base_.tokens = old->tokens;
+      continued_ = true;
+    } else {
+      std::fprintf(stderr, "moe-worker: --save-profile %s: the file there is %s; it will be replaced\n",
+                   path_.c_str(), old.ok() ? "another model's profile" : old.error().c_str());
+    }
+  }
+  base_.source = std::move(source);
+  next_ = std::chrono::steady_clock::now() + interval_;
+}
+
+void ProfileSaver::after_step(const protocol::StepRequest&, const protocol::StepReply&) {
+  const auto now = std::chrono::steady_clock::now();
+  if (now < next_) return;
+  next_ = now + interval_;
+  if (Status s = save(); !s.ok() && !warned_) {
+    std::fprintf(stderr, "moe-worker: saving the routing profile: %s (will try again)\n", s.error().c_str());
+    warned_ = true;
+  } else if (s.ok()) {
+    warned_ = false;
+  }
+}
+
+Status ProfileSaver::save() {
+  const uint64_t tokens = backend_.expert_use_tokens();
+  if (tokens == saved_tokens_) return {};  // nothing new since the last write
+  RoutingProfile p = base_;
+  p.add(backend_.expert_use(), tokens);
+  MOE_TRY(write_routing_profile(path_, p));
+  saved_tokens_ = tokens;
+  return {};
+}
+
+}  // namespace moe::worker
