@@ -170,6 +170,9 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
                "graphs, and an arena of at most %s\n", format_bytes(budget).c_str(),
                format_bytes(m.base_device_bytes).c_str(), held_how.c_str(), format_bytes(kGraphReserve).c_str(),
                format_bytes(arena_budget).c_str());
+  m.kv_dtype = opts.kv_dtype == KvDtypeChoice::int8  ? KvDtype::int8
+               : opts.kv_dtype == KvDtypeChoice::fp8 ? KvDtype::fp8
+                                                     : KvDtype::bf16;
   auto plan_for = [&](DenseDtype dt) -> Result<IslandPlan> {
     m.dense = dt;
     m.dequant_elems = 0;
@@ -180,7 +183,7 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     req.budget_bytes = arena_budget;
     req.nonexpert_bytes = measure_w.used;
     req.workspace_bytes = measure_ws.used;
-    req.kv_bytes_per_block = size_t(2) * d.n_layers * kBlockTokens * d.n_kv_heads * d.head_dim * 2;
+    req.kv_bytes_per_block = size_t(2) * d.n_layers * kv_pool_bytes(1, m.kv_dtype, d.n_kv_heads, d.head_dim);
     // Blocks the operator asked for are exactly what the pool gets.
     req.kv_blocks_min = opts.kv_blocks > 0 ? opts.kv_blocks : std::max(opts.kv_blocks_min, 1);
     req.kv_blocks_wanted = req.kv_blocks_min;
@@ -245,6 +248,13 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   }
   // Measured again for the chosen dtype: the upload carve follows this one.
   Result<IslandPlan> plan = plan_dtype(chosen);
+  // KV rows in a byte under a budget (auto): the plan again with their room.
+  if (opts.kv_dtype == KvDtypeChoice::automatic && m.n_moe_layers > 0 && plan && plan->n_islands < all_experts) {
+    m.kv_dtype = KvDtype::int8;
+    auto coded = plan_dtype(chosen);
+    if (coded) plan = std::move(coded);
+    else m.kv_dtype = KvDtype::bf16;
+  }
   if (!plan) return make_error(plan.error());
   m.plan = *plan;
   m.kv_blocks = int(std::min<int64_t>(m.plan.kv_blocks, INT32_MAX));
@@ -271,12 +281,25 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   m.carve_workspace(cs);
   if (m.trace_dev)
     MOE_CUDA_TRY(cudaMemcpy(m.trace_dev, m.trace_host.data(), m.trace_host.size() * 2, cudaMemcpyHostToDevice));
-  // KV: per layer a K and a V pool of kv_blocks blocks.
-  const size_t pool_bytes = size_t(m.kv_blocks) * kBlockTokens * d.n_kv_heads * d.head_dim * 2;
+  // KV: per layer a K and a V pool of kv_blocks blocks; coded pools hold
+  // the codes, then (16-byte aligned) the rows' scales.
+  const size_t pool_bytes = kv_pool_bytes(m.kv_blocks, m.kv_dtype, d.n_kv_heads, d.head_dim);
+  const size_t rows = size_t(m.kv_blocks) * kBlockTokens * d.n_kv_heads;
+  const size_t codes_bytes = align_up(rows * d.head_dim, 16);
   uint8_t* kv = m.arena->region(m.plan.kv);
   for (int l = 0; l < d.n_layers; ++l) {
-    m.layers[size_t(l)].k_pool = reinterpret_cast<bf16*>(kv + size_t(2 * l) * pool_bytes);
-    m.layers[size_t(l)].v_pool = reinterpret_cast<bf16*>(kv + size_t(2 * l + 1) * pool_bytes);
+    auto& L = m.layers[size_t(l)];
+    uint8_t* kp = kv + size_t(2 * l) * pool_bytes;
+    uint8_t* vp = kv + size_t(2 * l + 1) * pool_bytes;
+    if (kv_coded(m.kv_dtype)) {
+      L.k_codes = kp;
+      L.v_codes = vp;
+      L.k_scales = reinterpret_cast<float*>(kp + codes_bytes);
+      L.v_scales = reinterpret_cast<float*>(vp + codes_bytes);
+    } else {
+      L.k_pool = reinterpret_cast<bf16*>(kp);
+      L.v_pool = reinterpret_cast<bf16*>(vp);
+    }
   }
   m.kv_pool = std::make_unique<KvBlockPool>(m.kv_blocks, kBlockTokens);
 
@@ -328,9 +351,10 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   MOE_TRY(m.arena->synchronize());
   MOE_CUDA_TRY(cudaStreamSynchronize(m.st));
   if (m.meter) (void)eng->device_memory();  // the peak starts at the ready state
-  std::fprintf(stderr, "moe-worker: cuda backend on %s; %s; dense weights %s%s; experts %s\n", dev->c_str(),
-               m.plan.describe().c_str(), dense_name(m.dense),
+  std::fprintf(stderr, "moe-worker: cuda backend on %s; %s; dense weights %s%s; KV rows %s; experts %s\n",
+               dev->c_str(), m.plan.describe().c_str(), dense_name(m.dense),
                m.embed_host ? ", embedding in host memory" : "",
+               m.kv_dtype == KvDtype::bf16 ? "bf16" : m.kv_dtype == KvDtype::int8 ? "int8" : "fp8",
                m.all_resident ? "all resident" : "under the budget (islands < experts)");
   return Result<std::unique_ptr<CudaEngine>>(std::move(eng));
 }

@@ -33,6 +33,7 @@ struct CudaExpertStats {
   int64_t islands_total = 0;
   bool all_resident = false;
   std::string dense_weights = "bf16";  // the non-expert matrices' dtype: bf16, int8 or int4
+  std::string kv_dtype = "bf16";       // the KV cache's rows: bf16, int8 or fp8
   bool host_embedding = false;  // the embedding in host memory (under a budget)
   uint64_t host_experts_served = 0;  // (layer, expert) misses computed on the host instead of copied
   uint64_t host_expert_tokens = 0;   // their (token, expert) pairs

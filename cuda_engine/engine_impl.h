@@ -38,6 +38,7 @@
 #include <unordered_set>
 
 #include "engine/weights.h"
+#include "kernels/kv_code.h"
 #include "card/nvml_card.h"
 #include "residency/eviction_policy.h"
 #include "residency/expert_predictor.h"
@@ -82,6 +83,14 @@ inline constexpr size_t kGraphReserve = size_t(64) << 20;
 inline constexpr size_t kContextGuess = size_t(768) << 20;
 
 inline size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+// One layer's K (or V) pool of `blocks` blocks: bf16 rows, or the rows'
+// one-byte codes then (16-byte aligned) their f32 scales (docs/kv-cache.md).
+inline size_t kv_pool_bytes(size_t blocks, KvDtype dt, int n_kv, int head_dim) {
+  const size_t rows = blocks * size_t(kBlockTokens) * size_t(n_kv);
+  if (!kv_coded(dt)) return rows * size_t(head_dim) * 2;
+  return align_up(rows * size_t(head_dim), 16) + rows * sizeof(float);
+}
 
 // Hands out aligned pieces of one region. With a null base it only counts,
 // so the same code measures a region before the arena exists and carves it
@@ -189,12 +198,15 @@ struct CudaEngine::Impl {
     int mlp_inter = 0, mlp_rows = 0;                  // rows: gate | up | (gate logit) | (router), padded
     int router_row = -1;                              // >= 0: the router's rows inside mlp_gu_w
     bool mlp_gated = false;                           // Qwen2-MoE: sigmoid gate logit at row 2*inter
-    bf16 *k_pool = nullptr, *v_pool = nullptr;
+    bf16 *k_pool = nullptr, *v_pool = nullptr;   // bf16 rows
+    uint8_t *k_codes = nullptr, *v_codes = nullptr;  // coded rows (docs/kv-cache.md)
+    float *k_scales = nullptr, *v_scales = nullptr;
   };
   std::vector<DevLayer> layers;
   bf16 *embed = nullptr, *final_norm = nullptr;
   DenseW lm_head;
   DenseDtype dense = DenseDtype::bf16;  // non-expert matrices (the embedding stays bf16)
+  KvDtype kv_dtype = KvDtype::bf16;     // the KV cache's rows
   bool embed_host = false;        // the embedding lies in mapped pinned host memory, not the arena
   bf16* embed_host_buf = nullptr; // its cudaHostAlloc'ed rows then
   bf16* dequant = nullptr;        // prefill: a quantised matrix back in bf16 for cuBLASLt

@@ -20,6 +20,8 @@ enum class DenseWeights { automatic, bf16, int8, int4 };
 enum class HostShareMode { automatic, on, off };
 enum class MissMode { stream, copy };
 enum class EvictionKind { lru, lfu, ours };
+// --kv-dtype: auto resolves per engine (docs/kv-cache.md).
+enum class KvDtypeChoice { automatic, bf16, int8, fp8 };
 
 // The spelling of each choice on a command line.
 template <class E>
@@ -43,6 +45,13 @@ template <>
 struct ChoiceNames<EvictionKind> {
   static constexpr std::pair<const char*, EvictionKind> all[] = {
       {"lru", EvictionKind::lru}, {"lfu", EvictionKind::lfu}, {"ours", EvictionKind::ours}};
+};
+
+template <>
+struct ChoiceNames<KvDtypeChoice> {
+  static constexpr std::pair<const char*, KvDtypeChoice> all[] = {
+      {"auto", KvDtypeChoice::automatic}, {"bf16", KvDtypeChoice::bf16}, {"int8", KvDtypeChoice::int8},
+      {"fp8", KvDtypeChoice::fp8}};
 };
 
 template <class E>
@@ -104,6 +113,9 @@ struct CudaEngineOptions {
   // expert stays resident, else int8 (int4 only when int8 leaves no room;
   // its cost in quality in docs/cuda-worker.md). The embedding stays bf16.
   DenseWeights dense_weights = DenseWeights::automatic;
+  // The KV cache's rows (docs/kv-cache.md). auto: int8 under a budget (fewer
+  // islands than experts), bf16 when every expert is resident.
+  KvDtypeChoice kv_dtype = KvDtypeChoice::automatic;
   // Under a budget (not every expert fits), keep the embedding in mapped
   // pinned host memory: a step reads one row per token over the link, and
   // its bytes become islands. Not done when a bf16 lm_head shares it.

@@ -172,6 +172,7 @@ CudaExpertStats CudaEngine::expert_stats() const {
   s.islands_total = m.plan.n_islands;
   s.all_resident = m.all_resident;
   s.dense_weights = dense_name(m.dense);
+  s.kv_dtype = m.kv_dtype == KvDtype::bf16 ? "bf16" : m.kv_dtype == KvDtype::int8 ? "int8" : "fp8";
   s.host_embedding = m.embed_host;
   s.host_experts_served = m.host_experts_served;
   s.host_expert_tokens = m.host_expert_tokens;

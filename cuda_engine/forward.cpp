@@ -161,7 +161,8 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
   MOE_TRY(cuda::embedding_gather(embed, vocab, hidden, tokens, n, x, st));
   for (const DevLayer& L : layers) {
     advanced();
-    cuda::PagedKvPool kv{L.k_pool, L.v_pool, tables, max_blocks, kBlockTokens, d.n_kv_heads, d.head_dim};
+    cuda::PagedKvPool kv{L.k_pool,  L.v_pool,  tables,     max_blocks, kBlockTokens, d.n_kv_heads, d.head_dim,
+                         kv_dtype,  L.k_codes, L.v_codes, L.k_scales, L.v_scales};
     if (fuse) {
       MOE_TRY(gemv_rmsnorm(L.qkv_w, x, L.in_norm, nullptr, qkv, n));
     } else {

@@ -29,11 +29,11 @@ Result<std::unique_ptr<CpuEngine>> CpuEngine::create(std::shared_ptr<ModelFiles>
             vd = ForwardPass::kv_v_dim(d);
   int blocks = opts.kv_blocks;
   if (blocks <= 0) {
-    const size_t per_block = KvCache::block_bytes(d.n_layers, opts.kv_block_tokens, nkv, qk, vd);
+    const size_t per_block = KvCache::block_bytes(d.n_layers, opts.kv_block_tokens, nkv, qk, vd, opts.kv_dtype);
     blocks = int(std::min<size_t>(opts.kv_bytes_budget / per_block, size_t(1) << 30));
   }
   if (blocks < 1) return make_error("the KV budget holds no block");
-  e->kv_ = std::make_unique<KvCache>(d.n_layers, blocks, opts.kv_block_tokens, nkv, qk, vd);
+  e->kv_ = std::make_unique<KvCache>(d.n_layers, blocks, opts.kv_block_tokens, nkv, qk, vd, opts.kv_dtype);
   e->kv_pool_ = std::make_unique<KvBlockPool>(blocks, opts.kv_block_tokens);
   e->prefix_cache_ = opts.prefix_cache;
   e->max_context_ = d.max_position > 0 ? d.max_position : blocks * opts.kv_block_tokens;

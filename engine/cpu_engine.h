@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "kernels/kv_code.h"
 #include "engine/forward.h"
 #include "model/model_files.h"
 #include "model/result.h"
@@ -36,6 +37,7 @@ struct EngineOptions {
   // many bytes as f32; larger models read bf16 in place.
   size_t f32_weights_max_bytes = size_t(4) << 30;
   bool prefix_cache = true;  // reuse cached KV blocks of shared prompt prefixes (docs/prefix-cache.md)
+  KvDtype kv_dtype = KvDtype::bf16;  // bf16: f32 rows; int8 / fp8: coded rows (docs/kv-cache.md)
 };
 
 class CpuEngine final : public Engine {

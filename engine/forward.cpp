@@ -72,11 +72,11 @@ void ForwardPass::attend(int layer, const Batch& b, const float* q, int qk_dim, 
                          float scale) {
   const int nh = d_.n_heads, nkv = kv_heads(d_), T = int(b.tokens.size());
   float* out = att_.data();
-  const float* kpool = kv_.k(layer);
-  const float* vpool = kv_.v(layer);
+  const cpu::KvRows rows = kv_.rows(layer);
   pool_.parallel_for(T, [&](int64_t t) {
     const BatchSegment& s = b.segments[size_t(row_segment_[size_t(t)])];
-    const cpu::PagedKv kv{kpool, vpool, s.block_table, kv_.block_tokens()};
+    const cpu::PagedKv kv{rows.k,       rows.v,       s.block_table, kv_.block_tokens(), rows.dtype,
+                          rows.k_codes, rows.v_codes, rows.k_scales, rows.v_scales};
     cpu::attention(q + t * nh * qk_dim, nh * qk_dim, kv, &b.positions[size_t(t)],
                    out + t * nh * v_dim, nh * v_dim, 1, nh, nkv, qk_dim, v_dim, scale, nullptr);
   });
@@ -101,7 +101,7 @@ void ForwardPass::attention_gqa(const LayerWeights& lw, int layer, const Batch& 
   cpu::rope_neox(k, nkv * hd, hd, b.positions.data(), T, nkv, hd, inv_freq_.data(), rope_scale_);
   for (int t = 0; t < T; ++t) {
     const BatchSegment& s = b.segments[size_t(row_segment_[size_t(t)])];
-    cpu::kv_store(kv_.k(layer), kv_.v(layer), s.block_table, kv_.block_tokens(),
+    cpu::kv_store(kv_.rows(layer), s.block_table, kv_.block_tokens(),
                   b.positions[size_t(t)], k + size_t(t) * nkv * hd, v + size_t(t) * nkv * hd, nkv,
                   hd, hd);
   }
@@ -148,7 +148,7 @@ void ForwardPass::attention_mla(const LayerWeights& lw, int layer, const Batch& 
       std::memcpy(v + size_t(h) * vd, src + nope, sizeof(float) * vd);
     }
     const BatchSegment& s = b.segments[size_t(row_segment_[size_t(t)])];
-    cpu::kv_store(kv_.k(layer), kv_.v(layer), s.block_table, kv_.block_tokens(),
+    cpu::kv_store(kv_.rows(layer), s.block_table, kv_.block_tokens(),
                   b.positions[size_t(t)], k, v, nh, qk, vd);
   }
   sized(att_, size_t(T) * nh * vd);

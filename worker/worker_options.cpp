@@ -53,7 +53,7 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
                                           "--redis-password-file", "--parent-pid", "--stall-exit-s",
                                           "--max-step-tokens", "--expert-policy", "--prefetch", "--dense-weights",
                                           "--host-experts", "--misses", "--routing", "--prefix-cache",
-                                          "--warm-profile", "--save-profile", "--save-profile-every-s"};
+                                          "--warm-profile", "--save-profile", "--save-profile-every-s", "--kv-dtype"};
     bool known = false;
     for (const char* k : kValued) known = known || name == k;
     if (!known) return make_error("unknown option '" + a + "' (see --help)");
@@ -111,6 +111,11 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
       o.cuda.max_step_tokens = *v;
     } else if (name == "--expert-policy") {
       if (!choose(o.cuda.policy)) return make_error(refusal);
+    } else if (name == "--kv-dtype") {
+      if (!choose(o.cuda.kv_dtype)) return make_error(refusal);
+      o.cpu.kv_dtype = o.cuda.kv_dtype == KvDtypeChoice::int8  ? KvDtype::int8
+                       : o.cuda.kv_dtype == KvDtypeChoice::fp8 ? KvDtype::fp8
+                                                               : KvDtype::bf16;
     } else if (name == "--dense-weights") {
       if (!choose(o.cuda.dense_weights)) return make_error(refusal);
     } else if (name == "--prefetch") {
@@ -158,6 +163,10 @@ std::string worker_usage() {
          "  --prefix-cache on|off   keep the KV of released sequences' whole blocks, found by the hash of\n"
          "                          their prefix, so that a prompt starting the same way (a session's next\n"
          "                          turn, a shared system prompt) computes only the rest (default on)\n"
+         "  --kv-dtype D            the KV cache's rows: bf16, int8 or fp8 (one byte a value and a scale\n"
+         "                          per token and head: half the bytes, docs/kv-cache.md), or auto\n"
+         "                          (default): int8 under a budget with fewer islands than experts\n"
+         "                          (cuda), else bf16; the cpu backend's bf16 rows are f32\n"
          "  --max-frame-bytes N     largest frame accepted (default 64M)\n"
          "  --vram-budget SIZE      device memory to use, e.g. 12GiB (cuda; default: free memory less 512 MiB);\n"
          "                          one allocation holds weights, KV, workspace and expert islands\n"

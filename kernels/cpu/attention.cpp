@@ -20,9 +20,66 @@ void kv_store(float* k_pool, float* v_pool, const int32_t* block_table, int bloc
   std::memcpy(v_pool + slot * n_kv * v_dim, v, sizeof(float) * n_kv * v_dim);
 }
 
+void kv_store(const KvRows& pool, const int32_t* block_table, int block_tokens, int pos, const float* k,
+              const float* v, int n_kv, int qk_dim, int v_dim) {
+  if (!kv_coded(pool.dtype)) {
+    kv_store(pool.k, pool.v, block_table, block_tokens, pos, k, v, n_kv, qk_dim, v_dim);
+    return;
+  }
+  const int64_t slot = slot_index(block_table, block_tokens, pos);
+  for (int h = 0; h < n_kv; ++h) {
+    const int64_t row = slot * n_kv + h;
+    pool.k_scales[row] = kv_encode_row(pool.dtype, k + int64_t(h) * qk_dim, qk_dim, pool.k_codes + row * qk_dim);
+    pool.v_scales[row] = kv_encode_row(pool.dtype, v + int64_t(h) * v_dim, v_dim, pool.v_codes + row * v_dim);
+  }
+}
+
+// Attention over coded rows: a key's score is (q . codes) x its scale, a
+// value's codes are decoded into the sum with p x its scale; no row is
+// decoded into a copy.
+static void attention_coded(const float* q, int64_t q_stride, const PagedKv& kv, const int32_t* positions,
+                            float* out, int64_t out_stride, int tokens, int n_heads, int n_kv, int qk_dim,
+                            int v_dim, float scale, ThreadPool* pool) {
+  const int group = n_heads / n_kv;
+  const float* table = kv_code_table(kv.dtype).data();
+  parallel_for(pool, int64_t(tokens) * n_heads, [&](int64_t task) {
+    const int t = int(task / n_heads), h = int(task % n_heads), kvh = h / group;
+    const int n_keys = positions[t] + 1;
+    const float* qv = q + t * q_stride + int64_t(h) * qk_dim;
+    std::vector<float> score(n_keys);
+    float mx = -INFINITY;
+    for (int j = 0; j < n_keys; ++j) {
+      const int64_t row = slot_index(kv.block_table, kv.block_tokens, j) * n_kv + kvh;
+      const uint8_t* c = kv.k_codes + row * qk_dim;
+      float d = 0.0f;
+      for (int i = 0; i < qk_dim; ++i) d += qv[i] * table[c[i]];
+      score[j] = d * kv.k_scales[row] * scale;
+      mx = std::max(mx, score[j]);
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < n_keys; ++j) {
+      score[j] = std::exp(score[j] - mx);
+      sum += score[j];
+    }
+    const float inv = 1.0f / sum;
+    float* o = out + t * out_stride + int64_t(h) * v_dim;
+    std::fill(o, o + v_dim, 0.0f);
+    for (int j = 0; j < n_keys; ++j) {
+      const int64_t row = slot_index(kv.block_table, kv.block_tokens, j) * n_kv + kvh;
+      const uint8_t* c = kv.v_codes + row * v_dim;
+      const float w = score[j] * inv * kv.v_scales[row];
+      for (int i = 0; i < v_dim; ++i) o[i] += w * table[c[i]];
+    }
+  });
+}
+
 void attention(const float* q, int64_t q_stride, const PagedKv& kv, const int32_t* positions,
                float* out, int64_t out_stride, int tokens, int n_heads, int n_kv, int qk_dim,
                int v_dim, float scale, ThreadPool* pool) {
+  if (kv_coded(kv.dtype)) {
+    attention_coded(q, q_stride, kv, positions, out, out_stride, tokens, n_heads, n_kv, qk_dim, v_dim, scale, pool);
+    return;
+  }
   const int group = n_heads / n_kv;
   parallel_for(pool, int64_t(tokens) * n_heads, [&](int64_t task) {
     const int t = int(task / n_heads), h = int(task % n_heads), kvh = h / group;

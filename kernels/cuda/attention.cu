@@ -9,6 +9,14 @@
 // (two dims each, 4-byte loads) and a warp takes 64 / head_dim keys at once;
 // the key groups' partial outputs are summed with shuffles after the last
 // tile. Heads of 64 and up keep one key per step over the whole warp.
+//
+// Coded rows (int8, fp8; docs/kv-cache.md): the same walk over one-byte
+// codes, 16 a 16-byte load in the score phase and D a D-byte load in the
+// value phase, decoded in registers; a key's score is its dot times its K
+// scale, and its probability is multiplied by its V scale before the
+// broadcast (the softmax sum keeps the plain probability).
+#include <cuda_fp8.h>
+
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/cuda_check.cuh"
 #include "kernels/cuda/launch.cuh"
@@ -43,7 +51,41 @@ __device__ __forceinline__ void load_row_part(const __nv_bfloat16* p, float* out
   }
 }
 
-template <int HD>
+// One code's value before its scale.
+template <KvDtype C>
+__device__ __forceinline__ float decode_code(uint32_t byte) {
+  if constexpr (C == KvDtype::fp8) {
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(byte), __NV_E4M3);
+    return __half2float(__half(h));
+  } else {
+    return float(int8_t(uint8_t(byte)));
+  }
+}
+
+// D consecutive codes (D = 2, 4 or 8) as one 2-, 4- or 8-byte load.
+template <int D, KvDtype C>
+__device__ __forceinline__ void load_code_part(const uint8_t* p, float* out) {
+  uint32_t w[2] = {0, 0};
+  if constexpr (D == 2) {
+    w[0] = *reinterpret_cast<const uint16_t*>(p);
+  } else if constexpr (D == 4) {
+    w[0] = *reinterpret_cast<const uint32_t*>(p);
+  } else {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    w[0] = u.x, w[1] = u.y;
+  }
+#pragma unroll
+  for (int i = 0; i < D; ++i) out[i] = decode_code<C>((w[i / 4] >> (8 * (i % 4))) & 0xffu);
+}
+
+// A value row's part: bf16 values, or codes.
+template <int D, KvDtype C>
+__device__ __forceinline__ void load_value_part(const PagedKvPool& kv, size_t elem, float* out) {
+  if constexpr (C == KvDtype::bf16) load_row_part<D>(kv.v + elem, out);
+  else load_code_part<D, C>(kv.v_codes + elem, out);
+}
+
+template <int HD, KvDtype C>
 __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, PagedKvPool kv) {
   detail::allow_next_grid();
   detail::wait_prior_grid();
@@ -76,27 +118,44 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
     const int j = tile * 32 + lane;
     float s = -INFINITY;
     size_t slot = 0;
+    float vscale = 0.f;  // coded rows: this lane's key's V scale
     if (j < n_keys) {
       slot = size_t(table[j / kv.block_tokens]) * kv.block_tokens + j % kv.block_tokens;
-      const uint4* kr = reinterpret_cast<const uint4*>(kv.k + slot * row_stride + size_t(kvh) * HD);
       float d = 0.f;
+      if constexpr (C == KvDtype::bf16) {
+        const uint4* kr = reinterpret_cast<const uint4*>(kv.k + slot * row_stride + size_t(kvh) * HD);
 #pragma unroll
-      for (int c = 0; c < HD / 8; ++c) {
-        const uint4 u = __ldg(kr + c);
-        const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&u);
+        for (int c = 0; c < HD / 8; ++c) {
+          const uint4 u = __ldg(kr + c);
+          const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&u);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = __bfloat1622float2(b[e]);
-          d = fmaf(f.x, qs[c * 8 + 2 * e], d);
-          d = fmaf(f.y, qs[c * 8 + 2 * e + 1], d);
+          for (int e = 0; e < 4; ++e) {
+            const float2 f = __bfloat1622float2(b[e]);
+            d = fmaf(f.x, qs[c * 8 + 2 * e], d);
+            d = fmaf(f.y, qs[c * 8 + 2 * e + 1], d);
+          }
         }
+      } else {
+        const uint4* kr = reinterpret_cast<const uint4*>(kv.k_codes + slot * row_stride + size_t(kvh) * HD);
+#pragma unroll
+        for (int c = 0; c < HD / 16; ++c) {
+          const uint4 u = __ldg(kr + c);
+          const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+          for (int e = 0; e < 16; ++e) d = fmaf(decode_code<C>((w[e / 4] >> (8 * (e % 4))) & 0xffu), qs[c * 16 + e], d);
+        }
+        const size_t row = slot * kv.n_kv + kvh;
+        d *= __ldg(kv.k_scales + row);
+        vscale = __ldg(kv.v_scales + row);
       }
       s = d;
     }
     const float m_new = fmaxf(m, detail::warp_max(s));
-    const float p = j < n_keys ? __expf(s - m_new) : 0.f;
+    const float p_plain = j < n_keys ? __expf(s - m_new) : 0.f;
     const float corr = __expf(m - m_new);  // 0 on the first tile (m = -inf)
-    l = l * corr + detail::warp_sum(p);
+    l = l * corr + detail::warp_sum(p_plain);
+    // The weight of the key's value row: its V scale folded in when coded.
+    const float p = C == KvDtype::bf16 ? p_plain : p_plain * vscale;
 #pragma unroll
     for (int i = 0; i < D; ++i) o[i] *= corr;
     m = m_new;
@@ -115,7 +174,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
           const unsigned long long sj = __shfl_sync(0xffffffffu, (unsigned long long)slot, jj & 31);
           if (jj < valid) {
             pv[u] = pj;
-            load_row_part<D>(kv.v + sj * row_stride + size_t(kvh) * HD + dim0, vv[u]);
+            load_value_part<D, C>(kv, sj * row_stride + size_t(kvh) * HD + dim0, vv[u]);
           } else {
             pv[u] = 0.f;
 #pragma unroll
@@ -138,7 +197,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
           pv[u] = __shfl_sync(0xffffffffu, p, j0 + u);  // p is 0 past the last key
           const unsigned long long sj = __shfl_sync(0xffffffffu, (unsigned long long)slot, j0 + u);
           if (j0 + u < valid) {
-            load_row_part<D>(kv.v + sj * row_stride + size_t(kvh) * HD + lane * D, vv[u]);
+            load_value_part<D, C>(kv, sj * row_stride + size_t(kvh) * HD + lane * D, vv[u]);
           } else {
 #pragma unroll
             for (int i = 0; i < D; ++i) vv[u][i] = 0.f;
@@ -182,27 +241,39 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
   }
 }
 
-}  // namespace
-
-Status paged_attention(const AttentionArgs& a, const PagedKvPool& kv, cudaStream_t stream) {
-  MOE_CUDA_REQUIRE(a.q && a.out && a.seq_of_token && a.positions && kv.k && kv.v && kv.block_tables,
-                   "null pointer");
-  MOE_CUDA_REQUIRE(a.tokens > 0 && a.n_heads > 0 && kv.n_kv > 0 && a.n_heads % kv.n_kv == 0,
-                   "n_heads must be a positive multiple of n_kv");
-  MOE_CUDA_REQUIRE(kv.block_tokens > 0 && kv.max_blocks > 0, "bad block geometry");
+template <KvDtype C>
+Status launch_attention(const AttentionArgs& a, const PagedKvPool& kv, cudaStream_t stream) {
   const dim3 grid(a.tokens, a.n_heads);
   switch (kv.head_dim) {
-    case 16: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<16>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
-    case 32: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<32>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
-    case 64: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<64>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
-    case 128: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<128>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
-    case 256: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<256>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
+    case 16: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<16, C>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
+    case 32: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<32, C>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
+    case 64: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<64, C>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
+    case 128: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<128, C>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
+    case 256: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<256, C>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
     default:
       return make_error("paged_attention: unsupported head_dim " + std::to_string(kv.head_dim) +
                         " (supported: 16, 32, 64, 128, 256)");
   }
   MOE_CUDA_LAUNCHED();
   return {};
+}
+
+}  // namespace
+
+Status paged_attention(const AttentionArgs& a, const PagedKvPool& kv, cudaStream_t stream) {
+  const bool coded = kv_coded(kv.dtype);
+  MOE_CUDA_REQUIRE(a.q && a.out && a.seq_of_token && a.positions && kv.block_tables, "null pointer");
+  MOE_CUDA_REQUIRE(coded ? (kv.k_codes && kv.v_codes && kv.k_scales && kv.v_scales) : (kv.k && kv.v),
+                   "null pool pointer");
+  MOE_CUDA_REQUIRE(a.tokens > 0 && a.n_heads > 0 && kv.n_kv > 0 && a.n_heads % kv.n_kv == 0,
+                   "n_heads must be a positive multiple of n_kv");
+  MOE_CUDA_REQUIRE(kv.block_tokens > 0 && kv.max_blocks > 0, "bad block geometry");
+  switch (kv.dtype) {
+    case KvDtype::bf16: return launch_attention<KvDtype::bf16>(a, kv, stream);
+    case KvDtype::int8: return launch_attention<KvDtype::int8>(a, kv, stream);
+    case KvDtype::fp8: return launch_attention<KvDtype::fp8>(a, kv, stream);
+  }
+  return make_error("paged_attention: unknown KV dtype");
 }
 
 }  // namespace moe::cuda

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "kernels/kv_code.h"
 #include "model/result.h"
 
 namespace moe::cuda {
@@ -21,6 +22,13 @@ struct PagedKvPool {
   int max_blocks = 0;                // row stride of block_tables
   int block_tokens = 0;
   int n_kv = 0, head_dim = 0;
+  // Coded rows instead of k and v (docs/kv-cache.md): one byte a value,
+  // one f32 scale per (slot, head).
+  KvDtype dtype = KvDtype::bf16;
+  uint8_t* k_codes = nullptr;        // [pool_blocks, block_tokens, n_kv, head_dim]
+  uint8_t* v_codes = nullptr;
+  float* k_scales = nullptr;         // [pool_blocks, block_tokens, n_kv]
+  float* v_scales = nullptr;
 };
 
 struct AttentionArgs {

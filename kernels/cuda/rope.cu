@@ -2,6 +2,8 @@
 // The full-width q/k norm needs the sum of squares of a token's whole q (or
 // k) row: each block that holds a q (k) head sums it first, all threads
 // together, so the heads of one token need no communication between blocks.
+#include <cuda_fp8.h>
+
 #include "kernels/cuda/cuda_check.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/device_math.cuh"
@@ -96,11 +98,29 @@ __global__ void __launch_bounds__(kThreads) qkv_rope_kernel(QkvRopeArgs a, Paged
       }
       __syncwarp();
     }
-    __nv_bfloat16* dst;
-    if (is_q) dst = a.q_out + (size_t(t) * a.n_heads + head) * HD;
-    else if (is_k) dst = kv.k + (slot * kv.n_kv + (head - a.n_heads)) * HD;
-    else dst = kv.v + (slot * kv.n_kv + (head - a.n_heads - kv.n_kv)) * HD;
-    for (int i = lane; i < HD; i += 32) dst[i] = __float2bfloat16(x[i]);
+    const size_t row = slot * kv.n_kv + (is_k ? head - a.n_heads : head - a.n_heads - kv.n_kv);
+    if (!is_q && kv.dtype != KvDtype::bf16) {
+      // A coded row (kernels/kv_code.h's kv_encode_row): one scale from the
+      // row's max |x|, the codes of x * (code max / max |x|), IEEE-rounded.
+      float amax = 0.f;
+      for (int i = lane; i < HD; i += 32) amax = fmaxf(amax, fabsf(x[i]));
+      amax = detail::warp_max(amax);
+      const bool fp8 = kv.dtype == KvDtype::fp8;
+      const float cmax = fp8 ? 448.f : 127.f;
+      const float inv = amax > 0.f ? __fdiv_rn(cmax, amax) : 0.f;
+      uint8_t* codes = (is_k ? kv.k_codes : kv.v_codes) + row * HD;
+      for (int i = lane; i < HD; i += 32) {
+        const float y = __fmul_rn(x[i], inv);
+        codes[i] = fp8 ? uint8_t(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3))
+                       : uint8_t(int8_t(max(-127, min(127, __float2int_rn(y)))));
+      }
+      if (lane == 0) (is_k ? kv.k_scales : kv.v_scales)[row] = __fdiv_rn(amax, cmax);
+    } else {
+      __nv_bfloat16* dst;
+      if (is_q) dst = a.q_out + (size_t(t) * a.n_heads + head) * HD;
+      else dst = (is_k ? kv.k : kv.v) + row * HD;
+      for (int i = lane; i < HD; i += 32) dst[i] = __float2bfloat16(x[i]);
+    }
     __syncwarp();
   }
 }
@@ -109,7 +129,9 @@ __global__ void __launch_bounds__(kThreads) qkv_rope_kernel(QkvRopeArgs a, Paged
 
 Status qkv_rope_store(const QkvRopeArgs& a, const PagedKvPool& kv, cudaStream_t stream) {
   MOE_CUDA_REQUIRE(a.qkv && a.positions && a.seq_of_token && a.inv_freq && a.q_out, "null pointer");
-  MOE_CUDA_REQUIRE(kv.k && kv.v && kv.block_tables, "null pool pointer");
+  MOE_CUDA_REQUIRE(kv.block_tables && (kv_coded(kv.dtype) ? (kv.k_codes && kv.v_codes && kv.k_scales && kv.v_scales)
+                                                            : (kv.k && kv.v)),
+                   "null pool pointer");
   MOE_CUDA_REQUIRE(a.tokens > 0 && a.n_heads > 0 && kv.n_kv > 0, "tokens and heads must be positive");
   MOE_CUDA_REQUIRE(kv.head_dim > 0 && kv.head_dim % 2 == 0, "head_dim must be even");
   const size_t smem = size_t(kThreads / 32) * kv.head_dim * sizeof(float);

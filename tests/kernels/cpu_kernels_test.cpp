@@ -190,6 +190,112 @@ TEST_CASE("paged attention equals contiguous causal GQA", "[kernels][attention]"
     }
 }
 
+TEST_CASE("e4m3 codes: every finite code decodes and encodes back; ties go to even; past 448 saturates",
+          "[kernels][kv]") {
+  using moe::e4m3_decode;
+  using moe::e4m3_encode;
+  int finite = 0;
+  for (int c = 0; c < 256; ++c) {
+    const float x = e4m3_decode(uint8_t(c));
+    if (std::isnan(x)) {
+      CHECK((c & 0x7f) == 0x7f);
+      continue;
+    }
+    ++finite;
+    if (c == 0x80) CHECK(e4m3_encode(x) == 0x80);  // -0
+    else CHECK(e4m3_encode(x) == uint8_t(c));
+  }
+  CHECK(finite == 254);
+  CHECK(e4m3_decode(0x7e) == 448.0f);
+  CHECK(e4m3_decode(0x01) == std::ldexp(1.0f, -9));  // the least subnormal
+  CHECK(e4m3_decode(0x08) == std::ldexp(1.0f, -6));  // the least normal
+  // Between two codes: the nearer; half-way: the even mantissa.
+  CHECK(e4m3_encode(1.0625f) == e4m3_encode(1.0f));     // 1 + 1/16: tie, 1.0 (mantissa 0) is even
+  CHECK(e4m3_encode(1.1875f) == e4m3_encode(1.25f));    // 1 + 3/16: tie, 1.25 (mantissa 2) is even
+  CHECK(e4m3_encode(1.1f) == e4m3_encode(1.125f));
+  CHECK(e4m3_encode(15.5f) == e4m3_encode(16.0f));      // rounds up into the next binade
+  CHECK(e4m3_encode(3 * std::ldexp(1.0f, -10)) == 0x02);  // 1.5 subnormal steps: tie, 2 is even
+  CHECK(e4m3_encode(1000.0f) == 0x7e);
+  CHECK(e4m3_encode(-1000.0f) == 0xfe);
+  CHECK(e4m3_encode(std::ldexp(1.0f, -11)) == 0x00);   // a quarter step: zero
+}
+
+TEST_CASE("a coded KV row: the scale maps max |x| to the largest code, each value within half a step",
+          "[kernels][kv]") {
+  for (moe::KvDtype d : {moe::KvDtype::int8, moe::KvDtype::fp8}) {
+    auto x = random_vec(128, 21, 3.0f);
+    x[17] = -5.5f;  // the row's max |x|
+    std::vector<uint8_t> codes(128);
+    const float scale = moe::kv_encode_row(d, x.data(), 128, codes.data());
+    CHECK(scale == Approx(5.5f / moe::kv_code_max(d)));
+    const auto& table = moe::kv_code_table(d);
+    CHECK(table[codes[17]] * scale == Approx(-5.5f));
+    for (int i = 0; i < 128; ++i) {
+      const float y = table[codes[size_t(i)]] * scale;
+      if (d == moe::KvDtype::int8) CHECK(std::fabs(y - x[size_t(i)]) <= 0.5f * scale * 1.0001f);
+      else CHECK(std::fabs(y - x[size_t(i)]) <= std::max(std::fabs(x[size_t(i)]) / 16.0f, std::ldexp(scale, -10)) * 1.0001f);
+    }
+    std::vector<float> zero(64, 0.0f);
+    std::vector<uint8_t> zc(64, 0xaa);
+    CHECK(moe::kv_encode_row(d, zero.data(), 64, zc.data()) == 0.0f);
+    for (uint8_t c : zc) CHECK(table[c] == 0.0f);
+  }
+}
+
+TEST_CASE("paged attention over coded rows equals attention over the rows the codes stand for",
+          "[kernels][attention][kv]") {
+  ThreadPool pool(2);
+  const int ctx = 23, n_heads = 4, n_kv = 2, dk = 24, dv = 16, bt = 4, pool_blocks = 8;
+  auto q = random_vec(ctx * n_heads * dk, 31), k = random_vec(ctx * n_kv * dk, 32, 2.0f),
+       v = random_vec(ctx * n_kv * dv, 33, 0.5f);
+  std::vector<int32_t> table = {6, 1, 3, 0, 7, 2};
+  std::vector<int32_t> pos(ctx);
+  for (int i = 0; i < ctx; ++i) pos[i] = i;
+  for (moe::KvDtype d : {moe::KvDtype::int8, moe::KvDtype::fp8}) {
+    const size_t rows = size_t(pool_blocks) * bt * n_kv;
+    std::vector<uint8_t> kc(rows * dk), vc(rows * dv);
+    std::vector<float> ks(rows, NAN), vs(rows, NAN);
+    KvRows pr;
+    pr.dtype = d;
+    pr.k_codes = kc.data();
+    pr.v_codes = vc.data();
+    pr.k_scales = ks.data();
+    pr.v_scales = vs.data();
+    for (int p = 0; p < ctx; ++p)
+      kv_store(pr, table.data(), bt, p, &k[p * n_kv * dk], &v[p * n_kv * dv], n_kv, dk, dv);
+    // The f32 rows the codes stand for, in a plain pool.
+    std::vector<float> kp(rows * dk), vp(rows * dv);
+    const auto& tab = moe::kv_code_table(d);
+    for (size_t r = 0; r < rows; ++r) {
+      if (std::isnan(ks[r])) continue;
+      for (int i = 0; i < dk; ++i) kp[r * dk + i] = tab[kc[r * dk + i]] * ks[r];
+      for (int i = 0; i < dv; ++i) vp[r * dv + i] = tab[vc[r * dv + i]] * vs[r];
+    }
+    std::vector<float> out(ctx * n_heads * dv), ref(ctx * n_heads * dv), exact(ctx * n_heads * dv);
+    PagedKv coded{nullptr, nullptr, table.data(), bt, d, kc.data(), vc.data(), ks.data(), vs.data()};
+    PagedKv plain{kp.data(), vp.data(), table.data(), bt};
+    attention(q.data(), n_heads * dk, coded, pos.data(), out.data(), n_heads * dv, ctx, n_heads, n_kv, dk, dv,
+              0.2f, &pool);
+    attention(q.data(), n_heads * dk, plain, pos.data(), ref.data(), n_heads * dv, ctx, n_heads, n_kv, dk, dv,
+              0.2f, &pool);
+    // And over the unquantised rows: what the codes cost.
+    std::vector<float> kx(rows * dk), vx(rows * dv);
+    for (int p = 0; p < ctx; ++p)
+      kv_store(kx.data(), vx.data(), table.data(), bt, p, &k[p * n_kv * dk], &v[p * n_kv * dv], n_kv, dk, dv);
+    PagedKv full{kx.data(), vx.data(), table.data(), bt};
+    attention(q.data(), n_heads * dk, full, pos.data(), exact.data(), n_heads * dv, ctx, n_heads, n_kv, dk, dv,
+              0.2f, &pool);
+    double worst = 0;
+    for (size_t i = 0; i < out.size(); ++i) {
+      REQUIRE(out[i] == Approx(ref[i]).margin(1e-5));
+      worst = std::max(worst, double(std::fabs(out[i] - exact[i])));
+    }
+    INFO("the codes move an output by at most " << worst);
+    CHECK(worst < (d == moe::KvDtype::int8 ? 0.01 : 0.03));
+    CHECK(worst > 0);
+  }
+}
+
 TEST_CASE("router: softmax then top-k, renormalised or not, scaled, group-limited",
           "[kernels][router]") {
   const std::vector<float> logits = {0.1f, 2.0f, -1.0f, 1.5f, 1.5f, 0.0f};

@@ -928,6 +928,129 @@ TEST_CASE("cuda paged attention with head_dim 16 and 32 matches the CPU", "[cuda
   }
 }
 
+TEST_CASE("cuda paged attention over coded rows (int8, fp8) matches the CPU on the same codes",
+          "[cuda][attention][kv]") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(24);
+  for (moe::KvDtype dt : {moe::KvDtype::int8, moe::KvDtype::fp8})
+    for (const int hd : {16, 32, 64, 128, 256}) {
+      const int nh = 8, nkv = 2, bt = 16, seqs = 3, max_blocks = 8, pool_blocks = seqs * max_blocks + 2;
+      INFO((dt == moe::KvDtype::int8 ? "int8" : "fp8") << ", head_dim " << hd);
+      const size_t rows = size_t(pool_blocks) * bt * nkv;
+      std::vector<uint8_t> kc(rows * hd), vc(rows * hd);
+      std::vector<float> ks(rows), vs(rows);
+      for (size_t r = 0; r < rows; ++r) {
+        const auto kr = randn(hd, rng, 1.5f), vr = randn(hd, rng);
+        ks[r] = moe::kv_encode_row(dt, kr.data(), hd, kc.data() + r * hd);
+        vs[r] = moe::kv_encode_row(dt, vr.data(), hd, vc.data() + r * hd);
+      }
+      std::vector<int32_t> perm(pool_blocks);
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      const std::vector<int32_t> tables(perm.begin(), perm.begin() + seqs * max_blocks);
+      // Decode at contexts 1, 97 and 128; a prefill of 20 queries of sequence 2.
+      std::vector<int32_t> seq = {0, 1, 2}, pos = {0, 96, 127};
+      for (int i = 0; i < 20; ++i) {
+        seq.push_back(2);
+        pos.push_back(100 + i);
+      }
+      const int tokens = int(seq.size());
+      const auto q = round_bf16(randn(size_t(tokens) * nh * hd, rng));
+      const float scale = 1.f / std::sqrt(float(hd));
+      std::vector<float> ref(q.size());
+      for (int t = 0; t < tokens; ++t) {
+        moe::cpu::PagedKv kv{nullptr, nullptr, tables.data() + seq[t] * max_blocks, bt, dt,
+                             kc.data(), vc.data(), ks.data(), vs.data()};
+        moe::cpu::attention(q.data() + size_t(t) * nh * hd, nh * hd, kv, &pos[t],
+                            ref.data() + size_t(t) * nh * hd, nh * hd, 1, nh, nkv, hd, hd, scale, nullptr);
+      }
+      Dev<bf16> dq(to_bf16(q)), dout(q.size());
+      Dev<uint8_t> dkc(kc), dvc(vc);
+      Dev<float> dks(ks), dvs(vs);
+      Dev<int32_t> dtab(tables), dseq(seq), dpos(pos);
+      moe::cuda::PagedKvPool kv = kv_pool(nullptr, nullptr, dtab.p, max_blocks, bt, nkv, hd);
+      kv.dtype = dt;
+      kv.k_codes = dkc.p;
+      kv.v_codes = dvc.p;
+      kv.k_scales = dks.p;
+      kv.v_scales = dvs.p;
+      moe::cuda::AttentionArgs a;
+      a.q = dq.p;
+      a.seq_of_token = dseq.p;
+      a.positions = dpos.p;
+      a.tokens = tokens;
+      a.n_heads = nh;
+      a.scale = scale;
+      a.out = dout.p;
+      REQUIRE_OK(moe::cuda::paged_attention(a, kv, nullptr));
+      CHECK(rel_err(as_float(dout.get()), ref) < 8e-3);
+    }
+}
+
+TEST_CASE("cuda qkv_rope_store writes coded rows (int8, fp8) as the CPU encodes them", "[cuda][rope][kv]") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(25);
+  for (moe::KvDtype dt : {moe::KvDtype::int8, moe::KvDtype::fp8})
+    for (const int hd : {32, 128}) {
+      INFO((dt == moe::KvDtype::int8 ? "int8" : "fp8") << ", head_dim " << hd);
+      const int tokens = 6, nh = 4, nkv = 2, bt = 16, pool_blocks = 9, max_blocks = 4;
+      const int width = (nh + 2 * nkv) * hd;
+      const auto qkv = randn(size_t(tokens) * width, rng);
+      const std::vector<int32_t> tables = {3, 0, 7, 1, 8, 2, 5, 4};
+      const std::vector<int32_t> seq = {0, 0, 1, 1, 0, 1}, pos = {0, 17, 5, 63, 40, 6};
+      const auto inv_freq = moe::cpu::rope_inv_freq_default(1e6f, hd);
+      std::vector<float> ref = qkv;
+      moe::cpu::rope_neox(ref.data(), width, hd, pos.data(), tokens, nh, hd, inv_freq.data());
+      moe::cpu::rope_neox(ref.data() + nh * hd, width, hd, pos.data(), tokens, nkv, hd, inv_freq.data());
+      const size_t rows = size_t(pool_blocks) * bt * nkv;
+      Dev<float> dqkv(qkv), dfreq(inv_freq), dks(rows), dvs(rows);
+      Dev<bf16> dq(size_t(tokens) * nh * hd);
+      Dev<uint8_t> dkc(rows * hd), dvc(rows * hd);
+      Dev<int32_t> dtab(tables), dseq(seq), dpos(pos);
+      moe::cuda::PagedKvPool kv = kv_pool(nullptr, nullptr, dtab.p, max_blocks, bt, nkv, hd);
+      kv.dtype = dt;
+      kv.k_codes = dkc.p;
+      kv.v_codes = dvc.p;
+      kv.k_scales = dks.p;
+      kv.v_scales = dvs.p;
+      moe::cuda::QkvRopeArgs a;
+      a.qkv = dqkv.p;
+      a.positions = dpos.p;
+      a.seq_of_token = dseq.p;
+      a.inv_freq = dfreq.p;
+      a.tokens = tokens;
+      a.n_heads = nh;
+      a.q_out = dq.p;
+      REQUIRE_OK(moe::cuda::qkv_rope_store(a, kv, nullptr));
+      const auto kc = dkc.get(), vc = dvc.get();
+      const auto ks = dks.get(), vs = dvs.get();
+      const auto& tab = moe::kv_code_table(dt);
+      size_t same = 0, all = 0;
+      for (int t = 0; t < tokens; ++t) {
+        const size_t slot = size_t(tables[seq[t] * max_blocks + pos[t] / bt]) * bt + pos[t] % bt;
+        for (int side = 0; side < 2; ++side)
+          for (int h = 0; h < nkv; ++h) {
+            const float* x = ref.data() + size_t(t) * width + (nh + side * nkv + h) * hd;
+            std::vector<uint8_t> want(hd);
+            const float ws = moe::kv_encode_row(dt, x, hd, want.data());
+            const size_t row = slot * nkv + h;
+            const float gs = (side ? vs : ks)[row];
+            const uint8_t* got = (side ? vc : kc).data() + row * hd;
+            CHECK(gs == Approx(ws).epsilon(1e-5));
+            for (int i = 0; i < hd; ++i) {
+              ++all;
+              same += got[i] == want[size_t(i)];
+              // A code may differ only where x sat within rounding of a half step.
+              CHECK(std::fabs(tab[got[i]] * gs - tab[want[size_t(i)]] * ws) <=
+                    (dt == moe::KvDtype::int8 ? 1.001f * ws : std::fabs(x[i]) / 8 + ws / 256));
+            }
+          }
+      }
+      INFO(same << " of " << all << " codes the same");
+      CHECK(double(same) >= 0.99 * double(all));
+    }
+}
+
 TEST_CASE("cuda paged attention refuses an unsupported head_dim", "[cuda][attention]") {
   SKIP_WITHOUT_GPU();
   Dev<bf16> buf(4096);

@@ -31,13 +31,15 @@ void usage(FILE* out) {
       "  --ctx N            predicted tokens per window (default 512)\n"
       "  --max-ids N        use only the first N token ids of the text\n"
       "  --threads N        CPU threads (default: all cores)\n"
-      "  --experts bf16|q4  expert weights to use (default: INT4 when the file has them)\n");
+      "  --experts bf16|q4  expert weights to use (default: INT4 when the file has them)\n"
+      "  --kv-dtype D       the KV cache's rows: bf16 (f32 on this engine, the default), int8 or fp8\n"
+      "                     (one byte a value and a scale per row, docs/kv-cache.md)\n");
 }
 
 }  // namespace
 
 int cmd_perplexity(int argc, char** argv) {
-  std::string model, file, experts;
+  std::string model, file, experts, kv = "bf16";
   int ctx = 512, threads = 0;
   long max_ids = 0;
   for (int i = 1; i < argc; ++i) {
@@ -58,14 +60,16 @@ int cmd_perplexity(int argc, char** argv) {
       threads = std::atoi(argv[++i]);
     } else if (a == "--experts" && has_value) {
       experts = argv[++i];
+    } else if (a == "--kv-dtype" && has_value) {
+      kv = argv[++i];
     } else {
       std::fprintf(stderr, "moe perplexity: unexpected argument '%s'\n", argv[i]);
       usage(stderr);
       return 2;
     }
   }
-  if (model.empty() || file.empty() || ctx < 1 ||
-      (!experts.empty() && experts != "bf16" && experts != "q4")) {
+  if (model.empty() || file.empty() || ctx < 1 || (!experts.empty() && experts != "bf16" && experts != "q4") ||
+      (kv != "bf16" && kv != "int8" && kv != "fp8")) {
     usage(stderr);
     return 2;
   }
@@ -92,6 +96,7 @@ int cmd_perplexity(int argc, char** argv) {
   EngineOptions opts;
   opts.threads = threads;
   if (!experts.empty()) opts.experts_q4 = experts == "q4";
+  opts.kv_dtype = kv == "int8" ? KvDtype::int8 : kv == "fp8" ? KvDtype::fp8 : KvDtype::bf16;
   auto engine = CpuEngine::create(files.value(), opts);
   if (!engine) {
     std::fprintf(stderr, "moe perplexity: %s\n", engine.error().c_str());
@@ -102,8 +107,8 @@ int cmd_perplexity(int argc, char** argv) {
                  engine.value()->max_context() - 1);
     return 2;
   }
-  std::fprintf(stderr, "%zu tokens, windows of %d, experts %s\n", ids.size(), ctx,
-               engine.value()->experts_q4() ? "int4" : "bf16");
+  std::fprintf(stderr, "%zu tokens, windows of %d, experts %s, KV %s\n", ids.size(), ctx,
+               engine.value()->experts_q4() ? "int4" : "bf16", kv.c_str());
   auto r = mean_nll(*engine.value(), ids, ctx, [](int64_t done, int64_t total) {
     std::fprintf(stderr, "\r%lld/%lld tokens", (long long)done, (long long)total);
   });

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The KV cache in one byte on the GPU machine (docs/kv-cache.md), resumable
+# across calls on one warm machine (state in /tmp/e2e-kv):
+#   bench/e2e/kv_dtype_run.sh SECONDS
+# Stages, each done once:
+#   1. unpack .device-build/payload.tar.xz (bin/: moe-worker, moe-gateway, moe and the
+#      GPU tests; tokenizer/) and the demo model's weights (.device-build/demo.safetensors.xz)
+#   2. the GPU tests: moe_kernels_cuda_tests, moe_cuda_engine_tests (all of them)
+#   3. a seeded random-weight Qwen3-30B-A3B folder and our packed file of it
+#   4. bench/e2e/kv_dtype_ab.py: 8 and 12 GiB, KV bf16 and int8 with a 32 K
+#      context (2,048 blocks), Qwen3-30B-A3B's recorded routing replayed, 1 and 8 streams
+set -uo pipefail
+limit=${1:-560}
+deadline=$(($(date +%s) + limit))
+W=/tmp/e2e-kv
+source "$(dirname "${BASH_SOURCE[0]}")/run_state.sh"
+collect() {
+  cp -f $W/rows.jsonl $W/logs/tests-*.log "$out/" 2>/dev/null
+  (cd $W && tar cJf "$out/kv-logs.tar.xz" logs state runs 2>/dev/null)
+  true
+}
+trap collect EXIT
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+say "start on $(nvidia-smi -L | head -1)"
+F=/dev/shm/e2e-kv
+mkdir -p $F
+if ! is_done unpack; then
+  tar xJf .device-build/payload.tar.xz -C $W &&
+    { [ -f models/demo-moe/model.safetensors ] || xz -dc .device-build/demo.safetensors.xz >models/demo-moe/model.safetensors; } &&
+    mark unpack
+fi
+BIN=$W/payload/bin
+TOK=$W/payload/tokenizer
+for t in moe_kernels_cuda_tests moe_cuda_engine_tests; do
+  is_done test-$t && continue
+  [ "$(left)" -gt 200 ] || break
+  say "$t"
+  filter=""; [ $t = moe_cuda_engine_tests ] && filter="~[gguf]"  # tests/data/gguf stays here
+  (timeout $(( $(left) - 30 )) $BIN/$t $filter) >$W/logs/tests-$t.log 2>&1
+  rc=$?
+  grep -E "^(test cases|assertions)|FAILED|passed" $W/logs/tests-$t.log | tail -4
+  [ $rc = 0 ] && mark test-$t || say "$t exited $rc"
+done
+if ! is_done pack && [ "$(left)" -gt 240 ]; then
+  say "a seeded Qwen3-30B-A3B checkpoint folder, then moe convert -> $F/q3.moepack"
+  rm -rf $F/hf
+  python3 bench/gpu/make_checkpoint.py --shape qwen3-30b-a3b --out $F/hf --tokenizer $TOK >$W/logs/make.log 2>&1 ||
+    { tail -5 $W/logs/make.log; exit 1; }
+  /usr/bin/time -f "   moe convert: %e s, peak RSS %M KB" $BIN/moe convert --model $F/hf --out $F/q3.moepack \
+    >$W/logs/convert.log 2>&1 || { tail -3 $W/logs/convert.log; exit 1; }
+  tail -2 $W/logs/convert.log
+  rm -rf $F/hf
+  mark pack
+fi
+if is_done pack && ! is_done rows; then
+  say "kv_dtype_ab.py"
+  PYTHONUNBUFFERED=1 python3 bench/e2e/kv_dtype_ab.py --packed $F/q3.moepack --bin $BIN \
+    --routing replay:bench/e2e/traces/qwen3-30b-a3b.safetensors --budgets ${BUDGETS:-8GiB,12GiB} \
+    --rows $W/rows.jsonl --work $W/runs --deadline $((deadline - 10)) 2>&1 | tee -a $W/logs/rows.log
+  [ "${PIPESTATUS[0]}" = 0 ] && mark rows
+fi
+say "stop; state: $(ls $W/state | tr '\n' ' ')"
