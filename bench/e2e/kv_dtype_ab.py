@@ -14,45 +14,12 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import side_by_side as sbs  # noqa: E402
-
-
-def start(a, budget, kv, tag):
-    sock = os.path.join(a.work, tag + ".sock")
-    wlog = os.path.join(a.work, tag + "-worker.log")
-    args = [os.path.join(a.bin, "moe-worker"), "--backend", "cuda", "--model", a.packed, "--socket", sock,
-            "--vram-budget", budget, "--kv-blocks", str(a.kv_blocks), "--kv-dtype", kv, "--routing", a.routing]
-    w = subprocess.Popen(args, stdout=open(wlog, "w"), stderr=subprocess.STDOUT)
-    sbs.wait_for(lambda: w.poll() is not None or "listening on" in sbs.tail(wlog, 100000), 900, "the worker")
-    if w.poll() is not None:
-        raise RuntimeError("the worker exited:\n" + sbs.tail(wlog))
-    port = sbs.free_port()
-    glog = os.path.join(a.work, tag + "-gateway.log")
-    g = subprocess.Popen([os.path.join(a.bin, "moe-gateway"), "--model", a.packed, "--worker", "unix:" + sock,
-                          "--port", str(port), "--max-request-tokens", str(1 << 30)],
-                         stdout=open(glog, "w"), stderr=subprocess.STDOUT)
-    sbs.wait_for(lambda: g.poll() is not None or sbs.healthy(port), 120, "the gateway")
-    if g.poll() is not None:
-        w.kill()
-        raise RuntimeError("the gateway exited:\n" + sbs.tail(glog))
-    return w, g, port, wlog
-
-
-def stop(w, g):
-    for p in (g, w):
-        if p.poll() is None:
-            p.terminate()
-    for p in (g, w):
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+import stack  # noqa: E402
 
 
 def counters(port):
@@ -93,7 +60,9 @@ def main():
                 sbs.log("deadline: stopping")
                 return
             tag = f"{budget}-{kv}"
-            w, g, port, wlog = start(a, budget, kv, tag)
+            w, g, port, wlog = stack.start(a.bin, a.packed, a.work, tag,
+                                           ["--backend", "cuda", "--vram-budget", budget, "--kv-blocks",
+                                            str(a.kv_blocks), "--kv-dtype", kv, "--routing", a.routing])
             try:
                 log = sbs.tail(wlog, 100000)
                 m = re.search(r"KV (\d+) blocks \(([\d.]+ \w+)\), (\d+) islands of ([\d.]+ \w+)", log)
@@ -122,7 +91,7 @@ def main():
                     with open(a.rows, "a") as f:
                         f.write(json.dumps(row) + "\n")
             finally:
-                stop(w, g)
+                stack.stop(w, g)
 
 
 if __name__ == "__main__":

@@ -14,51 +14,25 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import side_by_side as sbs  # noqa: E402
+import stack  # noqa: E402
 
 
 def start(a, work, tag, profile):
-    sock = os.path.join(work, tag + ".sock")
-    wlog = os.path.join(work, tag + "-worker.log")
-    args = [os.path.join(a.bin, "moe-worker"), "--backend", a.backend, "--model", a.packed, "--socket", sock,
-            "--kv-blocks", str(a.kv_blocks)]
+    """The worker (with `--warm-profile` when given) and its gateway; the
+    worker's ready time."""
+    args = ["--backend", a.backend, "--kv-blocks", str(a.kv_blocks)]
     if a.backend == "cuda":  # a cpu worker (a dry run of this script) keeps a quarter of the experts' worth
         args += ["--vram-budget", a.mode, "--routing", a.routing]
     if profile:
         args += ["--warm-profile", profile]
     t0 = time.time()
-    w = subprocess.Popen(args, stdout=open(wlog, "w"), stderr=subprocess.STDOUT)
-    sbs.wait_for(lambda: w.poll() is not None or "listening on" in sbs.tail(wlog, 100000), 600, "the worker")
-    if w.poll() is not None:
-        raise RuntimeError("the worker exited:\n" + sbs.tail(wlog))
-    ready = time.time() - t0
-    port = sbs.free_port()
-    glog = os.path.join(work, tag + "-gateway.log")
-    g = subprocess.Popen([os.path.join(a.bin, "moe-gateway"), "--model", a.packed, "--worker", "unix:" + sock,
-                          "--port", str(port), "--max-request-tokens", str(1 << 30), "--predict", a.predict],
-                         stdout=open(glog, "w"), stderr=subprocess.STDOUT)
-    sbs.wait_for(lambda: g.poll() is not None or sbs.healthy(port), 120, "the gateway")
-    if g.poll() is not None:
-        w.kill()
-        raise RuntimeError("the gateway exited:\n" + sbs.tail(glog))
-    return w, g, port, ready, wlog
-
-
-def stop(w, g):
-    for p in (g, w):
-        if p.poll() is None:
-            p.terminate()
-    for p in (g, w):
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    w, g, port, wlog = stack.start(a.bin, a.packed, work, tag, args, ["--predict", a.predict])
+    return w, g, port, time.time() - t0, wlog
 
 
 def main():
@@ -95,7 +69,7 @@ def main():
                     r = sbs.run_wave(port, os.path.basename(a.packed), a.vocab, conc, a.prompt_tokens, a.new_tokens,
                                      conc, 1000 + cycle, False)
                 finally:
-                    stop(w, g)
+                    stack.stop(w, g)
                 log = sbs.tail(wlog, 200000)
                 m = re.search(r"experts: (\d+) hits, (\d+) misses, ([\d.]+) MB copied, ([\d.]+) MB streamed", log)
                 wm = re.search(r"warmed (\d+) of (\d+) experts from profile \S+ in ([\d.]+) ms \((\d+) islands; "

@@ -34,14 +34,13 @@ void kv_store(const KvRows& pool, const int32_t* block_table, int block_tokens, 
   }
 }
 
-// Attention over coded rows: a key's score is (q . codes) x its scale, a
-// value's codes are decoded into the sum with p x its scale; no row is
-// decoded into a copy.
-static void attention_coded(const float* q, int64_t q_stride, const PagedKv& kv, const int32_t* positions,
-                            float* out, int64_t out_stride, int tokens, int n_heads, int n_kv, int qk_dim,
-                            int v_dim, float scale, ThreadPool* pool) {
+// The causal softmax walk both row kinds share: key_score(row, q) gives a
+// key's raw dot, add_value(row, w, out) adds w times its value row.
+template <class KeyScore, class AddValue>
+static void attend_rows(const float* q, int64_t q_stride, const PagedKv& kv, const int32_t* positions, float* out,
+                        int64_t out_stride, int tokens, int n_heads, int n_kv, int qk_dim, int v_dim, float scale,
+                        ThreadPool* pool, const KeyScore& key_score, const AddValue& add_value) {
   const int group = n_heads / n_kv;
-  const float* table = kv_code_table(kv.dtype).data();
   parallel_for(pool, int64_t(tokens) * n_heads, [&](int64_t task) {
     const int t = int(task / n_heads), h = int(task % n_heads), kvh = h / group;
     const int n_keys = positions[t] + 1;
@@ -49,11 +48,7 @@ static void attention_coded(const float* q, int64_t q_stride, const PagedKv& kv,
     std::vector<float> score(n_keys);
     float mx = -INFINITY;
     for (int j = 0; j < n_keys; ++j) {
-      const int64_t row = slot_index(kv.block_table, kv.block_tokens, j) * n_kv + kvh;
-      const uint8_t* c = kv.k_codes + row * qk_dim;
-      float d = 0.0f;
-      for (int i = 0; i < qk_dim; ++i) d += qv[i] * table[c[i]];
-      score[j] = d * kv.k_scales[row] * scale;
+      score[j] = key_score(slot_index(kv.block_table, kv.block_tokens, j) * n_kv + kvh, qv) * scale;
       mx = std::max(mx, score[j]);
     }
     float sum = 0.0f;
@@ -64,49 +59,37 @@ static void attention_coded(const float* q, int64_t q_stride, const PagedKv& kv,
     const float inv = 1.0f / sum;
     float* o = out + t * out_stride + int64_t(h) * v_dim;
     std::fill(o, o + v_dim, 0.0f);
-    for (int j = 0; j < n_keys; ++j) {
-      const int64_t row = slot_index(kv.block_table, kv.block_tokens, j) * n_kv + kvh;
-      const uint8_t* c = kv.v_codes + row * v_dim;
-      const float w = score[j] * inv * kv.v_scales[row];
-      for (int i = 0; i < v_dim; ++i) o[i] += w * table[c[i]];
-    }
+    for (int j = 0; j < n_keys; ++j)
+      add_value(slot_index(kv.block_table, kv.block_tokens, j) * n_kv + kvh, score[j] * inv, o);
   });
 }
 
 void attention(const float* q, int64_t q_stride, const PagedKv& kv, const int32_t* positions,
                float* out, int64_t out_stride, int tokens, int n_heads, int n_kv, int qk_dim,
                int v_dim, float scale, ThreadPool* pool) {
-  if (kv_coded(kv.dtype)) {
-    attention_coded(q, q_stride, kv, positions, out, out_stride, tokens, n_heads, n_kv, qk_dim, v_dim, scale, pool);
+  if (!kv_coded(kv.dtype)) {
+    attend_rows(
+        q, q_stride, kv, positions, out, out_stride, tokens, n_heads, n_kv, qk_dim, v_dim, scale, pool,
+        [&](int64_t row, const float* qv) { return dot_f32(qv, kv.k + row * qk_dim, qk_dim); },
+        [&](int64_t row, float w, float* o) { axpy_f32(w, kv.v + row * v_dim, o, v_dim); });
     return;
   }
-  const int group = n_heads / n_kv;
-  parallel_for(pool, int64_t(tokens) * n_heads, [&](int64_t task) {
-    const int t = int(task / n_heads), h = int(task % n_heads), kvh = h / group;
-    const int n_keys = positions[t] + 1;
-    const float* qv = q + t * q_stride + int64_t(h) * qk_dim;
-    std::vector<float> score(n_keys);
-    float mx = -INFINITY;
-    for (int j = 0; j < n_keys; ++j) {
-      const float* kj =
-          kv.k + (slot_index(kv.block_table, kv.block_tokens, j) * n_kv + kvh) * qk_dim;
-      score[j] = dot_f32(qv, kj, qk_dim) * scale;
-      mx = std::max(mx, score[j]);
-    }
-    float sum = 0.0f;
-    for (int j = 0; j < n_keys; ++j) {
-      score[j] = std::exp(score[j] - mx);
-      sum += score[j];
-    }
-    const float inv = 1.0f / sum;
-    float* o = out + t * out_stride + int64_t(h) * v_dim;
-    std::fill(o, o + v_dim, 0.0f);
-    for (int j = 0; j < n_keys; ++j) {
-      const float* vj =
-          kv.v + (slot_index(kv.block_table, kv.block_tokens, j) * n_kv + kvh) * v_dim;
-      axpy_f32(score[j] * inv, vj, o, v_dim);
-    }
-  });
+  // Coded rows: a key's score is (q . codes) x its scale, a value's codes
+  // are decoded into the sum with w x its scale; no row is decoded into a copy.
+  const float* table = kv_code_table(kv.dtype).data();
+  attend_rows(
+      q, q_stride, kv, positions, out, out_stride, tokens, n_heads, n_kv, qk_dim, v_dim, scale, pool,
+      [&](int64_t row, const float* qv) {
+        const uint8_t* c = kv.k_codes + row * qk_dim;
+        float d = 0.0f;
+        for (int i = 0; i < qk_dim; ++i) d += qv[i] * table[c[i]];
+        return d * kv.k_scales[row];
+      },
+      [&](int64_t row, float w, float* o) {
+        const uint8_t* c = kv.v_codes + row * v_dim;
+        const float ws = w * kv.v_scales[row];
+        for (int i = 0; i < v_dim; ++i) o[i] += ws * table[c[i]];
+      });
 }
 
 }  // namespace moe::cpu
