@@ -57,6 +57,40 @@ void KvBlockPool::unref(int32_t b) {
   }
 }
 
+void KvBlockPool::grow(int n) {
+  if (n <= 0) return;
+  // Below the stack's bottom, the highest first: the lower ids already free
+  // keep going out first.
+  std::vector<int32_t> added;
+  for (int b = n_blocks_ + n - 1; b >= n_blocks_; --b) added.push_back(b);
+  free_.insert(free_.begin(), added.begin(), added.end());
+  n_blocks_ += n;
+  refs_.resize(size_t(n_blocks_), 0);
+  hash_.resize(size_t(n_blocks_), 0);
+  cached_at_.resize(size_t(n_blocks_), cached_.end());
+}
+
+int KvBlockPool::shrink_free_tail(int target, int floor) {
+  target = std::max(target, floor);
+  while (n_blocks_ > target) {
+    const int32_t top = int32_t(n_blocks_ - 1);
+    if (refs_[size_t(top)] > 0) break;
+    if (cached_at_[size_t(top)] != cached_.end()) {
+      cached_.erase(cached_at_[size_t(top)]);
+      by_hash_.erase(hash_[size_t(top)]);
+    } else {
+      auto it = std::find(free_.begin(), free_.end(), top);
+      if (it == free_.end()) break;  // neither held nor free: taken outside a sequence (take)
+      free_.erase(it);
+    }
+    --n_blocks_;
+    refs_.pop_back();
+    hash_.pop_back();
+    cached_at_.pop_back();
+  }
+  return n_blocks_;
+}
+
 int KvBlockPool::length(uint64_t seq) const {
   auto it = seqs_.find(seq);
   return it == seqs_.end() ? -1 : it->second.length;

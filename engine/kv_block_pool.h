@@ -64,6 +64,15 @@ class KvBlockPool {
                                            std::vector<int>* skipped);
   uint64_t prefix_tokens_reused() const { return reused_tokens_; }
 
+  // The pool's size at run time (docs/kv-islands-trade.md). grow adds `n`
+  // free blocks, ids total() … total() + n - 1, handed out after the free
+  // ones already there. shrink_free_tail gives back the blocks at the top of
+  // the id range that no sequence holds (a cached prefix there is
+  // forgotten) until total() is `target`, never below `floor`, stopping at
+  // the first held block; returns the new total.
+  void grow(int n);
+  int shrink_free_tail(int target, int floor);
+
   // Blocks outside any sequence (a one-off forward pass); nullopt when too
   // few are free. `give_back` returns them.
   std::optional<std::vector<int32_t>> take(int n);

@@ -1,5 +1,6 @@
 #include "residency/residency.h"
 
+#include <algorithm>
 #include <string>
 
 namespace moe {
@@ -203,6 +204,43 @@ Status ResidencyMap::drop(ExpertKey key) {
   --stats_.islands_in_use;
   free_.push_back(i);
   return {};
+}
+
+Result<std::vector<ExpertKey>> ResidencyMap::retire_islands(int64_t keep) {
+  keep = std::clamp<int64_t>(keep, 0, n_islands());
+  for (int64_t i = keep; i < n_islands(); ++i)
+    if (key_of_[size_t(i)] >= 0 && pins_[size_t(i)] > 0)
+      return make_error("residency: island " + std::to_string(i) + " holds an expert in use");
+  std::vector<ExpertKey> evicted;
+  for (int64_t i = keep; i < n_islands(); ++i) {
+    if (key_of_[size_t(i)] < 0) continue;
+    std::optional<ExpertKey> e;
+    evict_island(i, &e);
+    --stats_.evictions;  // not the policy's choice: the room went to KV
+    evicted.push_back(*e);
+  }
+  free_.erase(std::remove_if(free_.begin(), free_.end(), [&](int64_t i) { return i >= keep; }), free_.end());
+  key_of_.resize(size_t(keep));
+  key_at_.resize(size_t(keep));
+  pins_.resize(size_t(keep));
+  predicted_.resize(size_t(keep));
+  prefetched_.resize(size_t(keep));
+  if (scan_cursor_ >= keep) scan_cursor_ = 0;
+  return evicted;
+}
+
+void ResidencyMap::restore_islands(int64_t n) {
+  const int64_t from = n_islands();
+  if (n <= from) return;
+  key_of_.resize(size_t(n), -1);
+  key_at_.resize(size_t(n), ExpertKey{});
+  pins_.resize(size_t(n), 0);
+  predicted_.resize(size_t(n), 0);
+  prefetched_.resize(size_t(n), 0);
+  // Under the free ones already there: the lower islands keep filling first.
+  std::vector<int64_t> added;
+  for (int64_t i = n; i-- > from;) added.push_back(i);
+  free_.insert(free_.begin(), added.begin(), added.end());
 }
 
 std::vector<Placement> ResidencyMap::hint(int layer, std::span<const int> experts,

@@ -108,6 +108,14 @@ class ResidencyMap {
   // resident.
   [[nodiscard]] Status drop(ExpertKey key);
 
+  // ---- The number of islands at run time (docs/kv-islands-trade.md)
+  // Islands `keep` and up leave the map: their residents are evicted and
+  // returned (the caller points their tables back at the host blobs); none
+  // may be pinned (an error, nothing changed). n_islands() becomes keep.
+  [[nodiscard]] Result<std::vector<ExpertKey>> retire_islands(int64_t keep);
+  // Islands n_islands() … n - 1 join the map, free.
+  void restore_islands(int64_t n);
+
   // ---- Predictions
   // Experts of `layer` likely soon. Returns the copies to start (hit = false)
   // for those not yet resident that got an island; resident ones are only

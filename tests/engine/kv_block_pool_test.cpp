@@ -157,3 +157,38 @@ TEST_CASE("prefix cache: released whole blocks are found by their prefix, shared
   plain.release(1);
   CHECK(plain.cached_prefix_blocks(std::vector<int32_t>(9, 1)) == 0);
 }
+
+TEST_CASE("KvBlockPool grows without moving a sequence and shrinks only its free tail", "[kv][kv_pool]") {
+  KvBlockPool pool(4, 16);
+  std::vector<int32_t> toks(40);
+  for (size_t i = 0; i < toks.size(); ++i) toks[i] = int32_t(i + 3);
+  const auto a = pool.extend(1, 0, 40, toks);  // blocks 0 1 2 (two whole, hashed)
+  REQUIRE(a == std::vector<int32_t>{0, 1, 2});
+  pool.grow(3);
+  CHECK(pool.total() == 7);
+  CHECK(pool.free() == 4);
+  CHECK(pool.table(1) == a);
+  // The free block already there goes first, then the new ones lowest first.
+  CHECK(pool.extend(2, 0, 64) == std::vector<int32_t>{3, 4, 5, 6});
+  CHECK(pool.free() == 0);
+  // Nothing free at the top: nothing given back.
+  CHECK(pool.shrink_free_tail(4, 4) == 7);
+  pool.release(2);
+  CHECK(pool.shrink_free_tail(5, 4) == 5);
+  CHECK(pool.free() == 2);
+  // Sequence 1's released whole blocks stay cached prefixes; the floor holds.
+  pool.release(1);
+  CHECK(pool.cached_prefix_blocks(toks) == 2);
+  CHECK(pool.shrink_free_tail(0, 2) == 2);
+  CHECK(pool.total() == 2);
+  CHECK(pool.free() == 2);
+  // The blocks left are 0 and 1, the cached prefix among them, still found.
+  CHECK(pool.cached_prefix_blocks(toks) == 2);
+  // A shrink stops at the first block a sequence holds.
+  pool.grow(2);
+  CHECK(pool.extend(3, 0, 16) == std::vector<int32_t>{2});
+  CHECK(pool.shrink_free_tail(0, 0) == 3);  // block 3 goes, 2 is held
+  CHECK(pool.free() == 2);  // 0 and 1 (cached): taken when needed
+  CHECK(pool.extend(4, 0, 32).size() == 2);
+  CHECK(pool.free() == 0);
+}

@@ -379,3 +379,52 @@ TEST_CASE("residency: streamed admission at the Qwen3 shape's scale", "[.bench]"
   std::printf("8 sequences with favourite experts, 2833 islands, after the favourites changed: hit rate %.3f\n",
               double(hits) / double(uses));
 }
+
+TEST_CASE("residency: islands retired for KV evict exactly their residents, never a pinned one, and come back free") {
+  ResidencyMap map(2, 8, 6, kBlob, std::make_unique<OursPolicy>());
+  for (int e = 0; e < 6; ++e) {
+    auto p = map.acquire({e % 2, e});
+    REQUIRE(p.ok());
+    CHECK(p->island == e);  // islands fill from 0 up
+    REQUIRE(map.unpin({e % 2, e}).ok());
+  }
+  REQUIRE(map.pin({1, 5}).ok());  // island 5 in use
+  auto refused = map.retire_islands(4);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.error().find("island 5") != std::string::npos);
+  CHECK(map.n_islands() == 6);
+  REQUIRE(map.unpin({1, 5}).ok());
+  const uint64_t evictions = map.stats().evictions;
+  auto gone = map.retire_islands(4);
+  REQUIRE(gone.ok());
+  CHECK(*gone == std::vector<ExpertKey>{{0, 4}, {1, 5}});
+  CHECK(map.n_islands() == 4);
+  CHECK(map.stats().islands_in_use == 4);
+  CHECK(map.stats().evictions == evictions);
+  CHECK(map.lookup({0, 4}) == -1);
+  CHECK(map.lookup({0, 0}) == 0);
+  REQUIRE(map.check_invariants().ok());
+  // Full: the next miss evicts inside the 4 islands left.
+  auto p = map.acquire({0, 6});
+  REQUIRE(p.ok());
+  CHECK(p->island < 4);
+  CHECK(p->evicted.has_value());
+  REQUIRE(map.unpin({0, 6}).ok());
+  // Back: the two islands are free and fill first.
+  map.restore_islands(6);
+  CHECK(map.n_islands() == 6);
+  REQUIRE(map.check_invariants().ok());
+  auto q = map.acquire({1, 7});
+  REQUIRE(q.ok());
+  CHECK(q->island == 4);
+  CHECK_FALSE(q->evicted.has_value());
+  REQUIRE(map.unpin({1, 7}).ok());
+  REQUIRE(map.check_invariants().ok());
+  // Retiring everything empties the map; a free island past the end is never handed out.
+  auto all = map.retire_islands(0);
+  REQUIRE(all.ok());
+  CHECK(all->size() == 5);
+  CHECK(map.n_islands() == 0);
+  CHECK(map.stats().islands_in_use == 0);
+  REQUIRE(map.check_invariants().ok());
+}
