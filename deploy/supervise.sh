@@ -22,7 +22,10 @@
 #      host when several hosts share one Redis), REDIS_PASSWORD_FILE
 #      (a password for Redis, first line: Redis, the workers and the gateway
 #      read it from files, so it never shows in ps), REDIS_URL (a Redis
-#      shared by several hosts, redis://HOST:PORT: none is started here).
+#      shared by several hosts, redis://HOST:PORT: none is started here),
+#      WARM_PROFILE (the main worker's routing profile, kept with
+#      --save-profile and warmed from at each start: default
+#      MOE_STATE_DIR/WORKER_NAME.profile.json; "off": none).
 #   Programs from elsewhere than the build and PATH (a machine where nothing
 #   is installed, bench/e2e/failover_gpu.sh): GATEWAY_BIN, WORKER_BIN (the
 #   executables; default BUILD_DIR/gateway/moe-gateway, BUILD_DIR/worker/
@@ -93,6 +96,16 @@ export MOE_WORKER_ARGS=${WORKER_ARGS:-}
 export MOE_WORKER_NAME=${WORKER_NAME:-worker} MOE_FALLBACK_NAME=${FALLBACK_NAME:-fallback}
 case "$MOE_WORKER_NAME$MOE_FALLBACK_NAME" in *[!A-Za-z0-9_.-]*)
   echo "supervise: WORKER_NAME and FALLBACK_NAME may hold only letters, digits, '_', '.' and '-'" >&2; exit 1 ;; esac
+# The main worker keeps its expert use in a routing profile and starts from
+# it after a restart (with Redis's last resident set first; docs/memory-islands.md).
+MOE_PROFILE_ARGS=
+if [ "${WARM_PROFILE:-}" != off ]; then
+  profile=${WARM_PROFILE:-$state/$MOE_WORKER_NAME.profile.json}
+  case "$profile" in *[!A-Za-z0-9_./-]*)
+    echo "supervise: WARM_PROFILE may hold only letters, digits, '_', '.', '/' and '-'" >&2; exit 1 ;; esac
+  MOE_PROFILE_ARGS="--save-profile $profile --warm-profile $profile"
+fi
+export MOE_PROFILE_ARGS
 # The gateway's keys.
 MOE_GATEWAY_ARGS=""
 if [ -n "${API_KEY_FILE:-}" ]; then

@@ -129,15 +129,24 @@ int main(int argc, char** argv) {
     so.hooks.push_back(redis.get());
   }
   // A warm profile fills what the re-warm left free.
+  // The same file as --save-profile (a supervised worker's own history)
+  // may be absent, broken or another model's: the worker starts cold and
+  // replaces it. Named alone, the profile must be good.
+  const bool own_profile = !o.warm_profile.empty() && o.warm_profile == o.save_profile;
   if (!o.warm_profile.empty()) {
     auto w = moe::worker::warm_from_profile(**backend, o.warm_profile);
-    if (!w.ok()) {
+    if (!w.ok() && own_profile) {
+      std::fprintf(stderr, "moe-worker: --warm-profile: %s; starting cold (--save-profile replaces it)\n",
+                   w.error().c_str());
+    } else if (!w.ok()) {
       std::fprintf(stderr, "moe-worker: --warm-profile: %s\n", w.error().c_str());
       return 2;
-    }
-    if (w->islands == 0)
+    } else if (w->islands == 0)
       std::fprintf(stderr, "moe-worker: warm profile %s: every expert is resident already; nothing to warm\n",
                    o.warm_profile.c_str());
+    else if (w->asked == 0)
+      std::fprintf(stderr, "moe-worker: warm profile %s: no island is free%s\n", o.warm_profile.c_str(),
+                   redis ? " (the re-warm from Redis filled them)" : "");
     else
       std::fprintf(stderr,
                    "moe-worker: warmed %zu of %zu experts from profile %s in %.1f ms (%u islands; they served "

@@ -29,11 +29,13 @@ Result<ProfileWarm> warm_from_profile(Backend& backend, const std::string& path)
   protocol::StatsReply st;
   backend.fill_expert_stats(st);
   ProfileWarm w;
-  w.islands = st.islands_total;
+  // Islands for every expert (a resident CUDA engine): nothing to warm.
+  const uint64_t experts = uint64_t(shape.n_moe_layers()) * uint64_t(shape.n_experts);
+  w.islands = uint64_t(st.islands_total) >= experts ? 0 : st.islands_total;
   const std::vector<ExpertKey> order = prof->warm_order();
   // Offer what the free islands hold (all of it when the backend keeps
   // every expert resident: it then reports no islands and warms nothing).
-  const size_t room = st.islands_total == 0 ? 0 : size_t(st.islands_total - std::min(st.islands_used, st.islands_total));
+  const size_t room = w.islands == 0 ? 0 : size_t(st.islands_total - std::min(st.islands_used, st.islands_total));
   std::vector<protocol::ExpertRef> refs;
   for (const ExpertKey& k : order) {
     if (refs.size() >= room) break;

@@ -22,7 +22,7 @@ RoutingProfile empty_profile_of(const Backend& backend);
 struct ProfileWarm {
   size_t asked = 0;        // experts offered (the free islands' worth, most used first)
   size_t resident = 0;     // of those, resident after warming
-  uint32_t islands = 0;    // islands in all
+  uint32_t islands = 0;    // islands in all (0: every expert has one, nothing to warm)
   double coverage = 0;     // share of the profile's uses the offered experts served
   double ms = 0;
 };

@@ -201,6 +201,18 @@ def main():
             f.write(open(prof_path).read()[:100])
         rc, err = run_worker_expect_exit(["--warm-profile", broken_path])
         check(rc == 2 and "broken.json" in err and "not JSON" in err, "a cut-off profile is refused")
+        # A supervised worker's own profile (the same file both ways) that
+        # is broken does not stop it: it starts cold and writes a good one.
+        with open(broken_path, "w") as f:
+            f.write("{not a profile")
+        sock = c.start_worker("w6", redis=False, extra=["--warm-profile", broken_path, "--save-profile", broken_path])
+        c.start_gateway([sock], redis=False, extra=["--predict", "off"], name="gw6")
+        serve(c, ps[:2])
+        log = stop(c, "w6")
+        c.procs["gw6"].terminate()
+        c.procs["gw6"].wait(timeout=30)
+        check("starting cold (--save-profile replaces it)" in log and layer_sums_ok(json.load(open(broken_path)))[0],
+              "its own broken profile: the worker starts cold and replaces it with a good one")
         neg = json.load(open(prof_path))
         neg["layers"][0]["counts"][3] = -1
         json.dump(neg, open(broken_path, "w"))
