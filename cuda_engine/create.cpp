@@ -252,8 +252,12 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   if (opts.kv_dtype == KvDtypeChoice::automatic && m.n_moe_layers > 0 && plan && plan->n_islands < all_experts) {
     m.kv_dtype = KvDtype::int8;
     auto coded = plan_dtype(chosen);
-    if (coded) plan = std::move(coded);
-    else m.kv_dtype = KvDtype::bf16;
+    if (coded) {
+      plan = std::move(coded);
+    } else {
+      m.kv_dtype = KvDtype::bf16;
+      plan = plan_dtype(chosen);  // the carve follows the last plan made: make the bf16 one again
+    }
   }
   if (!plan) return make_error(plan.error());
   m.plan = *plan;

@@ -85,9 +85,10 @@ class CudaEngine final : public Engine {
   // Makes experts resident into free islands only (re-warm, load_expert);
   // with may_evict (a gateway's warm hints) they may displace residents
   // that are neither in use nor predicted. Returns how many of `experts`
-  // are resident afterwards (without may_evict, their copies landed; with
-  // it, on their way).
+  // are resident (or on their way) afterwards.
   size_t warm(std::span<const ExpertKey> experts, bool may_evict = false);
+  // Until every expert copy queued so far has landed (a timed re-warm).
+  Status wait_for_copies();
   // The eviction policy's prior for a MoE layer: each expert's share of
   // tokens in a routing profile (EvictionPolicy::seed). Before warm(), so
   // that the first prompts evict the profile's cold experts first.

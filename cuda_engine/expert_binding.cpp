@@ -108,12 +108,12 @@ size_t CudaEngine::warm(std::span<const ExpertKey> experts, bool may_evict) {
     }
     if (m.map->lookup(k) >= 0) ++resident;
   }
-  // A warm (not a hint) returns once its copies have landed: the time it
-  // reports (re-warm, warm profile) is then the copies', not their queueing.
-  if (!may_evict)
-    if (Status s = m.arena->synchronize(); !s)
-      std::fprintf(stderr, "moe-worker: waiting for warmed experts' copies: %s\n", s.error().c_str());
   return resident;
+}
+
+Status CudaEngine::wait_for_copies() {
+  Impl& m = *impl_;
+  return m.arena ? m.arena->synchronize() : Status{};
 }
 
 void CudaEngine::seed_residency(int moe_layer, std::span<const double> rates) {

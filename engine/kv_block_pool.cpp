@@ -71,7 +71,7 @@ void KvBlockPool::grow(int n) {
 }
 
 int KvBlockPool::shrink_free_tail(int target, int floor) {
-  target = std::max(target, floor);
+  target = std::max({target, floor, 0});
   while (n_blocks_ > target) {
     const int32_t top = int32_t(n_blocks_ - 1);
     if (refs_[size_t(top)] > 0) break;

@@ -7,6 +7,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace moe {
 
@@ -67,7 +68,9 @@ inline float kv_encode_row(KvDtype d, const float* x, int n, uint8_t* codes) {
   float amax = 0.0f;
   for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float cmax = kv_code_max(d);
-  const float inv = amax > 0.0f ? cmax / amax : 0.0f;
+  // A row too small for its inverse to stay finite is stored as zeros.
+  const float inv = amax > cmax / std::numeric_limits<float>::max() ? cmax / amax : 0.0f;
+  if (inv == 0.0f) amax = 0.0f;
   for (int i = 0; i < n; ++i) {
     const float y = x[i] * inv;
     if (d == KvDtype::fp8) {

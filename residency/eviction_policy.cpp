@@ -97,6 +97,7 @@ void OursPolicy::attach(int n_layers, int n_experts) {
   const size_t n = size_t(n_layers) * size_t(n_experts);
   cur_layer_ = -1;
   visits_.assign(size_t(n_layers), 0);
+  seeded_at_.assign(size_t(n_layers), -1);
   visit_start_.assign(size_t(n_layers), 0);
   period_.assign(size_t(n_layers), 0.0);
   long_visits_.assign(size_t(n_layers), 0.0);
@@ -115,7 +116,7 @@ void OursPolicy::on_access(ExpertKey key, uint64_t now) {
   // A new visit starts when the layer changes, or when an expert comes back
   // within the same visit (a model with one MoE layer, or a layer's next step).
   if (key.layer != cur_layer_ || last_visit_use_[i] == uint64_t(visits_[l])) {
-    if (visits_[l] > 0) {
+    if (visits_[l] > 0 && visits_[l] != seeded_at_[l]) {
       const double gap = double(now - visit_start_[l]);
       period_[l] = period_[l] == 0.0 ? gap : 0.875 * period_[l] + 0.125 * gap;
     }
@@ -151,6 +152,7 @@ void OursPolicy::seed(int layer, std::span<const double> rates) {
     cr = cr * fl * fs + 1.0;
   }
   visits_[l] = v;
+  seeded_at_[l] = v;  // the first real visit measures no period (there was no last one)
   long_visits_[l] = lv;
   short_visits_[l] = sv;
   long_sq_[l] = lsq;

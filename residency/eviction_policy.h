@@ -157,6 +157,7 @@ class OursPolicy final : public EvictionPolicy {
   int n_layers_ = 0, n_experts_ = 0;
   int cur_layer_ = -1;                    // layer of the current visit
   std::vector<int64_t> visits_;           // [layer] visits so far
+  std::vector<int64_t> seeded_at_;        // [layer] the visits a seed stood for (-1: not seeded)
   std::vector<uint64_t> visit_start_;     // [layer] acquire counter at the last visit's start
   std::vector<double> period_;            // [layer] smoothed acquires between visits
   std::vector<Rate> long_, short_;        // [layer * n_experts + expert]

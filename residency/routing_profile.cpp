@@ -46,9 +46,11 @@ RoutingProfile RoutingProfile::for_model(const ModelDesc& desc, std::string mode
 }
 
 void RoutingProfile::add(std::span<const uint64_t> usage, uint64_t n_tokens) {
+  // Saturating: a count past 2^64 stays at the top instead of wrapping.
+  auto sat = [](uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; };
   const size_t n = std::min(usage.size(), counts.size());
-  for (size_t i = 0; i < n; ++i) counts[i] += usage[i];
-  tokens += n_tokens;
+  for (size_t i = 0; i < n; ++i) counts[i] = sat(counts[i], usage[i]);
+  tokens = sat(tokens, n_tokens);
 }
 
 std::string RoutingProfile::mismatch(const ModelDesc& desc) const {
@@ -84,12 +86,13 @@ std::vector<ExpertKey> RoutingProfile::warm_order() const {
 }
 
 double RoutingProfile::coverage(size_t islands) const {
-  const uint64_t all = std::accumulate(counts.begin(), counts.end(), uint64_t(0));
+  // In doubles: counts near 2^64 from a hostile file cannot wrap a sum.
+  const double all = std::accumulate(counts.begin(), counts.end(), 0.0, [](double a, uint64_t c) { return a + double(c); });
   if (all == 0) return 1.0;
   const std::vector<ExpertKey> order = warm_order();
-  uint64_t held = 0;
-  for (size_t i = 0; i < std::min(islands, order.size()); ++i) held += count(order[i].layer, order[i].expert);
-  return double(held) / double(all);
+  double held = 0;
+  for (size_t i = 0; i < std::min(islands, order.size()); ++i) held += double(count(order[i].layer, order[i].expert));
+  return held / all;
 }
 
 std::string format_routing_profile(const RoutingProfile& p) {
@@ -180,6 +183,10 @@ Result<RoutingProfile> parse_routing_profile(std::string_view text) {
 Result<RoutingProfile> read_routing_profile(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   if (!f) return make_error("cannot open routing profile " + path);
+  // 1024 layers x 4096 experts of 20 digits is ~84 MB: anything larger is not a profile.
+  std::error_code ec;
+  if (const auto size = std::filesystem::file_size(path, ec); !ec && size > (size_t(128) << 20))
+    return make_error("routing profile " + path + " is " + std::to_string(size >> 20) + " MiB, past the 128 MiB a profile can take");
   std::ostringstream s;
   s << f.rdbuf();
   if (f.bad()) return make_error("cannot read routing profile " + path);
@@ -216,6 +223,12 @@ Status write_routing_profile(const std::string& path, const RoutingProfile& p) {
     const std::string why = std::strerror(errno);
     ::unlink(tmp.c_str());
     return make_error("cannot rename " + tmp + " to " + path + ": " + why);
+  }
+  // The rename itself to disk: the folder's entry.
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  if (const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); dfd >= 0) {
+    (void)::fsync(dfd);
+    ::close(dfd);
   }
   return {};
 }

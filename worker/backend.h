@@ -42,6 +42,9 @@ class Backend {
   // experts may displace cold residents (not those in use, nor other
   // predictions), so that their copies start before the prompt's step.
   virtual void hint(const std::vector<protocol::ExpertRef>& experts) { warm(experts); }
+  // Returns once the copies warm() queued have landed (a re-warm's time is
+  // then the copies', not their queueing).
+  virtual void wait_for_copies() {}
   // The eviction policy's prior for one MoE layer (index among MoE layers):
   // each expert's share of tokens in a routing profile. Before warm().
   virtual void seed_residency(int /*moe_layer*/, std::span<const double> /*rates*/) {}

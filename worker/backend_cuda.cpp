@@ -49,6 +49,10 @@ class CudaBackend final : public EngineBackend {
 
   size_t warm(const std::vector<protocol::ExpertRef>& experts) override { return warm_in_pieces(experts, false); }
   void hint(const std::vector<protocol::ExpertRef>& experts) override { warm_in_pieces(experts, true); }
+  void wait_for_copies() override {
+    if (Status s = engine_->wait_for_copies(); !s)
+      std::fprintf(stderr, "moe-worker: waiting for warmed experts' copies: %s\n", s.error().c_str());
+  }
   void seed_residency(int moe_layer, std::span<const double> rates) override {
     engine_->seed_residency(moe_layer, rates);
   }

@@ -149,9 +149,10 @@ int main(int argc, char** argv) {
                    redis ? " (the re-warm from Redis filled them)" : "");
     else
       std::fprintf(stderr,
-                   "moe-worker: warmed %zu of %zu experts from profile %s in %.1f ms (%u islands; they served "
-                   "%.1f %% of the profile's uses)\n",
-                   w->resident, w->asked, o.warm_profile.c_str(), w->ms, w->islands, 100.0 * w->coverage);
+                   "moe-worker: warmed %zu of %zu experts from profile %s in %.1f ms (%u islands, %zu of its "
+                   "experts resident before; together they served %.1f %% of the profile's uses)\n",
+                   w->resident, w->asked, o.warm_profile.c_str(), w->ms, w->islands, w->already,
+                   100.0 * w->coverage);
   }
   std::unique_ptr<moe::worker::ProfileSaver> saver;
   if (!o.save_profile.empty()) {

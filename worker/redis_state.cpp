@@ -192,6 +192,7 @@ WorkerRedisState::Rewarm WorkerRedisState::rewarm() {
         } else if (experts.ok()) {
           out.previous = experts->size();
           out.resident = backend_->warm(experts.value());
+          backend_->wait_for_copies();
           found = true;
         } else {
           std::fprintf(stderr, "moe-worker: skipping garbage resident-state entry %s: %s\n",
@@ -205,6 +206,7 @@ WorkerRedisState::Rewarm WorkerRedisState::rewarm() {
                    opts_.consumer.c_str());
       out.previous = newest_any->size();
       out.resident = backend_->warm(*newest_any);
+      backend_->wait_for_copies();
     } else if (!found) {
       std::fprintf(stderr, "moe-worker: no resident set in Redis yet: starting cold\n");
     }

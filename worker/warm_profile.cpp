@@ -2,6 +2,8 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <set>
+#include <utility>
 
 #include "protocol/messages.h"
 
@@ -36,14 +38,25 @@ Result<ProfileWarm> warm_from_profile(Backend& backend, const std::string& path)
   // Offer what the free islands hold (all of it when the backend keeps
   // every expert resident: it then reports no islands and warms nothing).
   const size_t room = w.islands == 0 ? 0 : size_t(st.islands_total - std::min(st.islands_used, st.islands_total));
+  // Those already resident (the re-warm from Redis) take no free island.
+  std::set<std::pair<int, int>> resident;
+  for (const protocol::ExpertRef& r : backend.resident()) resident.insert({int(r.layer), int(r.expert)});
   std::vector<protocol::ExpertRef> refs;
+  size_t held = 0;  // the profile's experts resident after the warm (those first in its order)
   for (const ExpertKey& k : order) {
+    const int layer = prof->model_layers[size_t(k.layer)];
+    if (resident.count({layer, k.expert})) {
+      ++held;
+      continue;
+    }
     if (refs.size() >= room) break;
-    refs.push_back({uint16_t(prof->model_layers[size_t(k.layer)]), uint16_t(k.expert)});
+    refs.push_back({uint16_t(layer), uint16_t(k.expert)});
   }
   w.asked = refs.size();
-  w.coverage = prof->coverage(refs.size());
+  w.already = held;
+  w.coverage = prof->coverage(refs.size() + held);
   w.resident = refs.empty() ? 0 : backend.warm(refs);
+  backend.wait_for_copies();
   w.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   return w;
 }
@@ -67,24 +80,46 @@ ProfileSaver::ProfileSaver(std::string path, const Backend& backend, std::string
   next_ = std::chrono::steady_clock::now() + interval_;
 }
 
+ProfileSaver::~ProfileSaver() { join_writer(); }
+
+void ProfileSaver::join_writer() {
+  if (!writer_.joinable()) return;
+  writer_.join();
+  if (failed_ && !failed_->empty() && !warned_) {
+    std::fprintf(stderr, "moe-worker: saving the routing profile: %s (will try again)\n", failed_->c_str());
+    warned_ = true;
+  } else if (failed_ && failed_->empty()) {
+    warned_ = false;
+  }
+  failed_.reset();
+}
+
+RoutingProfile ProfileSaver::snapshot() const {
+  RoutingProfile p = base_;
+  p.add(backend_.expert_use(), backend_.expert_use_tokens());
+  return p;
+}
+
 void ProfileSaver::after_step(const protocol::StepRequest&, const protocol::StepReply&) {
   const auto now = std::chrono::steady_clock::now();
   if (now < next_) return;
   next_ = now + interval_;
-  if (Status s = save(); !s.ok() && !warned_) {
-    std::fprintf(stderr, "moe-worker: saving the routing profile: %s (will try again)\n", s.error().c_str());
-    warned_ = true;
-  } else if (s.ok()) {
-    warned_ = false;
-  }
+  const uint64_t tokens = backend_.expert_use_tokens();
+  if (tokens == saved_tokens_) return;  // nothing new since the last write
+  join_writer();  // the last one finished long ago, an interval back
+  saved_tokens_ = tokens;
+  auto failed = std::make_shared<std::string>();
+  failed_ = failed;
+  writer_ = std::thread([p = snapshot(), path = path_, failed] {
+    if (Status s = write_routing_profile(path, p); !s.ok()) *failed = s.error();
+  });
 }
 
 Status ProfileSaver::save() {
+  join_writer();
   const uint64_t tokens = backend_.expert_use_tokens();
-  if (tokens == saved_tokens_) return {};  // nothing new since the last write
-  RoutingProfile p = base_;
-  p.add(backend_.expert_use(), tokens);
-  MOE_TRY(write_routing_profile(path_, p));
+  if (tokens == saved_tokens_ && !warned_) return {};  // nothing new since the last good write
+  MOE_TRY(write_routing_profile(path_, snapshot()));
   saved_tokens_ = tokens;
   return {};
 }

@@ -6,6 +6,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -22,14 +24,18 @@ RoutingProfile empty_profile_of(const Backend& backend);
 struct ProfileWarm {
   size_t asked = 0;        // experts offered (the free islands' worth, most used first)
   size_t resident = 0;     // of those, resident after warming
+  size_t already = 0;      // the profile's experts resident before (the re-warm from Redis)
   uint32_t islands = 0;    // islands in all (0: every expert has one, nothing to warm)
-  double coverage = 0;     // share of the profile's uses the offered experts served
+  double coverage = 0;     // share of the profile's uses the experts offered and already resident served
   double ms = 0;
 };
 // Reads `path`, checks it against the backend's model and warms. An
 // unreadable file or another model's profile is an error naming why.
 Result<ProfileWarm> warm_from_profile(Backend& backend, const std::string& path);
 
+// The periodic writes run on a thread of their own (with a copy of the
+// counts), so the step thread never waits on the disk; the last one, at
+// exit, on the caller's.
 class ProfileSaver final : public StepHooks {
  public:
   // Counts start from `path`'s profile when it holds one of this model's
@@ -37,9 +43,11 @@ class ProfileSaver final : public StepHooks {
   // from zero.
   ProfileSaver(std::string path, const Backend& backend, std::string source,
                std::chrono::milliseconds interval);
+  ~ProfileSaver() override;
   void after_step(const protocol::StepRequest& req, const protocol::StepReply& reply) override;
   void released(uint64_t) override {}
-  // Writes now (the step thread, or after it has stopped).
+  // Writes now, after any write in flight (the step thread, or after it
+  // has stopped).
   Status save();
   const std::string& path() const { return path_; }
   bool continued() const { return continued_; }
@@ -52,7 +60,11 @@ class ProfileSaver final : public StepHooks {
   std::chrono::milliseconds interval_;
   std::chrono::steady_clock::time_point next_;
   uint64_t saved_tokens_ = ~uint64_t(0);
+  std::thread writer_;                  // the periodic write in flight, if any
+  std::shared_ptr<std::string> failed_;  // its error ("" when it succeeded), read after joining
   bool warned_ = false;
+  RoutingProfile snapshot() const;
+  void join_writer();
 };
 
 }  // namespace moe::worker

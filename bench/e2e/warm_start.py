@@ -72,8 +72,8 @@ def main():
                     stack.stop(w, g)
                 log = sbs.tail(wlog, 200000)
                 m = re.search(r"experts: (\d+) hits, (\d+) misses, ([\d.]+) MB copied, ([\d.]+) MB streamed", log)
-                wm = re.search(r"warmed (\d+) of (\d+) experts from profile \S+ in ([\d.]+) ms \((\d+) islands; "
-                               r"they served ([\d.]+) %", log)
+                wm = re.search(r"warmed (\d+) of (\d+) experts from profile \S+ in ([\d.]+) ms \((\d+) islands, "
+                               r"\d+ of its experts resident before; together they served ([\d.]+) %", log)
                 hits, misses = (int(m.group(1)), int(m.group(2))) if m else (None, None)
                 row = {"shape": a.shape, "budget": a.mode, "routing": a.routing, "warm_profile": state,
                        "cycle": cycle, "concurrency": conc, "new_tokens": a.new_tokens,

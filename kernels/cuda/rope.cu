@@ -107,7 +107,10 @@ __global__ void __launch_bounds__(kThreads) qkv_rope_kernel(QkvRopeArgs a, Paged
       amax = detail::warp_max(amax);
       const bool fp8 = kv.dtype == KvDtype::fp8;
       const float cmax = fp8 ? 448.f : 127.f;
-      const float inv = amax > 0.f ? __fdiv_rn(cmax, amax) : 0.f;
+      // A row too small for its inverse to stay finite is stored as zeros.
+      const bool tiny = !(amax > __fdiv_rn(cmax, 3.402823466e38f));
+      const float inv = tiny ? 0.f : __fdiv_rn(cmax, amax);
+      if (tiny) amax = 0.f;
       uint8_t* codes = (is_k ? kv.k_codes : kv.v_codes) + row * HD;
       for (int i = lane; i < HD; i += 32) {
         const float y = __fmul_rn(x[i], inv);

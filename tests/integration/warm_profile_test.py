@@ -119,7 +119,8 @@ def main():
         check(not errs, "the probe on a cold worker")
         errs, warm_log = first_request("warm", ["--warm-profile", prof_path])
         check(not errs, "the probe on a warmed worker")
-        m = re.search(r"warmed (\d+) of (\d+) experts from profile .* \((\d+) islands; they served ([\d.]+) %", warm_log)
+        m = re.search(r"warmed (\d+) of (\d+) experts from profile .* \((\d+) islands, 0 of its experts resident "
+                      r"before; together they served ([\d.]+) %", warm_log)
         check(m is not None and int(m.group(1)) == int(m.group(2)) == int(m.group(3)) == 48,
               "the warmed worker filled all 48 islands from the profile before its first request"
               + (f" ({m.group(0)})" if m else ""))

@@ -239,6 +239,10 @@ TEST_CASE("a coded KV row: the scale maps max |x| to the largest code, each valu
     std::vector<uint8_t> zc(64, 0xaa);
     CHECK(moe::kv_encode_row(d, zero.data(), 64, zc.data()) == 0.0f);
     for (uint8_t c : zc) CHECK(table[c] == 0.0f);
+    // A row so small that code max / max|x| is no longer finite: zeros, not NaN.
+    zero[0] = 2e-37f;
+    CHECK(moe::kv_encode_row(d, zero.data(), 64, zc.data()) == 0.0f);
+    for (uint8_t c : zc) CHECK(table[c] == 0.0f);
   }
 }
 

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <hiredis/hiredis.h>
@@ -71,7 +72,8 @@ Result<RoutingProfile> from_text(const std::string& model, const std::string& pa
   auto engine = CpuEngine::create(files.value(), opts);
   if (!engine) return make_error(engine.error());
   CpuEngine& e = *engine.value();
-  ctx = std::min(ctx, e.max_context() - 1);
+  // A pass's expert uses are counted in 16 bits a sequence.
+  ctx = std::min({ctx, e.max_context() - 1, 65535 / std::max(1, e.desc().moe.top_k)});
   RoutingProfile p = RoutingProfile::for_model(e.desc(), protocol::redis_model_name(model));
   std::vector<uint64_t> use(p.counts.size());
   for (size_t begin = 0; begin < ids.size(); begin += size_t(ctx)) {
@@ -175,18 +177,27 @@ Result<RoutingProfile> from_redis(const ModelDesc& desc, const std::string& mode
     redisReply* r = command({"XRANGE", key, start, "+", "COUNT", "1000"});
     MOE_TRY(check(r, "XRANGE"));
     const size_t n = r->type == REDIS_REPLY_ARRAY ? r->elements : 0;
+    const std::string page_start = start;
+    auto is_text = [](const redisReply* x) {
+      return x && (x->type == REDIS_REPLY_STRING || x->type == REDIS_REPLY_STATUS) && x->str;
+    };
     for (size_t i = 0; i < n; ++i) {
       const redisReply* e = r->element[i];
-      if (e->type != REDIS_REPLY_ARRAY || e->elements != 2) continue;
+      if (!e || e->type != REDIS_REPLY_ARRAY || e->elements != 2 || !is_text(e->element[0])) {
+        ++skipped;
+        continue;
+      }
       start = "(" + std::string(e->element[0]->str, e->element[0]->len);
       const redisReply* f = e->element[1];
       std::string layers;
       bool have = false;
-      for (size_t k = 0; k + 1 < f->elements; k += 2)
-        if (std::string(f->element[k]->str, f->element[k]->len) == protocol::stream_field::kLayers) {
-          layers.assign(f->element[k + 1]->str, f->element[k + 1]->len);
-          have = true;
-        }
+      if (f && f->type == REDIS_REPLY_ARRAY)
+        for (size_t k = 0; k + 1 < f->elements; k += 2)
+          if (is_text(f->element[k]) && is_text(f->element[k + 1]) &&
+              std::string_view(f->element[k]->str, f->element[k]->len) == protocol::stream_field::kLayers) {
+            layers.assign(f->element[k + 1]->str, f->element[k + 1]->len);
+            have = true;
+          }
       auto counts = have ? protocol::parse_routing_layers(layers, p.n_moe_layers(), p.n_experts)
                          : Result<std::vector<float>>(make_error("no layers field"));
       if (!counts) {
@@ -201,7 +212,7 @@ Result<RoutingProfile> from_redis(const ModelDesc& desc, const std::string& mode
       ++entries;
     }
     freeReplyObject(r);
-    if (n < 1000) break;
+    if (n < 1000 || start == page_start) break;  // the last page, or one whose ids could not be read
   }
   if (entries == 0)
     return make_error("no routing summaries of model '" + model_id + "' in Redis at " + ep->where() + " (" + key +
