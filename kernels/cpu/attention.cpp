@@ -75,7 +75,25 @@ void attention(const float* q, int64_t q_stride, const PagedKv& kv, const int32_
     return;
   }
   // Coded rows: a key's score is (q . codes) x its scale, a value's codes
-  // are decoded into the sum with w x its scale; no row is decoded into a copy.
+  // are decoded into the sum with w x its scale; no row is decoded into a
+  // copy. int8 codes convert in the loop (it vectorises), e4m3 ones through
+  // their table.
+  if (kv.dtype == KvDtype::int8) {
+    attend_rows(
+        q, q_stride, kv, positions, out, out_stride, tokens, n_heads, n_kv, qk_dim, v_dim, scale, pool,
+        [&](int64_t row, const float* qv) {
+          const int8_t* c = reinterpret_cast<const int8_t*>(kv.k_codes + row * qk_dim);
+          float d = 0.0f;
+          for (int i = 0; i < qk_dim; ++i) d += qv[i] * float(c[i]);
+          return d * kv.k_scales[row];
+        },
+        [&](int64_t row, float w, float* o) {
+          const int8_t* c = reinterpret_cast<const int8_t*>(kv.v_codes + row * v_dim);
+          const float ws = w * kv.v_scales[row];
+          for (int i = 0; i < v_dim; ++i) o[i] += ws * float(c[i]);
+        });
+    return;
+  }
   const float* table = kv_code_table(kv.dtype).data();
   attend_rows(
       q, q_stride, kv, positions, out, out_stride, tokens, n_heads, n_kv, qk_dim, v_dim, scale, pool,
