@@ -673,6 +673,18 @@ moe::cuda::PagedKvPool kv_pool(bf16* k, bf16* v, const int32_t* tables, int max_
   return kv;
 }
 
+// The same over coded rows (docs/kv-cache.md): codes and scales on the device.
+moe::cuda::PagedKvPool coded_pool(moe::KvDtype dt, Dev<uint8_t>& kc, Dev<uint8_t>& vc, Dev<float>& ks, Dev<float>& vs,
+                                  const int32_t* tables, int max_blocks, int bt, int nkv, int hd) {
+  moe::cuda::PagedKvPool kv = kv_pool(nullptr, nullptr, tables, max_blocks, bt, nkv, hd);
+  kv.dtype = dt;
+  kv.k_codes = kc.p;
+  kv.v_codes = vc.p;
+  kv.k_scales = ks.p;
+  kv.v_scales = vs.p;
+  return kv;
+}
+
 // After qkv_rope_store: its q output and the K and V rows it stored at each
 // token's slot against the reference rows ref [tokens, q | k | v].
 void check_stored_qkv(Dev<bf16>& dq, Dev<bf16>& dk, Dev<bf16>& dv, const std::vector<float>& ref,
@@ -968,12 +980,7 @@ TEST_CASE("cuda paged attention over coded rows (int8, fp8) matches the CPU on t
       Dev<uint8_t> dkc(kc), dvc(vc);
       Dev<float> dks(ks), dvs(vs);
       Dev<int32_t> dtab(tables), dseq(seq), dpos(pos);
-      moe::cuda::PagedKvPool kv = kv_pool(nullptr, nullptr, dtab.p, max_blocks, bt, nkv, hd);
-      kv.dtype = dt;
-      kv.k_codes = dkc.p;
-      kv.v_codes = dvc.p;
-      kv.k_scales = dks.p;
-      kv.v_scales = dvs.p;
+      const moe::cuda::PagedKvPool kv = coded_pool(dt, dkc, dvc, dks, dvs, dtab.p, max_blocks, bt, nkv, hd);
       moe::cuda::AttentionArgs a;
       a.q = dq.p;
       a.seq_of_token = dseq.p;
@@ -1007,12 +1014,7 @@ TEST_CASE("cuda qkv_rope_store writes coded rows (int8, fp8) as the CPU encodes 
       Dev<bf16> dq(size_t(tokens) * nh * hd);
       Dev<uint8_t> dkc(rows * hd), dvc(rows * hd);
       Dev<int32_t> dtab(tables), dseq(seq), dpos(pos);
-      moe::cuda::PagedKvPool kv = kv_pool(nullptr, nullptr, dtab.p, max_blocks, bt, nkv, hd);
-      kv.dtype = dt;
-      kv.k_codes = dkc.p;
-      kv.v_codes = dvc.p;
-      kv.k_scales = dks.p;
-      kv.v_scales = dvs.p;
+      const moe::cuda::PagedKvPool kv = coded_pool(dt, dkc, dvc, dks, dvs, dtab.p, max_blocks, bt, nkv, hd);
       moe::cuda::QkvRopeArgs a;
       a.qkv = dqkv.p;
       a.positions = dpos.p;
