@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -35,6 +36,34 @@ def start(a, work, tag, profile):
     return w, g, port, time.time() - t0, wlog
 
 
+def text_wave(port, model, prompts, new_tokens):
+    """One stream per text prompt, all at once: run_wave's figures."""
+    out, lock = [], threading.Lock()
+
+    def one(p):
+        try:
+            ttft, gaps, n = sbs.stream(port, model, p, new_tokens, False)
+            with lock:
+                out.append((ttft, gaps, n, None))
+        except Exception as e:  # a failed stream is counted, not fatal
+            with lock:
+                out.append((0, [], 0, str(e)))
+
+    t0 = time.perf_counter()
+    ths = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    wall = time.perf_counter() - t0
+    ok = [o for o in out if o[3] is None]
+    itls = [g for o in ok for g in o[1]]
+    return {"out_tok_s": sum(o[2] for o in ok) / wall,
+            "ttft_ms_p50": 1e3 * sbs.percentile([o[0] for o in ok], 50) if ok else 0,
+            "itl_ms_p50": 1e3 * sbs.percentile(itls, 50) if itls else 0, "tokens": sum(o[2] for o in ok),
+            "errors": [o[3] for o in out if o[3]], "wall_s": wall}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--packed", required=True)
@@ -51,11 +80,13 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=100)
     ap.add_argument("--shape", default="qwen1.5-moe-a2.7b")
+    ap.add_argument("--text-prompts", default="", help="JSON lines, each a text prompt (instead of random ids)")
     ap.add_argument("--rows", required=True)
     ap.add_argument("--work", required=True)
     ap.add_argument("--deadline", type=float, default=0)
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
+    texts = [json.loads(l) for l in open(a.text_prompts, encoding="utf-8") if l.strip()] if a.text_prompts else []
     for cycle in range(a.cycles):
         for conc in [int(x) for x in a.concurrency.split(",")]:
             for state in ("off", "on"):
@@ -66,8 +97,12 @@ def main():
                 w, g, port, ready, wlog = start(a, a.work, tag, a.profile if state == "on" else "")
                 try:
                     # Same prompts for both states of a cycle; another set each cycle.
-                    r = sbs.run_wave(port, os.path.basename(a.packed), a.vocab, conc, a.prompt_tokens, a.new_tokens,
-                                     conc, 1000 + cycle, False)
+                    if texts:
+                        r = text_wave(port, os.path.basename(a.packed.rstrip("/")),
+                                      [texts[(cycle * 8 + i) % len(texts)] for i in range(conc)], a.new_tokens)
+                    else:
+                        r = sbs.run_wave(port, os.path.basename(a.packed), a.vocab, conc, a.prompt_tokens,
+                                         a.new_tokens, conc, 1000 + cycle, False)
                 finally:
                     stack.stop(w, g)
                 log = sbs.tail(wlog, 200000)
