@@ -49,7 +49,7 @@ void usage(FILE* out) {
       "  --tokens N           --trace: count only N tokens (default: to the end)\n"
       "  --redis URL          the routing summaries workers published for this model\n"
       "                       (moe:<model id>:routing, as long as the stream keeps them)\n"
-      "  --redis-password-file F\n"
+      "  --redis-password-file F  --redis: the password (or USER:PASSWORD), first line of F\n"
       "  --model-id ID        --redis: the model's name in Redis (default: from --model, as the\n"
       "                       worker names it)\n"
       "  --show FILE          print a profile's summary: tokens, per layer the busiest experts,\n"
