@@ -80,7 +80,7 @@ __device__ __forceinline__ void load_code_part(const uint8_t* p, float* out) {
 
 // A value row's part: bf16 values, or codes.
 template <int D, KvDtype C>
-__device__ __forceinline__ void load_value_part(const PagedKvPool& kv, size_t elem, float* out) {
+__device__ __forceinline__ void load_value_part(const PagedKvPool& kv, int64_t elem, float* out) {
   if constexpr (C == KvDtype::bf16) load_row_part<D>(kv.v + elem, out);
   else load_code_part<D, C>(kv.v_codes + elem, out);
 }
@@ -107,7 +107,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
   __syncthreads();
   const int n_keys = a.positions[t] + 1;
   const int32_t* table = kv.block_tables + size_t(a.seq_of_token[t]) * kv.max_blocks;
-  const size_t row_stride = size_t(kv.n_kv) * HD;  // elements per slot
+  const int64_t row_stride = int64_t(kv.n_kv) * HD;  // elements per slot
+  const int64_t bstride = kv.block_stride ? kv.block_stride : int64_t(kv.block_tokens) * row_stride;
+  const int64_t sstride = kv.scale_block_stride ? kv.scale_block_stride : int64_t(kv.block_tokens) * kv.n_kv;
 
   float m = -INFINITY, l = 0.f;
   float o[D];
@@ -117,13 +119,14 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
   for (int tile = warp; tile * 32 < n_keys; tile += kWarps) {
     const int j = tile * 32 + lane;
     float s = -INFINITY;
-    size_t slot = 0;
+    int64_t slot = 0;  // this lane's key's slot: its first element (every head's rows)
     float vscale = 0.f;  // coded rows: this lane's key's V scale
     if (j < n_keys) {
-      slot = size_t(table[j / kv.block_tokens]) * kv.block_tokens + j % kv.block_tokens;
+      const int64_t blk = table[j / kv.block_tokens], in_blk = j % kv.block_tokens;
+      slot = blk * bstride + in_blk * row_stride;
       float d = 0.f;
       if constexpr (C == KvDtype::bf16) {
-        const uint4* kr = reinterpret_cast<const uint4*>(kv.k + slot * row_stride + size_t(kvh) * HD);
+        const uint4* kr = reinterpret_cast<const uint4*>(kv.k + slot + int64_t(kvh) * HD);
 #pragma unroll
         for (int c = 0; c < HD / 8; ++c) {
           const uint4 u = __ldg(kr + c);
@@ -136,7 +139,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
           }
         }
       } else {
-        const uint4* kr = reinterpret_cast<const uint4*>(kv.k_codes + slot * row_stride + size_t(kvh) * HD);
+        const uint4* kr = reinterpret_cast<const uint4*>(kv.k_codes + slot + int64_t(kvh) * HD);
 #pragma unroll
         for (int c = 0; c < HD / 16; ++c) {
           const uint4 u = __ldg(kr + c);
@@ -144,7 +147,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
 #pragma unroll
           for (int e = 0; e < 16; ++e) d = fmaf(decode_code<C>((w[e / 4] >> (8 * (e % 4))) & 0xffu), qs[c * 16 + e], d);
         }
-        const size_t row = slot * kv.n_kv + kvh;
+        const int64_t row = blk * sstride + in_blk * kv.n_kv + kvh;
         d *= __ldg(kv.k_scales + row);
         vscale = __ldg(kv.v_scales + row);
       }
@@ -171,10 +174,10 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
         for (int u = 0; u < 8; ++u) {
           const int jj = j0 + u * kKeysPerStep + group;  // key within the tile
           const float pj = __shfl_sync(0xffffffffu, p, jj & 31);
-          const unsigned long long sj = __shfl_sync(0xffffffffu, (unsigned long long)slot, jj & 31);
+          const int64_t sj = __shfl_sync(0xffffffffu, (long long)slot, jj & 31);
           if (jj < valid) {
             pv[u] = pj;
-            load_value_part<D, C>(kv, sj * row_stride + size_t(kvh) * HD + dim0, vv[u]);
+            load_value_part<D, C>(kv, sj + int64_t(kvh) * HD + dim0, vv[u]);
           } else {
             pv[u] = 0.f;
 #pragma unroll
@@ -195,9 +198,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
           pv[u] = __shfl_sync(0xffffffffu, p, j0 + u);  // p is 0 past the last key
-          const unsigned long long sj = __shfl_sync(0xffffffffu, (unsigned long long)slot, j0 + u);
+          const int64_t sj = __shfl_sync(0xffffffffu, (long long)slot, j0 + u);
           if (j0 + u < valid) {
-            load_value_part<D, C>(kv, sj * row_stride + size_t(kvh) * HD + lane * D, vv[u]);
+            load_value_part<D, C>(kv, sj + int64_t(kvh) * HD + lane * D, vv[u]);
           } else {
 #pragma unroll
             for (int i = 0; i < D; ++i) vv[u][i] = 0.f;

@@ -29,6 +29,12 @@ struct PagedKvPool {
   uint8_t* v_codes = nullptr;
   float* k_scales = nullptr;         // [pool_blocks, block_tokens, n_kv]
   float* v_scales = nullptr;
+  // Elements (codes) from a block's rows to the next block's: 0 means
+  // block_tokens * n_kv * head_dim, one pool per layer as above; another
+  // value lays a layer's blocks apart (blocks holding every layer's rows),
+  // negative where block ids run down from the top (docs/kv-islands-trade.md).
+  int64_t block_stride = 0;
+  int64_t scale_block_stride = 0;    // the same for the scales (0: block_tokens * n_kv)
 };
 
 struct AttentionArgs {

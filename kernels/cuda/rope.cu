@@ -26,7 +26,14 @@ __global__ void __launch_bounds__(kThreads) qkv_rope_kernel(QkvRopeArgs a, Paged
   const int pos = a.positions[t];
   const float* row = a.qkv + size_t(t) * n_total * HD;
   const int32_t* table = kv.block_tables + size_t(a.seq_of_token[t]) * kv.max_blocks;
-  const size_t slot = size_t(table[pos / kv.block_tokens]) * kv.block_tokens + pos % kv.block_tokens;
+  // The token's slot: its block's rows, then the slot within (block strides
+  // as PagedKvPool says; negative where blocks run down).
+  const int64_t blk = table[pos / kv.block_tokens], in_blk = pos % kv.block_tokens;
+  const int64_t row_stride = int64_t(kv.n_kv) * HD;
+  const int64_t slot = blk * (kv.block_stride ? kv.block_stride : int64_t(kv.block_tokens) * row_stride) +
+                       in_blk * row_stride;
+  const int64_t scale_slot =
+      blk * (kv.scale_block_stride ? kv.scale_block_stride : int64_t(kv.block_tokens) * kv.n_kv) + in_blk * kv.n_kv;
   float* x = sh + warp * HD;
   // Full-width norm: 1 / rms of the token's q and k rows (bias included).
   float inv_q = 0.f, inv_k = 0.f;
@@ -98,7 +105,9 @@ __global__ void __launch_bounds__(kThreads) qkv_rope_kernel(QkvRopeArgs a, Paged
       }
       __syncwarp();
     }
-    const size_t row = slot * kv.n_kv + (is_k ? head - a.n_heads : head - a.n_heads - kv.n_kv);
+    const int kvh = is_k ? head - a.n_heads : head - a.n_heads - kv.n_kv;
+    const int64_t row = slot + int64_t(kvh) * HD;  // the row's first element
+    const int64_t srow = scale_slot + kvh;         // its scale
     if (!is_q && kv.dtype != KvDtype::bf16) {
       // A coded row (kernels/kv_code.h's kv_encode_row): one scale from the
       // row's max |x|, the codes of x * (code max / max |x|), IEEE-rounded.
@@ -111,17 +120,17 @@ __global__ void __launch_bounds__(kThreads) qkv_rope_kernel(QkvRopeArgs a, Paged
       const bool tiny = !(amax > __fdiv_rn(cmax, 3.402823466e38f));
       const float inv = tiny ? 0.f : __fdiv_rn(cmax, amax);
       if (tiny) amax = 0.f;
-      uint8_t* codes = (is_k ? kv.k_codes : kv.v_codes) + row * HD;
+      uint8_t* codes = (is_k ? kv.k_codes : kv.v_codes) + row;
       for (int i = lane; i < HD; i += 32) {
         const float y = __fmul_rn(x[i], inv);
         codes[i] = fp8 ? uint8_t(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3))
                        : uint8_t(int8_t(max(-127, min(127, __float2int_rn(y)))));
       }
-      if (lane == 0) (is_k ? kv.k_scales : kv.v_scales)[row] = __fdiv_rn(amax, cmax);
+      if (lane == 0) (is_k ? kv.k_scales : kv.v_scales)[srow] = __fdiv_rn(amax, cmax);
     } else {
       __nv_bfloat16* dst;
       if (is_q) dst = a.q_out + (size_t(t) * a.n_heads + head) * HD;
-      else dst = (is_k ? kv.k : kv.v) + row * HD;
+      else dst = (is_k ? kv.k : kv.v) + row;
       for (int i = lane; i < HD; i += 32) dst[i] = __float2bfloat16(x[i]);
     }
     __syncwarp();

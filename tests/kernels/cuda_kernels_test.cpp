@@ -1053,6 +1053,100 @@ TEST_CASE("cuda qkv_rope_store writes coded rows (int8, fp8) as the CPU encodes 
     }
 }
 
+// Blocks holding every layer's rows, ids running down from the top of one
+// buffer (docs/kv-islands-trade.md): the store and attention through
+// PagedKvPool's block strides give what the per-layer pools give, bit for bit.
+TEST_CASE("cuda store and attention with blocks laid apart and running down equal the per-layer pools",
+          "[cuda][attention][rope][kv]") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(26);
+  const int hd = 128, nh = 8, nkv = 2, bt = 16, blocks = 10, layers = 3, layer = 1, max_blocks = 4, tokens = 9;
+  const int width = (nh + 2 * nkv) * hd;
+  const size_t part = size_t(bt) * nkv * hd, spart = size_t(bt) * nkv;  // one layer's K (or V) in a block
+  const std::vector<int32_t> tables = {7, 2, 9, 0, 5, 1, 8, 3};        // 2 sequences
+  const std::vector<int32_t> seq = {0, 0, 0, 1, 1, 0, 1, 1, 0}, pos = {0, 1, 17, 0, 40, 33, 41, 16, 50};
+  const auto qkv = randn(size_t(tokens) * width, rng);
+  const auto inv_freq = moe::cpu::rope_inv_freq_default(1e6f, hd);
+  Dev<float> dqkv(qkv), dfreq(inv_freq);
+  Dev<int32_t> dtab(tables), dseq(seq), dpos(pos);
+  for (moe::KvDtype dt : {moe::KvDtype::bf16, moe::KvDtype::int8}) {
+    INFO((dt == moe::KvDtype::bf16 ? "bf16" : "int8"));
+    const bool coded = dt != moe::KvDtype::bf16;
+    // Per-layer pools: [blocks, bt, nkv, hd] each.
+    Dev<bf16> pk(blocks * part), pv(blocks * part), apart_k(size_t(blocks) * layers * 2 * part);
+    Dev<uint8_t> ck(blocks * part), cv(blocks * part), apart_c(size_t(blocks) * layers * 2 * part);
+    Dev<float> sk(blocks * spart), sv(blocks * spart), apart_s(size_t(blocks) * layers * 2 * spart);
+    moe::cuda::PagedKvPool flat = kv_pool(pk.p, pv.p, dtab.p, max_blocks, bt, nkv, hd);
+    moe::cuda::PagedKvPool laid = kv_pool(nullptr, nullptr, dtab.p, max_blocks, bt, nkv, hd);
+    // Block b's layer-l K rows at top - b * stride + l * 2 parts, V one part after.
+    const int64_t stride = int64_t(layers) * 2 * int64_t(part), sstride = int64_t(layers) * 2 * int64_t(spart);
+    const size_t top = size_t(blocks - 1) * size_t(stride) + size_t(layer) * 2 * part;
+    const size_t stop = size_t(blocks - 1) * size_t(sstride) + size_t(layer) * 2 * spart;
+    laid.block_stride = -stride;
+    laid.scale_block_stride = -sstride;
+    if (coded) {
+      flat = coded_pool(dt, ck, cv, sk, sv, dtab.p, max_blocks, bt, nkv, hd);
+      laid.dtype = dt;
+      laid.k_codes = apart_c.p + top;
+      laid.v_codes = apart_c.p + top + part;
+      laid.k_scales = apart_s.p + stop;
+      laid.v_scales = apart_s.p + stop + spart;
+    } else {
+      laid.k = apart_k.p + top;
+      laid.v = apart_k.p + top + part;
+    }
+    Dev<bf16> q1(size_t(tokens) * nh * hd), q2(q1.n), o1(q1.n), o2(q1.n);
+    for (auto [kv, q] : {std::pair{&flat, &q1}, std::pair{&laid, &q2}}) {
+      moe::cuda::QkvRopeArgs a;
+      a.qkv = dqkv.p;
+      a.positions = dpos.p;
+      a.seq_of_token = dseq.p;
+      a.inv_freq = dfreq.p;
+      a.tokens = tokens;
+      a.n_heads = nh;
+      a.q_out = q->p;
+      REQUIRE_OK(moe::cuda::qkv_rope_store(a, *kv, nullptr));
+    }
+    for (auto [kv, q, o] : {std::tuple{&flat, &q1, &o1}, std::tuple{&laid, &q2, &o2}}) {
+      moe::cuda::AttentionArgs a;
+      a.q = q->p;
+      a.seq_of_token = dseq.p;
+      a.positions = dpos.p;
+      a.tokens = tokens;
+      a.n_heads = nh;
+      a.scale = 0.09f;
+      a.out = o->p;
+      REQUIRE_OK(moe::cuda::paged_attention(a, *kv, nullptr));
+    }
+    const auto g1 = o1.get(), g2 = o2.get();
+    CHECK(std::memcmp(g1.data(), g2.data(), g1.size() * sizeof(bf16)) == 0);
+    // Each stored row sits where the strides say.
+    size_t compared = 0;
+    if (coded) {
+      const auto a = ck.get(), b = apart_c.get();
+      const auto sa = sk.get(), sb = apart_s.get();
+      for (int t = 0; t < tokens; ++t) {
+        const int64_t blk = tables[size_t(seq[t] * max_blocks + pos[t] / bt)], in_blk = pos[t] % bt;
+        for (int i = 0; i < nkv * hd; ++i, ++compared)
+          CHECK(a[size_t(blk) * part + size_t(in_blk) * nkv * hd + i] ==
+                b[size_t(int64_t(top) - blk * stride) + size_t(in_blk) * nkv * hd + i]);
+        for (int h = 0; h < nkv; ++h)
+          CHECK(sa[size_t(blk) * spart + size_t(in_blk) * nkv + h] ==
+                sb[size_t(int64_t(stop) - blk * sstride) + size_t(in_blk) * nkv + h]);
+      }
+    } else {
+      const auto a = pk.get(), b = apart_k.get();
+      for (int t = 0; t < tokens; ++t) {
+        const int64_t blk = tables[size_t(seq[t] * max_blocks + pos[t] / bt)], in_blk = pos[t] % bt;
+        for (int i = 0; i < nkv * hd; ++i, ++compared)
+          CHECK(std::memcmp(&a[size_t(blk) * part + size_t(in_blk) * nkv * hd + i],
+                            &b[size_t(int64_t(top) - blk * stride) + size_t(in_blk) * nkv * hd + i], sizeof(bf16)) == 0);
+      }
+    }
+    CHECK(compared == size_t(tokens) * nkv * hd);
+  }
+}
+
 TEST_CASE("cuda paged attention refuses an unsupported head_dim", "[cuda][attention]") {
   SKIP_WITHOUT_GPU();
   Dev<bf16> buf(4096);
