@@ -53,11 +53,6 @@ void RoutingProfile::add(std::span<const uint64_t> usage, uint64_t n_tokens) {
   tokens = sat(tokens, n_tokens);
 }
 
-std::string RoutingProfile::mismatch(const ModelDesc& desc) const {
-  const RoutingProfile shape = for_model(desc, "");
-  return mismatch(shape.model_layers, shape.n_experts);
-}
-
 std::string RoutingProfile::mismatch(const std::vector<int>& layers, int experts) const {
   if (experts != n_experts)
     return "the profile has " + std::to_string(n_experts) + " experts a layer, the model " + std::to_string(experts);

@@ -50,9 +50,8 @@ struct RoutingProfile {
   // expert usage); `tokens` is how many tokens they cover.
   void add(std::span<const uint64_t> usage, uint64_t tokens);
 
-  // "" when this profile was taken on a model of `desc`'s routing shape
-  // (the same MoE layers, the same number of experts), else why not.
-  std::string mismatch(const ModelDesc& desc) const;
+  // "" when this profile was taken on a model of that routing shape (the
+  // same MoE layers, the same number of experts), else why not.
   std::string mismatch(const std::vector<int>& model_layers, int n_experts) const;
 
   // Each expert's share of the tokens at a MoE layer, in [0, 1] (all 0 when

@@ -52,9 +52,11 @@ class Backend {
   virtual std::vector<protocol::ExpertRef> resident() const { return {}; }
   // Changes whenever the resident set changes (publish after a change).
   virtual uint64_t residency_version() const { return 0; }
-  // Tokens each expert served since the start, [moe layer * n_experts +
-  // expert] (empty: this backend does not count), and the tokens counted:
-  // what --save-profile writes (residency/routing_profile.h).
+  // Tokens each expert served since count_expert_use(true), [moe layer *
+  // n_experts + expert] (empty: not counted), and the tokens counted: what
+  // --save-profile writes (residency/routing_profile.h). Off by default: a
+  // worker that saves no profile adds nothing to its steps.
+  virtual void count_expert_use(bool /*on*/) {}
   virtual const std::vector<uint64_t>& expert_use() const {
     static const std::vector<uint64_t> none;
     return none;

@@ -28,6 +28,7 @@ class EngineBackend : public Backend {
     Backend::set_progress(progress);
     engine_.set_progress(progress);
   }
+  void count_expert_use(bool on) override { count_use_ = on; }
   const std::vector<uint64_t>& expert_use() const override { return use_; }
   uint64_t expert_use_tokens() const override { return use_tokens_; }
 
@@ -36,9 +37,10 @@ class EngineBackend : public Backend {
   EngineBackend(Engine& engine, std::string model_id, const char* backend_name)
       : engine_(engine), model_id_(std::move(model_id)), backend_name_(backend_name) {}
 
-  // Adds a step's expert use to the totals (every step, whether or not the
-  // gateway asked for the use in the reply).
+  // Adds a step's expert use to the totals while counting is on (whether or
+  // not the gateway asked for the use in the reply).
   void tally_expert_use(const std::vector<SeqOutput>& outputs) {
+    if (!count_use_) return;
     const int top_k = std::max(engine_.desc().moe.top_k, 1);
     const size_t per_layer = size_t(engine_.desc().moe.n_experts);
     for (const SeqOutput& o : outputs) {
@@ -57,6 +59,7 @@ class EngineBackend : public Backend {
   Engine& engine_;
   std::string model_id_;
   const char* backend_name_;
+  bool count_use_ = false;
   std::vector<uint64_t> use_;  // step thread only
   uint64_t use_tokens_ = 0;
 };

@@ -61,9 +61,10 @@ Result<ProfileWarm> warm_from_profile(Backend& backend, const std::string& path)
   return w;
 }
 
-ProfileSaver::ProfileSaver(std::string path, const Backend& backend, std::string source,
+ProfileSaver::ProfileSaver(std::string path, Backend& backend, std::string source,
                            std::chrono::milliseconds interval)
     : path_(std::move(path)), backend_(backend), base_(empty_profile_of(backend)), interval_(interval) {
+  backend.count_expert_use(true);
   std::error_code ec;
   if (std::filesystem::exists(path_, ec)) {
     auto old = read_routing_profile(path_);

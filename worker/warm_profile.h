@@ -41,7 +41,8 @@ class ProfileSaver final : public StepHooks {
   // Counts start from `path`'s profile when it holds one of this model's
   // shape (a restart adds to the history instead of replacing it), else
   // from zero.
-  ProfileSaver(std::string path, const Backend& backend, std::string source,
+  // Turns the backend's expert-use counting on.
+  ProfileSaver(std::string path, Backend& backend, std::string source,
                std::chrono::milliseconds interval);
   ~ProfileSaver() override;
   void after_step(const protocol::StepRequest& req, const protocol::StepReply& reply) override;
