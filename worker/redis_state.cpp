@@ -1,11 +1,11 @@
 #include "worker/redis_state.h"
 
-#include <hiredis/hiredis.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
+
+#include "protocol/redis_reply.h"
 
 namespace moe::worker {
 namespace {
@@ -13,34 +13,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr size_t kMaxRoutingQueued = 4096;  // summaries kept while Redis is away
 
-struct ReplyDeleter {
-  void operator()(redisReply* r) const {
-    if (r) freeReplyObject(r);
-  }
-};
-using Reply = std::unique_ptr<redisReply, ReplyDeleter>;
-
-std::string reply_text(const redisReply* r) {
-  if (!r) return "";
-  if (r->type == REDIS_REPLY_STRING || r->type == REDIS_REPLY_STATUS ||
-      r->type == REDIS_REPLY_ERROR)
-    return std::string(r->str, r->len);
-  return "";
-}
-
-// A stream entry [id, [field, value, ...]] as id and flat fields; false when
-// the shape is not that.
-bool entry_of(const redisReply* e, std::string* id, protocol::StreamFields* fields) {
-  if (!e || e->type != REDIS_REPLY_ARRAY || e->elements != 2) return false;
-  if (e->element[0]->type != REDIS_REPLY_STRING) return false;
-  *id = reply_text(e->element[0]);
-  fields->clear();
-  const redisReply* f = e->element[1];
-  if (f->type != REDIS_REPLY_ARRAY)
-    return f->type == REDIS_REPLY_NIL;  // deleted meanwhile: no fields
-  for (size_t i = 0; i < f->elements; ++i) fields->push_back(reply_text(f->element[i]));
-  return true;
-}
+using protocol::reply_text;
+using Reply = protocol::RedisReply;
 
 // A field's value, "" when the entry has none.
 std::string field(const protocol::StreamFields& fields, std::string_view name) {
@@ -66,14 +40,7 @@ struct WorkerRedisState::Conn {
   }
   Reply cmd(const std::vector<std::string>& args) {
     if (!ctx) return nullptr;
-    std::vector<const char*> argv;
-    std::vector<size_t> lens;
-    for (const auto& a : args) {
-      argv.push_back(a.data());
-      lens.push_back(a.size());
-    }
-    Reply r(static_cast<redisReply*>(
-        redisCommandArgv(ctx, int(argv.size()), argv.data(), lens.data())));
+    Reply r = protocol::redis_command(ctx, args);
     if (!r || ctx->err) {
       close();
       return nullptr;
@@ -182,7 +149,7 @@ WorkerRedisState::Rewarm WorkerRedisState::rewarm() {
       for (size_t i = 0; i < r->elements && !found; ++i, ++scanned) {
         std::string id;
         protocol::StreamFields fields;
-        if (!entry_of(r->element[i], &id, &fields)) continue;
+        if (!protocol::stream_entry(r->element[i], &id, &fields)) continue;
         from = "(" + id;
         const bool own = field(fields, protocol::stream_field::kWorker) == opts_.consumer;
         if (!own && newest_any) continue;
@@ -326,7 +293,7 @@ bool WorkerRedisState::read_events(Conn& c) {
     for (size_t i = 0; i < list->elements; ++i) {
       std::string id;
       protocol::StreamFields fields;
-      if (!entry_of(list->element[i], &id, &fields)) {
+      if (!protocol::stream_entry(list->element[i], &id, &fields)) {
         std::fprintf(stderr, "moe-worker: skipping a malformed stream entry\n");
         continue;
       }

@@ -9,14 +9,12 @@
 #include <fstream>
 #include <iterator>
 #include <string>
-#include <string_view>
 #include <vector>
-
-#include <hiredis/hiredis.h>
 
 #include "engine/cpu_engine.h"
 #include "model/model_files.h"
 #include "protocol/redis_endpoint.h"
+#include "protocol/redis_reply.h"
 #include "protocol/redis_schema.h"
 #include "replay/routing_trace.h"
 #include "replay/trace_replay.h"
@@ -137,69 +135,42 @@ Result<RoutingProfile> from_redis(const ModelDesc& desc, const std::string& mode
     }
   } closer{c};
   if (!c || c->err) return make_error("Redis at " + ep->where() + ": " + (c ? c->errstr : "no memory"));
-  auto command = [&](const std::vector<std::string>& args) -> redisReply* {
-    std::vector<const char*> argv;
-    std::vector<size_t> lens;
-    for (const auto& a : args) {
-      argv.push_back(a.data());
-      lens.push_back(a.size());
-    }
-    return static_cast<redisReply*>(redisCommandArgv(c, int(argv.size()), argv.data(), lens.data()));
-  };
-  auto check = [&](redisReply* r, const char* what) -> Status {
+  // A reply, or the error that stands for it.
+  auto command = [&](const std::vector<std::string>& args, const char* what) -> Result<protocol::RedisReply> {
+    protocol::RedisReply r = protocol::redis_command(c, args);
     if (!r) return make_error(std::string("Redis: ") + what + ": " + c->errstr);
-    if (r->type == REDIS_REPLY_ERROR) {
-      std::string e(r->str, r->len);
-      freeReplyObject(r);
-      return make_error(std::string("Redis: ") + what + ": " + e);
-    }
-    return {};
+    if (r->type == REDIS_REPLY_ERROR) return make_error(std::string("Redis: ") + what + ": " + protocol::reply_text(r.get()));
+    return r;
   };
   if (ep->auth()) {
     std::vector<std::string> a = {"AUTH"};
     if (!ep->user.empty()) a.push_back(ep->user);
     a.push_back(ep->password);
-    redisReply* r = command(a);
-    MOE_TRY(check(r, "AUTH"));
-    freeReplyObject(r);
+    MOE_TRY(command(a, "AUTH"));
   }
-  if (ep->db != 0) {
-    redisReply* r = command({"SELECT", std::to_string(ep->db)});
-    MOE_TRY(check(r, "SELECT"));
-    freeReplyObject(r);
-  }
+  if (ep->db != 0) MOE_TRY(command({"SELECT", std::to_string(ep->db)}, "SELECT"));
   RoutingProfile p = RoutingProfile::for_model(desc, model_id);
   const std::string key = protocol::routing_stream_key(model_id);
   std::string start = "-";
   size_t entries = 0, skipped = 0;
   std::vector<uint64_t> use(p.counts.size());
   for (;;) {
-    redisReply* r = command({"XRANGE", key, start, "+", "COUNT", "1000"});
-    MOE_TRY(check(r, "XRANGE"));
-    const size_t n = r->type == REDIS_REPLY_ARRAY ? r->elements : 0;
+    auto r = command({"XRANGE", key, start, "+", "COUNT", "1000"}, "XRANGE");
+    if (!r) return make_error(r.error());
+    const redisReply* page = r->get();
+    const size_t n = page->type == REDIS_REPLY_ARRAY ? page->elements : 0;
     const std::string page_start = start;
-    auto is_text = [](const redisReply* x) {
-      return x && (x->type == REDIS_REPLY_STRING || x->type == REDIS_REPLY_STATUS) && x->str;
-    };
+    std::string id;
+    protocol::StreamFields fields;
     for (size_t i = 0; i < n; ++i) {
-      const redisReply* e = r->element[i];
-      if (!e || e->type != REDIS_REPLY_ARRAY || e->elements != 2 || !is_text(e->element[0])) {
+      if (!protocol::stream_entry(page->element[i], &id, &fields)) {
         ++skipped;
         continue;
       }
-      start = "(" + std::string(e->element[0]->str, e->element[0]->len);
-      const redisReply* f = e->element[1];
-      std::string layers;
-      bool have = false;
-      if (f && f->type == REDIS_REPLY_ARRAY)
-        for (size_t k = 0; k + 1 < f->elements; k += 2)
-          if (is_text(f->element[k]) && is_text(f->element[k + 1]) &&
-              std::string_view(f->element[k]->str, f->element[k]->len) == protocol::stream_field::kLayers) {
-            layers.assign(f->element[k + 1]->str, f->element[k + 1]->len);
-            have = true;
-          }
-      auto counts = have ? protocol::parse_routing_layers(layers, p.n_moe_layers(), p.n_experts)
-                         : Result<std::vector<float>>(make_error("no layers field"));
+      start = "(" + id;
+      const std::string* layers = protocol::find_field(fields, protocol::stream_field::kLayers);
+      auto counts = layers ? protocol::parse_routing_layers(*layers, p.n_moe_layers(), p.n_experts)
+                           : Result<std::vector<float>>(make_error("no layers field"));
       if (!counts) {
         ++skipped;
         continue;
@@ -211,7 +182,6 @@ Result<RoutingProfile> from_redis(const ModelDesc& desc, const std::string& mode
       p.add(use, first_layer / uint64_t(std::max(p.top_k, 1)));
       ++entries;
     }
-    freeReplyObject(r);
     if (n < 1000 || start == page_start) break;  // the last page, or one whose ids could not be read
   }
   if (entries == 0)
