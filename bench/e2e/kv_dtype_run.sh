@@ -41,16 +41,8 @@ for t in moe_kernels_cuda_tests moe_cuda_engine_tests; do
   grep -E "^(test cases|assertions)|FAILED|passed" $W/logs/tests-$t.log | tail -4
   [ $rc = 0 ] && mark test-$t || say "$t exited $rc"
 done
-if ! is_done pack && [ "$(left)" -gt 240 ]; then
-  say "a seeded Qwen3-30B-A3B checkpoint folder, then moe convert -> $F/q3.moepack"
-  rm -rf $F/hf
-  python3 bench/gpu/make_checkpoint.py --shape qwen3-30b-a3b --out $F/hf --tokenizer $TOK >$W/logs/make.log 2>&1 ||
-    { tail -5 $W/logs/make.log; exit 1; }
-  /usr/bin/time -f "   moe convert: %e s, peak RSS %M KB" $BIN/moe convert --model $F/hf --out $F/q3.moepack \
-    >$W/logs/convert.log 2>&1 || { tail -3 $W/logs/convert.log; exit 1; }
-  tail -2 $W/logs/convert.log
-  rm -rf $F/hf
-  mark pack
+if [ "$(left)" -gt 240 ]; then
+  seeded_pack qwen3-30b-a3b $F/q3.moepack || exit 1
 fi
 if is_done pack && ! is_done rows; then
   say "kv_dtype_ab.py"

@@ -5,6 +5,9 @@
 #   left      seconds until the deadline
 #   is_done S / mark S   whether stage S is done / that it is
 #   say ...   a timestamped progress line
+#   seeded_pack SHAPE OUT   stage `pack`: a seeded random-weight HF folder of
+#             SHAPE (bench/gpu/make_checkpoint.py, tokenizer from $TOK) made
+#             into our packed file OUT by $BIN/moe convert, the folder removed
 mkdir -p "$W/state" "$W/logs"
 out=${OUT:-$W/out}
 mkdir -p "$out"
@@ -12,3 +15,17 @@ left() { echo $((deadline - $(date +%s))); }
 is_done() { [ -f "$W/state/$1" ]; }
 mark() { touch "$W/state/$1"; }
 say() { echo "== $(date -u +%T) [$(left) s left] $*"; }
+seeded_pack() {  # shape out
+  is_done pack && return 0
+  local shape=$1 pack=$2 hf
+  hf=$(dirname "$pack")/hf
+  say "a seeded $shape checkpoint folder, then moe convert -> $pack"
+  rm -rf "$hf"
+  python3 bench/gpu/make_checkpoint.py --shape "$shape" --out "$hf" --tokenizer "$TOK" >$W/logs/make.log 2>&1 ||
+    { tail -5 $W/logs/make.log; return 1; }
+  /usr/bin/time -f "   moe convert: %e s, peak RSS %M KB" $BIN/moe convert --model "$hf" --out "$pack" \
+    >$W/logs/convert.log 2>&1 || { tail -3 $W/logs/convert.log; return 1; }
+  tail -2 $W/logs/convert.log
+  rm -rf "$hf"
+  mark pack
+}

@@ -34,17 +34,7 @@ if ! is_done unpack; then
 fi
 BIN=$W/payload/bin
 TOK=$W/payload/tokenizer
-if ! is_done pack; then
-  say "a seeded Qwen1.5-MoE-A2.7B checkpoint folder, then moe convert -> $F/q15.moepack"
-  rm -rf $F/hf
-  python3 bench/gpu/make_checkpoint.py --shape qwen1.5-moe-a2.7b --out $F/hf --tokenizer $TOK >$W/logs/make.log 2>&1 ||
-    { tail -5 $W/logs/make.log; exit 1; }
-  /usr/bin/time -f "   moe convert: %e s, peak RSS %M KB" $BIN/moe convert --model $F/hf --out $F/q15.moepack \
-    >$W/logs/convert.log 2>&1 || { tail -3 $W/logs/convert.log; exit 1; }
-  tail -2 $W/logs/convert.log
-  rm -rf $F/hf
-  mark pack
-fi
+seeded_pack qwen1.5-moe-a2.7b $F/q15.moepack || exit 1
 P=$W/q15.profile.json
 if ! is_done profile; then
   $BIN/moe profile --model $F/q15.moepack --trace $TRACE --tensor routing_topk --out $P &&

@@ -22,6 +22,16 @@ std::unique_ptr<CpuEngine> engine_with(const std::string& dir, KvDtype d) {
   return make_engine(dir, o);
 }
 
+// The first n ids of the demo's held-out text (reference.safetensors).
+std::vector<int32_t> demo_eval_ids(size_t n) {
+  auto ref = Checkpoint::open_file(demo_dir() + "/reference.safetensors");
+  REQUIRE(ref.ok());
+  auto ids = ints(*ref->find("eval.ids"));
+  REQUIRE(ids.size() >= n);
+  ids.resize(n);
+  return ids;
+}
+
 struct Agreement {
   double top1 = 0;      // share of positions whose best token is the same
   double top5 = 0;      // mean overlap of the 5 best, / 5
@@ -51,10 +61,7 @@ Agreement agree(const std::vector<float>& a, const std::vector<float>& b, int vo
 }  // namespace
 
 TEST_CASE("KV in one byte: the demo model's perplexity moves by less than 0.5 %", "[engine][demo][kv]") {
-  auto ref = Checkpoint::open_file(demo_dir() + "/reference.safetensors");
-  REQUIRE(ref.ok());
-  auto ids = ints(*ref->find("eval.ids"));
-  ids.resize(4097);
+  const auto ids = demo_eval_ids(4097);
   auto base = engine_with(demo_dir(), KvDtype::bf16);
   auto want = mean_nll(*base, ids, 512);
   REQUIRE(want.ok());
@@ -71,10 +78,7 @@ TEST_CASE("KV in one byte: the demo model's perplexity moves by less than 0.5 %"
 }
 
 TEST_CASE("KV in one byte: the demo model's best tokens over a 2,048-token context", "[engine][demo][kv]") {
-  auto ref = Checkpoint::open_file(demo_dir() + "/reference.safetensors");
-  REQUIRE(ref.ok());
-  auto ids = ints(*ref->find("eval.ids"));
-  ids.resize(2048);
+  const auto ids = demo_eval_ids(2048);
   auto base = engine_with(demo_dir(), KvDtype::bf16);
   auto want = base->forward_logits(ids);
   REQUIRE(want.ok());
