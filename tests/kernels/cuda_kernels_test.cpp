@@ -849,24 +849,25 @@ TEST_CASE("cuda qkv_rope_store full-width q/k norm (OLMoE) matches the CPU", "[c
 
 namespace {
 
-// Random queries for (seq[t], pos[t]) over the pool, through the CPU's
-// attention and the kernel: the relative error of the kernel's output.
-double paged_attention_error(const AttentionShape& sh, const std::vector<float>& kpool,
-                             const std::vector<float>& vpool, const std::vector<int32_t>& tables,
-                             const std::vector<int32_t>& seq, const std::vector<int32_t>& pos, std::mt19937& rng) {
-  const int hd = sh.hd, nh = sh.nh, nkv = sh.nkv, bt = sh.bt, max_blocks = sh.max_blocks;
+// Random queries for (seq[t], pos[t]) through the CPU's attention over
+// `cpu`'s rows (each query's block table taken from `tables`) and the
+// kernel over `gpu` (its tables the device copy of `tables`): the relative
+// error of the kernel's output.
+double attention_error(const AttentionShape& sh, moe::cpu::PagedKv cpu, const moe::cuda::PagedKvPool& gpu,
+                       const std::vector<int32_t>& tables, const std::vector<int32_t>& seq,
+                       const std::vector<int32_t>& pos, std::mt19937& rng) {
+  const int hd = sh.hd, nh = sh.nh, nkv = sh.nkv;
   const int tokens = int(seq.size());
   const auto q = round_bf16(randn(size_t(tokens) * nh * hd, rng));
   const float scale = 1.f / std::sqrt(float(hd));
   std::vector<float> ref(q.size());
   for (int t = 0; t < tokens; ++t) {
-    moe::cpu::PagedKv kv{kpool.data(), vpool.data(), tables.data() + seq[t] * max_blocks, bt};
-    moe::cpu::attention(q.data() + size_t(t) * nh * hd, nh * hd, kv, &pos[t], ref.data() + size_t(t) * nh * hd,
+    cpu.block_table = tables.data() + seq[t] * sh.max_blocks;
+    moe::cpu::attention(q.data() + size_t(t) * nh * hd, nh * hd, cpu, &pos[t], ref.data() + size_t(t) * nh * hd,
                         nh * hd, 1, nh, nkv, hd, hd, scale, nullptr);
   }
-  Dev<bf16> dq(to_bf16(q)), dk(to_bf16(kpool)), dv(to_bf16(vpool)), dout(q.size());
-  Dev<int32_t> dtab(tables), dseq(seq), dpos(pos);
-  const moe::cuda::PagedKvPool kv = kv_pool(dk.p, dv.p, dtab.p, max_blocks, bt, nkv, hd);
+  Dev<bf16> dq(to_bf16(q)), dout(q.size());
+  Dev<int32_t> dseq(seq), dpos(pos);
   moe::cuda::AttentionArgs a;
   a.q = dq.p;
   a.seq_of_token = dseq.p;
@@ -875,8 +876,18 @@ double paged_attention_error(const AttentionShape& sh, const std::vector<float>&
   a.n_heads = nh;
   a.scale = scale;
   a.out = dout.p;
-  REQUIRE_OK(moe::cuda::paged_attention(a, kv, nullptr));
+  REQUIRE_OK(moe::cuda::paged_attention(a, gpu, nullptr));
   return rel_err(as_float(dout.get()), ref);
+}
+
+// The same over f32 pools, bf16 on the device.
+double paged_attention_error(const AttentionShape& sh, const std::vector<float>& kpool,
+                             const std::vector<float>& vpool, const std::vector<int32_t>& tables,
+                             const std::vector<int32_t>& seq, const std::vector<int32_t>& pos, std::mt19937& rng) {
+  Dev<bf16> dk(to_bf16(kpool)), dv(to_bf16(vpool));
+  Dev<int32_t> dtab(tables);
+  const moe::cuda::PagedKvPool kv = kv_pool(dk.p, dv.p, dtab.p, sh.max_blocks, sh.bt, sh.nkv, sh.hd);
+  return attention_error(sh, moe::cpu::PagedKv{kpool.data(), vpool.data(), nullptr, sh.bt}, kv, tables, seq, pos, rng);
 }
 
 }  // namespace
@@ -966,31 +977,12 @@ TEST_CASE("cuda paged attention over coded rows (int8, fp8) matches the CPU on t
         seq.push_back(2);
         pos.push_back(100 + i);
       }
-      const int tokens = int(seq.size());
-      const auto q = round_bf16(randn(size_t(tokens) * nh * hd, rng));
-      const float scale = 1.f / std::sqrt(float(hd));
-      std::vector<float> ref(q.size());
-      for (int t = 0; t < tokens; ++t) {
-        moe::cpu::PagedKv kv{nullptr, nullptr, tables.data() + seq[t] * max_blocks, bt, dt,
-                             kc.data(), vc.data(), ks.data(), vs.data()};
-        moe::cpu::attention(q.data() + size_t(t) * nh * hd, nh * hd, kv, &pos[t],
-                            ref.data() + size_t(t) * nh * hd, nh * hd, 1, nh, nkv, hd, hd, scale, nullptr);
-      }
-      Dev<bf16> dq(to_bf16(q)), dout(q.size());
       Dev<uint8_t> dkc(kc), dvc(vc);
       Dev<float> dks(ks), dvs(vs);
-      Dev<int32_t> dtab(tables), dseq(seq), dpos(pos);
+      Dev<int32_t> dtab(tables);
       const moe::cuda::PagedKvPool kv = coded_pool(dt, dkc, dvc, dks, dvs, dtab.p, max_blocks, bt, nkv, hd);
-      moe::cuda::AttentionArgs a;
-      a.q = dq.p;
-      a.seq_of_token = dseq.p;
-      a.positions = dpos.p;
-      a.tokens = tokens;
-      a.n_heads = nh;
-      a.scale = scale;
-      a.out = dout.p;
-      REQUIRE_OK(moe::cuda::paged_attention(a, kv, nullptr));
-      CHECK(rel_err(as_float(dout.get()), ref) < 8e-3);
+      const moe::cpu::PagedKv cpu{nullptr, nullptr, nullptr, bt, dt, kc.data(), vc.data(), ks.data(), vs.data()};
+      CHECK(attention_error(AttentionShape{hd, nh, nkv, bt, max_blocks}, cpu, kv, tables, seq, pos, rng) < 8e-3);
     }
 }
 
