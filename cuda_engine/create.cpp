@@ -285,17 +285,24 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   m.carve_workspace(cs);
   if (m.trace_dev)
     MOE_CUDA_TRY(cudaMemcpy(m.trace_dev, m.trace_host.data(), m.trace_host.size() * 2, cudaMemcpyHostToDevice));
-  // KV: per layer a K and a V pool of kv_blocks blocks; coded pools hold
-  // the codes, then (16-byte aligned) the rows' scales.
-  const size_t pool_bytes = kv_pool_bytes(m.kv_blocks, m.kv_dtype, d.n_kv_heads, d.head_dim);
-  const size_t rows = size_t(m.kv_blocks) * kBlockTokens * d.n_kv_heads;
+  // KV, block-major from the arena's top down (docs/kv-islands-trade.md):
+  // block b holds every layer's K then V rows at kv_block_offset(b), so the
+  // pool can grow into the islands below without moving a block. A layer's
+  // part of a block is its bf16 rows, or its codes then (16-byte aligned)
+  // their scales; its kernels see block 0's rows and a negative block stride.
+  const size_t part = kv_pool_bytes(1, m.kv_dtype, d.n_kv_heads, d.head_dim);
+  const size_t rows = size_t(kBlockTokens) * d.n_kv_heads;
   const size_t codes_bytes = align_up(rows * d.head_dim, 16);
-  uint8_t* kv = m.arena->region(m.plan.kv);
+  uint8_t* block0 = m.arena->base() + m.plan.kv_block_offset(0);
+  const int64_t stride = int64_t(m.plan.kv_block_stride);
+  const bool coded = kv_coded(m.kv_dtype);
   for (int l = 0; l < d.n_layers; ++l) {
     auto& L = m.layers[size_t(l)];
-    uint8_t* kp = kv + size_t(2 * l) * pool_bytes;
-    uint8_t* vp = kv + size_t(2 * l + 1) * pool_bytes;
-    if (kv_coded(m.kv_dtype)) {
+    uint8_t* kp = block0 + size_t(2 * l) * part;
+    uint8_t* vp = block0 + size_t(2 * l + 1) * part;
+    L.kv_block_stride = coded ? -stride : -stride / 2;  // codes, or bf16 elements
+    L.kv_scale_block_stride = -stride / int64_t(sizeof(float));
+    if (coded) {
       L.k_codes = kp;
       L.v_codes = vp;
       L.k_scales = reinterpret_cast<float*>(kp + codes_bytes);
@@ -352,6 +359,11 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
       ++m.residency_version;
     }
   }
+  // Under a budget the pool may grow into the islands above one layer's
+  // experts (docs/kv-islands-trade.md).
+  m.kv_floor = m.kv_blocks;
+  m.kv_trade = opts.kv_trade && !m.all_resident && m.map;
+  m.kv_reachable = m.kv_trade ? std::min<int64_t>(m.plan.kv_blocks_reachable(m.n_experts), INT32_MAX / 2) : m.kv_blocks;
   MOE_TRY(m.arena->synchronize());
   MOE_CUDA_TRY(cudaStreamSynchronize(m.st));
   if (m.meter) (void)eng->device_memory();  // the peak starts at the ready state
@@ -360,6 +372,11 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
                m.embed_host ? ", embedding in host memory" : "",
                m.kv_dtype == KvDtype::bf16 ? "bf16" : m.kv_dtype == KvDtype::int8 ? "int8" : "fp8",
                m.all_resident ? "all resident" : "under the budget (islands < experts)");
+  if (m.kv_trade)
+    std::fprintf(stderr, "moe-worker: the KV cache may grow from %d to %lld blocks (%lld tokens) by taking expert "
+                 "islands (keeping at least %d), and gives them back after %d s mostly idle\n", m.kv_blocks,
+                 (long long)m.kv_reachable, (long long)m.kv_reachable * kBlockTokens, m.n_experts,
+                 opts.kv_give_back_s);
   return Result<std::unique_ptr<CudaEngine>>(std::move(eng));
 }
 

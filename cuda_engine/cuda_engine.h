@@ -30,7 +30,10 @@ namespace moe {
 // What the experts cost and where they are (the worker's stats reply).
 struct CudaExpertStats {
   ResidencyStats residency;
-  int64_t islands_total = 0;
+  int64_t islands_total = 0;   // now: fewer than at start while the KV holds some (docs/kv-islands-trade.md)
+  int64_t islands_start = 0;   // the start's plan
+  uint64_t kv_grows = 0, kv_give_backs = 0;  // the KV cache taking islands, giving them back
+  uint64_t kv_islands_taken = 0;             // residents evicted for it
   bool all_resident = false;
   std::string dense_weights = "bf16";  // the non-expert matrices' dtype: bf16, int8 or int4
   std::string kv_dtype = "bf16";       // the KV cache's rows: bf16, int8 or fp8
@@ -73,6 +76,8 @@ class CudaEngine final : public Engine {
   const ModelDesc& desc() const override;
   int max_context() const override;
   const KvBlockPool& kv_pool() const override;
+  int kv_blocks_growable() const override;
+  void idle() override;
 
   // What the process holds on the device now (reads NVML: not every step).
   DeviceMemory device_memory() const;

@@ -201,6 +201,7 @@ struct CudaEngine::Impl {
     bf16 *k_pool = nullptr, *v_pool = nullptr;   // bf16 rows
     uint8_t *k_codes = nullptr, *v_codes = nullptr;  // coded rows (docs/kv-cache.md)
     float *k_scales = nullptr, *v_scales = nullptr;
+    int64_t kv_block_stride = 0, kv_scale_block_stride = 0;  // PagedKvPool's (block 0's rows above, ids running down)
   };
   std::vector<DevLayer> layers;
   bf16 *embed = nullptr, *final_norm = nullptr;
@@ -327,9 +328,22 @@ struct CudaEngine::Impl {
   Status prepare_streamed_pass();
   Status after_streamed_pass(int n);
 
-  // ---- Sequences and their KV blocks (the pools in the arena: DevLayer)
+  // ---- Sequences and their KV blocks (block-major from the arena's top: DevLayer)
   std::unique_ptr<KvBlockPool> kv_pool;
-  int kv_blocks = 0;
+  int kv_blocks = 0;  // at start
+  // KV and islands trading places (kv_trade.cpp, docs/kv-islands-trade.md)
+  static constexpr int kKvGrowChunk = 64;  // blocks a grow takes at least
+  bool kv_trade = false;                   // under a budget, with CudaEngineOptions::kv_trade
+  int kv_floor = 0;                        // the start's blocks: the pool never gives those back
+  int64_t kv_reachable = 0;                // the most blocks, leaving one layer's experts in islands
+  uint64_t kv_roomy_since_ms = 0;          // more than half the blocks free since (0: not now)
+  uint64_t kv_grows = 0, kv_shrinks = 0, kv_islands_taken = 0;
+  int kv_growable() const;
+  // Adds at least `need` blocks (a chunk when more are free to take),
+  // retiring the islands the pool grows over.
+  Status grow_kv(int need);
+  void kv_after_step();
+  void kv_idle();
 
   // ---- Decode graphs (resident and streamed passes), keyed by batch size
   // and whether the host shares the pass (2 n + sharing)

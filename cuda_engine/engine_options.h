@@ -100,6 +100,13 @@ struct CudaEngineOptions {
   bool router_bf16 = false;
   int kv_blocks = 0;          // exactly this many; 0: what the experts leave (at least kv_blocks_min, up to 8 GiB)
   int kv_blocks_min = 64;     // with kv_blocks 0: the worker refuses to start with fewer
+  // Under a budget, the KV pool grows into the expert islands nearest the
+  // arena's top when sequences need more blocks than are free, and gives
+  // them back once more than half its blocks have been free for
+  // kv_give_back_s seconds (docs/kv-islands-trade.md). The start's blocks
+  // and one layer's experts in islands always stay.
+  bool kv_trade = true;
+  int kv_give_back_s = 30;
   int max_step_tokens = 512;  // tokens per forward pass (larger steps run as several)
   int max_context = 0;        // 0: the model's max_position (capped at 32768)
   EvictionKind policy = EvictionKind::ours;  // which resident expert leaves its island

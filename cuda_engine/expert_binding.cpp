@@ -169,7 +169,11 @@ CudaExpertStats CudaEngine::expert_stats() const {
   CudaExpertStats s;
   const Impl& m = *impl_;
   if (m.map) s.residency = m.map->stats();
-  s.islands_total = m.plan.n_islands;
+  s.islands_total = m.map ? m.map->n_islands() : m.plan.n_islands;
+  s.islands_start = m.plan.n_islands;
+  s.kv_grows = m.kv_grows;
+  s.kv_give_backs = m.kv_shrinks;
+  s.kv_islands_taken = m.kv_islands_taken;
   s.all_resident = m.all_resident;
   s.dense_weights = dense_name(m.dense);
   s.kv_dtype = m.kv_dtype == KvDtype::bf16 ? "bf16" : m.kv_dtype == KvDtype::int8 ? "int8" : "fp8";

@@ -162,7 +162,8 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
   for (const DevLayer& L : layers) {
     advanced();
     cuda::PagedKvPool kv{L.k_pool,  L.v_pool,  tables,     max_blocks, kBlockTokens, d.n_kv_heads, d.head_dim,
-                         kv_dtype,  L.k_codes, L.v_codes, L.k_scales, L.v_scales};
+                         kv_dtype,  L.k_codes, L.v_codes, L.k_scales, L.v_scales, L.kv_block_stride,
+                         L.kv_scale_block_stride};
     if (fuse) {
       MOE_TRY(gemv_rmsnorm(L.qkv_w, x, L.in_norm, nullptr, qkv, n));
     } else {

@@ -7,9 +7,14 @@ namespace moe {
 Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs) {
   Impl& m = *impl_;
   const ModelDesc& d = m.d;
-  // Check everything first: a refused step changes nothing.
-  const Status checked = check_step_inputs(inputs, *m.kv_pool, d.vocab_size, m.max_context);
+  // Check everything first: a refused step changes nothing. The blocks may
+  // count those the pool can take from the islands; it grows before
+  // anything else changes.
+  int net_blocks = 0;
+  const Status checked =
+      check_step_inputs(inputs, *m.kv_pool, d.vocab_size, m.max_context, m.kv_growable(), &net_blocks);
   if (!checked.ok()) return make_error(checked.error());
+  if (net_blocks > m.kv_pool->free()) MOE_TRY(m.grow_kv(net_blocks - m.kv_pool->free()));
   // Fresh prompts that start with cached blocks compute only the rest.
   std::vector<SeqInput> reused;
   std::vector<int> skipped;
@@ -236,6 +241,7 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
                    format_bytes(dm.now).c_str(), format_bytes(m.budget_bytes).c_str());
     }
   }
+  m.kv_after_step();
   return out;
 }
 

@@ -39,13 +39,26 @@ class Engine {
   virtual int max_context() const = 0;
   virtual const KvBlockPool& kv_pool() const = 0;
 
+  // KV blocks the engine can add before a step by taking room from its
+  // expert islands (docs/kv-islands-trade.md); 0 where the pool is fixed.
+  virtual int kv_blocks_growable() const { return 0; }
+  // Called about once a second while no step runs: the CUDA engine gives
+  // KV that stayed idle back to its islands there.
+  virtual void idle() {}
+
   int kv_blocks_total() const { return kv_pool().total(); }
   int kv_blocks_free() const { return kv_pool().free(); }
+  // What the worker announces: the most blocks it can reach, and of those
+  // the ones no sequence holds (free now or growable).
+  int kv_blocks_reachable() const { return kv_blocks_total() + kv_blocks_growable(); }
+  int kv_blocks_available() const { return kv_blocks_free() + kv_blocks_growable(); }
   int kv_block_tokens() const { return kv_pool().block_tokens(); }
   int seq_length(uint64_t seq_id) const { return kv_pool().length(seq_id); }  // -1 when unknown
   // A step's inputs checked one by one against this engine (the worker
   // refuses each it cannot run with its own error).
-  StepAdmission admission() const { return StepAdmission(kv_pool(), desc().vocab_size, max_context()); }
+  StepAdmission admission() const {
+    return StepAdmission(kv_pool(), desc().vocab_size, max_context(), kv_blocks_growable());
+  }
 };
 
 }  // namespace moe

@@ -263,16 +263,17 @@ Admission StepAdmission::admit(const SeqInput& in) {
   int net = 0;
   Admission a = check(in, &net);
   if (!a.ok()) return a;
-  if (net_blocks_ + net > pool_.free())
+  if (net_blocks_ + net > pool_.free() + headroom_)
     return {Refusal::kv_full, "the KV cache has too few free blocks for this sequence (" +
-                                  std::to_string(pool_.free() - net_blocks_) + " free, " + std::to_string(net) +
+                                  std::to_string(pool_.free() + headroom_ - net_blocks_) + " free, " + std::to_string(net) +
                                   " needed)"};
   net_blocks_ += net;
   return {};
 }
 
-Status check_step_inputs(std::span<const SeqInput> inputs, const KvBlockPool& pool, int vocab, int max_context) {
-  StepAdmission adm(pool, vocab, max_context);
+Status check_step_inputs(std::span<const SeqInput> inputs, const KvBlockPool& pool, int vocab, int max_context,
+                         int headroom, int* net_blocks) {
+  StepAdmission adm(pool, vocab, max_context, headroom);
   int net = 0;
   for (const SeqInput& in : inputs) {
     int n = 0;
@@ -280,9 +281,10 @@ Status check_step_inputs(std::span<const SeqInput> inputs, const KvBlockPool& po
     if (!a.ok()) return make_error("sequence " + std::to_string(in.seq_id) + ": " + a.message);
     net += n;
   }
-  if (net > pool.free())
+  if (net_blocks) *net_blocks = net;
+  if (net > pool.free() + headroom)
     return make_error("KV cache full: the step needs " + std::to_string(net) + " more blocks, " +
-                      std::to_string(pool.free()) + " free");
+                      std::to_string(pool.free() + headroom) + " free");
   return {};
 }
 

@@ -120,9 +120,12 @@ struct Admission {
 // One step's inputs checked in turn against a pool: ids distinct, tokens
 // present and in the vocabulary, start_pos 0 or the held length, the
 // context, and KV blocks (a restart at 0 gives back what it held).
+// `headroom`: blocks the engine can add to the pool before the step runs
+// (KV taking expert islands, docs/kv-islands-trade.md), counted as free.
 class StepAdmission {
  public:
-  StepAdmission(const KvBlockPool& pool, int vocab, int max_context) : pool_(pool), vocab_(vocab), max_context_(max_context) {}
+  StepAdmission(const KvBlockPool& pool, int vocab, int max_context, int headroom = 0)
+      : pool_(pool), vocab_(vocab), max_context_(max_context), headroom_(headroom) {}
   // The input's checks, and its blocks against what the inputs admitted
   // before it left free; admitted, it counts against the next.
   Admission admit(const SeqInput& in);
@@ -132,14 +135,16 @@ class StepAdmission {
 
  private:
   const KvBlockPool& pool_;
-  int vocab_, max_context_;
+  int vocab_, max_context_, headroom_;
   std::unordered_set<uint64_t> seen_;
   int net_blocks_ = 0;
 };
 
 // The checks every engine's step makes before it touches any state: each
-// input's, and the whole step's blocks against the free ones. The first
-// failure is the error, naming its sequence.
-Status check_step_inputs(std::span<const SeqInput> inputs, const KvBlockPool& pool, int vocab, int max_context);
+// input's, and the whole step's blocks against the free ones and
+// `headroom` more. The first failure is the error, naming its sequence.
+// `net_blocks` (optional) receives the blocks the step takes.
+Status check_step_inputs(std::span<const SeqInput> inputs, const KvBlockPool& pool, int vocab, int max_context,
+                         int headroom = 0, int* net_blocks = nullptr);
 
 }  // namespace moe

@@ -261,7 +261,7 @@ std::string GatewayMetrics::render(const SchedulerStats& stats, bool ready, cons
          [](const protocol::StatsReply& r) { return double(r.card.sample_age_ms) / 1000.0; }},
         {"moe_worker_islands_used", "gauge", "Expert islands (slots) in use.", false,
          [](const protocol::StatsReply& r) { return double(r.islands_used); }},
-        {"moe_worker_islands_total", "gauge", "Expert islands (slots) the worker has.", false,
+        {"moe_worker_islands_total", "gauge", "Expert islands (slots) the worker has now (fewer while its KV cache holds some of their room).", false,
          [](const protocol::StatsReply& r) { return double(r.islands_total); }},
         {"moe_worker_expert_hits_total", "counter", "Expert uses found resident.", false,
          [](const protocol::StatsReply& r) { return double(r.expert_hits); }},

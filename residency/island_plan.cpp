@@ -82,10 +82,22 @@ Result<IslandPlan> plan_islands(const IslandPlanRequest& r) {
 
   p.kv_blocks = r.kv_blocks_min + kv_more;
   p.n_islands = r.min_islands + isl_more;
-  p.kv = {fixed, size_t(p.kv_blocks) * p.kv_block_stride};
-  p.islands = {p.kv.end(), size_t(p.n_islands) * p.island_stride};
-  p.arena_bytes = p.islands.end();
+  p.islands = {fixed, size_t(p.n_islands) * p.island_stride};
+  p.kv = {p.islands.end(), size_t(p.kv_blocks) * p.kv_block_stride};
+  p.arena_bytes = p.kv.end();
   return p;
+}
+
+int64_t IslandPlan::islands_with_kv(int64_t blocks) const {
+  const size_t kv_bytes = size_t(std::max<int64_t>(blocks, 0)) * kv_block_stride;
+  if (island_stride == 0 || kv_bytes + islands.offset >= arena_bytes) return 0;
+  return std::min<int64_t>(n_islands, int64_t((arena_bytes - kv_bytes - islands.offset) / island_stride));
+}
+
+int64_t IslandPlan::kv_blocks_reachable(int64_t min_islands) const {
+  if (kv_block_stride == 0) return kv_blocks;
+  const size_t keep = islands.offset + size_t(std::clamp<int64_t>(min_islands, 0, n_islands)) * island_stride;
+  return std::max<int64_t>(kv_blocks, int64_t((arena_bytes - keep) / kv_block_stride));
 }
 
 std::string IslandPlan::describe() const {

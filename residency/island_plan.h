@@ -1,8 +1,11 @@
 #pragma once
 // The carve-up of the one device arena the worker allocates at start-up:
-// non-expert weights, the KV pool (fixed-size blocks), a workspace, and
-// equal-size expert islands (docs/memory-islands.md). Pure arithmetic, no
-// CUDA: the worker plans first and allocates once from the plan.
+// non-expert weights, a workspace, equal-size expert islands growing up from
+// the workspace, and the KV pool's fixed-size blocks growing down from the
+// arena's top (docs/memory-islands.md, docs/kv-islands-trade.md). Pure
+// arithmetic, no CUDA: the worker plans first and allocates once from the
+// plan; at run time KV blocks may take the islands nearest the top and give
+// them back.
 
 #include <cstddef>
 #include <cstdint>
@@ -35,9 +38,9 @@ struct ArenaRegion {
 struct IslandPlan {
   size_t arena_bytes = 0;  // what to cudaMalloc: <= budget_bytes
   ArenaRegion nonexpert;
-  ArenaRegion kv;
+  ArenaRegion kv;          // the start's blocks: the top kv_blocks * kv_block_stride bytes
   ArenaRegion workspace;
-  ArenaRegion islands;  // n_islands * island_stride bytes
+  ArenaRegion islands;     // the start's islands: n_islands * island_stride bytes, right below kv
   int64_t kv_blocks = 0;
   size_t kv_block_stride = 0;  // kv_bytes_per_block rounded up to the alignment
   int64_t n_islands = 0;
@@ -46,8 +49,15 @@ struct IslandPlan {
 
   // Offset of island `i` (0 <= i < n_islands) from the arena's base.
   size_t island_offset(int64_t i) const { return islands.offset + size_t(i) * island_stride; }
-  // Offset of KV block `b` (0 <= b < kv_blocks) from the arena's base.
-  size_t kv_block_offset(int64_t b) const { return kv.offset + size_t(b) * kv_block_stride; }
+  // Offset of KV block `b` from the arena's base: block 0 at the top, ids
+  // running down, so that blocks added at run time (b >= kv_blocks) move
+  // none before them.
+  size_t kv_block_offset(int64_t b) const { return arena_bytes - size_t(b + 1) * kv_block_stride; }
+  // Islands wholly below the KV when it holds `blocks` blocks (never more
+  // than the start's n_islands).
+  int64_t islands_with_kv(int64_t blocks) const;
+  // The most KV blocks that leave `min_islands` islands (at least kv_blocks).
+  int64_t kv_blocks_reachable(int64_t min_islands) const;
   // One line for the start-up log: sizes of every region, islands and blocks.
   std::string describe() const;
 };

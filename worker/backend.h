@@ -30,8 +30,13 @@ class Backend {
   virtual protocol::StepReply step(const protocol::StepRequest& req) = 0;
   // Frees the sequences' KV (unknown ids are ignored).
   virtual void release(uint64_t seq_id) = 0;
+  // KV blocks the backend can reach (its pool may grow into expert islands,
+  // docs/kv-islands-trade.md), and of those the ones no sequence holds.
   virtual int kv_blocks_total() const = 0;
   virtual int kv_blocks_free() const = 0;
+  // About once a second while no step runs (KV idle long enough goes back
+  // to the islands).
+  virtual void idle() {}
   virtual int sequences_active() const = 0;
 
   // ---- Expert residency (re-warm after a restart, warm hints, state for Redis)

@@ -21,8 +21,10 @@ class EngineBackend : public Backend {
  public:
   protocol::Hello describe() const override { return engine_hello(engine_, model_id_, backend_name_); }
   void release(uint64_t seq_id) override { engine_.release(seq_id); }
-  int kv_blocks_total() const override { return engine_.kv_blocks_total(); }
-  int kv_blocks_free() const override { return engine_.kv_blocks_free(); }
+  // As announced: the most the pool can reach, and what of it no sequence holds.
+  int kv_blocks_total() const override { return engine_.kv_blocks_reachable(); }
+  int kv_blocks_free() const override { return engine_.kv_blocks_available(); }
+  void idle() override { engine_.idle(); }
   int sequences_active() const override { return engine_.kv_pool().sequences(); }
   void set_progress(std::atomic<uint64_t>* progress) override {
     Backend::set_progress(progress);

@@ -99,7 +99,7 @@ protocol::Hello engine_hello(const Engine& e, const std::string& model_id, const
   h.model_id = model_id;
   h.backend = backend;
   h.instance = "moe-worker";
-  h.kv_blocks_total = uint32_t(e.kv_blocks_total());
+  h.kv_blocks_total = uint32_t(e.kv_blocks_reachable());  // the gateway plans against what the worker can reach
   h.kv_block_tokens = uint32_t(e.kv_block_tokens());
   h.max_context = uint32_t(e.max_context());
   return h;
@@ -122,7 +122,7 @@ protocol::StepReply run_engine_step(Engine& e, const protocol::StepRequest& req,
   protocol::StepReply& reply = t.reply;
   reply.timing.compute_us = uint32_t(std::chrono::duration_cast<std::chrono::microseconds>(t2 - t1).count());
   reply.timing.total_us = uint32_t(std::chrono::duration_cast<std::chrono::microseconds>(t2 - t0).count());
-  reply.kv_blocks_free = uint32_t(e.kv_blocks_free());
+  reply.kv_blocks_free = uint32_t(e.kv_blocks_available());
   reply.kv_blocks_used = uint32_t(e.kv_blocks_total() - e.kv_blocks_free());
   return std::move(reply);
 }

@@ -53,7 +53,8 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
                                           "--redis-password-file", "--parent-pid", "--stall-exit-s",
                                           "--max-step-tokens", "--expert-policy", "--prefetch", "--dense-weights",
                                           "--host-experts", "--misses", "--routing", "--prefix-cache",
-                                          "--warm-profile", "--save-profile", "--save-profile-every-s", "--kv-dtype"};
+                                          "--warm-profile", "--save-profile", "--save-profile-every-s", "--kv-dtype",
+                                          "--kv-trade", "--kv-give-back-s"};
     bool known = false;
     for (const char* k : kValued) known = known || name == k;
     if (!known) return make_error("unknown option '" + a + "' (see --help)");
@@ -116,6 +117,13 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
       o.cpu.kv_dtype = o.cuda.kv_dtype == KvDtypeChoice::int8  ? KvDtype::int8
                        : o.cuda.kv_dtype == KvDtypeChoice::fp8 ? KvDtype::fp8
                                                                : KvDtype::bf16;
+    } else if (name == "--kv-trade") {
+      if (value != "on" && value != "off") return make_error("option --kv-trade takes on or off, got '" + value + "'");
+      o.cuda.kv_trade = value == "on";
+    } else if (name == "--kv-give-back-s") {
+      auto v = parse_count(name, value);
+      if (!v.ok()) return make_error(v.error());
+      o.cuda.kv_give_back_s = *v;
     } else if (name == "--dense-weights") {
       if (!choose(o.cuda.dense_weights)) return make_error(refusal);
     } else if (name == "--prefetch") {
@@ -159,7 +167,13 @@ std::string worker_usage() {
          "                          DeepSeek-V2), else cpu; the log says which and why)\n"
          "  --threads N             CPU threads (default: all cores); with cuda, the threads that\n"
          "                          compute missed experts on the host\n"
-         "  --kv-blocks N           KV cache blocks (default: the backend's budget)\n"
+         "  --kv-blocks N           KV cache blocks at start (default: the backend's budget; under a\n"
+         "                          budget with --kv-trade on, the least the pool keeps)\n"
+         "  --kv-trade on|off       under a budget, KV blocks take expert islands when sequences need more\n"
+         "                          than are free and give them back when idle; the hello announces the\n"
+         "                          most KV the worker can reach (cuda, default on; docs/kv-islands-trade.md)\n"
+         "  --kv-give-back-s S      seconds more than half the KV blocks must stay free before the grown\n"
+         "                          part goes back to the islands (cuda, default 30; 0: at once)\n"
          "  --prefix-cache on|off   keep the KV of released sequences' whole blocks, found by the hash of\n"
          "                          their prefix, so that a prompt starting the same way (a session's next\n"
          "                          turn, a shared system prompt) computes only the rest (default on)\n"

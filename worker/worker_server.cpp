@@ -508,7 +508,12 @@ Status WorkerServer::run(int stop_fd) {
     // No more input while the gateway has not taken our output.
     const bool want_input = pending < kOutHighWater && decoder_.queued_events() == 0;
     if (have_client) fds[n++] = {client_fd_, short((want_input ? POLLIN : 0) | (pending ? POLLOUT : 0)), 0};
-    const int rc = ::poll(fds, n, -1);
+    // Woken at least once a second for the backend's idle work.
+    const int rc = ::poll(fds, n, 1000);
+    if (const uint64_t now = now_ms(); now - last_idle_ms_ >= 1000) {
+      last_idle_ms_ = now;
+      backend_->idle();
+    }
     if (rc < 0) {
       if (errno == EINTR) continue;
       return make_error(std::string("poll: ") + std::strerror(errno));

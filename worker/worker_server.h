@@ -129,6 +129,7 @@ class WorkerServer {
   uint64_t last_rx_ms_ = 0;  // when the current client last sent anything
   uint64_t last_work_done_ms_ = 0;  // when the step thread last finished a frame
   uint64_t steps_ = 0, tokens_ = 0, sampled_tokens_ = 0;
+  uint64_t last_idle_ms_ = 0;  // Backend::idle, about once a second from the poll loop
   int kv_pressure_said_ = 0;  // 0 none, 1 warn, 2 evict: the last level sent since the pool was roomy
   int exit_code_ = 0;
   std::string no_card_reason_;  // a stats reply's CardHealth.reason without a card

@@ -785,6 +785,85 @@ TEST_CASE("cuda engine: under a budget of fewer islands than experts the output 
   }
 }
 
+TEST_CASE("cuda engine: KV outgrowing its start takes islands, gives them back when idle, outputs unchanged",
+          "[cuda][engine][kv_trade]") {
+  SKIP_WITHOUT_GPU();
+  const std::string path = packed("demo-moe");
+  const Resident r = resident(path);
+  const int E = r.E;
+  for (const char* misses : {"stream", "copy"}) {
+    INFO("misses " << misses);
+    CudaEngineOptions o;
+    o.host_experts = HostShareMode::off;   // every miss on the GPU: the resident run's bits
+    o.dense_weights = DenseWeights::bf16;
+    o.host_embedding = false;
+    o.misses = parse_choice<MissMode>(misses).value();
+    o.kv_give_back_s = 0;
+    // Two blocks at start (32 tokens), and the room of the resident plan's
+    // other 254 blocks left to islands: the start's islands are exactly these.
+    o.kv_blocks = 2;
+    const int64_t islands = E + E / 2;
+    o.arena_budget = r.budget_for(islands) - size_t(254) * r.plan.kv_block_stride;
+    auto small = cuda_engine(path, o);
+    REQUIRE(small->plan().n_islands == islands);
+    REQUIRE(small->kv_blocks_total() == 2);
+    const int reachable = small->kv_blocks_reachable();
+    CHECK(reachable == int(small->plan().kv_blocks_reachable(E)));
+    REQUIRE(reachable > 8);
+    const int V = r.engine->desc().vocab_size;
+    // 30 + 12 and 9 + 12 tokens: 5 blocks, more than the start's 2. Twice:
+    // the second run after the idle give-back replays the decode graphs
+    // captured before it.
+    std::vector<ExpertKey> every;
+    for (int l = 0; l < int(r.engine->desc().n_moe_layers()); ++l)
+      for (int e = 0; e < E; ++e) every.push_back({l, e});
+    uint64_t taken = 0;
+    for (int round = 0; round < 2; ++round) {
+      INFO("round " << round);
+      // Every island holds an expert: the KV's growth must evict some.
+      small->warm(every);
+      REQUIRE(small->expert_stats().residency.islands_in_use == islands);
+      side_by_side(*r.engine, *small, {prompt(30, V, 1), prompt(9, V, 2)}, 12,
+                   [](int, size_t, const SeqOutput& a, const SeqOutput& b) {
+                     CHECK(a.token == b.token);
+                     CHECK(a.logprob == b.logprob);
+                     CHECK(a.expert_counts == b.expert_counts);
+                   });
+      const CudaExpertStats grown = small->expert_stats();
+      CHECK(small->kv_blocks_total() > 2);
+      CHECK(small->kv_blocks_reachable() == reachable);  // what the worker announces stays put
+      CHECK(grown.kv_grows >= uint64_t(round + 1));
+      CHECK(grown.islands_start == islands);
+      CHECK(grown.islands_total == small->plan().islands_with_kv(small->kv_blocks_total()));
+      CHECK(grown.islands_total < islands);
+      CHECK(grown.islands_total >= E);
+      CHECK(grown.residency.islands_in_use <= grown.islands_total);
+      CHECK(grown.kv_islands_taken > taken);  // residents of the islands taken left them
+      taken = grown.kv_islands_taken;
+      CHECK(small->resident().size() <= size_t(grown.islands_total));
+      std::printf("cuda engine KV trade (misses %s): KV 2 -> %d blocks, islands %lld -> %lld, %llu residents "
+                  "evicted for it\n", misses, small->kv_blocks_total(), (long long)islands,
+                  (long long)grown.islands_total, (unsigned long long)grown.kv_islands_taken);
+      // Released (side_by_side ends so) and idle: the grown part goes back.
+      small->idle();
+      const CudaExpertStats back = small->expert_stats();
+      CHECK(small->kv_blocks_total() == 2);
+      CHECK(back.islands_total == islands);
+      CHECK(back.kv_give_backs == uint64_t(round + 1));
+    }
+    // More than the pool can ever reach is refused as KV, changing nothing.
+    std::vector<SeqInput> many;
+    const int per_seq = std::min(small->max_context(), 16 * 200);
+    for (uint64_t id = 1; int(many.size()) * ((per_seq + 15) / 16) <= reachable; ++id)
+      many.push_back(input(id, prompt(per_seq, V, int(id)), 0));
+    auto refused = small->step(many);
+    REQUIRE_FALSE(refused.ok());
+    CHECK(refused.error().find("KV") != std::string::npos);
+    CHECK(small->kv_blocks_total() == 2);
+    CHECK(small->kv_pool().sequences() == 0);
+  }
+}
+
 TEST_CASE("cuda engine: misses computed on the host as well as copied or streamed match the resident run",
           "[cuda][engine]") {
   SKIP_WITHOUT_GPU();

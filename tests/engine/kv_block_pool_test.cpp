@@ -192,3 +192,25 @@ TEST_CASE("KvBlockPool grows without moving a sequence and shrinks only its free
   CHECK(pool.extend(4, 0, 32).size() == 2);
   CHECK(pool.free() == 0);
 }
+
+TEST_CASE("Admission counts the blocks an engine can still take from its islands as free", "[kv][kv_pool]") {
+  KvBlockPool pool(4, 4);  // 16 tokens now
+  // 24 tokens need 6 blocks: refused on the pool alone, admitted with 2 growable.
+  {
+    StepAdmission fixed(pool, 10, 64);
+    CHECK(fixed.admit(input(1, 24, 0)).refusal == Refusal::kv_full);
+    StepAdmission grows(pool, 10, 64, /*headroom=*/2);
+    CHECK(grows.admit(input(1, 24, 0)).ok());
+    CHECK(grows.admit(input(2, 1, 0)).refusal == Refusal::kv_full);  // the headroom is spent
+  }
+  const std::vector<SeqInput> step{input(1, 20, 0), input(2, 4, 0)};
+  int net = -1;
+  CHECK_FALSE(check_step_inputs(step, pool, 10, 64, 1, &net).ok());
+  const Status s = check_step_inputs(step, pool, 10, 64, 2, &net);
+  CHECK(s.ok());
+  CHECK(net == 6);  // what the engine must grow by before extending: net - free
+  pool.grow(net - pool.free());
+  for (const SeqInput& in : step) pool.extend(in.seq_id, 0, int(in.tokens.size()), in.tokens);
+  CHECK(pool.free() == 0);
+  CHECK(pool.total() == 6);
+}

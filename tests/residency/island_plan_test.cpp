@@ -35,16 +35,42 @@ TEST_CASE("plan_islands: regions are aligned, disjoint, in order and within the 
   CHECK(p->nonexpert.offset == 0);
   CHECK(p->nonexpert.bytes >= req.nonexpert_bytes);
   CHECK(p->workspace.offset == p->nonexpert.end());
-  CHECK(p->kv.offset == p->workspace.end());
-  CHECK(p->islands.offset == p->kv.end());
-  CHECK(p->arena_bytes == p->islands.end());
+  CHECK(p->islands.offset == p->workspace.end());
+  CHECK(p->kv.offset == p->islands.end());
+  CHECK(p->arena_bytes == p->kv.end());
   CHECK(p->island_stride % 256 == 0);
   CHECK(p->island_stride >= req.expert_blob_bytes);
   CHECK(p->island_stride - req.expert_blob_bytes < 256);
   CHECK(p->kv_block_stride % 256 == 0);
   CHECK(p->island_offset(1) - p->island_offset(0) == p->island_stride);
-  CHECK(p->island_offset(p->n_islands - 1) + p->island_stride == p->arena_bytes);
-  CHECK(p->kv_block_offset(p->kv_blocks - 1) + p->kv_block_stride == p->islands.offset);
+  CHECK(p->island_offset(p->n_islands - 1) + p->island_stride == p->kv.offset);
+  // KV blocks run down from the top: the start's fill the kv region exactly.
+  CHECK(p->kv_block_offset(0) + p->kv_block_stride == p->arena_bytes);
+  CHECK(p->kv_block_offset(p->kv_blocks - 1) == p->kv.offset);
+}
+
+TEST_CASE("plan_islands: KV growing down takes the islands nearest the top, never below the minimum") {
+  const auto req = big_model(12 * GiB);
+  auto p = plan_islands(req);
+  REQUIRE(p.ok());
+  CHECK(p->islands_with_kv(p->kv_blocks) == p->n_islands);
+  CHECK(p->islands_with_kv(0) == p->n_islands);  // never more than the start's
+  // One block more crosses into the top island.
+  CHECK(p->islands_with_kv(p->kv_blocks + 1) == p->n_islands - 1);
+  const int64_t per_island = int64_t(p->island_stride / p->kv_block_stride);  // whole blocks an island holds
+  REQUIRE(per_island >= 1);
+  for (int64_t extra : {int64_t(1), per_island, per_island + 1, 10 * per_island + 3}) {
+    const int64_t blocks = p->kv_blocks + extra;
+    const int64_t isl = p->islands_with_kv(blocks);
+    // Every usable island lies wholly below the lowest block.
+    CHECK(p->island_offset(isl - 1) + p->island_stride <= p->kv_block_offset(blocks - 1));
+    // and one more would not.
+    CHECK(p->island_offset(isl) + p->island_stride > p->kv_block_offset(blocks - 1));
+  }
+  const int64_t most = p->kv_blocks_reachable(req.min_islands);
+  CHECK(p->islands_with_kv(most) >= req.min_islands);
+  CHECK(p->islands_with_kv(most + 1) < req.min_islands);
+  CHECK(p->kv_blocks_reachable(p->n_islands) == p->kv_blocks);  // no island to spare: the start's KV
 }
 
 TEST_CASE(
@@ -55,7 +81,7 @@ TEST_CASE(
   REQUIRE(p.ok());
   CHECK(p->kv_blocks == 2048);
   // Exactly as many islands as fit in what is left: one more would not.
-  const size_t left = req.budget_bytes - p->islands.offset;
+  const size_t left = req.budget_bytes - p->islands.offset - p->kv.bytes;
   CHECK(p->n_islands == int64_t(left / p->island_stride));
   CHECK(p->n_islands < req.n_total_experts);
 
