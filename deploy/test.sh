@@ -5,7 +5,7 @@
 # the protocol's and the attack test again on that build (docs/security.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MOE_EXTRA_PACKAGES="clang libclang-rt-14-dev" deploy/setup.sh build
+MOE_EXTRA_PACKAGES="clang libclang-rt-14-dev chromium" deploy/setup.sh build
 (cd build && ctest --output-on-failure -j "$(nproc)" --timeout 900)
 
 echo "== the sanitized build (clang, ASan + UBSan, libFuzzer)"

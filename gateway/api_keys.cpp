@@ -127,4 +127,40 @@ bool KeyRateLimiter::allow(const std::string& key, int rate, uint64_t now_ms, ui
   return false;
 }
 
+std::optional<std::string> basic_auth_password(std::string_view credential) {
+  while (!credential.empty() && credential.front() == ' ') credential.remove_prefix(1);
+  while (!credential.empty() && credential.back() == ' ') credential.remove_suffix(1);
+  if (credential.empty() || credential.size() % 4 != 0 || credential.size() > 4096) return std::nullopt;
+  auto value = [](char c) -> int {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '+') return 62;
+    if (c == '/') return 63;
+    return -1;
+  };
+  std::string out;
+  for (size_t i = 0; i < credential.size(); i += 4) {
+    int v[4];
+    int pad = 0;
+    for (int j = 0; j < 4; ++j) {
+      const char c = credential[i + size_t(j)];
+      // '=' only at the very end, one or two of them.
+      if (c == '=' && i + 4 == credential.size() && j >= 2) {
+        v[j] = 0;
+        ++pad;
+        continue;
+      }
+      if (pad > 0 || (v[j] = value(c)) < 0) return std::nullopt;
+    }
+    const uint32_t n = uint32_t(v[0]) << 18 | uint32_t(v[1]) << 12 | uint32_t(v[2]) << 6 | uint32_t(v[3]);
+    out.push_back(char(n >> 16));
+    if (pad < 2) out.push_back(char((n >> 8) & 0xff));
+    if (pad < 1) out.push_back(char(n & 0xff));
+  }
+  const size_t colon = out.find(':');
+  if (colon == std::string::npos) return std::nullopt;
+  return out.substr(colon + 1);
+}
+
 }  // namespace moe::gw

@@ -14,6 +14,7 @@
 // Threading: loop thread only.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -37,6 +38,10 @@ constexpr int kMinPriority = -1000, kMaxPriority = 1000;
 Result<std::vector<ApiKeyEntry>> parse_keys_file(const std::string& text, const std::string& source);
 // Reads and parses the file at `path`.
 Result<std::vector<ApiKeyEntry>> load_keys_file(const std::string& path);
+
+// The password of an HTTP Basic credential (the base64 of "user:password"
+// after "Basic "); nullopt when it is not valid base64 or has no ':'.
+std::optional<std::string> basic_auth_password(std::string_view credential);
 
 // True for the text of an IPv4 or IPv6 address as a peer or a proxy header
 // writes it (digits, hex, ':' and '.'; at most 45 characters).

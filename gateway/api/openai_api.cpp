@@ -13,6 +13,8 @@
 #include "gateway/last_resort.h"
 #include "gateway/api/prediction_debug.h"
 #include "gateway/api/tokenize_api.h"
+#include "gateway/observe/expert_view.h"
+#include "gateway/observe/experts_page.h"
 #include "gateway/state/sha256.h"
 #include "protocol/redis_schema.h"
 
@@ -31,6 +33,8 @@ constexpr const char* kMetrics = "/metrics";
 constexpr const char* kDebugExperts = "/debug/experts";
 constexpr const char* kTokenize = "/tokenize";
 constexpr const char* kDetokenize = "/detokenize";
+constexpr const char* kExperts = "/experts";          // the page (gateway/observe/experts_page.h)
+constexpr const char* kExpertsJson = "/experts.json";  // its data, once a second
 
 bool constant_time_equal(const std::string& a, const std::string& b) {
   if (a.size() != b.size()) return false;
@@ -79,8 +83,18 @@ int OpenAiApi::key_index(const HttpRequest& req) const {
   if (!h || h->size() < 7) return -1;
   std::string scheme = h->substr(0, 7);
   for (char& c : scheme) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (scheme != "bearer ") return -1;
-  const std::string given = sha256_hex(h->substr(7));
+  std::string key;
+  if (scheme == "bearer ") {
+    key = h->substr(7);
+  } else if (scheme.substr(0, 6) == "basic ") {
+    // A browser's login (the experts page): any user name, the key as the password.
+    auto pw = basic_auth_password(std::string_view(*h).substr(6));
+    if (!pw) return -1;
+    key = std::move(*pw);
+  } else {
+    return -1;
+  }
+  const std::string given = sha256_hex(key);
   // Every digest is compared, so the time taken says nothing of which matched.
   int found = -1;
   for (size_t i = 0; i < keys_.size(); ++i)
@@ -134,6 +148,8 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
     route = {kDetokenize, "POST"};
   } else if (path == kDebugExperts && opts_.predictor) {
     route = {kDebugExperts, "POST"};
+  } else if ((path == kExperts || path == kExpertsJson) && scheduler_->expert_view()) {
+    route = {path == kExperts ? kExperts : kExpertsJson, "GET"};
   }
   // The key first: without it nothing, not even which routes exist, is told.
   Caller caller;
@@ -145,7 +161,10 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
           req.header("authorization") ? "Incorrect API key provided." : "You didn't provide an API key. Send it as "
                                                                          "'Authorization: Bearer KEY'.",
           "invalid_request_error", "", "invalid_api_key"});
-      r.headers.emplace_back("WWW-Authenticate", "Bearer");
+      // A browser opening the experts page logs in itself: the key as the password.
+      r.headers.emplace_back("WWW-Authenticate", route.endpoint == kExperts || route.endpoint == kExpertsJson
+                                                     ? "Basic realm=\"moe-gateway\", charset=\"UTF-8\""
+                                                     : "Bearer");
       reply(ex, route.endpoint ? route.endpoint : "unknown", std::move(r));
       return;
     }
@@ -176,6 +195,7 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
   if (route.endpoint == kModels) return models(ex, path);
   if (route.endpoint == kHealth) return health(ex);
   if (route.endpoint == kDebugExperts) return debug_experts(ex);
+  if (route.endpoint == kExperts || route.endpoint == kExpertsJson) return experts_page(ex, route.endpoint == kExperts);
   if (route.endpoint == kTokenize)
     return reply(ex, kTokenize, tokenize_response(ex->request().body, *codec_, opts_.served_model_name,
                                                   scheduler_->ready() ? scheduler_->max_context() : 0));
@@ -477,6 +497,22 @@ void OpenAiApi::health(const std::shared_ptr<HttpExchange>& ex) {
                           {"degraded", s.degraded},
                           {"backend", backend.empty() ? json(nullptr) : json(backend)}});
   reply(ex, kHealth, std::move(r));
+}
+
+void OpenAiApi::experts_page(const std::shared_ptr<HttpExchange>& ex, bool page) {
+  HttpResponse r;
+  r.headers = {{"Cache-Control", "no-store"}};
+  if (page) {
+    r.headers.emplace_back("Content-Type", "text/html; charset=utf-8");
+    r.body = experts_page_html();
+    return reply(ex, kExperts, std::move(r));
+  }
+  // Being watched turns the figures on (resident sets, per-expert use) for a while.
+  ExpertView* view = scheduler_->expert_view();
+  view->watch(uv_hrtime() / 1000000);
+  r.headers.emplace_back("Content-Type", "application/json");
+  r.body = view->json();
+  reply(ex, kExpertsJson, std::move(r));
 }
 
 void OpenAiApi::metrics(const std::shared_ptr<HttpExchange>& ex) {

@@ -88,6 +88,8 @@ class OpenAiApi final : public HttpHandler {
               const ChatMessage& stored);
   void models(const std::shared_ptr<HttpExchange>& ex, const std::string& path);
   void health(const std::shared_ptr<HttpExchange>& ex);
+  // GET /experts (the page) and /experts.json (its data; marks the view watched).
+  void experts_page(const std::shared_ptr<HttpExchange>& ex, bool page);
   void metrics(const std::shared_ptr<HttpExchange>& ex);
   void debug_experts(const std::shared_ptr<HttpExchange>& ex);
   void reply(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint, HttpResponse r);

@@ -20,6 +20,8 @@
 
 namespace moe::gw {
 
+class ExpertView;
+
 // A request's sampling, in the form the step frame carries it (validated
 // and clamped where the request is read, gateway/completion_request.cpp).
 using Sampling = protocol::SamplingParams;
@@ -148,6 +150,9 @@ class Scheduler {
   virtual std::string backend() const { return ""; }
   // The overload rule's view for a request of `priority`.
   virtual OverloadView overload(int /*priority*/) const { return {}; }
+  // What the /experts page shows (gateway/observe/expert_view.h); null
+  // where the scheduler keeps none.
+  virtual ExpertView* expert_view() { return nullptr; }
 };
 
 }  // namespace moe::gw

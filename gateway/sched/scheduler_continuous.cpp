@@ -71,14 +71,18 @@ bool ContinuousScheduler::stepping(size_t w) const {
 }
 
 void ContinuousScheduler::poll_stats() {
+  // The resident sets only while the experts page is watched.
+  pr::StatsRequest req;
+  req.include_resident = expert_view_.watched(uv_now(loop_));
   for (Worker& w : workers_)
-    if (w.link->ready()) (void)w.link->send(pr::Message(pr::StatsRequest{}));
+    if (w.link->ready()) (void)w.link->send(pr::Message(req));
 }
 
 void ContinuousScheduler::on_stats(size_t w, const pr::StatsReply& r) {
   Worker& wk = workers_[w];
   wk.have_stats = true;
   wk.stats = r;
+  expert_view_.on_stats(w, r, uv_now(loop_));
   if (!wk.thermal.observe(r.card)) return;
   const PolicyLimits before = wk.policy.limits();
   apply_limits(w);
@@ -292,6 +296,7 @@ void ContinuousScheduler::requeue(std::vector<SequenceState> seqs) {
 
 void ContinuousScheduler::on_ready(size_t w, const pr::Hello& h) {
   Worker& wk = workers_[w];
+  expert_view_.set_worker(w, wk.name, h.experts);
   std::fprintf(stderr, "moe-gateway: worker %s ready (%s, %s, %u KV blocks of %u tokens, context %u)%s\n",
                wk.link->socket_path().c_str(), h.model_id.c_str(), h.backend.c_str(), h.kv_blocks_total,
                h.kv_block_tokens, h.max_context, wk.fallback ? ", the fallback" : "");
@@ -390,6 +395,7 @@ void ContinuousScheduler::on_frame(size_t w, const pr::Frame& f) {
         c.token.token = r.token;
         c.token.logprob = r.logprob;
         c.cached_tokens = int(r.cached_tokens);
+        if (!r.expert_usage.empty()) expert_view_.on_usage(w, r.expert_usage);
         if (!r.expert_usage.empty()) {
           if (auto it = predicted_.find(r.seq_id); it != predicted_.end()) {
             auto& u = it->second.usage;
@@ -597,8 +603,14 @@ void ContinuousScheduler::step(size_t w) {
     if (opts_.predictor && opts_.warm_hints)
       for (const PlannedChunk& c : plan.chunks)
         if (c.start_pos == 0) send_warm_hints(link, c.seq_id);
+    for (const PlannedChunk& c : plan.chunks)
+      if (c.start_pos == 0)
+        if (auto pi = predicted_.find(c.seq_id); pi != predicted_.end() && pi->second.prediction.known())
+          expert_view_.on_prediction(w, pi->second.prediction.set);
     pr::StepRequest req;
-    req.report_expert_usage = opts_.report_expert_usage;
+    // Each expert's use per sequence: for prediction and Redis, or while the
+    // experts page is watched.
+    req.report_expert_usage = opts_.report_expert_usage || expert_view_.watched(uv_now(loop_));
     for (const PlannedChunk& c : plan.chunks) {
       pr::StepSequence s;
       s.seq_id = c.seq_id;

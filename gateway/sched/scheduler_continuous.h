@@ -31,6 +31,7 @@
 
 #include <uv.h>
 
+#include "gateway/observe/expert_view.h"
 #include "gateway/predict/expert_prediction.h"
 #include "gateway/sched/scheduler.h"
 #include "gateway/sched/scheduler_policy.h"
@@ -84,6 +85,7 @@ class ContinuousScheduler final : public Scheduler {
   int max_context() const override;
   std::string backend() const override;
   OverloadView overload(int priority) const override;
+  ExpertView* expert_view() override { return &expert_view_; }
 
   uint64_t steps_sent() const;
   // Per worker, in the order given (tests, logs).
@@ -164,6 +166,7 @@ class ContinuousScheduler final : public Scheduler {
   uint64_t step_experts_ = 0;
   uint64_t worker_expert_hits_ = 0, worker_expert_misses_ = 0;
   uint64_t pressure_frames_[3] = {0, 0, 0};  // warn, evict, break frames received
+  ExpertView expert_view_;
 };
 
 }  // namespace moe::gw
