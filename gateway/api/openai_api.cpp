@@ -151,7 +151,8 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
   } else if ((path == kExperts || path == kExpertsJson) && scheduler_->expert_view()) {
     route = {path == kExperts ? kExperts : kExpertsJson, "GET"};
   }
-  // The key first: without it nothing, not even which routes exist, is told.
+  // The key first: without it nothing, not even which routes exist, is told
+  // (but for the experts page's two paths, whose challenge lets a browser log in).
   Caller caller;
   if (route.endpoint != kHealth && !keys_.empty()) {
     const int k = key_index(req);
