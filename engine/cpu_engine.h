@@ -59,6 +59,7 @@ class CpuEngine final : public Engine {
   const KvBlockPool& kv_pool() const override { return *kv_pool_; }
 
   bool experts_q4() const { return weights_->experts_q4; }
+  const ModelWeights& weights() const { return *weights_; }
   int threads() const { return pool_->size(); }
 
  private:

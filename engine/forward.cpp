@@ -269,6 +269,7 @@ void ForwardPass::run(const Batch& b, float* logits, uint16_t* expert_counts, Fo
   for (int t = 0; t < T; ++t) w_.embed.row(b.tokens[size_t(t)], x + size_t(t) * H);
   if (trace) {
     trace->hidden.clear();
+    trace->mid.clear();
     trace->router_logits.clear();
   }
 
@@ -286,6 +287,7 @@ void ForwardPass::run(const Batch& b, float* logits, uint16_t* expert_counts, Fo
     lw.o.apply(att_.data(), att_w, o, H, T, &pool_);
     for (size_t i = 0; i < size_t(T) * H; ++i) x[i] += o[i];
     advanced();
+    if (trace) trace->mid.emplace_back(x, x + size_t(T) * H);
 
     cpu::rmsnorm(x, lw.mlp_norm.data(), h, T, H, d_.rms_eps);
     if (lw.moe) {

@@ -21,6 +21,7 @@ namespace moe {
 struct ForwardTrace {
   std::vector<std::vector<float>>
       hidden;  // [n_layers + 1][tokens * hidden]: entering layer l; last: after the final norm
+  std::vector<std::vector<float>> mid;  // [n_layers][tokens * hidden]: after layer l's attention, before its MLP's norm
   std::vector<std::vector<float>> router_logits;  // [n_moe_layers][tokens * n_experts]
 };
 

@@ -22,16 +22,6 @@ std::unique_ptr<CpuEngine> engine_with(const std::string& dir, KvDtype d) {
   return make_engine(dir, o);
 }
 
-// The first n ids of the demo's held-out text (reference.safetensors).
-std::vector<int32_t> demo_eval_ids(size_t n) {
-  auto ref = Checkpoint::open_file(demo_dir() + "/reference.safetensors");
-  REQUIRE(ref.ok());
-  auto ids = ints(*ref->find("eval.ids"));
-  REQUIRE(ids.size() >= n);
-  ids.resize(n);
-  return ids;
-}
-
 struct Agreement {
   double top1 = 0;      // share of positions whose best token is the same
   double top5 = 0;      // mean overlap of the 5 best, / 5

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <catch2/catch.hpp>
+
 #include "engine/cpu_engine.h"
 #include "model/model_files.h"
 #include "model/safetensors.h"
@@ -40,6 +42,16 @@ inline std::unique_ptr<CpuEngine> make_engine(const std::string& dir, EngineOpti
   auto e = CpuEngine::create(files.value(), opts);
   if (!e) throw std::runtime_error(e.error());
   return std::move(e.value());
+}
+
+// The first n ids of the demo's held-out text (reference.safetensors).
+inline std::vector<int32_t> demo_eval_ids(size_t n) {
+  auto ref = Checkpoint::open_file(demo_dir() + "/reference.safetensors");
+  REQUIRE(ref.ok());
+  auto ids = ints(*ref->find("eval.ids"));
+  REQUIRE(ids.size() >= n);
+  ids.resize(n);
+  return ids;
 }
 
 }  // namespace moe::test

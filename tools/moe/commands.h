@@ -18,6 +18,7 @@ int cmd_perplexity(int argc, char** argv);
 int cmd_template(int argc, char** argv);
 int cmd_replay_trace(int argc, char** argv);
 int cmd_profile(int argc, char** argv);
+int cmd_layer_ahead(int argc, char** argv);
 
 // The table, defined in main.cpp.
 extern const Command kCommands[];

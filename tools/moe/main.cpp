@@ -14,6 +14,7 @@ const Command kCommands[] = {
     {"convert", "checkpoint folder -> one packed model file (INT4 experts)", cmd_convert},
     {"generate", "generate text from a prompt on the CPU engine", cmd_generate},
     {"perplexity", "perplexity of a text file under the model (CPU engine)", cmd_perplexity},
+    {"layer-ahead", "how well each MoE layer's experts can be guessed before it runs (CPU engine)", cmd_layer_ahead},
     {"template", "chat messages (JSON) -> the prompt the model's chat template renders", cmd_template},
     {"replay-trace", "routing trace -> expert-island hit rate per eviction policy", cmd_replay_trace},
     {"profile", "text, routing trace or Redis -> routing profile (moe-worker --warm-profile)", cmd_profile},
