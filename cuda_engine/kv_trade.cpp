@@ -66,8 +66,9 @@ void CudaEngine::Impl::kv_idle() {
   const uint64_t now = steady_ms();
   if (kv_roomy_since_ms == 0) kv_roomy_since_ms = now;
   if (now - kv_roomy_since_ms < uint64_t(opts.kv_give_back_s) * 1000) return;
-  kv_roomy_since_ms = 0;
-  // Leave a quarter of the pool free: used = 3/4 of the new total.
+  // Leave a quarter of the pool free: used = 3/4 of the new total. Held
+  // blocks near the top stop it short; it tries again every idle tick (new
+  // sequences take the lowest free ids, so the top empties as they end).
   const int used = kv_pool->total() - kv_pool->free();
   const int target = std::max(kv_floor, (used * 4 + 2) / 3);
   if (target >= kv_pool->total()) return;
@@ -75,6 +76,7 @@ void CudaEngine::Impl::kv_idle() {
   const int before = kv_pool->total();
   const int after = kv_pool->shrink_free_tail(target, kv_floor);
   if (after >= before) return;
+  kv_roomy_since_ms = 0;
   const int64_t islands_before = map->n_islands();
   map->restore_islands(plan.islands_with_kv(after));
   stream_tables_stale = true;

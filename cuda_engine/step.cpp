@@ -14,6 +14,7 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
   const Status checked =
       check_step_inputs(inputs, *m.kv_pool, d.vocab_size, m.max_context, m.kv_growable(), &net_blocks);
   if (!checked.ok()) return make_error(checked.error());
+  m.kv_pool->release_restarts(inputs);
   if (net_blocks > m.kv_pool->free()) MOE_TRY(m.grow_kv(net_blocks - m.kv_pool->free()));
   // Fresh prompts that start with cached blocks compute only the rest.
   std::vector<SeqInput> reused;

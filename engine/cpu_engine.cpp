@@ -48,6 +48,7 @@ Result<std::vector<SeqOutput>> CpuEngine::step(std::span<const SeqInput> inputs)
   // Validate everything before touching any state.
   const Status checked = check_step_inputs(inputs, *kv_pool_, d.vocab_size, max_context_);
   if (!checked.ok()) return make_error(checked.error());
+  kv_pool_->release_restarts(inputs);  // their blocks count for the inputs before them
   // Fresh prompts that start with cached blocks compute only the rest.
   std::vector<SeqInput> reused;
   std::vector<int> skipped;

@@ -3,13 +3,14 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <random>
 
 namespace moe {
 
 KvBlockPool::KvBlockPool(int n_blocks, int block_tokens) : n_blocks_(n_blocks), block_tokens_(block_tokens) {
   free_.reserve(size_t(std::max(n_blocks, 0)));
-  for (int b = n_blocks - 1; b >= 0; --b) free_.push_back(b);
+  for (int b = 0; b < n_blocks; ++b) free_.push_back(b);  // ascending: already a min-heap
   refs_.assign(size_t(std::max(n_blocks, 0)), 0);
   hash_.assign(size_t(std::max(n_blocks, 0)), 0);
   cached_at_.assign(size_t(std::max(n_blocks, 0)), cached_.end());
@@ -30,8 +31,16 @@ uint64_t KvBlockPool::block_hash(uint64_t chain, std::span<const int32_t> block)
   return h == 0 ? 1 : h;  // 0 means "no hash"
 }
 
+void KvBlockPool::put_free(int32_t b) {
+  free_.push_back(b);
+  std::push_heap(free_.begin(), free_.end(), std::greater<>());
+}
+
 int32_t KvBlockPool::take_block() {
   if (!free_.empty()) {
+    // The lowest free id: the top of the id range stays free for the pool
+    // to give back (shrink_free_tail).
+    std::pop_heap(free_.begin(), free_.end(), std::greater<>());
     const int32_t b = free_.back();
     free_.pop_back();
     return b;
@@ -53,17 +62,14 @@ void KvBlockPool::unref(int32_t b) {
     cached_at_[size_t(b)] = cached_.insert(cached_.end(), b);
   } else {
     hash_[size_t(b)] = 0;
-    free_.push_back(b);
+    put_free(b);
   }
 }
 
 void KvBlockPool::grow(int n) {
   if (n <= 0) return;
-  // Below the stack's bottom, the highest first: the lower ids already free
-  // keep going out first.
-  std::vector<int32_t> added;
-  for (int b = n_blocks_ + n - 1; b >= n_blocks_; --b) added.push_back(b);
-  free_.insert(free_.begin(), added.begin(), added.end());
+  // Higher than every id there: the lower ones already free keep going out first.
+  for (int b = n_blocks_; b < n_blocks_ + n; ++b) put_free(b);
   n_blocks_ += n;
   refs_.resize(size_t(n_blocks_), 0);
   hash_.resize(size_t(n_blocks_), 0);
@@ -82,6 +88,7 @@ int KvBlockPool::shrink_free_tail(int target, int floor) {
       auto it = std::find(free_.begin(), free_.end(), top);
       if (it == free_.end()) break;  // neither held nor free: taken outside a sequence (take)
       free_.erase(it);
+      std::make_heap(free_.begin(), free_.end(), std::greater<>());
     }
     --n_blocks_;
     refs_.pop_back();
@@ -230,7 +237,7 @@ std::optional<std::vector<int32_t>> KvBlockPool::take(int n) {
 }
 
 void KvBlockPool::give_back(std::span<const int32_t> blocks) {
-  for (int32_t b : blocks) free_.push_back(b);
+  for (int32_t b : blocks) put_free(b);
 }
 
 Admission StepAdmission::check(const SeqInput& in, int* net_blocks) {
@@ -286,6 +293,11 @@ Status check_step_inputs(std::span<const SeqInput> inputs, const KvBlockPool& po
     return make_error("KV cache full: the step needs " + std::to_string(net) + " more blocks, " +
                       std::to_string(pool.free() + headroom) + " free");
   return {};
+}
+
+void KvBlockPool::release_restarts(std::span<const SeqInput> inputs) {
+  for (const SeqInput& in : inputs)
+    if (in.start_pos == 0) release(in.seq_id);
 }
 
 }  // namespace moe

@@ -72,6 +72,10 @@ class KvBlockPool {
   // the first held block; returns the new total.
   void grow(int n);
   int shrink_free_tail(int target, int floor);
+  // Gives back the blocks of every input that restarts at 0, before a
+  // checked step extends any: its blocks are then the step's net total
+  // (check_step_inputs), whatever the inputs' order.
+  void release_restarts(std::span<const SeqInput> inputs);
 
   // Blocks outside any sequence (a one-off forward pass); nullopt when too
   // few are free. `give_back` returns them.
@@ -94,7 +98,8 @@ class KvBlockPool {
   void unref(int32_t b);
 
   int n_blocks_, block_tokens_;
-  std::vector<int32_t> free_;
+  std::vector<int32_t> free_;  // a min-heap: the lowest free id goes out first
+  void put_free(int32_t b);
   std::unordered_map<uint64_t, Held> seqs_;
   // Prefix cache: per block its references and hash (0: none); the hashes'
   // blocks; unreferenced hashed blocks in release order, and where each sits.
@@ -142,7 +147,9 @@ class StepAdmission {
 
 // The checks every engine's step makes before it touches any state: each
 // input's, and the whole step's blocks against the free ones and
-// `headroom` more. The first failure is the error, naming its sequence.
+// `headroom` more (the engines release every restart first,
+// KvBlockPool::release_restarts, so a restart's blocks count for the
+// inputs before it). The first failure is the error, naming its sequence.
 // `net_blocks` (optional) receives the blocks the step takes.
 Status check_step_inputs(std::span<const SeqInput> inputs, const KvBlockPool& pool, int vocab, int max_context,
                          int headroom = 0, int* net_blocks = nullptr);

@@ -313,6 +313,8 @@ int main(int argc, char** argv) {
       for (const std::string& routing : o.routings) {
         CudaEngineOptions eo;
         eo.vram_budget = size_t(gib * double(1ull << 30));
+        // A fixed split, as the earlier figures had: no KV taking islands mid-run.
+        eo.kv_trade = false;
         // KV: what the runs need and no more under a budget (the rest of it
         // goes to islands): the largest batch there, 8 resident, each sequence
         // context + warm-up + steps + 1 tokens, or one prompt; at least 1,024

@@ -341,8 +341,15 @@ void Generation::complete() {
     const Choice& c0 = *choices_[0];
     ChatMessage reply{"assistant", c0.text, c0.tool_calls.empty() ? std::string() : c0.tool_calls.dump(), ""};
     reply.finish_reason = c0.finish_reason;
-    ctx_.on_complete(reply);
+    // The session's store answers first (a next turn sent to another host
+    // must find this one), then the response ends.
+    ctx_.on_complete(reply, [self = shared_from_this()] { self->finish_response(); });
+    return;
   }
+  finish_response();
+}
+
+void Generation::finish_response() {
   if (req_.stream) {
     if (req_.include_usage) {
       json u = {{"id", ctx_.response_id},

@@ -53,9 +53,11 @@ struct GenerationContext {
   size_t max_response_bytes = size_t(64) << 20;
   AdmissionTicket ticket;     // released when the response is over
   // Sessions: headers added to the response, and choice 0's text once the
-  // response completed (not after an error or a disconnect).
+  // response completed (not after an error or a disconnect). The response's
+  // end (the whole body, or a stream's last events) waits until on_complete
+  // calls `then`: the turn is stored before the client can send the next.
   HttpHeaders extra_headers;
-  std::function<void(const ChatMessage& reply)> on_complete;  // the assistant turn: its text and tool calls
+  std::function<void(const ChatMessage& reply, std::function<void()> then)> on_complete;
 };
 
 class Generation : public std::enable_shared_from_this<Generation> {
@@ -107,6 +109,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   void finished(Choice& c, FinishReason reason, const std::string& message);
   void finish_choice(Choice& c, const char* reason, const std::string& tail_text);
   void complete();
+  void finish_response();  // the rest of complete(), once the turn is stored
   void fail(const std::string& message);
   void fail(const ApiError& error);
   // Ends the request after an exception escaped the text side.

@@ -449,14 +449,14 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
     ChatMessages conversation = std::move(prior);
     conversation.insert(conversation.end(), req.messages.begin(), req.messages.end());
     SessionStore* store = opts_.sessions;
-    ctx.on_complete = [store, session, request_key, request_digest,
-                       conversation = std::move(conversation)](const ChatMessage& reply) mutable {
+    ctx.on_complete = [store, session, request_key, request_digest, conversation = std::move(conversation)](
+                          const ChatMessage& reply, std::function<void()> then) mutable {
       conversation.push_back(reply);
       // What a retry needs, only for a turn that can be retried by its key.
       conversation.back().request_key = request_key;
       conversation.back().request_digest = request_key.empty() ? std::string() : request_digest;
       if (request_key.empty()) conversation.back().finish_reason.clear();
-      store->save(session, std::move(conversation));
+      store->save(session, std::move(conversation), std::move(then));
     };
   }
   auto gen = std::make_shared<Generation>(std::move(ctx), std::move(req), ex);

@@ -194,11 +194,14 @@ void SessionStore::load(const SessionKey& sk, std::function<void(ChatMessages)> 
   });
 }
 
-void SessionStore::save(const SessionKey& sk, ChatMessages messages) {
+void SessionStore::save(const SessionKey& sk, ChatMessages messages, std::function<void()> saved) {
   messages = capped(std::move(messages), opts_.max_messages, opts_.max_bytes);
   const std::string key = redis_key(sk);
   remember(key, messages);
-  if (!redis_ || !redis_->connected()) return;
+  if (!redis_ || !redis_->connected()) {
+    if (saved) saved();
+    return;
+  }
   json list = json::array();
   for (const ChatMessage& m : messages) {
     json t = {{"role", m.role}, {"content", m.content}};
@@ -211,15 +214,19 @@ void SessionStore::save(const SessionKey& sk, ChatMessages messages) {
     }
     list.push_back(std::move(t));
   }
-  redis_->command({"SET", key, json_text(list), "EX", std::to_string(opts_.ttl_s)}, [](const redisReply*) {});
+  // The caller's reply waits for this answer: Redis then holds the turn
+  // before the client can send its next one to any host.
+  redis_->command({"SET", key, json_text(list), "EX", std::to_string(opts_.ttl_s)},
+                  [saved = std::move(saved)](const redisReply*) {
+                    if (saved) saved();
+                  });
   if (!opts_.events_key.empty())
     redis_->command(
         protocol::stream_append_command(
             opts_.events_key, opts_.stream_max_len,
             protocol::session_event(sha256_hex(key).substr(0, 16), messages.size())),
         [](const redisReply*) {});
-  // The turn's reply goes out right after this: the save must not wait for
-  // the loop's next turn (a gateway killed in between would lose it).
+  // On its way now, not on the loop's next turn.
   redis_->flush();
 }
 

@@ -66,8 +66,10 @@ class SessionStore {
   // The stored turns (empty for an unknown or expired session). Asks Redis
   // when it is connected, else answers from memory at once.
   void load(const SessionKey& key, std::function<void(ChatMessages)> done);
-  // Replaces the session's turns (capped) and renews its TTL.
-  void save(const SessionKey& key, ChatMessages messages);
+  // Replaces the session's turns (capped) and renews its TTL; `saved` (if
+  // any) runs once Redis has stored them (or failed to: its reply or the
+  // connection's loss), or at once without Redis.
+  void save(const SessionKey& key, ChatMessages messages, std::function<void()> saved = {});
 
   // The newest turns that fit the caps, a leading system turn kept while it
   // fits beside the newest; when not even the newest turn fits, the end of

@@ -789,11 +789,26 @@ TEST_CASE("cuda engine: KV outgrowing its start takes islands, gives them back w
           "[cuda][engine][kv_trade]") {
   SKIP_WITHOUT_GPU();
   const std::string path = packed("demo-moe");
-  const Resident r = resident(path);
-  const int E = r.E;
-  for (const char* misses : {"stream", "copy"}) {
-    INFO("misses " << misses);
+  struct Run {
+    KvDtypeChoice kv;
+    const char* misses;
+  };
+  // bf16 rows, and int8 rows (the default under a budget: codes then their
+  // scales inside each block, stepped by the same stride).
+  for (const Run& run : {Run{KvDtypeChoice::bf16, "stream"}, Run{KvDtypeChoice::bf16, "copy"},
+                         Run{KvDtypeChoice::int8, "stream"}}) {
+    const char* misses = run.misses;
+    INFO("misses " << misses << ", KV rows " << (run.kv == KvDtypeChoice::int8 ? "int8" : "bf16"));
+    CudaEngineOptions ro;
+    ro.kv_dtype = run.kv;
+    Resident r;
+    r.engine = cuda_engine(path, ro);
+    r.plan = r.engine->plan();
+    r.E = r.engine->desc().moe.n_experts;
+    r.total = int64_t(r.engine->desc().n_moe_layers()) * r.E;
+    const int E = r.E;
     CudaEngineOptions o;
+    o.kv_dtype = run.kv;
     o.host_experts = HostShareMode::off;   // every miss on the GPU: the resident run's bits
     o.dense_weights = DenseWeights::bf16;
     o.host_embedding = false;

@@ -18,7 +18,7 @@ SeqInput input(uint64_t id, int n_tokens, int start_pos) {
 
 }  // namespace
 
-TEST_CASE("KvBlockPool hands out the lowest ids first and reuses the last freed first", "[kv]") {
+TEST_CASE("KvBlockPool hands out the lowest free ids first", "[kv]") {
   KvBlockPool pool(6, 4);
   CHECK(pool.total() == 6);
   CHECK(pool.free() == 6);
@@ -37,10 +37,10 @@ TEST_CASE("KvBlockPool hands out the lowest ids first and reuses the last freed 
   pool.release(7);
   CHECK(pool.length(7) == -1);
   CHECK(pool.free() == 5);
-  // Freed 0, 1, 3 in that order: 3 comes back first.
-  CHECK(pool.extend(9, 0, 1) == std::vector<int32_t>{3});
+  // Freed 0, 1, 3: the lowest comes back first.
+  CHECK(pool.extend(9, 0, 1) == std::vector<int32_t>{0});
   // A restart at 0 gives back what the sequence held before taking again.
-  CHECK(pool.extend(8, 0, 8) == std::vector<int32_t>{2, 1});
+  CHECK(pool.extend(8, 0, 8) == std::vector<int32_t>{1, 2});
   auto t = pool.take(3);
   REQUIRE(t.has_value());
   CHECK(t->size() == 3);
@@ -213,4 +213,41 @@ TEST_CASE("Admission counts the blocks an engine can still take from its islands
   for (const SeqInput& in : step) pool.extend(in.seq_id, 0, int(in.tokens.size()), in.tokens);
   CHECK(pool.free() == 0);
   CHECK(pool.total() == 6);
+}
+
+TEST_CASE("A restart's blocks count for a new sequence before it: released first, the step runs",
+          "[kv][kv_pool]") {
+  KvBlockPool pool(5, 4);
+  pool.extend(2, 0, 20);  // 5 blocks: the pool is full
+  // A new sequence first (+1), then sequence 2 restarting with 4 tokens (-4).
+  const std::vector<SeqInput> step{input(1, 4, 0), input(2, 4, 0)};
+  int net = 0;
+  REQUIRE(check_step_inputs(step, pool, 10, 64, 0, &net).ok());
+  CHECK(net == -3);
+  pool.release_restarts(step);
+  CHECK(pool.free() == 5);
+  for (const SeqInput& in : step) pool.extend(in.seq_id, 0, int(in.tokens.size()), in.tokens);  // no abort
+  CHECK(pool.owned(1) == 1);
+  CHECK(pool.owned(2) == 1);
+  // The worker's admission, input by input, refuses the new one instead (it
+  // cannot know yet that a later input gives back): conservative, not a crash.
+  KvBlockPool full(5, 4);
+  full.extend(2, 0, 20);
+  StepAdmission adm(full, 10, 64);
+  CHECK(adm.admit(input(1, 4, 0)).refusal == Refusal::kv_full);
+  CHECK(adm.admit(input(2, 4, 0)).ok());
+}
+
+TEST_CASE("KvBlockPool's grown top empties once its sequences end, whatever ran meanwhile", "[kv][kv_pool]") {
+  KvBlockPool pool(4, 4);
+  pool.grow(100);
+  pool.extend(1, 0, 4 * 90);  // a long prompt: blocks 0 … 89
+  pool.release(1);
+  // Short chats while it was held and after: they take the lowest ids.
+  pool.extend(2, 0, 8);
+  pool.extend(3, 0, 8);
+  CHECK(pool.table(2) == std::vector<int32_t>{0, 1});
+  CHECK(pool.table(3) == std::vector<int32_t>{2, 3});
+  CHECK(pool.shrink_free_tail(8, 4) == 8);
+  CHECK(pool.free() == 4);
 }
