@@ -24,23 +24,9 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 say "start on $(nvidia-smi -L | head -1)"
 F=/dev/shm/e2e-kv
 mkdir -p $F
-if ! is_done unpack; then
-  tar xJf .device-build/payload.tar.xz -C $W &&
-    { [ -f models/demo-moe/model.safetensors ] || xz -dc .device-build/demo.safetensors.xz >models/demo-moe/model.safetensors; } &&
-    mark unpack
-fi
-BIN=$W/payload/bin
-TOK=$W/payload/tokenizer
-for t in moe_kernels_cuda_tests moe_cuda_engine_tests; do
-  is_done test-$t && continue
-  [ "$(left)" -gt 200 ] || break
-  say "$t"
-  filter=""; [ $t = moe_cuda_engine_tests ] && filter="~[gguf]"  # tests/data/gguf stays here
-  (timeout $(( $(left) - 30 )) $BIN/$t $filter) >$W/logs/tests-$t.log 2>&1
-  rc=$?
-  grep -E "^(test cases|assertions)|FAILED|passed" $W/logs/tests-$t.log | tail -4
-  [ $rc = 0 ] && mark test-$t || say "$t exited $rc"
-done
+unpack_payload
+# tests/data/gguf stays here: not the GGUF cases
+gpu_tests moe_kernels_cuda_tests "moe_cuda_engine_tests:~[gguf]"
 if [ "$(left)" -gt 240 ]; then
   seeded_pack qwen3-30b-a3b $F/q3.moepack || exit 1
 fi

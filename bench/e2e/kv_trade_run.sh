@@ -26,25 +26,9 @@ export MOE_TEST_DATA=$PWD/tests/data
 say "start on $(nvidia-smi -L | head -1)"
 F=/dev/shm/e2e-kvt
 mkdir -p $F
-if ! is_done unpack; then
-  tar xJf .device-build/payload.tar.xz -C $W &&
-    { [ -f models/demo-moe/model.safetensors ] || xz -dc .device-build/demo.safetensors.xz >models/demo-moe/model.safetensors; } &&
-    mark unpack
-fi
-BIN=$W/payload/bin
-TOK=$W/payload/tokenizer
-for t in moe_residency_tests moe_kernels_cuda_tests moe_cuda_engine_tests; do
-  is_done test-$t && continue
-  [ "$(left)" -gt 200 ] || break
-  say "$t"
-  filter=""
-  [ $t = moe_cuda_engine_tests ] && filter="~[gguf]"  # tests/data/gguf stays here
-  [ $t = moe_kernels_cuda_tests ] && filter="[kv]"
-  (timeout $(( $(left) - 30 )) $BIN/$t $filter) >$W/logs/tests-$t.log 2>&1
-  rc=$?
-  grep -E "^(test cases|assertions)|FAILED|passed|KV trade" $W/logs/tests-$t.log | tail -6
-  [ $rc = 0 ] && mark test-$t || say "$t exited $rc"
-done
+unpack_payload
+# tests/data/gguf stays here: not the GGUF cases
+GREP_EXTRA="KV trade" gpu_tests moe_residency_tests "moe_kernels_cuda_tests:[kv]" "moe_cuda_engine_tests:~[gguf]"
 if [ "$(left)" -gt 240 ]; then
   seeded_pack qwen3-30b-a3b $F/q3.moepack || exit 1
 fi

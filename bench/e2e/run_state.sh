@@ -8,6 +8,12 @@
 #   seeded_pack SHAPE OUT   stage `pack`: a seeded random-weight HF folder of
 #             SHAPE (bench/gpu/make_checkpoint.py, tokenizer from $TOK) made
 #             into our packed file OUT by $BIN/moe convert, the folder removed
+#   unpack_payload   stage `unpack`: .device-build/payload.tar.xz into $W (bin/
+#             and tokenizer/: BIN and TOK), the demo model's weights from
+#             .device-build/demo.safetensors.xz where the tree lacks them
+#   gpu_tests T[:FILTER] ...   stage `test-T` each: $BIN/T with its Catch
+#             filter into $W/logs/tests-T.log, its summary lines said
+#             (GREP_EXTRA: more lines of the log to show)
 mkdir -p "$W/state" "$W/logs"
 out=${OUT:-$W/out}
 mkdir -p "$out"
@@ -28,4 +34,29 @@ seeded_pack() {  # shape out
   tail -2 $W/logs/convert.log
   rm -rf "$hf"
   mark pack
+}
+unpack_payload() {
+  if ! is_done unpack; then
+    tar xJf .device-build/payload.tar.xz -C "$W" &&
+      { [ -f models/demo-moe/model.safetensors ] ||
+        xz -dc .device-build/demo.safetensors.xz >models/demo-moe/model.safetensors; } &&
+      mark unpack
+  fi
+  BIN=$W/payload/bin
+  TOK=$W/payload/tokenizer
+}
+gpu_tests() {  # T[:FILTER] ...
+  local spec t filter rc
+  for spec in "$@"; do
+    t=${spec%%:*}
+    filter=""
+    [ "$spec" != "$t" ] && filter=${spec#*:}
+    is_done "test-$t" && continue
+    [ "$(left)" -gt 200 ] || break
+    say "$t $filter"
+    (timeout $(($(left) - 30)) "$BIN/$t" $filter) >"$W/logs/tests-$t.log" 2>&1
+    rc=$?
+    grep -E "^(test cases|assertions)|FAILED|passed${GREP_EXTRA:+|$GREP_EXTRA}" "$W/logs/tests-$t.log" | tail -6
+    [ $rc = 0 ] && mark "test-$t" || say "$t exited $rc"
+  done
 }
