@@ -340,6 +340,9 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     m.predictor = std::make_unique<ExpertPredictor>(m.n_moe_layers, m.n_experts);
     m.bound.resize(size_t(m.n_moe_layers));
     MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.on_gpu_host), size_t(m.n_moe_layers) * m.n_experts));
+    MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.guess_ids_host), size_t(cuda::kGemvMaxTokens) * m.top_k * 4));
+    for (int l = 0; l < d.n_layers; ++l)
+      if (d.moe_layer_index(l) >= 0) m.layer_of_moe.push_back(l);
     if (!m.all_resident && opts.host_experts != HostShareMode::off) {
       // Copy mode splits a layer's misses on the host's clock; streamed
       // passes hand the host its share through mapped memory.

@@ -34,6 +34,7 @@ struct CudaExpertStats {
   int64_t islands_start = 0;   // the start's plan
   uint64_t kv_grows = 0, kv_give_backs = 0;  // the KV cache taking islands, giving them back
   uint64_t kv_islands_taken = 0;             // residents evicted for it
+  uint64_t router_guesses = 0;  // copy-mode layers whose prefetch took the next router's guess
   bool all_resident = false;
   std::string dense_weights = "bf16";  // the non-expert matrices' dtype: bf16, int8 or int4
   std::string kv_dtype = "bf16";       // the KV cache's rows: bf16, int8 or fp8

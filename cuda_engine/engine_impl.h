@@ -268,6 +268,7 @@ struct CudaEngine::Impl {
   int32_t* split_ids = nullptr;          // [8, top_k] device (workspace)
   std::vector<HostPair> host_pairs;      // this layer's, when bind_experts split it
   uint64_t host_experts_served = 0, host_expert_tokens = 0;
+  uint64_t router_guesses = 0;  // layers whose prefetch took the next router's guess
 
   // ---- Streamed misses (budget mode, decode; docs/cuda-worker.md)
   // The pass in flight reads every expert through blob_tables: an island
@@ -396,7 +397,7 @@ struct CudaEngine::Impl {
     if (saved_host) (void)cudaFreeHost(saved_host);
     if (masks_host) (void)cudaFreeHost(masks_host);
     for (void* p : {static_cast<void*>(xn_host), static_cast<void*>(rw_host), static_cast<void*>(hsum_host),
-                    static_cast<void*>(split_ids_host)})
+                    static_cast<void*>(split_ids_host), static_cast<void*>(guess_ids_host)})
       if (p) (void)cudaFreeHost(p);
     share.reset();  // its threads stop before the memory they read goes
     for (void* p : {static_cast<void*>(share_host), static_cast<void*>(pass_host), static_cast<void*>(on_gpu_host)})
@@ -430,6 +431,18 @@ struct CudaEngine::Impl {
   // to the host); `meanwhile` enqueues GPU work that does not depend on the
   // routed experts while the host waits for the routes.
   Status bind_experts(int ml, int n, const std::function<Status()>& meanwhile);
+  // Copy mode, decode: the next MoE layer's router on this layer's residual
+  // after attention (its own MLP norm first), top-k per token, on its way
+  // to guess_ids_host before bind_experts waits for the routes; bind_experts
+  // then prefetches those instead of the transition table's guesses
+  // (docs/expert-prediction.md, "Layer-ahead prediction").
+  Status guess_next_layer(int ml, int n);
+  float* guess_logits = nullptr;      // [8, n_experts] workspace
+  float* guess_w = nullptr;           // [8, top_k] workspace
+  int32_t* guess_ids = nullptr;       // [8, top_k] workspace
+  int32_t* guess_ids_host = nullptr;  // [8, top_k] pinned
+  int guess_tokens = 0;               // tokens whose guesses guess_ids_host holds for the next layer (0: none)
+  std::vector<int> layer_of_moe;      // [n_moe_layers]: the model layer of each MoE layer
   Status release_experts(int ml);
   Status start_host_experts();
   std::vector<std::vector<int>> bound;  // [n_moe_layers] experts pinned for the layer's kernels

@@ -22,6 +22,8 @@ enum class MissMode { stream, copy };
 enum class EvictionKind { lru, lfu, ours };
 // --kv-dtype: auto resolves per engine (docs/kv-cache.md).
 enum class KvDtypeChoice { automatic, bf16, int8, fp8 };
+// Where copy mode's layer-ahead prefetch takes its guesses (docs/expert-prediction.md).
+enum class PrefetchGuess { router, transition };
 
 // The spelling of each choice on a command line.
 template <class E>
@@ -52,6 +54,12 @@ struct ChoiceNames<KvDtypeChoice> {
   static constexpr std::pair<const char*, KvDtypeChoice> all[] = {
       {"auto", KvDtypeChoice::automatic}, {"bf16", KvDtypeChoice::bf16}, {"int8", KvDtypeChoice::int8},
       {"fp8", KvDtypeChoice::fp8}};
+};
+
+template <>
+struct ChoiceNames<PrefetchGuess> {
+  static constexpr std::pair<const char*, PrefetchGuess> all[] = {
+      {"router", PrefetchGuess::router}, {"transition", PrefetchGuess::transition}};
 };
 
 template <class E>
@@ -111,6 +119,9 @@ struct CudaEngineOptions {
   int max_context = 0;        // 0: the model's max_position (capped at 32768)
   EvictionKind policy = EvictionKind::ours;  // which resident expert leaves its island
   bool prefetch = true;         // budget mode: hint the next layer's predicted experts
+  // Copy mode's decode guesses for the next layer: its router on this
+  // layer's state (router), or the learned layer-to-layer table (transition).
+  PrefetchGuess prefetch_guess = PrefetchGuess::router;
   bool graphs = true;           // resident mode: replay decode steps as CUDA graphs
   int fuse_max_tokens = 4;      // up to this many tokens RMSNorm / SiLU are folded into the GEMVs (0..8)
   int q4_group = 64;            // quantising a checkpoint whose experts are not INT4 yet

@@ -69,13 +69,41 @@ Status CudaEngine::Impl::bind_experts(int ml, int n, const std::function<Status(
     std::iota(all.begin(), all.end(), 0);
     return arena->prefetch(*map, (ml + 1) % n_moe_layers, all, HintPriority::prefetch);
   }
-  // The next MoE layer's likely experts, copied while this one computes.
+  // The next MoE layer's likely experts, copied while this one computes:
+  // its router's choice on this layer's state when guess_next_layer made
+  // one, else the transition table's.
   std::vector<int> guess;
-  for (int t = 0; t < n; ++t)
-    for (int e : predictor->predict_next(ml, row(t)))
-      if (std::find(guess.begin(), guess.end(), e) == guess.end()) guess.push_back(e);
+  auto add = [&](int e) {
+    if (e >= 0 && e < n_experts && std::find(guess.begin(), guess.end(), e) == guess.end()) guess.push_back(e);
+  };
+  if (guess_tokens == n) {
+    for (int i = 0; i < n * top_k; ++i) add(guess_ids_host[i]);
+    ++router_guesses;
+  } else {
+    for (int t = 0; t < n; ++t)
+      for (int e : predictor->predict_next(ml, row(t))) add(e);
+  }
+  guess_tokens = 0;
   if (guess.empty()) return {};
   return arena->prefetch(*map, (ml + 1) % n_moe_layers, guess, HintPriority::prefetch);
+}
+
+Status CudaEngine::Impl::guess_next_layer(int ml, int n) {
+  guess_tokens = 0;
+  // Prompts prefetch the whole next layer (bind_experts); the last layer's
+  // next is the next token's first, which this state does not foretell.
+  if (!opts.prefetch || opts.prefetch_guess != PrefetchGuess::router || n > cuda::kGemvMaxTokens ||
+      ml + 1 >= n_moe_layers || size_t(n) * top_k >= 4 * size_t(n_experts))
+    return {};
+  const DevLayer& next = layers[size_t(layer_of_moe[size_t(ml + 1)])];
+  const DenseW router = next.router_row >= 0 ? next.mlp_gu_w.slice(next.router_row, n_experts) : next.router_w;
+  if (!router) return {};
+  MOE_TRY(gemv_rmsnorm(router, x, next.post_norm, nullptr, guess_logits, n));
+  MOE_TRY(cuda::router_topk(guess_logits, n, n_experts, top_k, d.moe.norm_topk_prob, d.moe.routed_scaling, guess_ids,
+                            guess_w, st));
+  MOE_CUDA_TRY(cudaMemcpyAsync(guess_ids_host, guess_ids, size_t(n) * top_k * 4, cudaMemcpyDeviceToHost, st));
+  guess_tokens = n;
+  return {};
 }
 
 // One expert blob over the link, µs (the best of four copies into island 0,
@@ -174,6 +202,7 @@ CudaExpertStats CudaEngine::expert_stats() const {
   s.kv_grows = m.kv_grows;
   s.kv_give_backs = m.kv_shrinks;
   s.kv_islands_taken = m.kv_islands_taken;
+  s.router_guesses = m.router_guesses;
   s.all_resident = m.all_resident;
   s.dense_weights = dense_name(m.dense);
   s.kv_dtype = m.kv_dtype == KvDtype::bf16 ? "bf16" : m.kv_dtype == KvDtype::int8 ? "int8" : "fp8";

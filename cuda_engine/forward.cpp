@@ -111,6 +111,7 @@ Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, 
   }
   // Under a budget the layer's experts are pinned from bind_experts on; they
   // are released whatever happens after, a failure included.
+  MOE_TRY(guess_next_layer(ml, n));
   Status s = bind_experts(ml, n, shared);
   if (s) s = routed_experts(ml, n, ids);
   const Status r = release_experts(ml);

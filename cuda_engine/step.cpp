@@ -14,8 +14,10 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
   const Status checked =
       check_step_inputs(inputs, *m.kv_pool, d.vocab_size, m.max_context, m.kv_growable(), &net_blocks);
   if (!checked.ok()) return make_error(checked.error());
-  m.kv_pool->release_restarts(inputs);
+  // The net counts the restarts' blocks as given back: grow against the
+  // free count before they are (and before anything changes).
   if (net_blocks > m.kv_pool->free()) MOE_TRY(m.grow_kv(net_blocks - m.kv_pool->free()));
+  m.kv_pool->release_restarts(inputs);
   // Fresh prompts that start with cached blocks compute only the rest.
   std::vector<SeqInput> reused;
   std::vector<int> skipped;

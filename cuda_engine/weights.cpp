@@ -260,6 +260,9 @@ void CudaEngine::Impl::carve_workspace(Carver& c) {
     if (grouped_ok) grouped_ws = c.take<uint8_t>(grouped_ws_bytes);
     hsum = c.take<float>(size_t(cuda::kGemvMaxTokens) * hidden);
     split_ids = c.take<int32_t>(size_t(cuda::kGemvMaxTokens) * top_k);
+    guess_logits = c.take<float>(size_t(cuda::kGemvMaxTokens) * n_experts);
+    guess_w = c.take<float>(size_t(cuda::kGemvMaxTokens) * top_k);
+    guess_ids = c.take<int32_t>(size_t(cuda::kGemvMaxTokens) * top_k);
     on_gpu = c.take<uint8_t>(size_t(n_moe_layers) * n_experts);
     share_rows = c.take<uint16_t>(size_t(kShareMaxTokens) * top_k + 1);
     share_split = c.take<int32_t>(size_t(kShareMaxTokens) * top_k);

@@ -103,6 +103,14 @@ int KvBlockPool::length(uint64_t seq) const {
   return it == seqs_.end() ? -1 : it->second.length;
 }
 
+int KvBlockPool::freed_by_release(uint64_t seq) const {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end()) return 0;
+  int n = 0;
+  for (int32_t b : it->second.blocks) n += refs_[size_t(b)] == 1;
+  return n;
+}
+
 int KvBlockPool::owned(uint64_t seq) const {
   auto it = seqs_.find(seq);
   return it == seqs_.end() ? 0 : int(it->second.blocks.size());
@@ -262,7 +270,8 @@ Admission StepAdmission::check(const SeqInput& in, int* net_blocks) {
     return {Refusal::context_exceeded,
             std::to_string(end) + " tokens exceed the context of " + std::to_string(max_context_)};
   const int owned = pool_.owned(in.seq_id), need = pool_.blocks_for(int(end));
-  *net_blocks = in.start_pos == 0 ? need - owned : std::max(0, need - owned);
+  // A restart gives back only the blocks no other sequence shares.
+  *net_blocks = in.start_pos == 0 ? need - pool_.freed_by_release(in.seq_id) : std::max(0, need - owned);
   return {};
 }
 

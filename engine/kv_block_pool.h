@@ -35,6 +35,9 @@ class KvBlockPool {
   int sequences() const { return int(seqs_.size()); }  // those holding tokens
   int length(uint64_t seq) const;  // tokens held, -1 when the sequence is unknown
   int owned(uint64_t seq) const;   // blocks held, 0 when unknown
+  // The blocks release(seq) would make free (or cached): those no other
+  // sequence shares.
+  int freed_by_release(uint64_t seq) const;
   const std::vector<int32_t>& table(uint64_t seq) const;  // its block table (empty when unknown)
 
   // The sequence now holds `end` tokens written from `start_pos` (0: what it

@@ -26,7 +26,8 @@ struct LookaheadLayer {
   double after_attention_prev_2k = 0;  // the same with 2k guesses
   double entering = 0;                 // from the residual entering layer t (during t's attention)
   double two_ahead = 0;                // from layer t−2's residual after its attention
-  double transition = 0;               // the transition table on layer t−1's true experts
+  double transition = 0;               // the transition table on the previous MoE layer's true experts
+                                       // (none for the first MoE layer)
   double frequency = 0;                // layer t's most used experts so far
 };
 

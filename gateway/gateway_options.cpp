@@ -72,7 +72,7 @@ const std::vector<Numeric>& numeric_options() {
 
 const char* const kTextOptions[] = {"--model",  "--worker",       "--fallback-worker", "--worker-arg", "--host",
                                     "--api-key", "--api-key-file", "--served-model-name", "--redis",
-                                    "--redis-password-file", "--predict", "--grouped-batching",
+                                    "--redis-password-file", "--predict", "--grouped-batching", "--experts-page",
                                     "--keys-file", "--request-priority", "--trusted-proxy"};
 
 bool takes_value(const std::string& name) {
@@ -181,6 +181,10 @@ std::string gateway_usage() {
          "  --max-step-tokens N       tokens in one worker step, decode and prefill chunks\n"
          "                            together (default 256): larger favours throughput,\n"
          "                            smaller the latency of running streams\n"
+         "  --experts-page on|off     GET /experts, a live page of the experts per worker and layer, and\n"
+         "                            /experts.json (default on; behind the API key, which a browser may\n"
+         "                            send as the Basic password; while watched, steps report each\n"
+         "                            sequence's expert use, docs/experts-page.md)\n"
          "  --predict on|off          expert prediction (default on): each prompt is hashed\n"
          "                            (mean input embedding, LSH) to a bucket whose experts are\n"
          "                            learned from the workers' routing summaries (from Redis\n"
@@ -262,10 +266,13 @@ Result<GatewayCommandLine> parse_gateway_args(const std::vector<std::string>& ar
       o.redis_url = value;
     } else if (name == "--redis-password-file") {
       o.redis_password_file = value;
-    } else if (name == "--predict" || name == "--grouped-batching" || name == "--request-priority") {
+    } else if (name == "--predict" || name == "--grouped-batching" || name == "--request-priority" ||
+               name == "--experts-page") {
       if (value != "on" && value != "off") return make_error("option " + name + " needs on or off, got '" + value + "'");
-      (name == "--predict" ? o.predict : name == "--grouped-batching" ? o.grouped_batching : o.request_priority) =
-          value == "on";
+      (name == "--predict"            ? o.predict
+       : name == "--grouped-batching" ? o.grouped_batching
+       : name == "--experts-page"     ? o.experts_page
+                                      : o.request_priority) = value == "on";
     } else if (name == "--keys-file") {
       o.keys_file = value;
     } else if (name == "--trusted-proxy") {

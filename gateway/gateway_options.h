@@ -47,6 +47,7 @@ struct GatewayOptions {
   uint64_t session_ttl_s = 24 * 3600;             // --session-ttl-s
   // Expert prediction (docs/expert-prediction.md).
   bool predict = true;                     // --predict on|off
+  bool experts_page = true;                // --experts-page on|off
   bool grouped_batching = true;            // --grouped-batching on|off
   int lsh_bits = 12;                       // --lsh-bits
   uint64_t lsh_seed = 1;                   // --lsh-seed

@@ -196,6 +196,7 @@ int main(int argc, char** argv) {
     api_opts.keys = std::move(kf.value());
   }
   api_opts.allow_request_priority = opts.request_priority;
+  api_opts.experts_page = opts.experts_page;
   api_opts.trusted_proxies = opts.trusted_proxies;
   api_opts.overload_queue_depth = opts.overload_queue_depth;
   api_opts.overload_wait_ms = opts.overload_wait_ms;

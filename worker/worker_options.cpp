@@ -54,7 +54,7 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
                                           "--max-step-tokens", "--expert-policy", "--prefetch", "--dense-weights",
                                           "--host-experts", "--misses", "--routing", "--prefix-cache",
                                           "--warm-profile", "--save-profile", "--save-profile-every-s", "--kv-dtype",
-                                          "--kv-trade", "--kv-give-back-s"};
+                                          "--kv-trade", "--kv-give-back-s", "--prefetch-guess"};
     bool known = false;
     for (const char* k : kValued) known = known || name == k;
     if (!known) return make_error("unknown option '" + a + "' (see --help)");
@@ -117,6 +117,8 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
       o.cpu.kv_dtype = o.cuda.kv_dtype == KvDtypeChoice::int8  ? KvDtype::int8
                        : o.cuda.kv_dtype == KvDtypeChoice::fp8 ? KvDtype::fp8
                                                                : KvDtype::bf16;
+    } else if (name == "--prefetch-guess") {
+      if (!choose(o.cuda.prefetch_guess)) return make_error(refusal);
     } else if (name == "--kv-trade") {
       if (value != "on" && value != "off") return make_error("option --kv-trade takes on or off, got '" + value + "'");
       o.cuda.kv_trade = value == "on";
@@ -187,6 +189,9 @@ std::string worker_usage() {
          "  --max-step-tokens N     tokens per forward pass; larger steps run as several (cuda, default 512)\n"
          "  --expert-policy P       expert eviction under a budget: lru, lfu or ours (cuda, default ours)\n"
          "  --prefetch on|off       copy the next layer's predicted experts ahead (cuda, default on)\n"
+         "  --prefetch-guess G      what predicts them in decode: router (the next layer's router on this\n"
+         "                          layer's state, default) or transition (a table learned from the layers'\n"
+         "                          routing); copy mode (cuda)\n"
          "  --dense-weights W       non-expert matrices: bf16, int8 (per-row scales), int4 (groups of 64;\n"
          "                          matrices holding router rows, lm_head and widths int4 cannot take stay\n"
          "                          int8), or auto (default): bf16 when every expert stays resident within\n"

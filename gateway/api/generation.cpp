@@ -343,7 +343,10 @@ void Generation::complete() {
     reply.finish_reason = c0.finish_reason;
     // The session's store answers first (a next turn sent to another host
     // must find this one), then the response ends.
-    ctx_.on_complete(reply, [self = shared_from_this()] { self->finish_response(); });
+    ctx_.on_complete(reply, [self = shared_from_this()] {
+      // Run from the store's Redis reply: a failure is still this response's.
+      if (!last_resort("a response's end", [&] { self->finish_response(); })) self->internal_failure("a response's end");
+    });
     return;
   }
   finish_response();

@@ -78,7 +78,7 @@ std::string OpenAiApi::new_id(const char* prefix) {
   return id;
 }
 
-int OpenAiApi::key_index(const HttpRequest& req) const {
+int OpenAiApi::key_index(const HttpRequest& req, bool basic) const {
   const std::string* h = req.header("authorization");
   if (!h || h->size() < 7) return -1;
   std::string scheme = h->substr(0, 7);
@@ -86,8 +86,10 @@ int OpenAiApi::key_index(const HttpRequest& req) const {
   std::string key;
   if (scheme == "bearer ") {
     key = h->substr(7);
-  } else if (scheme.substr(0, 6) == "basic ") {
-    // A browser's login (the experts page): any user name, the key as the password.
+  } else if (basic && scheme.substr(0, 6) == "basic ") {
+    // A browser's login, for the experts page only: any user name, the key
+    // as the password. Elsewhere it would let any other site's page post
+    // with the browser's cached login.
     auto pw = basic_auth_password(std::string_view(*h).substr(6));
     if (!pw) return -1;
     key = std::move(*pw);
@@ -148,14 +150,18 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
     route = {kDetokenize, "POST"};
   } else if (path == kDebugExperts && opts_.predictor) {
     route = {kDebugExperts, "POST"};
-  } else if ((path == kExperts || path == kExpertsJson) && scheduler_->expert_view()) {
+  } else if ((path == kExperts || path == kExpertsJson) && opts_.experts_page && scheduler_->expert_view()) {
     route = {path == kExperts ? kExperts : kExpertsJson, "GET"};
   }
   // The key first: without it nothing, not even which routes exist, is told
   // (but for the experts page's two paths, whose challenge lets a browser log in).
   Caller caller;
   if (route.endpoint != kHealth && !keys_.empty()) {
-    const int k = key_index(req);
+    // A Basic login (a browser's, for the experts page) opens only the page's
+    // paths, and tells a path that does not exist (the browser's favicon);
+    // on an API route it is refused: another site's page could post with it.
+    const bool page = route.endpoint == kExperts || route.endpoint == kExpertsJson;
+    const int k = key_index(req, page || !route.endpoint);
     if (k < 0) {
       HttpResponse r = api_error_response(ApiError{
           401,

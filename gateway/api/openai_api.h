@@ -42,6 +42,7 @@ struct ApiOptions {
   std::vector<std::string> api_keys;  // any one of them opens every endpoint (priority 0, no rate limit)
   std::vector<ApiKeyEntry> keys;      // the keys file's (api_keys.h); no keys at all: no authentication
   bool allow_request_priority = false;  // the body's `priority` may set a request's priority
+  bool experts_page = true;             // GET /experts and /experts.json (else 404)
   // Balancers whose X-Forwarded-For names the client (a keyless caller's address).
   std::vector<std::string> trusted_proxies;
   // Overload (docs/operations.md): past either bound (0: off) new requests
@@ -95,7 +96,9 @@ class OpenAiApi final : public HttpHandler {
   void reply(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint, HttpResponse r);
   void reply_error(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint, const ApiError& e);
   // The index of the key the request carries, -1 for none or a wrong one.
-  int key_index(const HttpRequest& req) const;
+  // The key's index, or -1. `basic`: an HTTP Basic password counts too (the
+  // experts page's browser login); elsewhere only a Bearer token does.
+  int key_index(const HttpRequest& req, bool basic = false) const;
   std::string new_id(const char* prefix);
 
   ApiOptions opts_;

@@ -34,7 +34,9 @@ class ExpertView {
 
   // A page asked at `now_ms`; true while one did within kWatchMs.
   void watch(uint64_t now_ms) { watched_ms_ = now_ms; }
-  bool watched(uint64_t now_ms) const { return watched_ms_ != 0 && now_ms - watched_ms_ <= kWatchMs; }
+  // (The page's fetch and the scheduler read two monotonic clocks in ms: a
+  // watch a moment "ahead" of now counts as now.)
+  bool watched(uint64_t now_ms) const { return watched_ms_ != 0 && now_ms <= watched_ms_ + kWatchMs; }
 
   // One step result's expert use on `worker` ([moe layer * n_experts +
   // expert] tokens, as the step reply carries it).

@@ -32,7 +32,7 @@ canvas{background:#fff;border:1px solid #ddd;margin-right:12px}
 <div id="workers"></div>
 <script>
 "use strict";
-const workers = {};
+const workers = [];  // by position in the data
 function el(tag, cls, parent) { const e = document.createElement(tag); if (cls) e.className = cls; if (parent) parent.appendChild(e); return e; }
 function heat(v, max) {
   const t = Math.min(1, Math.log1p(v) / Math.log1p(Math.max(max, 1)));
@@ -50,10 +50,11 @@ function chart(cv, pts, label, fmt) {
   pts.forEach((p, i) => { if (p == null) return; const x = W * i / Math.max(1, pts.length - 1), y = H - 4 - (H - 20) * p / max; i ? g.lineTo(x, y) : g.moveTo(x, y); });
   g.stroke();
 }
-function draw(w) {
-  let k = workers[w.name];
+function draw(w, index) {
+  let k = workers[index];
   const L = w.moe_layers.length, E = w.n_experts;
-  if (!k || k.cells.length !== L * E) {
+  if (!k || k.cells.length !== L * E || k.name !== w.name) {
+    if (k) k.box.remove();
     const box = el("section", "worker", document.getElementById("workers"));
     box.dataset.worker = w.name;
     el("h2", "", box).textContent = "worker " + w.name;
@@ -72,7 +73,7 @@ function draw(w) {
       c.title = "layer " + w.moe_layers[Math.floor(i / E)] + ", expert " + (i % E);
       cells.push(c);
     }
-    k = workers[w.name] = {box, figs, hit, bpt, map, cells};
+    k = workers[index] = {name: w.name, box, figs, hit, bpt, map, cells};
   }
   const maxHot = Math.max(0, ...w.hot);
   let counts = {r: 0, h: 0, p: 0, m: 0};
@@ -102,6 +103,8 @@ async function tick() {
     if (!r.ok) throw new Error("HTTP " + r.status);
     const d = await r.json();
     d.workers.forEach(draw);
+    // Workers gone from the data (down) leave the page.
+    while (workers.length > d.workers.length) workers.pop().box.remove();
     const s = document.getElementById("status");
     s.textContent = "updated " + new Date().toLocaleTimeString() + (d.workers.length ? "" : " (no worker yet)");
     s.dataset.updates = String(Number(s.dataset.updates || 0) + 1);

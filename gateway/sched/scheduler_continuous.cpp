@@ -319,6 +319,7 @@ void ContinuousScheduler::on_ready(size_t w, const pr::Hello& h) {
 
 void ContinuousScheduler::on_down(size_t w, bool unresponsive) {
   Worker& wk = workers_[w];
+  expert_view_.drop_worker(w);  // its map goes with it; its next hello brings it back
   // Our own child gone silent (frozen, or stuck in a kernel) would never
   // come back by itself: it is killed, and the supervisor restarts it.
   if (unresponsive && supervisor_ && supervisor_->socket_path() == wk.link->socket_path())

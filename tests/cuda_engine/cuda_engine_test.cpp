@@ -28,6 +28,7 @@
 #include "model/packed_model.h"
 #include "model/safetensors.h"
 #include "tests/cuda_skip.h"
+#include "tests/reference_tensors.h"
 #include "tests/model/quantized_checkpoint_writer.h"
 #include "tests/model/safetensors_writer.h"
 
@@ -877,6 +878,53 @@ TEST_CASE("cuda engine: KV outgrowing its start takes islands, gives them back w
     CHECK(small->kv_blocks_total() == 2);
     CHECK(small->kv_pool().sequences() == 0);
   }
+}
+
+TEST_CASE("cuda engine: copy mode's layer-ahead guesses from the next router beat the transition table, outputs "
+          "unchanged", "[cuda][engine][prefetch]") {
+  SKIP_WITHOUT_GPU();
+  const std::string path = packed("demo-moe");
+  const Resident r = resident(path);
+  const int E = r.E;
+  const int V = r.engine->desc().vocab_size;
+  std::map<std::string, CudaExpertStats> by;
+  for (const char* guess : {"router", "transition"}) {
+    INFO("guess " << guess);
+    CudaEngineOptions o;
+    o.misses = MissMode::copy;
+    o.prefetch = true;
+    o.prefetch_guess = parse_choice<PrefetchGuess>(guess).value();
+    o.host_experts = HostShareMode::off;
+    o.dense_weights = DenseWeights::bf16;
+    o.host_embedding = false;
+    o.kv_trade = false;
+    o.arena_budget = r.budget_for(E + E / 3);
+    auto small = cuda_engine(path, o);
+    // The demo's held-out text: its router's real routing (random prompts
+    // would route near uniformly).
+    auto ref = Checkpoint::open_file(data_dir() + "/../../models/demo-moe/reference.safetensors");
+    REQUIRE(ref.ok());
+    auto ids = test::ints(*ref->find("eval.ids"));
+    REQUIRE(ids.size() >= 200);
+    const std::vector<int32_t> a(ids.begin(), ids.begin() + 40), b(ids.begin() + 100, ids.begin() + 130);
+    side_by_side(*r.engine, *small, {a, b}, 48, [](int, size_t, const SeqOutput& x, const SeqOutput& y) {
+      CHECK(x.token == y.token);
+      CHECK(x.logprob == y.logprob);
+    });
+    by[guess] = small->expert_stats();
+    const CudaExpertStats& st = by[guess];
+    std::printf("cuda engine copy mode, prefetch guesses from %s: %llu layers guessed by the router, %llu "
+                "prefetched, %llu of them used, misses %llu, hits %llu\n",
+                guess, (unsigned long long)st.router_guesses, (unsigned long long)st.residency.prefetches,
+                (unsigned long long)st.residency.prefetch_used, (unsigned long long)st.residency.misses,
+                (unsigned long long)st.residency.hits);
+  }
+  CHECK(by["router"].router_guesses > 0);
+  CHECK(by["transition"].router_guesses == 0);
+  const auto used = [](const CudaExpertStats& s) {
+    return s.residency.prefetches ? double(s.residency.prefetch_used) / double(s.residency.prefetches) : 0.0;
+  };
+  CHECK(used(by["router"]) > used(by["transition"]));
 }
 
 TEST_CASE("cuda engine: misses computed on the host as well as copied or streamed match the resident run",

@@ -251,3 +251,32 @@ TEST_CASE("KvBlockPool's grown top empties once its sequences end, whatever ran 
   CHECK(pool.shrink_free_tail(8, 4) == 8);
   CHECK(pool.free() == 4);
 }
+
+TEST_CASE("A restart is credited only the blocks it does not share with another sequence", "[kv][kv_pool][prefix]") {
+  KvBlockPool pool(4, 4);
+  const std::vector<int32_t> prompt = {1, 2, 3, 4, 5, 6, 7, 8};
+  pool.extend(1, 0, 8, prompt);  // 2 whole blocks, hashed
+  pool.release(1);               // cached
+  std::vector<SeqInput> again{input(2, 8, 0)};
+  again[0].tokens = prompt;
+  std::vector<SeqInput> rewritten;
+  std::vector<int> skipped;
+  auto in = pool.reuse_prefixes(again, &rewritten, &skipped);
+  for (const SeqInput& s : in) pool.extend(s.seq_id, s.start_pos, s.start_pos + int(s.tokens.size()), s.tokens);
+  REQUIRE(pool.owned(2) == 2);
+  std::vector<SeqInput> third{input(3, 8, 0)};
+  third[0].tokens = prompt;
+  in = pool.reuse_prefixes(third, &rewritten, &skipped);
+  for (const SeqInput& s : in) pool.extend(s.seq_id, s.start_pos, s.start_pos + int(s.tokens.size()), s.tokens);
+  REQUIRE(pool.owned(3) == 2);  // its first block shared with sequence 2 (the last is computed again)
+  CHECK(pool.freed_by_release(3) == 1);
+  CHECK(pool.free() == 1);
+  // Sequence 3 restarting with 12 tokens needs 3 blocks; the one it shares
+  // stays held, so it gives back 1: 2 net (crediting all it owns said 1,
+  // and the step would have run out of blocks).
+  int net = 0;
+  const std::vector<SeqInput> step{input(3, 12, 0)};
+  const Status s = check_step_inputs(step, pool, 10, 64, 0, &net);
+  CHECK(net == 2);
+  CHECK_FALSE(s.ok());
+}

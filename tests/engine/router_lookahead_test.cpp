@@ -44,7 +44,7 @@ TEST_CASE("router lookahead: the router on its own input is its choice; one laye
       CHECK(v >= 0.0);
       CHECK(v <= 1.0);
     }
-    if (s.layer < 1) continue;
+    if (s.layer < 1 || s.layer == la.layers().front().layer) continue;  // no previous layer / MoE layer
     prev += s.after_attention_prev;
     transition += s.transition;
     frequency += s.frequency;

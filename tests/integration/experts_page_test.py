@@ -9,7 +9,8 @@ gateway with an API key, and headless Chromium reading the page:
      screenshot is taken (kept as experts-page-under-load.png);
   4. under a second, different load (English prose) the rendered heat map
      has changed;
-  5. the hit-rate series carries values in [0, 1].
+  5. the hit-rate series carries values in [0, 1];
+  6. with --experts-page off neither path exists.
 Needs chromium (deploy/test.sh installs it).
 """
 import base64
@@ -122,6 +123,12 @@ def main():
         st, hd, body = get(port, "/experts", {"Authorization": basic})
         check(st == 200 and hd.get("Content-Type", "").startswith("text/html") and b"experts.json" in body,
               f"/experts with the key as the Basic password: the page (got {st})")
+        # Only the page takes the browser's login: elsewhere another site's page
+        # could post with it.
+        st, _, _ = get(port, "/v1/models", {"Authorization": basic})
+        check(st == 401, f"/v1/models with the key as a Basic password: 401 (got {st})")
+        st, _, _ = get(port, "/v1/models", {"Authorization": "Bearer " + KEY})
+        check(st == 200, f"/v1/models with the Bearer key: 200 (got {st})")
         wrong = "Basic " + base64.b64encode(b"anyone:not-the-key").decode()
         st, _, _ = get(port, "/experts", {"Authorization": wrong})
         check(st == 401, f"/experts with a wrong Basic password: 401 (got {st})")
@@ -195,6 +202,13 @@ def main():
         hot2 = {k for k, c in other.items() if "h" in c}
         check(len(hot2) > 0 and hot2 != hot,
               f"a second load of other text: the heat map changed ({len(hot ^ hot2)} cells differ)")
+
+        # 6. --experts-page off: neither path exists.
+        off = cl.start_gateway([cl.start_worker("worker2", redis=False)], redis=False, name="gateway2",
+                               extra=["--keys-file", keys, "--experts-page", "off"])
+        st, _, _ = get(off, "/experts", {"Authorization": basic})
+        st2, _, _ = get(off, "/experts.json", {"Authorization": "Bearer " + KEY})
+        check(st == 404 and st2 == 404, f"--experts-page off: 404 for both paths (got {st}, {st2})")
     finally:
         if failures:
             for name in ("gateway", "worker"):

@@ -120,15 +120,22 @@ int cmd_layer_ahead(int argc, char** argv) {
               d.moe.top_k, d.moe.top_k);
   std::printf("%5s  %10s %10s %10s %10s %10s %10s\n", "layer", "prev-attn", "prev-2k", "entering", "two-back",
               "transition", "frequency");
+  // Each figure's mean over the layers it exists for: the previous model
+  // layer's state from model layer 1 on, two back from 2, the transition
+  // from the second MoE layer on (the first MoE layer may be deeper than 0).
   LookaheadLayer mean;
-  int with_prev = 0, with_two = 0;
-  for (const LookaheadLayer& r : rows) {
+  int with_prev = 0, with_two = 0, with_trans = 0;
+  for (size_t m = 0; m < rows.size(); ++m) {
+    const LookaheadLayer& r = rows[m];
     std::printf("%5d  %10.3f %10.3f %10.3f %10.3f %10.3f %10.3f\n", r.layer, r.after_attention_prev,
                 r.after_attention_prev_2k, r.entering, r.two_ahead, r.transition, r.frequency);
     if (r.layer >= 1) {
       ++with_prev;
       mean.after_attention_prev += r.after_attention_prev;
       mean.after_attention_prev_2k += r.after_attention_prev_2k;
+    }
+    if (m >= 1) {
+      ++with_trans;
       mean.transition += r.transition;
     }
     if (r.layer >= 2) {
@@ -138,9 +145,10 @@ int cmd_layer_ahead(int argc, char** argv) {
     mean.entering += r.entering;
     mean.frequency += r.frequency;
   }
-  const double np = std::max(with_prev, 1), nt = std::max(with_two, 1), na = double(rows.size());
+  const double np = std::max(with_prev, 1), nt = std::max(with_two, 1), nx = std::max(with_trans, 1),
+               na = double(rows.size());
   std::printf("%5s  %10.3f %10.3f %10.3f %10.3f %10.3f %10.3f\n", "mean", mean.after_attention_prev / np,
-              mean.after_attention_prev_2k / np, mean.entering / na, mean.two_ahead / nt, mean.transition / np,
+              mean.after_attention_prev_2k / np, mean.entering / na, mean.two_ahead / nt, mean.transition / nx,
               mean.frequency / na);
   if (!json_out.empty()) {
     nlohmann::json j = {{"model", model},       {"text", file},           {"tokens", ids.size()},
