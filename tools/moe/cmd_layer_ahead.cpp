@@ -5,7 +5,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <iterator>
 #include <string>
 #include <vector>
 
@@ -71,12 +70,6 @@ int cmd_layer_ahead(int argc, char** argv) {
     usage(stderr);
     return 2;
   }
-  std::ifstream in(file, std::ios::binary);
-  if (!in) {
-    std::fprintf(stderr, "moe layer-ahead: cannot read %s\n", file.c_str());
-    return 1;
-  }
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   auto files = ModelFiles::open(model);
   if (!files) {
     std::fprintf(stderr, "moe layer-ahead: %s\n", files.error().c_str());
@@ -87,12 +80,12 @@ int cmd_layer_ahead(int argc, char** argv) {
     std::fprintf(stderr, "moe layer-ahead: %s has no MoE layers\n", model.c_str());
     return 1;
   }
-  auto tok = load_tokenizer(model);
-  if (!tok) {
-    std::fprintf(stderr, "moe layer-ahead: %s\n", tok.error().c_str());
+  auto text_ids = text_file_ids(model, file);
+  if (!text_ids) {
+    std::fprintf(stderr, "moe layer-ahead: %s\n", text_ids.error().c_str());
     return 1;
   }
-  std::vector<int32_t> ids = tok.value()->encode(text, /*add_special_tokens=*/true);
+  std::vector<int32_t> ids = std::move(text_ids.value());
   if (ids.size() > size_t(tokens)) ids.resize(size_t(tokens));
   EngineOptions opts;
   opts.threads = threads;

@@ -5,8 +5,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
-#include <iterator>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -73,24 +71,17 @@ int cmd_perplexity(int argc, char** argv) {
     usage(stderr);
     return 2;
   }
-  std::ifstream in(file, std::ios::binary);
-  if (!in) {
-    std::fprintf(stderr, "moe perplexity: cannot read %s\n", file.c_str());
+  auto text_ids = text_file_ids(model, file);
+  if (!text_ids) {
+    std::fprintf(stderr, "moe perplexity: %s\n", text_ids.error().c_str());
     return 1;
   }
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-
+  std::vector<int32_t> ids = std::move(text_ids.value());
   auto files = ModelFiles::open(model);
   if (!files) {
     std::fprintf(stderr, "moe perplexity: %s\n", files.error().c_str());
     return 1;
   }
-  auto tok = load_tokenizer(model);
-  if (!tok) {
-    std::fprintf(stderr, "moe perplexity: %s\n", tok.error().c_str());
-    return 1;
-  }
-  std::vector<int32_t> ids = tok.value()->encode(text, /*add_special_tokens=*/true);
   if (max_ids > 0 && ids.size() > size_t(max_ids)) ids.resize(size_t(max_ids));
 
   EngineOptions opts;

@@ -6,8 +6,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
-#include <iterator>
 #include <string>
 #include <vector>
 
@@ -56,14 +54,11 @@ void usage(FILE* out) {
 }
 
 Result<RoutingProfile> from_text(const std::string& model, const std::string& path, int ctx, int threads) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return make_error("cannot read " + path);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto text_ids = text_file_ids(model, path);
+  if (!text_ids) return make_error(text_ids.error());
+  const std::vector<int32_t>& ids = text_ids.value();
   auto files = ModelFiles::open(model);
   if (!files) return make_error(files.error());
-  auto tok = load_tokenizer(model);
-  if (!tok) return make_error(tok.error());
-  const std::vector<int32_t> ids = tok.value()->encode(text, /*add_special_tokens=*/true);
   if (ids.empty()) return make_error(path + " holds no tokens");
   EngineOptions opts;
   opts.threads = threads;
