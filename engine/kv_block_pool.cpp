@@ -78,6 +78,7 @@ void KvBlockPool::grow(int n) {
 
 int KvBlockPool::shrink_free_tail(int target, int floor) {
   target = std::max({target, floor, 0});
+  bool erased = false;
   while (n_blocks_ > target) {
     const int32_t top = int32_t(n_blocks_ - 1);
     if (refs_[size_t(top)] > 0) break;
@@ -88,13 +89,15 @@ int KvBlockPool::shrink_free_tail(int target, int floor) {
       auto it = std::find(free_.begin(), free_.end(), top);
       if (it == free_.end()) break;  // neither held nor free: taken outside a sequence (take)
       free_.erase(it);
-      std::make_heap(free_.begin(), free_.end(), std::greater<>());
+      erased = true;
     }
     --n_blocks_;
     refs_.pop_back();
     hash_.pop_back();
     cached_at_.pop_back();
   }
+  // The erasures broke the heap's order: rebuilt once, not per block.
+  if (erased) std::make_heap(free_.begin(), free_.end(), std::greater<>());
   return n_blocks_;
 }
 
