@@ -153,6 +153,7 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
   } else if ((path == kExperts || path == kExpertsJson) && opts_.experts_page && scheduler_->expert_view()) {
     route = {path == kExperts ? kExperts : kExpertsJson, "GET"};
   }
+  const bool page = route.endpoint == kExperts || route.endpoint == kExpertsJson;
   // The key first: without it nothing, not even which routes exist, is told
   // (but for the experts page's two paths, whose challenge lets a browser log in).
   Caller caller;
@@ -160,7 +161,6 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
     // A Basic login (a browser's, for the experts page) opens only the page's
     // paths, and tells a path that does not exist (the browser's favicon);
     // on an API route it is refused: another site's page could post with it.
-    const bool page = route.endpoint == kExperts || route.endpoint == kExpertsJson;
     const int k = key_index(req, page || !route.endpoint);
     if (k < 0) {
       HttpResponse r = api_error_response(ApiError{
@@ -169,9 +169,7 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
                                                                          "'Authorization: Bearer KEY'.",
           "invalid_request_error", "", "invalid_api_key"});
       // A browser opening the experts page logs in itself: the key as the password.
-      r.headers.emplace_back("WWW-Authenticate", route.endpoint == kExperts || route.endpoint == kExpertsJson
-                                                     ? "Basic realm=\"moe-gateway\", charset=\"UTF-8\""
-                                                     : "Bearer");
+      r.headers.emplace_back("WWW-Authenticate", page ? "Basic realm=\"moe-gateway\", charset=\"UTF-8\"" : "Bearer");
       reply(ex, route.endpoint ? route.endpoint : "unknown", std::move(r));
       return;
     }
@@ -202,7 +200,7 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
   if (route.endpoint == kModels) return models(ex, path);
   if (route.endpoint == kHealth) return health(ex);
   if (route.endpoint == kDebugExperts) return debug_experts(ex);
-  if (route.endpoint == kExperts || route.endpoint == kExpertsJson) return experts_page(ex, route.endpoint == kExperts);
+  if (page) return experts_page(ex, route.endpoint == kExperts);
   if (route.endpoint == kTokenize)
     return reply(ex, kTokenize, tokenize_response(ex->request().body, *codec_, opts_.served_model_name,
                                                   scheduler_->ready() ? scheduler_->max_context() : 0));

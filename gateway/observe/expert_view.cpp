@@ -84,11 +84,12 @@ void ExpertView::on_stats(size_t w, const protocol::StatsReply& r, uint64_t now_
   if (k->have_counters && r.uptime_ms >= k->last.uptime_ms) {
     Sample s;
     s.t_ms = now_ms;
-    const double hits = double(r.expert_hits - std::min(r.expert_hits, k->last.expert_hits));
-    const double misses = double(r.expert_misses - std::min(r.expert_misses, k->last.expert_misses));
-    const double tokens = double(r.tokens - std::min(r.tokens, k->last.tokens));
-    const double bytes = double((r.bytes_copied + r.bytes_streamed) -
-                                std::min(r.bytes_copied + r.bytes_streamed, k->last.bytes_copied + k->last.bytes_streamed));
+    // A counter's growth since the last reply (never negative).
+    const auto since = [](uint64_t now, uint64_t then) { return double(now - std::min(now, then)); };
+    const double hits = since(r.expert_hits, k->last.expert_hits);
+    const double misses = since(r.expert_misses, k->last.expert_misses);
+    const double tokens = since(r.tokens, k->last.tokens);
+    const double bytes = since(r.bytes_copied + r.bytes_streamed, k->last.bytes_copied + k->last.bytes_streamed);
     s.hit_rate = hits + misses > 0 ? hits / (hits + misses) : -1;
     s.bytes_per_token = tokens > 0 ? bytes / tokens : 0;
     s.tokens_per_s = tokens / dt;
