@@ -712,6 +712,21 @@ void check_stored_qkv(Dev<bf16>& dq, Dev<bf16>& dk, Dev<bf16>& dv, const std::ve
   CHECK(rel_err(gv, rv) < 8e-3);
 }
 
+// qkv_rope_store's arguments every case sets: the inputs, positions and
+// sequences, the RoPE table, the sizes and the q output (bias and norms off).
+moe::cuda::QkvRopeArgs rope_args(const float* qkv, const int32_t* positions, const int32_t* seq_of_token,
+                                 const float* inv_freq, int tokens, int n_heads, bf16* q_out) {
+  moe::cuda::QkvRopeArgs a;
+  a.qkv = qkv;
+  a.positions = positions;
+  a.seq_of_token = seq_of_token;
+  a.inv_freq = inv_freq;
+  a.tokens = tokens;
+  a.n_heads = n_heads;
+  a.q_out = q_out;
+  return a;
+}
+
 }  // namespace
 
 TEST_CASE("cuda qkv_rope_store (bias, per-head norm, RoPE, paged store) matches the CPU", "[cuda][rope]") {
@@ -740,17 +755,10 @@ TEST_CASE("cuda qkv_rope_store (bias, per-head norm, RoPE, paged store) matches 
   Dev<bf16> dk(size_t(pool_blocks) * bt * nkv * hd), dv(dk.n);
   Dev<int32_t> dtab(tables), dseq(seq), dpos(pos);
   const moe::cuda::PagedKvPool kv = kv_pool(dk.p, dv.p, dtab.p, max_blocks, bt, nkv, hd);
-  moe::cuda::QkvRopeArgs a;
-  a.qkv = dqkv.p;
+  moe::cuda::QkvRopeArgs a = rope_args(dqkv.p, dpos.p, dseq.p, dfreq.p, tokens, nh, dq.p);
   a.bias = dbias.p;
   a.q_norm = dqn.p;
   a.k_norm = dkn.p;
-  a.positions = dpos.p;
-  a.seq_of_token = dseq.p;
-  a.inv_freq = dfreq.p;
-  a.tokens = tokens;
-  a.n_heads = nh;
-  a.q_out = dq.p;
   REQUIRE_OK(moe::cuda::qkv_rope_store(a, kv, nullptr));
   check_stored_qkv(dq, dk, dv, ref, tables, seq, pos, AttentionShape{hd, nh, nkv, bt, max_blocks});
 }
@@ -803,8 +811,7 @@ void check_qkv_rope_store(int hd, int nh, int nkv, bool with_bias, QkNormCase no
   Dev<bf16> dk(size_t(pool_blocks) * bt * nkv * hd), dv(dk.n);
   Dev<int32_t> dtab(tables), dseq(seq), dpos(pos);
   const moe::cuda::PagedKvPool kv = kv_pool(dk.p, dv.p, dtab.p, max_blocks, bt, nkv, hd);
-  moe::cuda::QkvRopeArgs a;
-  a.qkv = dqkv.p;
+  moe::cuda::QkvRopeArgs a = rope_args(dqkv.p, dpos.p, dseq.p, dfreq.p, tokens, nh, dq.p);
   a.bias = with_bias ? dbias.p : nullptr;
   if (norm != QkNormCase::none) {
     a.q_norm = dqn.p;
@@ -812,12 +819,6 @@ void check_qkv_rope_store(int hd, int nh, int nkv, bool with_bias, QkNormCase no
   }
   a.qk_norm_full_width = norm == QkNormCase::full_width;
   a.eps = eps;
-  a.positions = dpos.p;
-  a.seq_of_token = dseq.p;
-  a.inv_freq = dfreq.p;
-  a.tokens = tokens;
-  a.n_heads = nh;
-  a.q_out = dq.p;
   REQUIRE_OK(moe::cuda::qkv_rope_store(a, kv, nullptr));
   check_stored_qkv(dq, dk, dv, ref, tables, seq, pos, AttentionShape{hd, nh, nkv, bt, max_blocks});
 }
@@ -1007,15 +1008,7 @@ TEST_CASE("cuda qkv_rope_store writes coded rows (int8, fp8) as the CPU encodes 
       Dev<uint8_t> dkc(rows * hd), dvc(rows * hd);
       Dev<int32_t> dtab(tables), dseq(seq), dpos(pos);
       const moe::cuda::PagedKvPool kv = coded_pool(dt, dkc, dvc, dks, dvs, dtab.p, max_blocks, bt, nkv, hd);
-      moe::cuda::QkvRopeArgs a;
-      a.qkv = dqkv.p;
-      a.positions = dpos.p;
-      a.seq_of_token = dseq.p;
-      a.inv_freq = dfreq.p;
-      a.tokens = tokens;
-      a.n_heads = nh;
-      a.q_out = dq.p;
-      REQUIRE_OK(moe::cuda::qkv_rope_store(a, kv, nullptr));
+      REQUIRE_OK(moe::cuda::qkv_rope_store(rope_args(dqkv.p, dpos.p, dseq.p, dfreq.p, tokens, nh, dq.p), kv, nullptr));
       const auto kc = dkc.get(), vc = dvc.get();
       const auto ks = dks.get(), vs = dvs.get();
       const auto& tab = moe::kv_code_table(dt);
@@ -1089,15 +1082,7 @@ TEST_CASE("cuda store and attention with blocks laid apart and running down equa
     }
     Dev<bf16> q1(size_t(tokens) * nh * hd), q2(q1.n), o1(q1.n), o2(q1.n);
     for (auto [kv, q] : {std::pair{&flat, &q1}, std::pair{&laid, &q2}}) {
-      moe::cuda::QkvRopeArgs a;
-      a.qkv = dqkv.p;
-      a.positions = dpos.p;
-      a.seq_of_token = dseq.p;
-      a.inv_freq = dfreq.p;
-      a.tokens = tokens;
-      a.n_heads = nh;
-      a.q_out = q->p;
-      REQUIRE_OK(moe::cuda::qkv_rope_store(a, *kv, nullptr));
+      REQUIRE_OK(moe::cuda::qkv_rope_store(rope_args(dqkv.p, dpos.p, dseq.p, dfreq.p, tokens, nh, q->p), *kv, nullptr));
     }
     for (auto [kv, q, o] : {std::tuple{&flat, &q1, &o1}, std::tuple{&laid, &q2, &o2}}) {
       moe::cuda::AttentionArgs a;
