@@ -37,6 +37,19 @@ int ForwardPass::kv_v_dim(const ModelDesc& d) {
   return d.attention == AttentionKind::mla ? d.mla.v_head_dim : d.head_dim;
 }
 
+cpu::RouterParams router_params(const MoeConfig& mc) {
+  cpu::RouterParams rp;
+  rp.n_experts = mc.n_experts;
+  rp.top_k = mc.top_k;
+  rp.renormalize = mc.norm_topk_prob;
+  rp.scale = mc.routed_scaling;
+  if (mc.topk_method == "group_limited_greedy") {
+    rp.n_group = mc.n_group;
+    rp.topk_group = mc.topk_group;
+  }
+  return rp;
+}
+
 std::vector<float> rope_frequencies(const ModelDesc& d, float* attention_factor) {
   const bool mla = d.attention == AttentionKind::mla;
   const int rot_dim = mla ? d.mla.qk_rope_head_dim : d.head_dim;
@@ -173,15 +186,7 @@ void ForwardPass::moe(const LayerWeights& lw, int moe_layer, const Batch& b,
   lw.router.apply(h_.data(), logits, T, &pool_);
   if (trace) trace->router_logits.emplace_back(logits, logits + size_t(T) * E);
 
-  cpu::RouterParams rp;
-  rp.n_experts = E;
-  rp.top_k = K;
-  rp.renormalize = mc.norm_topk_prob;
-  rp.scale = mc.routed_scaling;
-  if (mc.topk_method == "group_limited_greedy") {
-    rp.n_group = mc.n_group;
-    rp.topk_group = mc.topk_group;
-  }
+  const cpu::RouterParams rp = router_params(mc);
   int32_t* ids = sized(topk_ids_, size_t(T) * K);
   float* wts = sized(topk_w_, size_t(T) * K);
   cpu::router_topk(logits, T, rp, ids, wts);

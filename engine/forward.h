@@ -12,6 +12,7 @@
 
 #include "engine/kv_cache.h"
 #include "engine/weights.h"
+#include "kernels/cpu/router.h"
 #include "kernels/cpu/thread_pool.h"
 #include "model/model_config.h"
 
@@ -40,6 +41,10 @@ struct Batch {
 // The model's RoPE inverse frequencies [rot_dim / 2] (default, linear or
 // YaRN scaling); *attention_factor receives the cos/sin scale (1 but YaRN).
 std::vector<float> rope_frequencies(const ModelDesc& d, float* attention_factor);
+
+// The model's routing rule for cpu::router_topk: its top-k, weight
+// renormalisation and scale, and group-limited selection where it asks.
+cpu::RouterParams router_params(const MoeConfig& mc);
 
 class ForwardPass {
  public:

@@ -8,7 +8,7 @@
 namespace moe {
 
 RouterLookahead::RouterLookahead(const ModelDesc& d, const ModelWeights& w)
-    : d_(d), w_(w), E_(d.moe.n_experts), K_(d.moe.top_k) {
+    : d_(d), w_(w), E_(d.moe.n_experts), K_(d.moe.top_k), router_(router_params(d.moe)) {
   const int M = d.n_moe_layers();
   sums_.resize(size_t(M));
   trans_.assign(size_t(M), std::vector<uint32_t>(size_t(E_) * size_t(E_), 0));
@@ -27,13 +27,22 @@ std::vector<int> RouterLookahead::top(const float* v, int k) const {
   return idx;
 }
 
+std::vector<int> RouterLookahead::route(const float* logits, int k) const {
+  cpu::RouterParams p = router_;
+  p.top_k = std::min(k, E_);
+  std::vector<int32_t> ids(static_cast<size_t>(p.top_k));
+  std::vector<float> weights(ids.size());
+  cpu::router_topk(logits, 1, p, ids.data(), weights.data());
+  return std::vector<int>(ids.begin(), ids.end());
+}
+
 std::vector<int> RouterLookahead::guess(int layer, const float* hidden, int k) const {
   const LayerWeights& lw = w_.layers[size_t(layer)];
   const int H = d_.hidden_size;
   std::vector<float> h(static_cast<size_t>(H)), logits(static_cast<size_t>(E_));
   cpu::rmsnorm(hidden, lw.mlp_norm.data(), h.data(), 1, H, d_.rms_eps);
   lw.router.apply(h.data(), logits.data(), 1, nullptr);
-  return top(logits.data(), k);
+  return route(logits.data(), k);
 }
 
 namespace {
@@ -55,7 +64,7 @@ void RouterLookahead::add(const ForwardTrace& trace, int tokens) {
     for (int m = 0; m < M; ++m) {
       LookaheadLayer& s = sums_[size_t(m)];
       const int l = s.layer;
-      const std::vector<int> truth = top(trace.router_logits[size_t(m)].data() + size_t(t) * E_, K_);
+      const std::vector<int> truth = route(trace.router_logits[size_t(m)].data() + size_t(t) * E_, K_);
       const auto row = [&](const std::vector<std::vector<float>>& v, int layer) {
         return v[size_t(layer)].data() + size_t(t) * H;
       };

@@ -44,13 +44,18 @@ class RouterLookahead {
   // (the layer's MLP norm first): the guess above from any hidden state;
   // from the layer's own residual after attention it is the router's choice.
   std::vector<int> guess(int layer, const float* hidden, int k) const;
-  // The k largest of n_experts logits, best first (ties: lower id).
-  std::vector<int> top(const float* logits, int k) const;
+  // The router's k experts for one token's n_experts logits, as the CPU
+  // engine routes (cpu::router_topk: group-limited where the model asks).
+  std::vector<int> route(const float* logits, int k) const;
+  // The k largest of n_experts scores, best first (ties: lower id): the
+  // baselines' guesses from counts.
+  std::vector<int> top(const float* scores, int k) const;
 
  private:
   const ModelDesc& d_;
   const ModelWeights& w_;
   int E_, K_;
+  cpu::RouterParams router_;  // the model's routing rule (top_k set per call)
   std::vector<LookaheadLayer> sums_;            // [moe layer]: sums of recall
   std::vector<std::vector<uint32_t>> trans_;    // [moe layer][from * E + to]: layer t−1 → t
   std::vector<std::vector<uint64_t>> used_;     // [moe layer][expert]

@@ -27,7 +27,7 @@ TEST_CASE("router lookahead: the router on its own input is its choice; one laye
       const int m = d.moe_layer_index(l);
       if (m < 0) continue;
       for (int t = 0; t < 512; t += 7) {
-        const auto truth = la.top(trace.router_logits[size_t(m)].data() + size_t(t) * E, K);
+        const auto truth = la.route(trace.router_logits[size_t(m)].data() + size_t(t) * E, K);
         exact += la.guess(l, trace.mid[size_t(l)].data() + size_t(t) * H, K) == truth;
         ++scored;
       }
