@@ -15,7 +15,6 @@ total from /metrics, tokens/s, hit rate, and the long prompt's status.
       --routing replay:bench/e2e/traces/qwen3-30b-a3b.safetensors --rows rows.jsonl --work W
 """
 import argparse
-import http.client
 import json
 import os
 import re
@@ -29,16 +28,12 @@ import stack  # noqa: E402
 
 def metrics(port):
     """{name: summed value} of the gauges and counters this benchmark reads."""
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    c.request("GET", "/metrics")
-    text = c.getresponse().read().decode()
-    out = {}
-    for key in ("moe_worker_islands_total", "moe_worker_islands_used", "moe_gateway_kv_blocks_total",
-                "moe_worker_kv_blocks_free", "moe_worker_kv_blocks_used", "moe_gateway_worker_expert_hits_total",
-                "moe_gateway_worker_expert_misses_total"):
-        vals = [float(m.group(1)) for m in re.finditer(r"^" + key + r"(?:\{[^}]*\})? (\S+)$", text, re.M)]
-        out[key] = sum(vals) if vals else None
-    return out
+    m = sbs.metric_sums(port, ("moe_worker_islands_total", "moe_worker_islands_used", "moe_gateway_kv_blocks_total",
+                               "moe_worker_kv_blocks_free", "moe_worker_kv_blocks_used",
+                               "moe_gateway_worker_expert_hits_total", "moe_gateway_worker_expert_misses_total"))
+    if m is None:
+        raise RuntimeError("the gateway's /metrics cannot be read")
+    return m
 
 
 def settled(port):

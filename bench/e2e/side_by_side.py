@@ -343,18 +343,27 @@ def start_llama(a, work, mode, n_cpu_moe, slots, ctx):
     return s
 
 
-def scrape(port):
-    """(expert hits, misses) the gateway's /metrics counts for its workers."""
+def metric_sums(port, keys):
+    """{key: the sum of its samples over every label set (None: none)} from
+    the gateway's /metrics; None when it cannot be read."""
     try:
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
         c.request("GET", "/metrics")
         text = c.getresponse().read().decode()
     except OSError:
         return None
-    tot = {}
-    for key in ("moe_gateway_worker_expert_hits_total", "moe_gateway_worker_expert_misses_total"):
-        tot[key] = sum(float(m.group(1)) for m in re.finditer(r"^" + key + r"(?:\{[^}]*\})? (\S+)$", text, re.M))
-    return tot["moe_gateway_worker_expert_hits_total"], tot["moe_gateway_worker_expert_misses_total"]
+    out = {}
+    for key in keys:
+        vals = [float(m.group(1)) for m in re.finditer(r"^" + key + r"(?:\{[^}]*\})? (\S+)$", text, re.M)]
+        out[key] = sum(vals) if vals else None
+    return out
+
+
+def scrape(port):
+    """(expert hits, misses) the gateway's /metrics counts for its workers."""
+    keys = ("moe_gateway_worker_expert_hits_total", "moe_gateway_worker_expert_misses_total")
+    m = metric_sums(port, keys)
+    return None if m is None else tuple(m[k] or 0.0 for k in keys)
 
 
 # ---- the run ------------------------------------------------------------------
