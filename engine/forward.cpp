@@ -68,17 +68,21 @@ std::vector<float> rope_frequencies(const ModelDesc& d, float* attention_factor)
   return inv;
 }
 
+float attention_softmax_scale(const ModelDesc& d) {
+  float scale = 1.0f / std::sqrt(float(ForwardPass::kv_qk_dim(d)));
+  const RopeConfig& r = d.rope;
+  if (d.attention == AttentionKind::mla && r.type == "yarn" && r.mscale_all_dim != 0.0f) {
+    const float m = float(yarn_mscale(r.factor, r.mscale_all_dim));
+    scale *= m * m;
+  }
+  return scale;
+}
+
 ForwardPass::ForwardPass(const ModelDesc& desc, const ModelWeights& w, KvCache& kv,
                          cpu::ThreadPool& pool)
     : d_(desc), w_(w), kv_(kv), pool_(pool) {
-  const bool mla = d_.attention == AttentionKind::mla;
-  const RopeConfig& r = d_.rope;
   inv_freq_ = rope_frequencies(d_, &rope_scale_);
-  softmax_scale_ = 1.0f / std::sqrt(float(kv_qk_dim(d_)));
-  if (mla && r.type == "yarn" && r.mscale_all_dim != 0.0f) {
-    const float m = float(yarn_mscale(r.factor, r.mscale_all_dim));
-    softmax_scale_ *= m * m;
-  }
+  softmax_scale_ = attention_softmax_scale(d_);
 }
 
 void ForwardPass::attend(int layer, const Batch& b, const float* q, int qk_dim, int v_dim,

@@ -41,6 +41,10 @@ struct Batch {
 // The model's RoPE inverse frequencies [rot_dim / 2] (default, linear or
 // YaRN scaling); *attention_factor receives the cos/sin scale (1 but YaRN).
 std::vector<float> rope_frequencies(const ModelDesc& d, float* attention_factor);
+// The attention's softmax scale: 1 / sqrt(the q.k width), times YaRN's
+// mscale(factor, mscale_all_dim) squared for MLA (DeepSeek-V2). One rule for
+// both engines.
+float attention_softmax_scale(const ModelDesc& d);
 
 // The model's routing rule for cpu::router_topk: its top-k, weight
 // renormalisation and scale, and group-limited selection where it asks.
