@@ -12,6 +12,7 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <set>
 #include <span>
 #include <vector>
 
@@ -28,6 +29,7 @@
 #include "kernels/cuda/dense_matmul.cuh"
 #include "kernels/cuda/embedding.cuh"
 #include "kernels/cuda/host_share.cuh"
+#include "kernels/cuda/mla.cuh"
 #include "kernels/cuda/norm.cuh"
 #include "kernels/cuda/q4_gemm.cuh"
 #include "kernels/cuda/q4_gemv.cuh"
@@ -1758,4 +1760,158 @@ TEST_CASE("cuda INT4 dense GEMVs (bf16, rmsnorm and silu inputs) and dequantisat
   CHECK_FALSE(moe::cuda::dense_gemv_q4(dblob.p, ok, dx.p, dy.p, 9, false, nullptr, 0, nullptr).ok());
   CHECK_FALSE(moe::cuda::dense_gemv_q4(nullptr, ok, dx.p, dy.p, 1, false, nullptr, 0, nullptr).ok());
   CHECK(moe::cuda::dense_gemv_q4(dblob.p, ok, dx.p, dy.p, 1, false, nullptr, 0, nullptr).ok());
+}
+
+// Latent attention (kernels/cuda/mla.cuh), absorbed on the GPU, against the
+// expanded form on the CPU (ForwardPass::attention_mla's: K and V made from
+// the latent through kv_b_proj, then cpu::attention). One sequence of C
+// tokens, stored in scattered blocks and attended causally in one call, so
+// every context from 1 to C and every tile boundary is met; the rows the
+// store wrote are checked against the CPU's latent and rotated key too.
+// YaRN RoPE with a cos/sin factor other than 1. Both sides read the same
+// bf16-rounded weights; the GPU rounds the latent rows, the query parts and
+// the latent output to bf16, hence the bound.
+TEST_CASE("cuda latent attention (store, W_UK and W_UV per head, paged latent rows) matches expanded attention",
+          "[cuda][mla]") {
+  SKIP_WITHOUT_GPU();
+  struct Shape {
+    int rank, rope, nh, nope, vd, context;
+  };
+  for (const Shape sh : {Shape{32, 8, 4, 16, 16, 37}, Shape{32, 8, 4, 16, 16, 300}, Shape{512, 64, 16, 128, 128, 17},
+                         Shape{512, 64, 16, 128, 128, 1100}}) {
+    INFO("rank " << sh.rank << ", rope " << sh.rope << ", heads " << sh.nh << ", context " << sh.context);
+    std::mt19937 rng(uint32_t(91 + sh.context + sh.rank));
+    const int R = sh.rank, P = sh.rope, nh = sh.nh, nope = sh.nope, vd = sh.vd, C = sh.context, qk = nope + P,
+              W = R + P, bt = 16;
+    const int row_stride = nh * qk + W + 8;  // a gap after kv_a, as a wider first projection leaves
+    const auto proj = randn(size_t(C) * row_stride, rng);
+    const auto kv_norm = round_bf16(randn(R, rng, 0.2f));
+    std::vector<float> norm_w(kv_norm);
+    for (float& v : norm_w) v += 1.f;
+    norm_w = round_bf16(norm_w);
+    const auto kv_b = round_bf16(randn(size_t(nh) * (nope + vd) * R, rng, 1.f / std::sqrt(float(R))));
+    float factor = 1.f;
+    const auto inv_freq = moe::cpu::rope_inv_freq_yarn(1e4f, P, 40.f, 4096, 32.f, 1.f, 1.f, 0.f, &factor);
+    REQUIRE(factor != 1.f);
+    const float scale = 1.f / std::sqrt(float(qk));
+    std::vector<int32_t> pos(static_cast<size_t>(C)), seq(static_cast<size_t>(C), 0);
+    std::iota(pos.begin(), pos.end(), 0);
+    const int blocks = (C + bt - 1) / bt;
+    std::vector<int32_t> table(static_cast<size_t>(blocks));
+    for (int b = 0; b < blocks; ++b) table[size_t(b)] = (b * 7 + 3) % blocks;  // scattered (7 and blocks coprime below)
+    REQUIRE(std::set<int32_t>(table.begin(), table.end()).size() == size_t(blocks));
+
+    // The CPU: latent and rotated key, expanded K and V, attention.
+    std::vector<float> lat(size_t(C) * W), q(size_t(C) * nh * qk);
+    for (int t = 0; t < C; ++t) {
+      const float* row = proj.data() + size_t(t) * row_stride;
+      std::copy(row, row + nh * qk, q.begin() + size_t(t) * nh * qk);
+      std::copy(row + nh * qk + R, row + nh * qk + W, lat.begin() + size_t(t) * W + R);
+      moe::cpu::rmsnorm(row + nh * qk, R, norm_w.data(), lat.data() + size_t(t) * W, W, 1, R, 1e-6f);
+    }
+    moe::cpu::rope_interleaved(lat.data() + R, W, 0, pos.data(), C, 1, P, inv_freq.data(), factor);
+    moe::cpu::rope_interleaved(q.data() + nope, nh * qk, qk, pos.data(), C, nh, P, inv_freq.data(), factor);
+    std::vector<float> K(size_t(C) * nh * qk), V(size_t(C) * nh * vd);
+    for (int t = 0; t < C; ++t)
+      for (int h = 0; h < nh; ++h)
+        for (int r = 0; r < nope + vd; ++r) {
+          const float* wr = kv_b.data() + (size_t(h) * (nope + vd) + r) * R;
+          double acc = 0;
+          for (int c = 0; c < R; ++c) acc += double(wr[c]) * lat[size_t(t) * W + c];
+          if (r < nope)
+            K[(size_t(t) * nh + h) * qk + r] = float(acc);
+          else
+            V[(size_t(t) * nh + h) * vd + r - nope] = float(acc);
+        }
+    for (int t = 0; t < C; ++t)
+      for (int h = 0; h < nh; ++h)
+        std::copy(lat.begin() + size_t(t) * W + R, lat.begin() + size_t(t) * W + W,
+                  K.begin() + (size_t(t) * nh + h) * qk + nope);
+    const int32_t one_block = 0;
+    const moe::cpu::PagedKv ckv{K.data(), V.data(), &one_block, C};
+    std::vector<float> ref(size_t(C) * nh * vd);
+    moe::cpu::attention(q.data(), nh * qk, ckv, pos.data(), ref.data(), nh * vd, C, nh, nh, qk, vd, scale, nullptr);
+
+    // The GPU.
+    std::vector<float> uk_t(size_t(nh) * R * nope), uv(size_t(nh) * vd * R);
+    for (int h = 0; h < nh; ++h)
+      for (int r = 0; r < nope + vd; ++r)
+        for (int c = 0; c < R; ++c) {
+          const float w = kv_b[(size_t(h) * (nope + vd) + r) * R + c];
+          if (r < nope)
+            uk_t[(size_t(h) * R + c) * nope + r] = w;
+          else
+            uv[(size_t(h) * vd + r - nope) * R + c] = w;
+        }
+    Dev<float> dproj(proj), dfreq(inv_freq);
+    Dev<bf16> dnorm(to_bf16(norm_w)), duk(to_bf16(uk_t)), duv(to_bf16(uv));
+    Dev<bf16> drows(size_t(blocks) * bt * W), dq_nope(size_t(C) * nh * nope), dq_abs(size_t(C) * nh * W);
+    Dev<bf16> do_lat(size_t(C) * nh * R), dattn(size_t(C) * nh * vd);
+    Dev<int32_t> dtab(table), dseq(seq), dpos(pos);
+    const moe::cuda::PagedLatentPool pool{drows.p, dtab.p, blocks, bt, R, P, 0};
+    moe::cuda::MlaRopeArgs ra;
+    ra.proj = dproj.p;
+    ra.row_stride = row_stride;
+    ra.kv_a_norm = dnorm.p;
+    ra.positions = dpos.p;
+    ra.seq_of_token = dseq.p;
+    ra.inv_freq = dfreq.p;
+    ra.attention_factor = factor;
+    ra.tokens = C;
+    ra.n_heads = nh;
+    ra.nope = nope;
+    ra.q_nope = dq_nope.p;
+    ra.q_abs = dq_abs.p;
+    REQUIRE_OK(moe::cuda::mla_rope_store(ra, pool, nullptr));
+    moe::cuda::HeadGemvArgs uka{duk.p, nh, R, nope, dq_nope.p, int64_t(nh) * nope, nope, dq_abs.p, int64_t(nh) * W, W, C};
+    REQUIRE_OK(moe::cuda::head_gemv(uka, nullptr));
+    moe::cuda::MlaAttentionArgs aa{dq_abs.p, dseq.p, dpos.p, C, nh, scale, do_lat.p};
+    REQUIRE_OK(moe::cuda::mla_attention(aa, pool, nullptr));
+    moe::cuda::HeadGemvArgs uva{duv.p, nh, vd, R, do_lat.p, int64_t(nh) * R, R, dattn.p, int64_t(nh) * vd, vd, C};
+    REQUIRE_OK(moe::cuda::head_gemv(uva, nullptr));
+
+    // The stored rows, at their scattered slots.
+    const auto rows = as_float(drows.get());
+    std::vector<float> stored(size_t(C) * W);
+    for (int t = 0; t < C; ++t)
+      std::copy_n(rows.begin() + (size_t(table[size_t(t / bt)]) * bt + t % bt) * W, W, stored.begin() + size_t(t) * W);
+    const double row_err = rel_err(stored, lat);
+    const double out_err = rel_err(as_float(dattn.get()), ref);
+    std::printf("cuda latent attention, rank %d rope %d heads %d context %d: rows rel err %.2e, output %.2e\n", R, P, nh,
+                C, row_err, out_err);
+    CHECK(row_err < 4e-3);
+    CHECK(out_err < 1e-2);
+
+    // Decode's form: the last few tokens alone, their keys split over 2 to
+    // 16 blocks (runs of whole tiles; at short contexts most splits are
+    // empty) and merged, against the same reference rows.
+    const int q0 = std::max(0, C - 3), nq = C - q0;
+    const std::vector<float> ref_last(ref.begin() + size_t(q0) * nh * vd, ref.end());
+    for (const int splits : {2, 5, 16}) {
+      Dev<float> dpart(moe::cuda::mla_partials_floats(nq, nh, splits, R));
+      Dev<bf16> dlat_last(size_t(nq) * nh * R), dattn_last(size_t(nq) * nh * vd);
+      moe::cuda::MlaAttentionArgs da{dq_abs.p + size_t(q0) * nh * W, dseq.p + q0, dpos.p + q0, nq, nh, scale,
+                                     dlat_last.p, splits, dpart.p};
+      REQUIRE_OK(moe::cuda::mla_attention(da, pool, nullptr));
+      moe::cuda::HeadGemvArgs dv{duv.p, nh, vd, R, dlat_last.p, int64_t(nh) * R, R, dattn_last.p, int64_t(nh) * vd,
+                                 vd, nq};
+      REQUIRE_OK(moe::cuda::head_gemv(dv, nullptr));
+      const double split_err = rel_err(as_float(dattn_last.get()), ref_last);
+      INFO("splits " << splits);
+      CHECK(split_err < 1e-2);
+    }
+  }
+}
+
+TEST_CASE("cuda latent attention refuses shapes it is not compiled for", "[cuda][mla]") {
+  SKIP_WITHOUT_GPU();
+  CHECK(moe::cuda::mla_shape_supported(512, 64));
+  CHECK_FALSE(moe::cuda::mla_shape_supported(256, 64));
+  Dev<bf16> q(64), out(64), rows(64);
+  Dev<int32_t> i(4);
+  const moe::cuda::PagedLatentPool pool{rows.p, i.p, 1, 16, 48, 8, 0};
+  moe::cuda::MlaAttentionArgs aa{q.p, i.p, i.p, 1, 1, 1.f, out.p};
+  const auto s = moe::cuda::mla_attention(aa, pool, nullptr);
+  REQUIRE_FALSE(s.ok());
+  CHECK(s.error().find("(48, 8)") != std::string::npos);
 }
