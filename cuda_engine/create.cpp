@@ -50,9 +50,18 @@ Result<std::string> cuda_device_summary() {
 }
 
 std::string CudaEngine::model_refusal(const ModelDesc& d) {
-  if (d.attention != AttentionKind::gqa)
-    return std::string("the cuda backend does not run ") + arch_name(d.arch) +
-           " (multi-head latent attention); use --backend cpu";
+  if (d.attention == AttentionKind::mla) {
+    const MlaConfig& m = d.mla;
+    if (!cuda::mla_shape_supported(m.kv_lora_rank, m.qk_rope_head_dim))
+      return "the cuda backend's latent attention is built for (kv_lora_rank, qk_rope_head_dim) (512, 64), every "
+             "published DeepSeek-V2, and (32, 8), not (" + std::to_string(m.kv_lora_rank) + ", " +
+             std::to_string(m.qk_rope_head_dim) + "); use --backend cpu";
+    if (m.q_lora_rank > 0)
+      return "the cuda backend does not run a compressed query (q_lora_rank " + std::to_string(m.q_lora_rank) +
+             ", DeepSeek-V2 236B); DeepSeek-V2-Lite has none; use --backend cpu";
+    if (m.qk_nope_head_dim % 2 || m.v_head_dim <= 0 || m.qk_nope_head_dim > 1024)
+      return "the cuda backend cannot run this latent attention's head widths; use --backend cpu";
+  }
   if (d.moe.topk_method != "greedy")
     return "the cuda backend has no group-limited expert selection (" + d.moe.topk_method + ")";
   return "";
@@ -76,8 +85,24 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   m.d = d;
   m.opts = opts;
   m.hidden = d.hidden_size;
-  m.q_width = d.n_heads * d.head_dim;
-  m.qkv_width = (d.n_heads + 2 * d.n_kv_heads) * d.head_dim;
+  m.mla = d.attention == AttentionKind::mla;
+  if (m.mla) {
+    // The first projection is q | kv_a (the latent, then the shared key);
+    // q holds the query's no-RoPE part, attn the heads' outputs.
+    const MlaConfig& ml = d.mla;
+    m.latent_width = ml.kv_lora_rank + ml.qk_rope_head_dim;
+    m.qkv_width = d.n_heads * (ml.qk_nope_head_dim + ml.qk_rope_head_dim) + m.latent_width;
+    m.q_width = d.n_heads * std::max(ml.qk_nope_head_dim, ml.v_head_dim);
+    m.rot_dim = ml.qk_rope_head_dim;
+    if (opts.kv_dtype == KvDtypeChoice::int8 || opts.kv_dtype == KvDtypeChoice::fp8)
+      return make_error("--kv-dtype int8 and fp8 are not built for latent attention (DeepSeek-V2): its latent rows "
+                        "are bf16 (9x smaller than expanded K and V already); use auto or bf16");
+  } else {
+    m.q_width = d.n_heads * d.head_dim;
+    m.qkv_width = (d.n_heads + 2 * d.n_kv_heads) * d.head_dim;
+    m.rot_dim = d.head_dim;
+  }
+  m.softmax_scale = attention_softmax_scale(d);
   m.n_experts = d.moe.n_experts;
   m.top_k = d.moe.top_k;
   m.n_moe_layers = d.n_moe_layers();
@@ -183,7 +208,7 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     req.budget_bytes = arena_budget;
     req.nonexpert_bytes = measure_w.used;
     req.workspace_bytes = measure_ws.used;
-    req.kv_bytes_per_block = size_t(2) * d.n_layers * kv_pool_bytes(1, m.kv_dtype, d.n_kv_heads, d.head_dim);
+    req.kv_bytes_per_block = m.kv_block_bytes();
     // Blocks the operator asked for are exactly what the pool gets.
     req.kv_blocks_min = opts.kv_blocks > 0 ? opts.kv_blocks : std::max(opts.kv_blocks_min, 1);
     req.kv_blocks_wanted = req.kv_blocks_min;
@@ -249,7 +274,8 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   // Measured again for the chosen dtype: the upload carve follows this one.
   Result<IslandPlan> plan = plan_dtype(chosen);
   // KV rows in a byte under a budget (auto): the plan again with their room.
-  if (opts.kv_dtype == KvDtypeChoice::automatic && m.n_moe_layers > 0 && plan && plan->n_islands < all_experts) {
+  if (opts.kv_dtype == KvDtypeChoice::automatic && !m.mla && m.n_moe_layers > 0 && plan &&
+      plan->n_islands < all_experts) {
     m.kv_dtype = KvDtype::int8;
     auto coded = plan_dtype(chosen);
     if (coded) {
@@ -290,7 +316,8 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   // pool can grow into the islands below without moving a block. A layer's
   // part of a block is its bf16 rows, or its codes then (16-byte aligned)
   // their scales; its kernels see block 0's rows and a negative block stride.
-  const size_t part = kv_pool_bytes(1, m.kv_dtype, d.n_kv_heads, d.head_dim);
+  // MLA: a layer's part is its 16 latent rows.
+  const size_t part = m.mla ? size_t(kBlockTokens) * m.latent_width * 2 : kv_pool_bytes(1, m.kv_dtype, d.n_kv_heads, d.head_dim);
   const size_t rows = size_t(kBlockTokens) * d.n_kv_heads;
   const size_t codes_bytes = align_up(rows * d.head_dim, 16);
   uint8_t* block0 = m.arena->base() + m.plan.kv_block_offset(0);
@@ -298,6 +325,11 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   const bool coded = kv_coded(m.kv_dtype);
   for (int l = 0; l < d.n_layers; ++l) {
     auto& L = m.layers[size_t(l)];
+    if (m.mla) {
+      L.latent = reinterpret_cast<bf16*>(block0 + size_t(l) * part);
+      L.kv_block_stride = -stride / 2;
+      continue;
+    }
     uint8_t* kp = block0 + size_t(2 * l) * part;
     uint8_t* vp = block0 + size_t(2 * l + 1) * part;
     L.kv_block_stride = coded ? -stride : -stride / 2;  // codes, or bf16 elements
@@ -381,6 +413,11 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
                  (long long)m.kv_reachable, (long long)m.kv_reachable * kBlockTokens, m.n_experts,
                  opts.kv_give_back_s);
   return Result<std::unique_ptr<CudaEngine>>(std::move(eng));
+}
+
+size_t CudaEngine::Impl::kv_block_bytes() const {
+  if (mla) return size_t(d.n_layers) * kBlockTokens * size_t(latent_width) * 2;
+  return size_t(2) * d.n_layers * kv_pool_bytes(1, kv_dtype, d.n_kv_heads, d.head_dim);
 }
 
 CudaEngine::~CudaEngine() = default;

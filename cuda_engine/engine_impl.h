@@ -53,6 +53,7 @@
 #include "kernels/cuda/dense_matmul.cuh"
 #include "kernels/cuda/embedding.cuh"
 #include "kernels/cuda/host_share.cuh"
+#include "kernels/cuda/mla.cuh"
 #include "kernels/cuda/norm.cuh"
 #include "kernels/cuda/q4_gemm.cuh"
 #include "kernels/cuda/q4_gemv.cuh"
@@ -183,9 +184,17 @@ struct CudaEngine::Impl {
   int max_context = 0, max_blocks = 0;
   int max_pass_tokens = 0;                // tokens per pass
   size_t h_rows = 0;        // rows of the GEMV expert scratch
-  int gu_stride = 0;        // row stride of the fused gate|up output
+  int gu_stride = 0;        // the widest layer's fused gate|up row: gu's size (a layer's rows are its mlp_rows apart)
   int mlp_inter_max = 0;    // widest shared / dense MLP
   float attention_factor = 1.f;
+  float softmax_scale = 1.f;        // attention_softmax_scale (engine/forward.h)
+  int rot_dim = 0;                  // the RoPE width: head_dim, or MLA's qk_rope_head_dim
+  // Multi-head latent attention (DeepSeek-V2; docs/cuda-mla.md): the KV
+  // cache holds latent rows of latent_width = kv_lora_rank + qk_rope_head_dim.
+  bool mla = false;
+  int latent_width = 0;
+  // A 16-token block of every layer's KV: K and V rows, or MLA's latent rows.
+  size_t kv_block_bytes() const;
   uint8_t* pinned_experts = nullptr;  // experts quantised at load, page-locked (freed at the end)
 
   struct DevLayer {
@@ -195,13 +204,17 @@ struct CudaEngine::Impl {
     int moe_index = -1;  // -1: dense MLP
     DenseW router_w;
     DenseW mlp_gu_w, mlp_down_w;  // shared expert or dense MLP
-    int mlp_inter = 0, mlp_rows = 0;                  // rows: gate | up | (gate logit) | (router), padded
+    int mlp_inter = 0, mlp_rows = 0;                  // rows: gate | up | (gate logit) | (router), padded; gu's row stride
     int router_row = -1;                              // >= 0: the router's rows inside mlp_gu_w
     bool mlp_gated = false;                           // Qwen2-MoE: sigmoid gate logit at row 2*inter
     bf16 *k_pool = nullptr, *v_pool = nullptr;   // bf16 rows
     uint8_t *k_codes = nullptr, *v_codes = nullptr;  // coded rows (docs/kv-cache.md)
     float *k_scales = nullptr, *v_scales = nullptr;
     int64_t kv_block_stride = 0, kv_scale_block_stride = 0;  // PagedKvPool's (block 0's rows above, ids running down)
+    // MLA: the latent's norm, W_UK per head transposed [n_heads * rank,
+    // nope] and W_UV [n_heads * v_dim, rank] (bf16, cut from kv_b_proj), and
+    // the latent rows (PagedLatentPool, kv_block_stride apart).
+    bf16 *kv_a_norm = nullptr, *uk_t = nullptr, *uv = nullptr, *latent = nullptr;
   };
   std::vector<DevLayer> layers;
   bf16 *embed = nullptr, *final_norm = nullptr;
@@ -233,6 +246,8 @@ struct CudaEngine::Impl {
   uint32_t* allow_masks = nullptr;        // [kMaxSampleRows, mask_words]: tokens each constrained row may draw
   int mask_words = 0;                     // ceil(vocab / 32)
   bf16 *xn = nullptr, *q = nullptr, *attn = nullptr, *mh = nullptr, *xsn = nullptr;
+  bf16 *q_abs = nullptr, *o_lat = nullptr;  // MLA: [tokens, n_heads, latent_width] and [tokens, n_heads, rank]
+  float* mla_partials = nullptr;            // MLA decode: the key splits' softmax states (cuda::mla_splits)
   const uint8_t** blob_tables = nullptr;  // [n_moe_layers, n_experts] device pointers
   void* grouped_ws = nullptr;
   size_t grouped_ws_bytes = 0;
@@ -411,6 +426,12 @@ struct CudaEngine::Impl {
   void carve_workspace(Carver& c);
   Status expert_source(ExpertHostSource& src);
   Status forward(const PassPack& pk, int n, int s);
+  // A layer's attention after its first projection (qkv): RoPE and the KV
+  // store, attention, into `attn` (before o_proj).
+  Status attention_gqa(const DevLayer& L, int n, const int32_t* positions, const int32_t* seq_of_token,
+                       const int32_t* tables);
+  Status attention_mla(const DevLayer& L, int n, const int32_t* positions, const int32_t* seq_of_token,
+                       const int32_t* tables);
   // positions / routing_seq: the pass's, on the device (benchmark routing
   // forces experts from them: ForcedRouting); the layer's shared expert
   // runs inside (see forward).

@@ -47,12 +47,12 @@ Status CudaEngine::Impl::mlp(const DevLayer& L, int n, bool fuse) {
   const bool small = n <= cuda::kGemvMaxTokens;
   const int I = L.mlp_inter;
   const float* gate = L.mlp_gated ? gu + 2 * I : nullptr;
-  if (fuse) return gemv_silu(L.mlp_down_w, gu, gu_stride, x, n, gate);
-  MOE_TRY(cuda::silu_mul_fused(gu, mh, n, I, st, gu_stride));
-  if (small) return gemv(L.mlp_down_w, mh, x, n, true, gate, gu_stride);
+  if (fuse) return gemv_silu(L.mlp_down_w, gu, L.mlp_rows, x, n, gate);
+  MOE_TRY(cuda::silu_mul_fused(gu, mh, n, I, st, L.mlp_rows));
+  if (small) return gemv(L.mlp_down_w, mh, x, n, true, gate, L.mlp_rows);
   if (gate) {
     MOE_TRY(project(L.mlp_down_w, mh, tmp, n, false));
-    return cuda::gated_add(x, tmp, gate, gu_stride, n, hidden, st);
+    return cuda::gated_add(x, tmp, gate, L.mlp_rows, n, hidden, st);
   }
   return project(L.mlp_down_w, mh, x, n, true);
 }
@@ -63,7 +63,7 @@ Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, 
   // The router's logits: inside the shared projection's output, already
   // made by the fused norm + GEMV, or computed here from xn.
   const float* logits = L.router_row >= 0 ? gu + L.router_row : router_logits;
-  const int stride = L.router_row >= 0 ? gu_stride : n_experts;
+  const int stride = L.router_row >= 0 ? L.mlp_rows : n_experts;
   if (!logits_ready)
     MOE_TRY(project(L.router_w, xn, router_logits, n, false));
   int32_t* ids = route_ids + size_t(ml) * n * top_k;
@@ -148,6 +148,99 @@ Status CudaEngine::Impl::routed_experts(int ml, int n, const int32_t* ids) {
   return {};
 }
 
+Status CudaEngine::Impl::attention_gqa(const DevLayer& L, int n, const int32_t* positions,
+                                       const int32_t* seq_of_token, const int32_t* tables) {
+  cuda::PagedKvPool kv{L.k_pool,  L.v_pool,  tables,     max_blocks, kBlockTokens, d.n_kv_heads, d.head_dim,
+                       kv_dtype,  L.k_codes, L.v_codes, L.k_scales, L.v_scales, L.kv_block_stride,
+                       L.kv_scale_block_stride};
+  cuda::QkvRopeArgs ra;
+  ra.qkv = qkv;
+  ra.bias = L.qkv_b;
+  ra.q_norm = L.q_norm;
+  ra.k_norm = L.k_norm;
+  ra.qk_norm_full_width = d.qk_norm == QkNorm::whole;
+  ra.eps = d.rms_eps;
+  ra.positions = positions;
+  ra.seq_of_token = seq_of_token;
+  ra.inv_freq = inv_freq;
+  ra.attention_factor = attention_factor;
+  ra.tokens = n;
+  ra.n_heads = d.n_heads;
+  ra.q_out = q;
+  MOE_TRY(cuda::qkv_rope_store(ra, kv, st));
+  cuda::AttentionArgs aa;
+  aa.q = q;
+  aa.seq_of_token = seq_of_token;
+  aa.positions = positions;
+  aa.tokens = n;
+  aa.n_heads = d.n_heads;
+  aa.scale = softmax_scale;
+  aa.out = attn;
+  return cuda::paged_attention(aa, kv, st);
+}
+
+// Absorbed (docs/cuda-mla.md): the query's no-RoPE part through W_UK^T per
+// head becomes its latent part; attention over the latent rows; W_UV per
+// head takes the output out of latent space.
+Status CudaEngine::Impl::attention_mla(const DevLayer& L, int n, const int32_t* positions,
+                                       const int32_t* seq_of_token, const int32_t* tables) {
+  const MlaConfig& m = d.mla;
+  const int nh = d.n_heads, R = m.kv_lora_rank, W = latent_width;
+  const cuda::PagedLatentPool pool{L.latent, tables, max_blocks, kBlockTokens, R, m.qk_rope_head_dim, L.kv_block_stride};
+  cuda::MlaRopeArgs ra;
+  ra.proj = qkv;
+  ra.row_stride = qkv_width;
+  ra.kv_a_norm = L.kv_a_norm;
+  ra.eps = d.rms_eps;
+  ra.positions = positions;
+  ra.seq_of_token = seq_of_token;
+  ra.inv_freq = inv_freq;
+  ra.attention_factor = attention_factor;
+  ra.tokens = n;
+  ra.n_heads = nh;
+  ra.nope = m.qk_nope_head_dim;
+  ra.q_nope = q;
+  ra.q_abs = q_abs;
+  MOE_TRY(cuda::mla_rope_store(ra, pool, st));
+  cuda::HeadGemvArgs uk;
+  uk.w = L.uk_t;
+  uk.groups = nh;
+  uk.rows = R;
+  uk.cols = m.qk_nope_head_dim;
+  uk.x = q;
+  uk.x_token_stride = int64_t(nh) * m.qk_nope_head_dim;
+  uk.x_group_stride = m.qk_nope_head_dim;
+  uk.out = q_abs;
+  uk.out_token_stride = int64_t(nh) * W;
+  uk.out_group_stride = W;
+  uk.tokens = n;
+  MOE_TRY(cuda::head_gemv(uk, st));
+  cuda::MlaAttentionArgs aa;
+  aa.q_abs = q_abs;
+  aa.seq_of_token = seq_of_token;
+  aa.positions = positions;
+  aa.tokens = n;
+  aa.n_heads = nh;
+  aa.scale = softmax_scale;
+  aa.out = o_lat;
+  aa.splits = cuda::mla_splits(n, nh);
+  aa.partials = mla_partials;
+  MOE_TRY(cuda::mla_attention(aa, pool, st));
+  cuda::HeadGemvArgs uv;
+  uv.w = L.uv;
+  uv.groups = nh;
+  uv.rows = m.v_head_dim;
+  uv.cols = R;
+  uv.x = o_lat;
+  uv.x_token_stride = int64_t(nh) * R;
+  uv.x_group_stride = R;
+  uv.out = attn;
+  uv.out_token_stride = int64_t(nh) * m.v_head_dim;
+  uv.out_group_stride = m.v_head_dim;
+  uv.tokens = n;
+  return cuda::head_gemv(uv, st);
+}
+
 Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
   // Up to this many tokens RMSNorm and SiLU are folded into the GEMVs'
   // staging (fewer launches); above, every block re-reading the f32 inputs
@@ -162,39 +255,14 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
   MOE_TRY(cuda::embedding_gather(embed, vocab, hidden, tokens, n, x, st));
   for (const DevLayer& L : layers) {
     advanced();
-    cuda::PagedKvPool kv{L.k_pool,  L.v_pool,  tables,     max_blocks, kBlockTokens, d.n_kv_heads, d.head_dim,
-                         kv_dtype,  L.k_codes, L.v_codes, L.k_scales, L.v_scales, L.kv_block_stride,
-                         L.kv_scale_block_stride};
     if (fuse) {
       MOE_TRY(gemv_rmsnorm(L.qkv_w, x, L.in_norm, nullptr, qkv, n));
     } else {
       MOE_TRY(cuda::rmsnorm(x, L.in_norm, xn, n, hidden, eps, st));
       MOE_TRY(project(L.qkv_w, xn, qkv, n, false));
     }
-    cuda::QkvRopeArgs ra;
-    ra.qkv = qkv;
-    ra.bias = L.qkv_b;
-    ra.q_norm = L.q_norm;
-    ra.k_norm = L.k_norm;
-    ra.qk_norm_full_width = d.qk_norm == QkNorm::whole;
-    ra.eps = eps;
-    ra.positions = positions;
-    ra.seq_of_token = seq_of_token;
-    ra.inv_freq = inv_freq;
-    ra.attention_factor = attention_factor;
-    ra.tokens = n;
-    ra.n_heads = d.n_heads;
-    ra.q_out = q;
-    MOE_TRY(cuda::qkv_rope_store(ra, kv, st));
-    cuda::AttentionArgs aa;
-    aa.q = q;
-    aa.seq_of_token = seq_of_token;
-    aa.positions = positions;
-    aa.tokens = n;
-    aa.n_heads = d.n_heads;
-    aa.scale = 1.f / std::sqrt(float(d.head_dim));
-    aa.out = attn;
-    MOE_TRY(cuda::paged_attention(aa, kv, st));
+    MOE_TRY(mla ? attention_mla(L, n, positions, seq_of_token, tables)
+                : attention_gqa(L, n, positions, seq_of_token, tables));
     MOE_TRY(project(L.o_w, attn, x, n, true));
     // The normed state xn and the first projection after attention: the
     // shared expert's / dense MLP's gate|up (with the router's rows when the

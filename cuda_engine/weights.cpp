@@ -160,14 +160,51 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
     return put(dst, bf16_of(v));
   };
 
+  // MLA attention (docs/cuda-mla.md): the first projection q | kv_a in
+  // `dense`'s dtype; the latent's norm; kv_b_proj cut into W_UK^T and W_UV
+  // per head, bf16 (2 M weights a layer at V2-Lite's shape).
+  auto mla_weights = [&](DevLayer& L, const LayerWeights& lw) -> Status {
+    const MlaConfig& m = d.mla;
+    const int nh = d.n_heads, R = m.kv_lora_rank, nope = m.qk_nope_head_dim, vd = m.v_head_dim;
+    if (!lw.q.present() || !lw.kv_a.present() || !lw.kv_b.present() || lw.kv_a.out != R + m.qk_rope_head_dim ||
+        lw.kv_b.out != nh * (nope + vd) || lw.kv_b.in != R)
+      return make_error("latent attention weights (q_proj, kv_a_proj_with_mqa, kv_b_proj) missing or mis-shaped");
+    MOE_TRY(linear(&L.qkv_w, {&lw.q, &lw.kv_a}, 0));
+    MOE_TRY(vec(&L.kv_a_norm, lw.kv_a_norm));
+    const size_t uk_elems = size_t(nh) * R * nope, uv_elems = size_t(nh) * vd * R;
+    if (!upload) {
+      reserve(&L.uk_t, uk_elems);
+      reserve(&L.uv, uv_elems);
+      return {};
+    }
+    std::vector<uint16_t> uk(uk_elems), uv(uv_elems);
+    std::vector<float> row(static_cast<size_t>(R));
+    for (int h = 0; h < nh; ++h)
+      for (int r = 0; r < nope + vd; ++r) {
+        lw.kv_b.row(h * (nope + vd) + r, row.data());
+        for (int c = 0; c < R; ++c) {
+          const uint16_t b = f32_to_bf16(row[size_t(c)]);
+          if (r < nope)
+            uk[(size_t(h) * R + c) * nope + r] = b;
+          else
+            uv[(size_t(h) * vd + (r - nope)) * R + c] = b;
+        }
+      }
+    MOE_TRY(put(&L.uk_t, uk));
+    return put(&L.uv, uv);
+  };
   layers.resize(size_t(d.n_layers));
   for (int l = 0; l < d.n_layers; ++l) {
     const LayerWeights& lw = w.layers[size_t(l)];
     DevLayer& L = layers[size_t(l)];
     MOE_TRY(vec(&L.in_norm, lw.attn_norm));
     MOE_TRY(vec(&L.post_norm, lw.mlp_norm));
-    MOE_TRY(linear(&L.qkv_w, {&lw.q, &lw.k, &lw.v}, 0));
-    if (d.qkv_bias) {
+    if (mla) {
+      MOE_TRY(mla_weights(L, lw));
+    } else {
+      MOE_TRY(linear(&L.qkv_w, {&lw.q, &lw.k, &lw.v}, 0));
+    }
+    if (d.qkv_bias && !mla) {
       std::vector<float> b;
       for (const Linear* p : {&lw.q, &lw.k, &lw.v}) {
         if (p->bias.size() != size_t(p->out)) return make_error("layer " + std::to_string(l) + ": q/k/v bias missing");
@@ -282,7 +319,16 @@ void CudaEngine::Impl::carve_workspace(Carver& c) {
   adjust_saved = c.take<float>(kMaxPassAdjust);
   mask_words = (vocab + 31) / 32;
   allow_masks = c.take<uint32_t>(size_t(kMaxSampleRows) * size_t(mask_words));
-  inv_freq = c.take<float>(size_t(d.head_dim / 2));
+  inv_freq = c.take<float>(size_t(rot_dim / 2));
+  if (mla) {
+    q_abs = c.take<bf16>(size_t(max_pass_tokens) * d.n_heads * latent_width);
+    o_lat = c.take<bf16>(size_t(max_pass_tokens) * d.n_heads * d.mla.kv_lora_rank);
+    size_t partials = 0;
+    for (int n = 1; n <= cuda::kGemvMaxTokens; ++n)
+      partials = std::max(partials, cuda::mla_partials_floats(n, d.n_heads, cuda::mla_splits(n, d.n_heads),
+                                                              d.mla.kv_lora_rank));
+    mla_partials = c.take<float>(std::max<size_t>(partials, 1));
+  }
   pack_dev = c.take<uint8_t>(pack_bytes);
   trace_dev = trace_host.empty() ? nullptr : c.take<int16_t>(trace_host.size());
   dequant = dense != DenseDtype::bf16 ? c.take<bf16>(dequant_elems) : nullptr;

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <random>
@@ -360,9 +361,10 @@ Compare run_against_cpu(CpuEngine& cpu, CudaEngine& gpu, int decode_steps, doubl
 
 }  // namespace
 
-TEST_CASE("cuda engine: every GQA fixture and the demo model match the CPU engine", "[cuda][engine]") {
+TEST_CASE("cuda engine: every fixture and the demo model match the CPU engine", "[cuda][engine]") {
   SKIP_WITHOUT_GPU();
-  for (const std::string name : {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen2_dense", "demo-moe"}) {
+  for (const std::string name :
+       {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen2_dense", "deepseek_v2", "demo-moe"}) {
     SECTION(name) {
       const std::string path = packed(name);
       auto cpu = cpu_engine(path);
@@ -476,7 +478,10 @@ TEST_CASE("cuda engine: penalties, biases and min_p sample as the CPU engine doe
 // logprobs within the chunked-prefill tolerance).
 TEST_CASE("cuda engine: the prefix cache serves a shared prompt start and decodes the same", "[cuda][engine][prefix]") {
   SKIP_WITHOUT_GPU();
-  const std::string path = packed("demo-moe");
+  // DeepSeek-V2: latent rows shared by block id as K and V rows are.
+  for (const std::string name : {"demo-moe", "deepseek_v2"}) {
+  SECTION(name) {
+  const std::string path = packed(name);
   auto cached = cuda_engine(path, {}, true);
   auto fresh = cuda_engine(path, {}, false);
   const int V = cached->desc().vocab_size;
@@ -505,8 +510,11 @@ TEST_CASE("cuda engine: the prefix cache serves a shared prompt start and decode
     if (a[s].token == b[s].token) CHECK(std::abs(a[s].logprob - b[s].logprob) < kLogprobTol);
     if (a[s].token != b[s].token) break;  // the paths part
   }
-  std::printf("cuda engine prefix cache: 64 of 74 prompt tokens from the cache; %d of 6 tokens as without it\n", same);
+  std::printf("cuda engine prefix cache, %s: 64 of 74 prompt tokens from the cache; %d of 6 tokens as without it\n",
+              name.c_str(), same);
   CHECK(same >= 4);
+  }
+  }
 }
 
 // INT8 non-expert matrices (one scale per row) add their rounding to bf16's.
@@ -668,11 +676,70 @@ TEST_CASE("cuda engine: auto dense weights are the widest that keeps every exper
   CHECK(picked.size() == 2);  // both branches of the choice were taken
 }
 
-TEST_CASE("cuda engine: DeepSeek-V2 (MLA) is refused with a message", "[cuda][engine]") {
+TEST_CASE("cuda engine: latent attention outside the compiled shapes, or in coded KV rows, is refused with a message",
+          "[cuda][engine][mla]") {
   SKIP_WITHOUT_GPU();
-  auto e = CudaEngine::create(open_files(model_dir("deepseek_v2")), {});
+  // The fixture with kv_lora_rank 48: its config changed, its tensors as
+  // they are (the refusal comes before any weight is read).
+  const fs::path dir = fs::temp_directory_path() / ("moe-cuda-engine-test-" + std::to_string(::getpid())) / "mla-48";
+  fs::create_directories(dir);
+  for (const auto& f : fs::directory_iterator(model_dir("deepseek_v2")))
+    fs::copy_file(f.path(), dir / f.path().filename(), fs::copy_options::overwrite_existing);
+  {
+    std::ifstream in(dir / "config.json");
+    std::string cfg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const size_t at = cfg.find("\"kv_lora_rank\": 32");
+    REQUIRE(at != std::string::npos);
+    cfg.replace(at, std::string("\"kv_lora_rank\": 32").size(), "\"kv_lora_rank\": 48");
+    std::ofstream(dir / "config.json") << cfg;
+  }
+  auto e = CudaEngine::create(open_files(dir.string()), {});
   REQUIRE_FALSE(e.ok());
-  CHECK(e.error().find("multi-head latent attention") != std::string::npos);
+  CHECK(e.error().find("(512, 64)") != std::string::npos);
+  CHECK(e.error().find("(48, 8)") != std::string::npos);
+  CudaEngineOptions coded;
+  coded.kv_dtype = KvDtypeChoice::int8;
+  auto c = CudaEngine::create(open_files(packed("deepseek_v2")), coded);
+  REQUIRE_FALSE(c.ok());
+  CHECK(c.error().find("latent attention") != std::string::npos);
+}
+
+// DeepSeek-V2 under a budget: its experts copied or streamed give the
+// resident engine's outputs bit for bit, and the latent KV takes a block's
+// rows of every layer (rank + rope values a token and layer).
+TEST_CASE("cuda engine: DeepSeek-V2 under a budget gives the resident outputs", "[cuda][engine][mla]") {
+  SKIP_WITHOUT_GPU();
+  const std::string path = packed("deepseek_v2");
+  const Resident r = resident(path);
+  const ModelDesc& d = r.engine->desc();
+  const size_t latent_block = size_t(d.n_layers) * 16 * size_t(d.mla.kv_lora_rank + d.mla.qk_rope_head_dim) * 2;
+  CHECK(r.plan.kv_block_stride >= latent_block);
+  CHECK(r.plan.kv_block_stride < latent_block + 4096);  // aligned, not K and V expanded (4x more at this fixture)
+  for (const std::string misses : {"copy", "stream"}) {
+    SECTION(misses) {
+      CudaEngineOptions o;
+      o.misses = parse_choice<MissMode>(misses).value();
+      o.host_experts = HostShareMode::off;
+      o.dense_weights = DenseWeights::bf16;
+      o.host_embedding = false;  // its room would become islands (the fixture's experts are a few KiB)
+      const int64_t islands = r.E + r.E / 4;
+      o.arena_budget = r.budget_for(islands);
+      auto small = cuda_engine(path, o);
+      REQUIRE(small->plan().n_islands == islands);
+      const int V = d.vocab_size;
+      side_by_side(*r.engine, *small, {prompt(30, V, 1), prompt(9, V, 2)}, 12,
+                   [](int, size_t, const SeqOutput& a, const SeqOutput& b) {
+                     CHECK(a.token == b.token);
+                     CHECK(a.logprob == b.logprob);
+                     CHECK(a.expert_counts == b.expert_counts);
+                   });
+      const CudaExpertStats st = small->expert_stats();
+      std::printf("cuda engine DeepSeek-V2, misses %s: %lld islands of %lld experts, hits %llu misses %llu\n",
+                  misses.c_str(), (long long)islands, (long long)r.total, (unsigned long long)st.residency.hits,
+                  (unsigned long long)st.residency.misses);
+      CHECK(st.residency.misses > 0);
+    }
+  }
 }
 
 TEST_CASE("cuda engine: a step cut into passes equals one pass; decode graphs equal eager steps", "[cuda][engine]") {
@@ -1058,7 +1125,8 @@ TEST_CASE("cuda engine: GPTQ and AWQ folders serve as on the CPU engine", "[cuda
 TEST_CASE("cuda engine: GGUF files made by llama.cpp serve as on the CPU engine", "[cuda][engine][gguf]") {
   SKIP_WITHOUT_GPU();
   for (const std::string stem : {"qwen3_moe-q8_0", "qwen3_moe-q4_k_m", "qwen2_moe-q4_k_m", "mixtral-q4_k_m",
-                                 "olmoe-q8_0", "qwen2_dense-q4_k_m", "demo-moe-mixed"}) {
+                                 "olmoe-q8_0", "qwen2_dense-q4_k_m", "deepseek_v2-q8_0", "deepseek_v2-q4_k_m",
+                                 "demo-moe-mixed"}) {
     SECTION(stem) {
       const std::string path = data_dir() + "/gguf/" + stem + ".gguf";
       auto cpu = cpu_engine(path);
