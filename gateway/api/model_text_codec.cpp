@@ -1,6 +1,7 @@
 #include "gateway/api/model_text_codec.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <optional>
 
 #include "model/model_files.h"
@@ -22,8 +23,9 @@ class TokenizerStream final : public TokenTextStream {
 
 class ModelTextCodec final : public TextCodec {
  public:
-  ModelTextCodec(std::unique_ptr<Tokenizer> tok, std::optional<ChatTemplate> tmpl, std::vector<int32_t> stop_ids)
-      : tok_(std::move(tok)), tmpl_(std::move(tmpl)), stop_ids_(std::move(stop_ids)) {}
+  ModelTextCodec(std::unique_ptr<Tokenizer> tok, std::optional<ChatTemplate> tmpl, std::vector<int32_t> stop_ids,
+                 int model_vocab)
+      : tok_(std::move(tok)), tmpl_(std::move(tmpl)), stop_ids_(std::move(stop_ids)), model_vocab_(model_vocab) {}
 
   std::vector<int32_t> encode(std::string_view text) const override { return tok_->encode(text, true); }
 
@@ -62,13 +64,18 @@ class ModelTextCodec final : public TextCodec {
     if (tmpl_->source().find("<tool_call>") != std::string::npos) return ToolFormat::hermes;
     return ToolFormat::none;
   }
-  int vocab_size() const override { return tok_->vocab_size(); }
+  // The ids a request may name: the tokenizer's, and only those the model
+  // has rows for where its vocabulary is the smaller.
+  int vocab_size() const override {
+    return model_vocab_ > 0 ? std::min(tok_->vocab_size(), model_vocab_) : tok_->vocab_size();
+  }
   std::vector<int32_t> stop_token_ids() const override { return stop_ids_; }
 
  private:
   std::unique_ptr<Tokenizer> tok_;
   std::optional<ChatTemplate> tmpl_;
   std::vector<int32_t> stop_ids_;
+  int model_vocab_ = 0;
 };
 
 }  // namespace
@@ -94,7 +101,13 @@ Result<std::unique_ptr<TextCodec>> load_model_text_codec(const std::string& mode
     stop_ids.push_back(eos);
   }
   if (stop_ids.empty()) return make_error(model_path + ": no EOS token id in config.json, generation_config.json or the tokenizer");
-  return std::unique_ptr<TextCodec>(std::make_unique<ModelTextCodec>(std::move(tok.value()), std::move(tmpl), std::move(stop_ids)));
+  const int model_vocab = f.desc().vocab_size;
+  if (model_vocab > 0 && tok.value()->vocab_size() > model_vocab)
+    std::fprintf(stderr, "moe-gateway: warning: the tokenizer has %d token ids, the model has rows for %d; requests "
+                 "naming the others are refused, and text that encodes to them fails\n", tok.value()->vocab_size(),
+                 model_vocab);
+  return std::unique_ptr<TextCodec>(std::make_unique<ModelTextCodec>(std::move(tok.value()), std::move(tmpl),
+                                                                     std::move(stop_ids), model_vocab));
 }
 
 }  // namespace moe::gw

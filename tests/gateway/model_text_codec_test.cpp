@@ -184,3 +184,21 @@ TEST_CASE("model codec: the context policy drops the fewest turns a role-alterna
   CHECK(gw.scheduler().submitted().back().prompt == want.value());
   fs::remove_all(dir);
 }
+
+// A tokenizer with more ids than the model has rows (a checkpoint given
+// another model's tokenizer): requests may name only the model's ids.
+TEST_CASE("model codec: the vocabulary a request may name is the model's where it is the smaller", "[gateway][codec]") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("moe-codec-vocab-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  for (const auto& f : fs::directory_iterator(kDemo))
+    if (f.path().filename() != "config.json") fs::create_symlink(fs::absolute(f.path()), dir / f.path().filename());
+  std::ifstream in(kDemo + "/config.json");
+  json cfg = json::parse(in);
+  cfg["vocab_size"] = 4000;
+  std::ofstream(dir / "config.json") << cfg.dump();
+  auto codec = load_model_text_codec(dir.string());
+  REQUIRE(codec.ok());
+  CHECK(codec.value()->vocab_size() == 4000);
+  fs::remove_all(dir);
+}
