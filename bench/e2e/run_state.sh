@@ -10,7 +10,7 @@
 #             into our packed file OUT by $BIN/moe convert, the folder removed
 #   unpack_payload   stage `unpack`: .device-build/payload.tar.xz into $W (bin/
 #             and tokenizer/: BIN and TOK), the demo model's weights from
-#             .device-build/demo.safetensors.xz where the tree lacks them
+#             .device-build/demo.safetensors.xz where the tree lacks them (and it travelled)
 #   gpu_tests T[:FILTER] ...   stage `test-T` each: $BIN/T with its Catch
 #             filter into $W/logs/tests-T.log, its summary lines said
 #             (GREP_EXTRA: more lines of the log to show)
@@ -38,7 +38,7 @@ seeded_pack() {  # shape out
 unpack_payload() {
   if ! is_done unpack; then
     tar xJf .device-build/payload.tar.xz -C "$W" &&
-      { [ -f models/demo-moe/model.safetensors ] ||
+      { [ -f models/demo-moe/model.safetensors ] || [ ! -f .device-build/demo.safetensors.xz ] ||
         xz -dc .device-build/demo.safetensors.xz >models/demo-moe/model.safetensors; } &&
       mark unpack
   fi

@@ -8,7 +8,7 @@
 // a few experts take most tokens); "uniform" draws every token's experts
 // uniformly (CudaEngineOptions::uniform_routing_seed), the load the offload
 // targets are stated for. GPU memory is the process's, from nvidia-smi.
-//   moe-bench-engine [--shape qwen15|qwen3|all] [--vram-budget 12GiB[,8GiB]]
+//   moe-bench-engine [--shape qwen15|qwen3|dsv2lite|all] [--vram-budget 12GiB[,8GiB]]
 //                    [--routing router|uniform|router,uniform] [--host-experts auto|on|off]
 //                    [--misses stream|copy] [--threads N] [--skip-resident]
 //                    [--budget-batches 1[,8...]] (decode batches under a budget; default 1)
@@ -198,7 +198,7 @@ Result<Row> prefill(CudaEngine& e, const Options& o) {
 
 int usage() {
   std::fprintf(stderr,
-               "usage: moe-bench-engine [--shape qwen15|qwen3|all] [--vram-budget 12GiB[,8GiB...]] [--steps N]\n"
+               "usage: moe-bench-engine [--shape qwen15|qwen3|dsv2lite|all] [--vram-budget 12GiB[,8GiB...]] [--steps N]\n"
                "                        [--context N] [--prompt N] [--policy lru|lfu|ours] [--prefetch on|off]\n"
                "                        [--dense-weights auto|bf16|int8|int4] [--fuse-max-tokens N]\n"
                "                        [--budget-dense-weights auto|bf16|int8|int4]\n"
@@ -281,6 +281,7 @@ int main(int argc, char** argv) {
   } else {
     if (o.shape == "qwen15" || o.shape == "all") shapes.push_back(bench::qwen15_moe_a27b());
     if (o.shape == "qwen3" || o.shape == "all") shapes.push_back(bench::qwen3_30b_a3b());
+    if (o.shape == "dsv2lite") shapes.push_back(bench::deepseek_v2_lite());  // not in "all": the two shapes' runs stay as they were
   }
   std::vector<Row> rows;
   for (const auto& s : shapes) {

@@ -9,7 +9,8 @@ tensor at a time, so the host never holds more than a shard.
     python3 bench/gpu/make_checkpoint.py --shape qwen3-30b-a3b --out /tmp/qwen3 --tokenizer DIR
 
 Shapes: qwen3-30b-a3b (30.5 B parameters, 61 GB), qwen1.5-moe-a2.7b
-(14.3 B, 27 GB); --tiny scales either down to a few MB (to check the
+(14.3 B, 27 GB), deepseek-v2-lite (15.7 B, 31 GB; its 102,400-token vocabulary
+read through the Qwen3 tokenizer's first ids); --tiny scales each down to a few MB (to check the
 format here, without a GPU). Draws with torch where it is installed (the
 GPU machine has it), else with Python's own generator (slow: --tiny only).
 """
@@ -37,6 +38,18 @@ SHAPES = {
         decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False, vocab_size=151936,
         rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=8192, tie_word_embeddings=False,
         hidden_act="silu", bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16"),
+    # Its hub config.json (docs/cuda-mla.md); bos/eos are the Qwen3 tokenizer's that --tokenizer gives it.
+    "deepseek-v2-lite": dict(
+        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=2048, num_hidden_layers=27,
+        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+        moe_intermediate_size=1408, intermediate_size=10944, first_k_dense_replace=1, moe_layer_freq=1,
+        topk_method="greedy", n_group=1, topk_group=1, scoring_func="softmax", routed_scaling_factor=1.0,
+        norm_topk_prob=False, vocab_size=102400, rope_theta=10000.0,
+        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+        rms_norm_eps=1e-6, max_position_embeddings=163840, tie_word_embeddings=False, attention_bias=False,
+        hidden_act="silu", bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16"),
 }
 
 
@@ -45,14 +58,41 @@ def tensors(cfg):
     H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim", H // nh)
-    E, I = cfg["num_experts"], cfg["moe_intermediate_size"]
+    E = cfg.get("num_experts", cfg.get("n_routed_experts"))
+    I = cfg["moe_intermediate_size"]
     V = cfg["vocab_size"]
     qwen3 = cfg["model_type"] == "qwen3_moe"
+    deepseek = cfg["model_type"] == "deepseek_v2"
     yield "model.embed_tokens.weight", (V, H), "w"
     for l in range(L):
         p = f"model.layers.{l}."
         yield p + "input_layernorm.weight", (H,), "one"
         yield p + "post_attention_layernorm.weight", (H,), "one"
+        if deepseek:
+            R, nope, rope, vd = (cfg["kv_lora_rank"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"],
+                                 cfg["v_head_dim"])
+            yield p + "self_attn.q_proj.weight", (nh * (nope + rope), H), "w"
+            yield p + "self_attn.kv_a_proj_with_mqa.weight", (R + rope, H), "w"
+            yield p + "self_attn.kv_a_layernorm.weight", (R,), "one"
+            yield p + "self_attn.kv_b_proj.weight", (nh * (nope + vd), R), "w"
+            yield p + "self_attn.o_proj.weight", (H, nh * vd), "w"
+            if l < cfg["first_k_dense_replace"]:
+                D = cfg["intermediate_size"]
+                yield p + "mlp.gate_proj.weight", (D, H), "w"
+                yield p + "mlp.up_proj.weight", (D, H), "w"
+                yield p + "mlp.down_proj.weight", (H, D), "w"
+                continue
+            yield p + "mlp.gate.weight", (E, H), "w"
+            for e in range(E):
+                q = p + f"mlp.experts.{e}."
+                yield q + "gate_proj.weight", (I, H), "w"
+                yield q + "up_proj.weight", (I, H), "w"
+                yield q + "down_proj.weight", (H, I), "w"
+            S = cfg["n_shared_experts"] * I
+            yield p + "mlp.shared_experts.gate_proj.weight", (S, H), "w"
+            yield p + "mlp.shared_experts.up_proj.weight", (S, H), "w"
+            yield p + "mlp.shared_experts.down_proj.weight", (H, S), "w"
+            continue
         yield p + "self_attn.q_proj.weight", (nh * hd, H), "w"
         yield p + "self_attn.k_proj.weight", (nkv * hd, H), "w"
         yield p + "self_attn.v_proj.weight", (nkv * hd, H), "w"
@@ -111,7 +151,11 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="the shape scaled down to a few MB")
     a = ap.parse_args()
     cfg = dict(SHAPES[a.shape])
-    if a.tiny:
+    if a.tiny and cfg["model_type"] == "deepseek_v2":
+        cfg.update(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                   moe_intermediate_size=32, intermediate_size=128)
+    elif a.tiny:
         cfg.update(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    num_experts=8, moe_intermediate_size=32, intermediate_size=128, vocab_size=cfg["vocab_size"])
         if "head_dim" in cfg:

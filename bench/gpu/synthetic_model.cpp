@@ -102,6 +102,43 @@ Result<std::unique_ptr<SyntheticModel>> make_synthetic_model(const ModelShape& s
       {"torch_dtype", "bfloat16"},
   };
   if (qwen2) cfg["shared_expert_intermediate_size"] = s.shared_inter;
+  if (s.mla()) {
+    cfg = {
+        {"model_type", "deepseek_v2"},
+        {"hidden_size", s.hidden},
+        {"num_hidden_layers", s.layers},
+        {"num_attention_heads", s.n_heads},
+        {"num_key_value_heads", s.n_heads},
+        {"q_lora_rank", nullptr},
+        {"kv_lora_rank", s.kv_lora_rank},
+        {"qk_nope_head_dim", s.qk_nope},
+        {"qk_rope_head_dim", s.qk_rope},
+        {"v_head_dim", s.v_head},
+        {"moe_intermediate_size", s.inter},
+        {"intermediate_size", s.dense_inter},
+        {"n_routed_experts", s.n_experts},
+        {"n_shared_experts", s.shared_inter / s.inter},
+        {"num_experts_per_tok", s.top_k},
+        {"first_k_dense_replace", s.first_dense},
+        {"moe_layer_freq", 1},
+        {"topk_method", "greedy"},
+        {"n_group", 1},
+        {"topk_group", 1},
+        {"scoring_func", "softmax"},
+        {"routed_scaling_factor", 1.0},
+        {"norm_topk_prob", false},
+        {"vocab_size", s.vocab},
+        {"rope_theta", s.rope_theta},
+        {"rope_scaling",
+         {{"type", "yarn"}, {"factor", s.yarn_factor}, {"original_max_position_embeddings", 4096},
+          {"beta_fast", 32}, {"beta_slow", 1}, {"mscale", 0.707}, {"mscale_all_dim", 0.707}}},
+        {"rms_norm_eps", 1e-6},
+        {"max_position_embeddings", 163840},
+        {"tie_word_embeddings", false},
+        {"eos_token_id", 100001},
+        {"torch_dtype", "bfloat16"},
+    };
+  }
   std::map<std::string, TensorView> tensors;
   uint64_t sd = seed;
   const int H = s.hidden, hd = s.head_dim;
@@ -126,6 +163,25 @@ Result<std::unique_ptr<SyntheticModel>> make_synthetic_model(const ModelShape& s
     const std::string p = "model.layers." + std::to_string(l) + ".";
     add(p + "input_layernorm.weight", {H}, 0.1f, 1.f);
     add(p + "post_attention_layernorm.weight", {H}, 0.1f, 1.f);
+    if (s.mla()) {
+      const int R = s.kv_lora_rank;
+      add(p + "self_attn.q_proj.weight", {s.n_heads * (s.qk_nope + s.qk_rope), H}, lin(H), 0.f);
+      add(p + "self_attn.kv_a_proj_with_mqa.weight", {R + s.qk_rope, H}, lin(H), 0.f);
+      add(p + "self_attn.kv_a_layernorm.weight", {R}, 0.1f, 1.f);
+      add(p + "self_attn.kv_b_proj.weight", {s.n_heads * (s.qk_nope + s.v_head), R}, lin(R), 0.f);
+      add(p + "self_attn.o_proj.weight", {H, s.n_heads * s.v_head}, lin(s.n_heads * s.v_head), 0.f);
+      if (l < s.first_dense) {
+        add(p + "mlp.gate_proj.weight", {s.dense_inter, H}, lin(H), 0.f);
+        add(p + "mlp.up_proj.weight", {s.dense_inter, H}, lin(H), 0.f);
+        add(p + "mlp.down_proj.weight", {H, s.dense_inter}, lin(s.dense_inter), 0.f);
+      } else {
+        add(p + "mlp.gate.weight", {s.n_experts, H}, lin(H), 0.f);
+        add(p + "mlp.shared_experts.gate_proj.weight", {s.shared_inter, H}, lin(H), 0.f);
+        add(p + "mlp.shared_experts.up_proj.weight", {s.shared_inter, H}, lin(H), 0.f);
+        add(p + "mlp.shared_experts.down_proj.weight", {H, s.shared_inter}, lin(s.shared_inter), 0.f);
+      }
+      continue;
+    }
     add(p + "self_attn.q_proj.weight", {s.n_heads * hd, H}, lin(H), 0.f);
     add(p + "self_attn.k_proj.weight", {s.n_kv * hd, H}, lin(H), 0.f);
     add(p + "self_attn.v_proj.weight", {s.n_kv * hd, H}, lin(H), 0.f);
@@ -149,7 +205,7 @@ Result<std::unique_ptr<SyntheticModel>> make_synthetic_model(const ModelShape& s
   }
   // Experts: one page-aligned block, every blob filled on all cores.
   const ExpertLayout L = expert_layout(H, s.inter, group);
-  const size_t n_blobs = size_t(s.layers) * s.n_experts;
+  const size_t n_blobs = size_t(s.layers - s.first_dense) * s.n_experts;  // MoE layers' experts
   m->expert_bytes = n_blobs * L.blob_bytes;
   m->experts = static_cast<uint8_t*>(std::aligned_alloc(4096, (m->expert_bytes + 4095) / 4096 * 4096));
   if (!m->experts) return make_error("out of host memory for " + std::to_string(m->expert_bytes >> 20) + " MiB of experts");
@@ -160,8 +216,9 @@ Result<std::unique_ptr<SyntheticModel>> make_synthetic_model(const ModelShape& s
     fill_q4_matrix(blob, L.up, mix(seed ^ (3 * i + 2)));
     fill_q4_matrix(blob, L.down, mix(seed ^ (3 * i + 3)));
   });
-  std::vector<const uint8_t*> blobs(n_blobs);
-  for (size_t i = 0; i < n_blobs; ++i) blobs[i] = m->experts + i * L.blob_bytes;
+  // Indexed by model layer: none for the dense layers first.
+  std::vector<const uint8_t*> blobs(size_t(s.layers) * s.n_experts, nullptr);
+  for (size_t i = 0; i < n_blobs; ++i) blobs[size_t(s.first_dense) * s.n_experts + i] = m->experts + i * L.blob_bytes;
   auto files = ModelFiles::from_memory(cfg.dump(), std::move(tensors), group, std::move(blobs));
   if (!files) return make_error(files.error());
   m->files = *files;

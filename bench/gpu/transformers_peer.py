@@ -7,7 +7,7 @@ benchmark's JSON (one file or several, comma-separated), one table of
 ratios and targets, and with --summary the machine-readable summary
 (bench/results/gpu-latest.json): {"date", "gpu", "commit", "rows": [...]}.
 
-  transformers_peer.py [--shape qwen15|qwen3|all] [--new-tokens 48]
+  transformers_peer.py [--shape qwen15|qwen3|dsv2lite|all] [--new-tokens 48]
                        [--ours a.json[,b.json]] [--json OUT] [--summary OUT]
                        [--commit REV]
 
@@ -30,7 +30,18 @@ SHAPES = {
         kind="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
         head_dim=128, moe_intermediate_size=768, intermediate_size=6144, num_experts=128, num_experts_per_tok=8,
         norm_topk_prob=True, vocab_size=151936, rope_theta=1e6),
+    # Its hub config (docs/cuda-mla.md); not in --shape all.
+    "DeepSeek-V2-Lite": dict(
+        kind="deepseek_v2", hidden_size=2048, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        moe_intermediate_size=1408, intermediate_size=10944, n_routed_experts=64, n_shared_experts=2,
+        num_experts_per_tok=6, first_k_dense_replace=1, norm_topk_prob=False, routed_scaling_factor=1.0,
+        topk_method="greedy", n_group=1, topk_group=1, vocab_size=102400, rope_theta=1e4),
 }
+SHAPE_FLAGS = {"qwen15": ["Qwen1.5-MoE-A2.7B"], "qwen3": ["Qwen3-30B-A3B"], "dsv2lite": ["DeepSeek-V2-Lite"],
+               "all": ["Qwen1.5-MoE-A2.7B", "Qwen3-30B-A3B"]}
+YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
 
 
 # What each row must reach (the targets; llama.cpp Q4_K_M on this
@@ -51,8 +62,17 @@ def build(name):
     import transformers
     spec = dict(SHAPES[name])
     kind = spec.pop("kind")
-    cfg_cls = transformers.Qwen2MoeConfig if kind == "qwen2_moe" else transformers.Qwen3MoeConfig
-    cfg = cfg_cls(**spec, max_position_embeddings=4096, torch_dtype="bfloat16")
+    if kind == "deepseek_v2":
+        theta = spec.pop("rope_theta")
+        try:  # transformers 5 spells RoPE settings rope_parameters
+            cfg = transformers.DeepseekV2Config(**spec, max_position_embeddings=163840, torch_dtype="bfloat16",
+                                                rope_parameters=dict(YARN, rope_theta=theta))
+        except TypeError:
+            cfg = transformers.DeepseekV2Config(**spec, max_position_embeddings=163840, torch_dtype="bfloat16",
+                                                rope_theta=theta, rope_scaling=dict(YARN, type="yarn"))
+    else:
+        cfg_cls = transformers.Qwen2MoeConfig if kind == "qwen2_moe" else transformers.Qwen3MoeConfig
+        cfg = cfg_cls(**spec, max_position_embeddings=4096, torch_dtype="bfloat16")
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
     model.eval()
@@ -70,7 +90,7 @@ def build(name):
 
 def timed_generate(model, batch, prompt_len, new_tokens):
     import torch
-    ids = torch.randint(0, 150000, (batch, prompt_len), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device="cuda")
     attn = torch.ones_like(ids)
     model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=4, do_sample=False, min_new_tokens=4)
     torch.cuda.synchronize()
@@ -84,7 +104,7 @@ def timed_generate(model, batch, prompt_len, new_tokens):
 
 def timed_prefill(model, n):
     import torch
-    ids = torch.randint(0, 150000, (1, n), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (1, n), device="cuda")
     with torch.no_grad():
         model(ids)
         torch.cuda.synchronize()
@@ -118,10 +138,17 @@ def main():
     except ImportError as e:
         print("SKIPPED: torch/transformers not installed (%s)" % e)
         return 0
-    names = [n for n in SHAPES if a.shape == "all" or (a.shape == "qwen15") == n.startswith("Qwen1.5")]
+    if a.shape not in SHAPE_FLAGS:
+        print("transformers_peer.py: --shape takes %s" % "|".join(SHAPE_FLAGS), file=sys.stderr)
+        return 2
+    names = SHAPE_FLAGS[a.shape]
     rows = []
     for name in names:
-        model, impl = build(name)
+        try:
+            model, impl = build(name)
+        except Exception as e:  # noqa: BLE001 - said, and the other shapes still run
+            print("%s: transformers could not build this shape: %s" % (name, e), flush=True)
+            continue
         print("%s: transformers %s, experts %s" % (name, transformers.__version__, impl), flush=True)
         for b in (1, 8):
             tps = timed_generate(model, b, 128, a.new_tokens)
