@@ -2,7 +2,7 @@
 //
 // mla_rope_store: a block per token. head_gemv: a warp per output row, its
 // weights in registers, over a tile of 16 tokens. mla_attention: a block per
-// (query token, head), 8 warps over tiles of 32 keys; scores with a lane per
+// (query token, 1 or 4 heads), 8 warps over tiles of 32 keys; scores with a lane per
 // key dotting the whole latent row (16-byte loads) with the scaled query in
 // shared memory, values with lanes owning latent dims and each key's
 // probability broadcast; online-softmax state per warp, merged through
@@ -121,7 +121,9 @@ __device__ __forceinline__ void load_latent(const bf16* p, float* out) {
   }
 }
 
-template <int R, int P>
+// HPB heads of one token a block: each latent row is loaded once for all
+// of them (prefill passes take 4; decode passes 1, for more blocks).
+template <int R, int P, int HPB>
 __global__ void __launch_bounds__(kThreads) mla_attention_kernel(MlaAttentionArgs a, PagedLatentPool p) {
   detail::allow_next_grid();
   detail::wait_prior_grid();
@@ -129,13 +131,13 @@ __global__ void __launch_bounds__(kThreads) mla_attention_kernel(MlaAttentionArg
   static_assert(W % 8 == 0 && R % 32 == 0, "latent rows are whole 16-byte runs, rank a multiple of 32");
   constexpr int D = R / 32;  // latent dims a lane owns in the value phase
   static_assert(D == 1 || D % 8 == 0, "rank 32 or a multiple of 256");
-  __shared__ float qs[W];
-  __shared__ float wm[kWarps], wl[kWarps];
+  __shared__ float qs[HPB][W];
+  __shared__ float wm[kWarps][HPB], wl[kWarps][HPB];
   __shared__ float wo[kWarps][R];
-  const int t = blockIdx.x, h = blockIdx.y;
+  const int t = blockIdx.x, h0 = blockIdx.y * HPB;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const bf16* q = a.q_abs + (size_t(t) * a.n_heads + h) * W;
-  for (int i = threadIdx.x; i < W; i += kThreads) qs[i] = __bfloat162float(q[i]) * a.scale;
+  const bf16* q = a.q_abs + (size_t(t) * a.n_heads + h0) * W;
+  for (int i = threadIdx.x; i < HPB * W; i += kThreads) qs[i / W][i % W] = __bfloat162float(q[i]) * a.scale;
   __syncthreads();
   const int total_keys = a.positions[t] + 1;
   const int32_t* table = p.block_tables + size_t(a.seq_of_token[t]) * p.max_blocks;
@@ -145,25 +147,36 @@ __global__ void __launch_bounds__(kThreads) mla_attention_kernel(MlaAttentionArg
   const int per_split = (total_keys + a.splits - 1) / a.splits;
   const int first_tile = split * ((per_split + 31) / 32);
   const int n_keys = min(total_keys, (first_tile + (per_split + 31) / 32) * 32);
-  float* part = a.splits > 1 ? a.partials + ((size_t(t) * a.n_heads + h) * a.splits + split) * (R + 2) : nullptr;
+  // Head hh's state of this split (splits > 1).
+  auto part_of = [&](int hh) {
+    return a.partials + ((size_t(t) * a.n_heads + h0 + hh) * a.splits + split) * (R + 2);
+  };
   if (first_tile * 32 >= total_keys) {  // an empty split: nothing to merge
-    for (int c = threadIdx.x; c < R + 2; c += kThreads) part[c] = c == 0 ? -INFINITY : 0.f;
+    for (int i = threadIdx.x; i < HPB * (R + 2); i += kThreads) part_of(i / (R + 2))[i % (R + 2)] = i % (R + 2) == 0 ? -INFINITY : 0.f;
     return;
   }
 
-  float m = -INFINITY, l = 0.f;
-  float o[D];
+  float m[HPB], l[HPB], o[HPB][D];
 #pragma unroll
-  for (int i = 0; i < D; ++i) o[i] = 0.f;
+  for (int hh = 0; hh < HPB; ++hh) {
+    m[hh] = -INFINITY;
+    l[hh] = 0.f;
+#pragma unroll
+    for (int i = 0; i < D; ++i) o[hh][i] = 0.f;
+  }
 
   for (int tile = first_tile + warp; tile * 32 < n_keys; tile += kWarps) {
     const int j = tile * 32 + lane;
-    float s = -INFINITY;
+    float s[HPB];
+#pragma unroll
+    for (int hh = 0; hh < HPB; ++hh) s[hh] = -INFINITY;
     long long slot = 0;  // this lane's key's row
     if (j < n_keys) {
       slot = (long long)table[j / p.block_tokens] * bstride + (long long)(j % p.block_tokens) * W;
       const uint4* kr = reinterpret_cast<const uint4*>(p.rows + slot);
-      float d = 0.f;
+      float d[HPB];
+#pragma unroll
+      for (int hh = 0; hh < HPB; ++hh) d[hh] = 0.f;
 #pragma unroll 4
       for (int c = 0; c < W / 8; ++c) {
         const uint4 u = __ldg(kr + c);
@@ -171,58 +184,77 @@ __global__ void __launch_bounds__(kThreads) mla_attention_kernel(MlaAttentionArg
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float2 f = __bfloat1622float2(b[e]);
-          d = fmaf(f.x, qs[c * 8 + 2 * e], d);
-          d = fmaf(f.y, qs[c * 8 + 2 * e + 1], d);
+#pragma unroll
+          for (int hh = 0; hh < HPB; ++hh) {
+            d[hh] = fmaf(f.x, qs[hh][c * 8 + 2 * e], d[hh]);
+            d[hh] = fmaf(f.y, qs[hh][c * 8 + 2 * e + 1], d[hh]);
+          }
         }
       }
-      s = d;
-    }
-    const float m_new = fmaxf(m, detail::warp_max(s));  // finite: the tile's first key is always in range
-    const float corr = __expf(m - m_new);
-    const float pj = j < n_keys ? __expf(s - m_new) : 0.f;
-    l = l * corr + detail::warp_sum(pj);
 #pragma unroll
-    for (int i = 0; i < D; ++i) o[i] *= corr;
+      for (int hh = 0; hh < HPB; ++hh) s[hh] = d[hh];
+    }
+    float pj[HPB];
+#pragma unroll
+    for (int hh = 0; hh < HPB; ++hh) {
+      const float m_new = fmaxf(m[hh], detail::warp_max(s[hh]));  // finite: the tile's first key is always in range
+      const float corr = __expf(m[hh] - m_new);
+      pj[hh] = j < n_keys ? __expf(s[hh] - m_new) : 0.f;
+      l[hh] = l[hh] * corr + detail::warp_sum(pj[hh]);
+#pragma unroll
+      for (int i = 0; i < D; ++i) o[hh][i] *= corr;
+      m[hh] = m_new;
+    }
     const int in_tile = min(32, n_keys - tile * 32);
     for (int k = 0; k < in_tile; ++k) {
-      const float pk = __shfl_sync(0xffffffffu, pj, k);
       const long long sk = __shfl_sync(0xffffffffu, slot, k);
       float v[D];
       load_latent<D>(p.rows + sk + lane * D, v);
 #pragma unroll
-      for (int i = 0; i < D; ++i) o[i] = fmaf(pk, v[i], o[i]);
-    }
-    m = m_new;
-  }
+      for (int hh = 0; hh < HPB; ++hh) {
+        const float pk = __shfl_sync(0xffffffffu, pj[hh], k);
 #pragma unroll
-  for (int i = 0; i < D; ++i) wo[warp][lane * D + i] = o[i];
-  if (lane == 0) {
-    wm[warp] = m;
-    wl[warp] = l;
-  }
-  __syncthreads();
-  float mx = -INFINITY;
-  for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, wm[w]);
-  float sum = 0.f;
-  for (int w = 0; w < kWarps; ++w) sum += wl[w] * __expf(wm[w] - mx);
-  if (part) {  // the split's state, unnormalised, for mla_merge_kernel
-    for (int c = threadIdx.x; c < R; c += kThreads) {
-      float v = 0.f;
-      for (int w = 0; w < kWarps; ++w) v += wo[w][c] * __expf(wm[w] - mx);
-      part[2 + c] = v;
+        for (int i = 0; i < D; ++i) o[hh][i] = fmaf(pk, v[i], o[hh][i]);
+      }
     }
-    if (threadIdx.x == 0) {
-      part[0] = mx;
-      part[1] = sum;
-    }
-    return;
   }
-  const float inv = 1.f / sum;
-  bf16* out = a.out + (size_t(t) * a.n_heads + h) * R;
-  for (int c = threadIdx.x; c < R; c += kThreads) {
-    float v = 0.f;
-    for (int w = 0; w < kWarps; ++w) v += wo[w][c] * __expf(wm[w] - mx);
-    out[c] = __float2bfloat16(v * inv);
+  if (lane == 0)
+#pragma unroll
+    for (int hh = 0; hh < HPB; ++hh) {
+      wm[warp][hh] = m[hh];
+      wl[warp][hh] = l[hh];
+    }
+  // The warps' states merged head by head through wo.
+#pragma unroll
+  for (int hh = 0; hh < HPB; ++hh) {
+    __syncthreads();  // wm / wl written; wo free again
+#pragma unroll
+    for (int i = 0; i < D; ++i) wo[warp][lane * D + i] = o[hh][i];
+    __syncthreads();
+    float mx = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, wm[w][hh]);
+    float sum = 0.f;
+    for (int w = 0; w < kWarps; ++w) sum += wl[w][hh] * __expf(wm[w][hh] - mx);
+    if (a.splits > 1) {  // the split's state, unnormalised, for mla_merge_kernel
+      float* part = part_of(hh);
+      for (int c = threadIdx.x; c < R; c += kThreads) {
+        float v = 0.f;
+        for (int w = 0; w < kWarps; ++w) v += wo[w][c] * __expf(wm[w][hh] - mx);
+        part[2 + c] = v;
+      }
+      if (threadIdx.x == 0) {
+        part[0] = mx;
+        part[1] = sum;
+      }
+    } else {
+      const float inv = 1.f / sum;
+      bf16* out = a.out + (size_t(t) * a.n_heads + h0 + hh) * R;
+      for (int c = threadIdx.x; c < R; c += kThreads) {
+        float v = 0.f;
+        for (int w = 0; w < kWarps; ++w) v += wo[w][c] * __expf(wm[w][hh] - mx);
+        out[c] = __float2bfloat16(v * inv);
+      }
+    }
   }
 }
 
@@ -281,11 +313,13 @@ Status mla_attention(const MlaAttentionArgs& a, const PagedLatentPool& p, cudaSt
   MOE_CUDA_REQUIRE(a.tokens > 0 && a.n_heads > 0, "tokens and heads must be positive");
   MOE_CUDA_REQUIRE(a.splits >= 1 && a.splits <= kMlaMaxSplits && (a.splits == 1 || a.partials),
                    "splits must be in [1, 16], with partials above 1");
-  const dim3 grid(a.tokens, a.n_heads, a.splits);
+  const int hpb = mla_heads_per_block(a.tokens, a.n_heads);
+  const dim3 grid(a.tokens, a.n_heads / hpb, a.splits);
+  auto go = [&](auto kernel) { return detail::launch_pdl(kernel, grid, dim3(kThreads), 0, stream, a, p); };
   if (p.rank == 512 && p.rope == 64) {
-    MOE_CUDA_TRY(detail::launch_pdl(mla_attention_kernel<512, 64>, grid, dim3(kThreads), 0, stream, a, p));
+    MOE_CUDA_TRY(hpb == 4 ? go(mla_attention_kernel<512, 64, 4>) : go(mla_attention_kernel<512, 64, 1>));
   } else if (p.rank == 32 && p.rope == 8) {
-    MOE_CUDA_TRY(detail::launch_pdl(mla_attention_kernel<32, 8>, grid, dim3(kThreads), 0, stream, a, p));
+    MOE_CUDA_TRY(hpb == 4 ? go(mla_attention_kernel<32, 8, 4>) : go(mla_attention_kernel<32, 8, 1>));
   } else {
     return make_error("mla_attention is compiled for (kv_lora_rank, qk_rope_head_dim) (512, 64) and (32, 8), not (" +
                       std::to_string(p.rank) + ", " + std::to_string(p.rope) + ")");

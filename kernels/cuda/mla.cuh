@@ -90,6 +90,10 @@ struct MlaAttentionArgs {
 
 inline constexpr int kMlaMaxSplits = 16;
 
+// Heads of one token a block takes: 4 in passes of more than 8 tokens
+// (each latent row loaded once for the 4), else 1 (more blocks for decode).
+inline int mla_heads_per_block(int tokens, int n_heads) { return tokens > 8 && n_heads % 4 == 0 ? 4 : 1; }
+
 // Splits for a pass of `tokens` query tokens: about 512 blocks (four a
 // multiprocessor on an H200) for a decode pass, a function of the pass's
 // size only so that a captured decode graph stays valid as contexts grow;
