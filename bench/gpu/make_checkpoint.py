@@ -63,6 +63,16 @@ def tensors(cfg):
     V = cfg["vocab_size"]
     qwen3 = cfg["model_type"] == "qwen3_moe"
     deepseek = cfg["model_type"] == "deepseek_v2"
+
+    def routed(p):
+        """A MoE layer's router and experts."""
+        yield p + "mlp.gate.weight", (E, H), "w"
+        for e in range(E):
+            q = p + f"mlp.experts.{e}."
+            yield q + "gate_proj.weight", (I, H), "w"
+            yield q + "up_proj.weight", (I, H), "w"
+            yield q + "down_proj.weight", (H, I), "w"
+
     yield "model.embed_tokens.weight", (V, H), "w"
     for l in range(L):
         p = f"model.layers.{l}."
@@ -82,12 +92,7 @@ def tensors(cfg):
                 yield p + "mlp.up_proj.weight", (D, H), "w"
                 yield p + "mlp.down_proj.weight", (H, D), "w"
                 continue
-            yield p + "mlp.gate.weight", (E, H), "w"
-            for e in range(E):
-                q = p + f"mlp.experts.{e}."
-                yield q + "gate_proj.weight", (I, H), "w"
-                yield q + "up_proj.weight", (I, H), "w"
-                yield q + "down_proj.weight", (H, I), "w"
+            yield from routed(p)
             S = cfg["n_shared_experts"] * I
             yield p + "mlp.shared_experts.gate_proj.weight", (S, H), "w"
             yield p + "mlp.shared_experts.up_proj.weight", (S, H), "w"
@@ -103,12 +108,7 @@ def tensors(cfg):
         else:
             for n in ("q", "k", "v"):
                 yield p + f"self_attn.{n}_proj.bias", ((nh if n == "q" else nkv) * hd,), "w"
-        yield p + "mlp.gate.weight", (E, H), "w"
-        for e in range(E):
-            q = p + f"mlp.experts.{e}."
-            yield q + "gate_proj.weight", (I, H), "w"
-            yield q + "up_proj.weight", (I, H), "w"
-            yield q + "down_proj.weight", (H, I), "w"
+        yield from routed(p)
         if not qwen3:
             S = cfg["shared_expert_intermediate_size"]
             yield p + "mlp.shared_expert.gate_proj.weight", (S, H), "w"
