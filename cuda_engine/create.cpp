@@ -49,7 +49,7 @@ Result<std::string> cuda_device_summary() {
          format_bytes(prop.totalGlobalMem) + ")";
 }
 
-std::string CudaEngine::model_refusal(const ModelDesc& d) {
+std::string CudaEngine::model_refusal(const ModelDesc& d, const CudaEngineOptions& opts) {
   if (d.attention == AttentionKind::mla) {
     const MlaConfig& m = d.mla;
     if (!cuda::mla_shape_supported(m.kv_lora_rank, m.qk_rope_head_dim))
@@ -59,8 +59,14 @@ std::string CudaEngine::model_refusal(const ModelDesc& d) {
     if (m.q_lora_rank > 0)
       return "the cuda backend does not run a compressed query (q_lora_rank " + std::to_string(m.q_lora_rank) +
              ", DeepSeek-V2 236B); DeepSeek-V2-Lite has none; use --backend cpu";
-    if (m.qk_nope_head_dim % 2 || m.v_head_dim <= 0 || m.qk_nope_head_dim > 1024)
+    // head_gemv reads bf16 pairs of at most 1,024 columns; o_proj's GEMV
+    // reads runs of 8 of n_heads * v_head_dim.
+    if (m.qk_nope_head_dim <= 0 || m.qk_nope_head_dim % 2 || m.qk_nope_head_dim > 1024 || m.v_head_dim <= 0 ||
+        (d.n_heads * m.v_head_dim) % 8)
       return "the cuda backend cannot run this latent attention's head widths; use --backend cpu";
+    if (opts.kv_dtype == KvDtypeChoice::int8 || opts.kv_dtype == KvDtypeChoice::fp8)
+      return "--kv-dtype int8 and fp8 are not built for latent attention (DeepSeek-V2) on the cuda backend: its "
+             "latent rows are bf16 (9x smaller than expanded K and V already); use auto or bf16, or --backend cpu";
   }
   if (d.moe.topk_method != "greedy")
     return "the cuda backend has no group-limited expert selection (" + d.moe.topk_method + ")";
@@ -72,7 +78,7 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   auto dev = cuda_device_summary();
   if (!dev) return make_error("the cuda backend needs a CUDA device: " + dev.error());
   const ModelDesc& d = files->desc();
-  if (const std::string refusal = model_refusal(d); !refusal.empty()) return make_error(refusal);
+  if (const std::string refusal = model_refusal(d, opts); !refusal.empty()) return make_error(refusal);
   if (opts.max_step_tokens < 1 || opts.max_step_tokens > 8192)
     return make_error("max_step_tokens must be in [1, 8192]");
   if (opts.fuse_max_tokens < 0 || opts.fuse_max_tokens > cuda::kGemvMaxTokens)
@@ -94,9 +100,6 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     m.qkv_width = d.n_heads * (ml.qk_nope_head_dim + ml.qk_rope_head_dim) + m.latent_width;
     m.q_width = d.n_heads * std::max(ml.qk_nope_head_dim, ml.v_head_dim);
     m.rot_dim = ml.qk_rope_head_dim;
-    if (opts.kv_dtype == KvDtypeChoice::int8 || opts.kv_dtype == KvDtypeChoice::fp8)
-      return make_error("--kv-dtype int8 and fp8 are not built for latent attention (DeepSeek-V2): its latent rows "
-                        "are bf16 (9x smaller than expanded K and V already); use auto or bf16");
   } else {
     m.q_width = d.n_heads * d.head_dim;
     m.qkv_width = (d.n_heads + 2 * d.n_kv_heads) * d.head_dim;

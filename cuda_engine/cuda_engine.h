@@ -59,12 +59,12 @@ struct DeviceMemory {
 class CudaEngine final : public Engine {
  public:
   // Loads `files` onto the current CUDA device. Refuses architectures the
-  // kernels do not cover (MLA) and budgets that cannot hold the model's
+  // kernels do not cover (model_refusal) and budgets that cannot hold the model's
   // fixed part, saying what would fit.
   static Result<std::unique_ptr<CudaEngine>> create(std::shared_ptr<ModelFiles> files,
                                                     const CudaEngineOptions& opts);
-  // Why create() refuses a model of this description ("" when it serves it).
-  static std::string model_refusal(const ModelDesc& d);
+  // Why create() refuses a model of this description with these options ("" when it serves it).
+  static std::string model_refusal(const ModelDesc& d, const CudaEngineOptions& opts);
   ~CudaEngine();
   CudaEngine(const CudaEngine&) = delete;
   CudaEngine& operator=(const CudaEngine&) = delete;

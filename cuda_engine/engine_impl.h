@@ -247,7 +247,7 @@ struct CudaEngine::Impl {
   int mask_words = 0;                     // ceil(vocab / 32)
   bf16 *xn = nullptr, *q = nullptr, *attn = nullptr, *mh = nullptr, *xsn = nullptr;
   bf16 *q_abs = nullptr, *o_lat = nullptr;  // MLA: [tokens, n_heads, latent_width] and [tokens, n_heads, rank]
-  float* mla_partials = nullptr;            // MLA decode: the key splits' softmax states (cuda::mla_splits)
+  float* mla_partials = nullptr;            // MLA: the key splits' softmax states (cuda::mla_splits)
   const uint8_t** blob_tables = nullptr;  // [n_moe_layers, n_experts] device pointers
   void* grouped_ws = nullptr;
   size_t grouped_ws_bytes = 0;

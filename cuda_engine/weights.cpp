@@ -324,7 +324,7 @@ void CudaEngine::Impl::carve_workspace(Carver& c) {
     q_abs = c.take<bf16>(size_t(max_pass_tokens) * d.n_heads * latent_width);
     o_lat = c.take<bf16>(size_t(max_pass_tokens) * d.n_heads * d.mla.kv_lora_rank);
     size_t partials = 0;
-    for (int n = 1; n <= cuda::kGemvMaxTokens; ++n)
+    for (int n = 1; n <= max_pass_tokens; ++n)  // at most 2,048 (token, head)s split: 512 blocks of 4 heads
       partials = std::max(partials, cuda::mla_partials_floats(n, d.n_heads, cuda::mla_splits(n, d.n_heads),
                                                               d.mla.kv_lora_rank));
     mla_partials = c.take<float>(std::max<size_t>(partials, 1));

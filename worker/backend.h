@@ -117,7 +117,7 @@ bool cuda_backend_built();
 std::string cuda_unavailable_reason(std::string* device = nullptr);
 // Why the CUDA backend would refuse the model at `model_path` ("" when it
 // serves it, or when the description cannot be read: opening then says why).
-std::string cuda_model_refusal(const std::string& model_path);
+std::string cuda_model_refusal(const std::string& model_path, const CudaEngineOptions& opts);
 // The CUDA backend (cuda_engine/cuda_engine.h); an error without a device or
 // in a binary built without CUDA.
 Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string& model_path, const CudaEngineOptions& opts);

@@ -148,16 +148,16 @@ std::string cuda_unavailable_reason(std::string* device) {
   return "";
 }
 
-std::string cuda_model_refusal(const std::string& model_path) {
+std::string cuda_model_refusal(const std::string& model_path, const CudaEngineOptions& opts) {
   // A folder's config.json alone (opening a GPTQ/AWQ folder converts it);
   // a packed or GGUF file opens by mmap, cheaply.
   std::error_code ec;
   if (std::filesystem::is_directory(model_path, ec)) {
     auto d = load_model_desc(model_path);
-    return d.ok() ? CudaEngine::model_refusal(d.value()) : "";
+    return d.ok() ? CudaEngine::model_refusal(d.value(), opts) : "";
   }
   auto files = ModelFiles::open(model_path);
-  return files.ok() ? CudaEngine::model_refusal(files.value()->desc()) : "";
+  return files.ok() ? CudaEngine::model_refusal(files.value()->desc(), opts) : "";
 }
 
 Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string& model_path, const CudaEngineOptions& opts) {

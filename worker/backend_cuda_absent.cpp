@@ -8,7 +8,7 @@ bool cuda_backend_built() { return false; }
 
 std::string cuda_unavailable_reason(std::string*) { return "this moe-worker was built without the CUDA toolkit"; }
 
-std::string cuda_model_refusal(const std::string&) { return ""; }
+std::string cuda_model_refusal(const std::string&, const CudaEngineOptions&) { return ""; }
 
 Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string&, const CudaEngineOptions&) {
   return make_error("this moe-worker was built without the CUDA toolkit; rebuild with nvcc installed or use --backend cpu");

@@ -84,8 +84,9 @@ int main(int argc, char** argv) {
   if (backend_kind == moe::BackendChoice::automatic) {
     std::string device;
     std::string why_not = moe::worker::cuda_unavailable_reason(&device);
-    // A model the CUDA engine does not run (DeepSeek-V2 236B's compressed query) is served on the CPU.
-    if (why_not.empty()) why_not = moe::worker::cuda_model_refusal(o.model_path);
+    // A model the CUDA engine does not run with these options (DeepSeek-V2 236B's compressed
+    // query, latent rows in int8) is served on the CPU.
+    if (why_not.empty()) why_not = moe::worker::cuda_model_refusal(o.model_path, o.cuda);
     backend_kind = why_not.empty() ? moe::BackendChoice::cuda : moe::BackendChoice::cpu;
     if (why_not.empty())
       std::fprintf(stderr, "moe-worker: the CUDA backend, on %s\n", device.c_str());

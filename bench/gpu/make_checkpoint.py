@@ -38,7 +38,8 @@ SHAPES = {
         decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False, vocab_size=151936,
         rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=8192, tie_word_embeddings=False,
         hidden_act="silu", bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16"),
-    # Its hub config.json (docs/cuda-mla.md); bos/eos are the Qwen3 tokenizer's that --tokenizer gives it.
+    # Its hub config.json (docs/cuda-mla.md), its own BOS / EOS ids (ordinary tokens of the Qwen3
+    # tokenizer that --tokenizer gives it: inside the vocabulary, unlike that tokenizer's specials).
     "deepseek-v2-lite": dict(
         architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=2048, num_hidden_layers=27,
         num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
@@ -49,7 +50,7 @@ SHAPES = {
         rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
                       "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
         rms_norm_eps=1e-6, max_position_embeddings=163840, tie_word_embeddings=False, attention_bias=False,
-        hidden_act="silu", bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16"),
+        hidden_act="silu", bos_token_id=100000, eos_token_id=100001, torch_dtype="bfloat16"),
 }
 
 
@@ -220,7 +221,8 @@ def main():
     with open(os.path.join(a.out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     with open(os.path.join(a.out, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": cfg["bos_token_id"], "eos_token_id": [cfg["eos_token_id"], 151643]}, f)
+        eos = [cfg["eos_token_id"]] + ([151643] if cfg["vocab_size"] > 151643 else [])  # Qwen's <|endoftext|> too
+        json.dump({"bos_token_id": cfg["bos_token_id"], "eos_token_id": eos}, f)
     if a.tokenizer:
         for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             if os.path.exists(os.path.join(a.tokenizer, n)):

@@ -79,7 +79,7 @@ struct MlaAttentionArgs {
   int tokens = 0, n_heads = 0;
   float scale = 1.f;
   __nv_bfloat16* out = nullptr;           // [tokens, n_heads, rank]: sum_j p_j latent_j
-  // Decode: each (token, head) split over `splits` runs of keys (whole
+  // Each (token, head) split over `splits` runs of keys (whole
   // tiles of 32), each its softmax state into `partials` ([tokens,
   // n_heads, splits, rank + 2] f32: max, sum, then the rank outputs), a
   // second kernel merging them into out. 1: one block a (token, head), out
@@ -95,12 +95,12 @@ inline constexpr int kMlaMaxSplits = 16;
 inline int mla_heads_per_block(int tokens, int n_heads) { return tokens > 8 && n_heads % 4 == 0 ? 4 : 1; }
 
 // Splits for a pass of `tokens` query tokens: about 512 blocks (four a
-// multiprocessor on an H200) for a decode pass, a function of the pass's
-// size only so that a captured decode graph stays valid as contexts grow;
-// one above 8 tokens.
+// multiprocessor on an H200), as far as 16 splits go; a function of the
+// pass's size only, so that a captured decode graph stays valid as contexts
+// grow. Long prefill passes take one.
 inline int mla_splits(int tokens, int n_heads) {
-  if (tokens > 8) return 1;
-  const int s = 512 / (tokens * n_heads);
+  const int blocks = tokens * (n_heads / mla_heads_per_block(tokens, n_heads));
+  const int s = 512 / (blocks > 0 ? blocks : 1);
   return s < 1 ? 1 : (s > kMlaMaxSplits ? kMlaMaxSplits : s);
 }
 
