@@ -46,9 +46,11 @@ struct GatewayOptions {
   size_t session_memory_bytes = size_t(64) << 20; // --session-memory-bytes
   uint64_t session_ttl_s = 24 * 3600;             // --session-ttl-s
   // Expert prediction (docs/expert-prediction.md).
-  bool predict = true;                     // --predict on|off
+  // Off unless asked: through the gateway at the real shapes neither paid
+  // (docs/expert-prediction.md, "Switched off by default").
+  bool predict = false;                    // --predict on|off
   bool experts_page = true;                // --experts-page on|off
-  bool grouped_batching = true;            // --grouped-batching on|off
+  bool grouped_batching = false;           // --grouped-batching on|off
   int lsh_bits = 12;                       // --lsh-bits
   uint64_t lsh_seed = 1;                   // --lsh-seed
   double predict_half_life = 500;          // --predict-half-life: in routing summaries

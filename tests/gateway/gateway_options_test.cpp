@@ -51,19 +51,19 @@ TEST_CASE("options: --help and --version need no model", "[gateway][options]") {
 TEST_CASE("options: expert prediction flags, their defaults and their errors", "[gateway][options]") {
   auto d = parse_gateway_args({"--model", "m"});
   REQUIRE(d.ok());
-  CHECK(d->options.predict);
-  CHECK(d->options.grouped_batching);
+  CHECK_FALSE(d->options.predict);  // off by default: measured, neither paid (docs/expert-prediction.md)
+  CHECK_FALSE(d->options.grouped_batching);
   CHECK(d->options.lsh_bits == 12);
   CHECK(d->options.lsh_seed == 1);
   CHECK(d->options.predict_half_life == 500);
   CHECK(d->options.predict_experts == 8);
   CHECK(d->options.grouping_max_skips == 4);
-  auto r = parse_gateway_args({"--model", "m", "--predict", "off", "--grouped-batching=off", "--lsh-bits", "12",
+  auto r = parse_gateway_args({"--model", "m", "--predict", "on", "--grouped-batching=on", "--lsh-bits", "12",
                                "--lsh-seed", "18446744073709551615", "--predict-half-life", "50",
                                "--predict-experts", "4", "--grouping-max-skips", "0"});
   REQUIRE(r.ok());
-  CHECK_FALSE(r->options.predict);
-  CHECK_FALSE(r->options.grouped_batching);
+  CHECK(r->options.predict);
+  CHECK(r->options.grouped_batching);
   CHECK(r->options.lsh_bits == 12);
   CHECK(r->options.lsh_seed == 18446744073709551615ull);
   CHECK(r->options.predict_half_life == 50);

@@ -10,7 +10,7 @@ workers on the demo model and real gateways (docs/expert-prediction.md):
      first one's traffic from the routing stream: same prediction, and its
      first request is predicted well; it keeps learning live;
   5. one gateway drives both workers at once;
-  6. with --predict off nothing of it is on.
+  6. with --predict off (the default) nothing of it is on.
 """
 import http.client
 import json
@@ -24,6 +24,7 @@ import redis_harness as h  # noqa: E402
 
 ROUTING = "moe:" + h.MODEL + ":routing"
 TOP = 8  # the gateway's --predict-experts default
+ON = ("--predict", "on", "--grouped-batching", "on")  # both off by default (docs/expert-prediction.md)
 failures = []
 
 
@@ -121,7 +122,7 @@ def main():
     try:
         c.start_redis()
         w1 = c.start_worker("w1")
-        a = c.start_gateway([w1], name="gateway-a")
+        a = c.start_gateway([w1], name="gateway-a", extra=ON)
 
         # 1. The bucket tag travels to the worker and back into Redis.
         st, p0 = post(a, "/debug/experts", {"prompt": TRAIN_X[0]})
@@ -178,7 +179,7 @@ def main():
         # 4. A second gateway learns the first one's traffic through Redis.
         total = len(summaries(c))
         w2 = c.start_worker("w2")
-        b = c.start_gateway([w2], name="gateway-b")
+        b = c.start_gateway([w2], name="gateway-b", extra=ON)
         learned_b = wait_metric(b, "moe_gateway_routing_summaries_learned_total", total)
         check(learned_b >= total, f"gateway B read the whole routing stream ({learned_b:.0f} of {total})")
         # Both tables hold the same summaries before they are compared.
@@ -209,7 +210,7 @@ def main():
             c.procs[n].terminate()
             c.procs[n].wait(timeout=10)
         before = len(summaries(c))
-        g = c.start_gateway([w1, w2], name="gateway-c")
+        g = c.start_gateway([w1, w2], name="gateway-c", extra=ON)
         streams = [h.Stream(g, kind_x(20 + i, i, 3, "copy") if i % 2 else kind_y("July", f"item {i}"), 16).start()
                    for i in range(8)]
         for st_ in streams:
