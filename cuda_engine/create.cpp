@@ -49,6 +49,19 @@ Result<std::string> cuda_device_summary() {
          format_bytes(prop.totalGlobalMem) + ")";
 }
 
+Status select_cuda_device(int index) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return make_error("no CUDA device");
+  if (index < 0 || index >= n) {
+    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+    return make_error("--device " + std::to_string(index) + ": this process sees " + std::to_string(n) +
+                      " CUDA device" + (n == 1 ? "" : "s") + " (0 to " + std::to_string(n - 1) + ")" +
+                      (visible ? std::string(", CUDA_VISIBLE_DEVICES=") + visible : std::string()));
+  }
+  MOE_CUDA_TRY(cudaSetDevice(index));
+  return {};
+}
+
 std::string CudaEngine::model_refusal(const ModelDesc& d, const CudaEngineOptions& opts) {
   if (d.attention == AttentionKind::mla) {
     const MlaConfig& m = d.mla;
@@ -75,6 +88,8 @@ std::string CudaEngine::model_refusal(const ModelDesc& d, const CudaEngineOption
 
 Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFiles> files,
                                                        const CudaEngineOptions& opts) {
+  if (Status sel = select_cuda_device(opts.device); !sel)
+    return make_error("the cuda backend needs a CUDA device: " + sel.error());
   auto dev = cuda_device_summary();
   if (!dev) return make_error("the cuda backend needs a CUDA device: " + dev.error());
   const ModelDesc& d = files->desc();

@@ -119,4 +119,8 @@ class CudaEngine final : public Engine {
 // free of 139.8 GiB"), or an error when there is no usable device.
 Result<std::string> cuda_device_summary();
 
+// Makes device `index` (among the visible ones) current for this thread,
+// or says how many there are.
+Status select_cuda_device(int index);
+
 }  // namespace moe

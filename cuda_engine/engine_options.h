@@ -98,6 +98,10 @@ Result<E> parse_option(std::string_view option, std::string_view value) {
 }
 
 struct CudaEngineOptions {
+  // The CUDA device, an index among those the process sees (CUDA_VISIBLE_DEVICES
+  // chooses and orders them). The engine makes it current for the thread
+  // that creates it, which must be the thread that calls it after.
+  int device = 0;
   size_t vram_budget = 0;     // the whole process on the device; 0: free device memory less a margin
   bool prefix_cache = true;   // reuse cached KV blocks of shared prompt prefixes (docs/prefix-cache.md)
   // The arena alone instead (several engines in one process, as tests run

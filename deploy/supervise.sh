@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Runs moe-serve under supervisord in the foreground: Redis, the worker
-# (BACKEND: cuda when a GPU is visible and moe-worker was built with CUDA,
-# else cpu), the CPU fallback worker (by default the same model), and the
+# Runs moe-serve under supervisord in the foreground: Redis, the main
+# workers (BACKEND: cuda when a GPU is visible and moe-worker was built with
+# CUDA, else cpu; one per GPU), the CPU fallback worker (by default the same model), and the
 # gateway with --worker,
 # --fallback-worker and --redis. Every program is restarted when it exits.
 #
@@ -9,8 +9,10 @@
 # Env: BUILD_DIR (build), HOST (127.0.0.1), PORT (8080), REDIS_PORT (6390),
 #      MOE_STATE_DIR (BUILD_DIR/supervise: sockets, Redis data, logs/),
 #      FALLBACK_MODEL (the main model; it must share its tokenizer),
-#      BACKEND (cuda | cpu; default as above), WORKER_ARGS (more moe-worker
-#      options for the main worker, e.g. "--vram-budget 10GiB"),
+#      BACKEND (cuda | cpu; default as above), WORKERS (main workers: by
+#      default one per visible GPU with the cuda backend, else 1; worker i
+#      gets --device i), WORKER_ARGS (more moe-worker options for each main
+#      worker, e.g. "--vram-budget 10GiB"),
 #      API_KEY_FILE (the gateway's keys, one a line; MOE_API_KEY in the
 #      environment works too: supervisord passes it on), KEYS_FILE (keys with
 #      a name, priority and rate limit: moe-gateway --keys-file, see
@@ -96,16 +98,39 @@ export MOE_WORKER_ARGS=${WORKER_ARGS:-}
 export MOE_WORKER_NAME=${WORKER_NAME:-worker} MOE_FALLBACK_NAME=${FALLBACK_NAME:-fallback}
 case "$MOE_WORKER_NAME$MOE_FALLBACK_NAME" in *[!A-Za-z0-9_.-]*)
   echo "supervise: WORKER_NAME and FALLBACK_NAME may hold only letters, digits, '_', '.' and '-'" >&2; exit 1 ;; esac
-# The main worker keeps its expert use in a routing profile and starts from
-# it after a restart (with Redis's last resident set first; docs/memory-islands.md).
-MOE_PROFILE_ARGS=
-if [ "${WARM_PROFILE:-}" != off ]; then
-  profile=${WARM_PROFILE:-$state/$MOE_WORKER_NAME.profile.json}
-  case "$profile" in *[!A-Za-z0-9_./-]*)
-    echo "supervise: WARM_PROFILE may hold only letters, digits, '_', '.', '/' and '-'" >&2; exit 1 ;; esac
-  MOE_PROFILE_ARGS="--save-profile $profile --warm-profile $profile"
+# One main worker per visible GPU (cuda: CUDA_VISIBLE_DEVICES' entries, else
+# nvidia-smi's list), each with its own --device, budget (WORKER_ARGS applies
+# to each), socket, name and profile; WORKERS sets the count (2 CPU workers,
+# or 1 on a host of several GPUs). Worker 0 is WORKER_NAME, the others
+# WORKER_NAME-1, WORKER_NAME-2, ... (docs/scale-out.md, "Several GPUs").
+if [ -z "${WORKERS:-}" ]; then
+  WORKERS=1
+  if [ "$BACKEND" = cuda ]; then
+    if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+      gpus=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)
+    else
+      gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    fi
+    [ "${gpus:-0}" -ge 1 ] && WORKERS=$gpus
+  fi
 fi
-export MOE_PROFILE_ARGS
+case "$WORKERS" in ''|*[!0-9]*) echo "supervise: WORKERS must be a number from 1 to 16, not '$WORKERS'" >&2; exit 1 ;; esac
+if [ "$WORKERS" -lt 1 ] || [ "$WORKERS" -gt 16 ]; then
+  echo "supervise: WORKERS must be a number from 1 to 16, not '$WORKERS'" >&2; exit 1
+fi
+if [ "$WORKERS" -gt 1 ] && [ -n "${WARM_PROFILE:-}" ] && [ "$WARM_PROFILE" != off ]; then
+  echo "supervise: WARM_PROFILE names one file; with $WORKERS workers each keeps its own" \
+       "(MOE_STATE_DIR/NAME.profile.json): leave WARM_PROFILE unset, or off" >&2; exit 1
+fi
+# Each main worker keeps its expert use in a routing profile and starts from
+# it after a restart (with Redis's last resident set first; docs/memory-islands.md).
+profile_args() {  # NAME
+  [ "${WARM_PROFILE:-}" = off ] && return 0
+  local profile=${WARM_PROFILE:-$state/$1.profile.json}
+  case "$profile" in *[!A-Za-z0-9_./-]*)
+    echo "supervise: WARM_PROFILE may hold only letters, digits, '_', '.', '/' and '-'" >&2; return 1 ;; esac
+  echo "--save-profile $profile --warm-profile $profile"
+}
 # The gateway's keys.
 MOE_GATEWAY_ARGS=""
 if [ -n "${API_KEY_FILE:-}" ]; then
@@ -137,6 +162,39 @@ if [ -n "${REDIS_PASSWORD_FILE:-}" ]; then
 fi
 export MOE_REDIS_AUTH_ARGS
 export MOE_BACKEND=$BACKEND
-echo "supervise: $MOE_MODEL on $MOE_BACKEND, fallback $MOE_FALLBACK_MODEL on cpu, http://$MOE_HOST:$MOE_PORT," \
+# supervisord's configuration: deploy/supervisord.conf, then a section a
+# main worker (program worker, worker-1, ...; logs worker.log, worker-1.log, ...).
+conf=$state/run/supervisord.conf
+MOE_GATEWAY_WORKERS=""
+{
+  cat "$root/deploy/supervisord.conf"
+  for ((i = 0; i < WORKERS; i++)); do
+    program=worker name=$MOE_WORKER_NAME device=""
+    if [ "$i" -gt 0 ]; then program=worker-$i name=$MOE_WORKER_NAME-$i; fi
+    if [ "$BACKEND" = cuda ] && [ "$WORKERS" -gt 1 ]; then device="--device $i"; fi
+    prof=$(profile_args "$name") || exit 1
+    cat <<CONF
+
+[program:$program]
+command=/bin/sh -c 'exec %(ENV_MOE_WORKER_BIN)s --model %(ENV_MOE_MODEL)s --backend %(ENV_MOE_BACKEND)s --socket %(ENV_MOE_RUN_DIR)s/$name.sock --redis "%(ENV_MOE_REDIS_URL)s" \$MOE_REDIS_AUTH_ARGS $prof $device \$MOE_WORKER_ARGS'
+priority=20
+autorestart=true
+startsecs=0
+startretries=1000
+stopsignal=TERM
+stopwaitsecs=10
+stdout_logfile=%(ENV_MOE_LOG_DIR)s/$program.log
+redirect_stderr=true
+CONF
+  done
+} > "$conf"
+for ((i = 0; i < WORKERS; i++)); do
+  name=$MOE_WORKER_NAME
+  [ "$i" -gt 0 ] && name=$MOE_WORKER_NAME-$i
+  MOE_GATEWAY_WORKERS="$MOE_GATEWAY_WORKERS --worker unix:$MOE_RUN_DIR/$name.sock"
+done
+export MOE_GATEWAY_WORKERS
+echo "supervise: $MOE_MODEL on $MOE_BACKEND ($WORKERS worker$([ "$WORKERS" -gt 1 ] && echo s)), fallback" \
+     "$MOE_FALLBACK_MODEL on cpu, http://$MOE_HOST:$MOE_PORT," \
      "Redis $MOE_REDIS_URL$([ "$MOE_REDIS_LOCAL" = true ] && echo ' (started here)'), logs in $MOE_LOG_DIR" >&2
-exec "${supervisord_cmd[@]}" -n -c "$root/deploy/supervisord.conf"
+exec "${supervisord_cmd[@]}" -n -c "$conf"

@@ -114,7 +114,7 @@ Result<std::unique_ptr<Backend>> make_cpu_backend(const std::string& model_path,
 bool cuda_backend_built();
 // Why the CUDA backend cannot run here ("" when it can): a build without the
 // toolkit, or no visible device. `device` gets the device's name and memory.
-std::string cuda_unavailable_reason(std::string* device = nullptr);
+std::string cuda_unavailable_reason(int device_index, std::string* device = nullptr);
 // Why the CUDA backend would refuse the model at `model_path` ("" when it
 // serves it, or when the description cannot be read: opening then says why).
 std::string cuda_model_refusal(const std::string& model_path, const CudaEngineOptions& opts);

@@ -6,7 +6,7 @@ namespace moe::worker {
 
 bool cuda_backend_built() { return false; }
 
-std::string cuda_unavailable_reason(std::string*) { return "this moe-worker was built without the CUDA toolkit"; }
+std::string cuda_unavailable_reason(int, std::string*) { return "this moe-worker was built without the CUDA toolkit"; }
 
 std::string cuda_model_refusal(const std::string&, const CudaEngineOptions&) { return ""; }
 

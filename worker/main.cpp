@@ -83,7 +83,7 @@ int main(int argc, char** argv) {
   moe::BackendChoice backend_kind = o.backend;
   if (backend_kind == moe::BackendChoice::automatic) {
     std::string device;
-    std::string why_not = moe::worker::cuda_unavailable_reason(&device);
+    std::string why_not = moe::worker::cuda_unavailable_reason(o.cuda.device, &device);
     // A model the CUDA engine does not run with these options (DeepSeek-V2 236B's compressed
     // query, latent rows in int8) is served on the CPU.
     if (why_not.empty()) why_not = moe::worker::cuda_model_refusal(o.model_path, o.cuda);
@@ -92,6 +92,11 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "moe-worker: the CUDA backend, on %s\n", device.c_str());
     else
       std::fprintf(stderr, "moe-worker: the CPU backend: %s\n", why_not.c_str());
+  }
+  if (backend_kind == moe::BackendChoice::cpu && o.device_given) {
+    std::fprintf(stderr, "moe-worker: --device %d chooses a CUDA device; the CPU backend has none to choose\n",
+                 o.cuda.device);
+    return 2;
   }
   if (backend_kind == moe::BackendChoice::cpu && o.routing != "router") {
     std::fprintf(stderr, "moe-worker: --routing %s is a benchmark routing of the cuda backend; the CPU backend "

@@ -54,7 +54,7 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
                                           "--max-step-tokens", "--expert-policy", "--prefetch", "--dense-weights",
                                           "--host-experts", "--misses", "--routing", "--prefix-cache",
                                           "--warm-profile", "--save-profile", "--save-profile-every-s", "--kv-dtype",
-                                          "--kv-trade", "--kv-give-back-s", "--prefetch-guess"};
+                                          "--kv-trade", "--kv-give-back-s", "--prefetch-guess", "--device"};
     bool known = false;
     for (const char* k : kValued) known = known || name == k;
     if (!known) return make_error("unknown option '" + a + "' (see --help)");
@@ -122,6 +122,11 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
     } else if (name == "--kv-trade") {
       if (value != "on" && value != "off") return make_error("option --kv-trade takes on or off, got '" + value + "'");
       o.cuda.kv_trade = value == "on";
+    } else if (name == "--device") {
+      auto v = parse_count(name, value);
+      if (!v.ok()) return make_error(v.error());
+      o.cuda.device = int(*v);
+      o.device_given = true;
     } else if (name == "--kv-give-back-s") {
       auto v = parse_count(name, value);
       if (!v.ok()) return make_error(v.error());
@@ -184,6 +189,9 @@ std::string worker_usage() {
          "                          (default): int8 under a budget with fewer islands than experts\n"
          "                          (cuda), else bf16; the cpu backend's bf16 rows are f32\n"
          "  --max-frame-bytes N     largest frame accepted (default 64M)\n"
+         "  --device N              the CUDA device, an index among those this process sees (cuda, default 0;\n"
+         "                          CUDA_VISIBLE_DEVICES chooses and orders them; deploy/supervise.sh starts a\n"
+         "                          worker per visible GPU with its own --device, socket and name)\n"
          "  --vram-budget SIZE      device memory to use, e.g. 12GiB (cuda; default: free memory less 512 MiB);\n"
          "                          one allocation holds weights, KV, workspace and expert islands\n"
          "  --max-step-tokens N     tokens per forward pass; larger steps run as several (cuda, default 512)\n"

@@ -29,7 +29,7 @@ struct WorkerOptions {
   BackendChoice backend = BackendChoice::automatic;
   EngineOptions cpu;        // --threads, --kv-blocks
   // --vram-budget, --kv-blocks, --max-step-tokens, --expert-policy,
-  // --prefetch, --dense-weights, --host-experts, --misses; --threads as
+  // --prefetch, --dense-weights, --host-experts, --misses, --device; --threads as
   // the host's threads for missed experts.
   CudaEngineOptions cuda;
   size_t max_frame_bytes = 64u << 20;  // --max-frame-bytes
@@ -44,6 +44,7 @@ struct WorkerOptions {
   std::string warm_profile;         // --warm-profile: fill the islands from this routing profile at start
   std::string save_profile;         // --save-profile: keep this worker's expert use in this file
   int save_profile_every_s = 60;    // --save-profile-every-s
+  bool device_given = false;        // --device (cuda.device): refused with the cpu backend
 };
 
 struct WorkerCommandLine {

@@ -10,7 +10,9 @@ concurrent greedy streams, kill -9 of the main worker mid-stream, and then
     M > 0: the set it published before the kill);
   - a new request is served by the main worker again (no X-Moe-Degraded,
     the worker ready in /metrics).
-Also: supervise.sh refuses a FALLBACK_MODEL with another tokenizer before
+Also: WORKERS=2 runs two main workers, each its own program, socket and
+name, streams spread over both, kill -9 of one lost no stream (several_workers);
+supervise.sh refuses a FALLBACK_MODEL with another tokenizer before
 starting anything, and the gateway refuses a fallback worker whose model has
 another vocabulary (tests/data/fixtures/qwen3_moe against the demo model).
 Skipped (77) without supervisord or redis-server. Env (CTest): MOE_GATEWAY,
@@ -81,6 +83,73 @@ def failover():
         check(not left, f"nothing left running after close ({left})")
 
 
+def several_workers():
+    """WORKERS=2 (CPU workers, as a host of two GPUs gets one a GPU): each
+    its own program, socket, log and name in Redis and /metrics, the gateway
+    driving both; streams spread over both and all complete; kill -9 of the
+    second costs no stream and supervisord restarts it. Also: WORKERS out of
+    range and --device on the CPU backend are refused."""
+    model = os.environ["MOE_MODEL"]
+    e = env()
+    e["WORKERS"] = "2"
+    st = ss.Stack(model, e, name="supervise-workers")
+    try:
+        st.start()
+        st.wait_ready(240)
+        st.wait(lambda: st.worker_metric("moe_gateway_worker_ready", "worker-1") == 1, 120, "worker-1 ready")
+        run = os.path.join(st.state, "run")
+        check(os.path.exists(os.path.join(run, "worker.sock")) and os.path.exists(os.path.join(run, "worker-1.sock")),
+              "each main worker has its own socket")
+        pid0, pid1 = st.info("worker")["pid"], st.info("worker-1")["pid"]
+        check(pid0 != pid1 and pid0 > 0 and pid1 > 0, f"two worker programs under supervisord ({pid0}, {pid1})")
+        name = os.path.basename(model.rstrip("/"))
+        streams = [ss.Stream(st.port, name, p, 24).start() for p in ss.prompts(model, STREAMS)]
+        for x in streams:
+            x.join(300)
+        check(all(x.complete_ok() for x in streams),
+              f"{STREAMS} concurrent streams over two workers completed ({[x.error for x in streams if x.error]})")
+        text = st.metrics()
+        a0 = st.worker_metric("moe_gateway_worker_sequences_assigned_total", "worker", text) or 0
+        a1 = st.worker_metric("moe_gateway_worker_sequences_assigned_total", "worker-1", text) or 0
+        check(a0 > 0 and a1 > 0 and a0 + a1 >= STREAMS, f"both workers served them ({a0:.0f} and {a1:.0f})")
+        check("worker-1.sock" in st.log("worker-1"), "worker-1 logs to worker-1.log")
+        # kill -9 of the second worker mid-stream: its streams move on, supervisord restarts it.
+        streams = [ss.Stream(st.port, name, p, 48).start() for p in ss.prompts(model, STREAMS)]
+        st.wait(lambda: sum(1 for x in streams if x.tokens >= 4) == STREAMS, 120, "every stream under way")
+        os.kill(pid1, 9)
+        for x in streams:
+            x.join(300)
+        check(all(x.complete_ok() for x in streams),
+              f"kill -9 of worker-1 lost no stream ({[x.error for x in streams if x.error]})")
+        st.wait(lambda: st.info("worker-1")["pid"] not in (0, pid1) and st.info("worker-1")["statename"] == "RUNNING",
+                120, "worker-1 restarted")
+        st.wait(lambda: st.worker_metric("moe_gateway_worker_ready", "worker-1") == 1, 120, "worker-1 ready again")
+        check(True, f"supervisord restarted worker-1 (pid {pid1} -> {st.info('worker-1')['pid']}), ready again")
+    except Exception as ex:
+        check(False, f"{type(ex).__name__}: {ex}")
+    finally:
+        if failures:
+            for prog in ("gateway", "worker", "worker-1", "supervisord"):
+                print(f"---- {prog} log\n" + st.log(prog)[-2000:])
+            print("---- supervise.sh\n" + st.output()[-2000:])
+        left = st.close()
+        check(not left, f"nothing left running after close ({left})")
+    for bad in ("0", "17", "two"):
+        e = env()
+        e["WORKERS"] = bad
+        b = ss.Stack(model, e, name="supervise-workers-bad")
+        try:
+            b.start()
+            rc = b.proc.wait(60)
+            check(rc != 0 and "WORKERS must be a number from 1 to 16" in b.output(), f"WORKERS={bad} is refused (rc {rc})")
+        finally:
+            b.close()
+    r = subprocess.run([os.environ["MOE_WORKER"], "--model", model, "--socket", "/nonexistent/x.sock", "--backend",
+                        "cpu", "--device", "1"], capture_output=True, text=True, timeout=60)
+    check(r.returncode == 2 and "--device 1 chooses a CUDA device" in r.stderr,
+          f"--device with the CPU backend is refused (rc {r.returncode}: {r.stderr.strip()[-200:]})")
+
+
 def other_tokenizer():
     model = os.environ["MOE_MODEL"]
     # 1. supervise.sh refuses before starting anything.
@@ -144,6 +213,7 @@ def main():
             return 1
     t0 = time.monotonic()
     other_tokenizer()
+    several_workers()
     failover()
     print(f"{len(failures)} failures, {time.monotonic() - t0:.1f} s")
     return 1 if failures else 0
