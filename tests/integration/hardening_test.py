@@ -123,7 +123,7 @@ def main():
         os.chmod(pw_file, 0o600)
         w = c.start_worker("w1", redis=False, extra=["--redis", f"redis://127.0.0.1:{c.redis_port}",
                                                      "--redis-password-file", pw_file])
-        c.start_gateway([w], redis=False, extra=["--redis", url])
+        c.start_gateway([w], redis=False, extra=["--redis", url, "--predict", "on"])  # /debug/experts scores what Redis holds
         check(wait_for(lambda: "connected and logged in" in c.log("gateway"), 10),
               "AUTH: the gateway logged in as an ACL user from the URL")
         check(wait_for(lambda: "connected and logged in" in c.log("w1"), 10),
@@ -164,7 +164,7 @@ def main():
         check("holds no" in c.log("gateway") or "not JSON" in c.log("gateway") or "ignored" in c.log("gateway"),
               "untrusted: the gateway says the stored session was ignored")
         c.kill9("gateway")
-        c.start_gateway([w], redis=False, extra=["--redis", url])
+        c.start_gateway([w], redis=False, extra=["--redis", url, "--predict", "on"])  # /debug/experts scores what Redis holds
         status, body = debug_experts(c.http_port)
         check(status == 200 and body is not None, f"untrusted: /debug/experts still answers after a restart ({status})")
         check(metric(c.http_port, "moe_gateway_internal_errors_total") in (0.0, before),

@@ -141,7 +141,8 @@ def main():
     port = 18000 + os.getpid() % 1000
     redis_port = port + 1000
     env = dict(os.environ, BUILD_DIR=build, MODEL=os.environ["MOE_MODEL"], STATE_DIR=state, NAME=name,
-               NET=f"10.{232 + os.getpid() % 20}.{os.getpid() % 250}", PORT=str(port), REDIS_PORT=str(redis_port))
+               NET=f"10.{232 + os.getpid() % 20}.{os.getpid() % 250}", PORT=str(port), REDIS_PORT=str(redis_port),
+               GATEWAY_ARGS="--predict on")  # every gateway learning every worker's routing is checked below
     ok = False
     try:
         r = subprocess.run(["bash", HOSTS_SH, "start", str(HOSTS)], env=env, capture_output=True, text=True,
