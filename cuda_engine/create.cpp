@@ -36,20 +36,18 @@ Status CudaEngine::Impl::load_routing_trace(const std::string& path) {
   return {};
 }
 
-Result<std::string> cuda_device_summary() {
+Result<std::string> cuda_device_summary(int index) {
   // Nothing here makes a context: what the process holds is measured before
   // one exists (CudaEngine::create).
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return make_error("no CUDA device");
-  int dev = 0;
-  MOE_CUDA_TRY(cudaGetDevice(&dev));
+  MOE_TRY(check_cuda_device(index));
   cudaDeviceProp prop{};
-  MOE_CUDA_TRY(cudaGetDeviceProperties(&prop, dev));
+  MOE_CUDA_TRY(cudaGetDeviceProperties(&prop, index));
   return std::string(prop.name) + " (sm_" + std::to_string(prop.major) + std::to_string(prop.minor) + ", " +
          format_bytes(prop.totalGlobalMem) + ")";
 }
 
-Status select_cuda_device(int index) {
+Status check_cuda_device(int index) {
+  // cudaGetDeviceCount makes no context (cudaSetDevice would, since CUDA 12).
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return make_error("no CUDA device");
   if (index < 0 || index >= n) {
@@ -58,7 +56,6 @@ Status select_cuda_device(int index) {
                       " CUDA device" + (n == 1 ? "" : "s") + " (0 to " + std::to_string(n - 1) + ")" +
                       (visible ? std::string(", CUDA_VISIBLE_DEVICES=") + visible : std::string()));
   }
-  MOE_CUDA_TRY(cudaSetDevice(index));
   return {};
 }
 
@@ -88,9 +85,7 @@ std::string CudaEngine::model_refusal(const ModelDesc& d, const CudaEngineOption
 
 Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFiles> files,
                                                        const CudaEngineOptions& opts) {
-  if (Status sel = select_cuda_device(opts.device); !sel)
-    return make_error("the cuda backend needs a CUDA device: " + sel.error());
-  auto dev = cuda_device_summary();
+  auto dev = cuda_device_summary(opts.device);
   if (!dev) return make_error("the cuda backend needs a CUDA device: " + dev.error());
   const ModelDesc& d = files->desc();
   if (const std::string refusal = model_refusal(d, opts); !refusal.empty()) return make_error(refusal);
@@ -154,8 +149,7 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   // the process holds without the arena (the context with its modules, the
   // stream, cuBLASLt's handle and workspace), measured; the arena gets the
   // rest, less a reserve for the CUDA graphs instantiated later.
-  int dev_index = 0;
-  MOE_CUDA_TRY(cudaGetDevice(&dev_index));
+  const int dev_index = opts.device;
   char bus[32] = {};
   MOE_CUDA_TRY(cudaDeviceGetPCIBusId(bus, int(sizeof(bus)), dev_index));
   m.pci_bus_id = bus;
@@ -164,7 +158,8 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   if (meter) {
     if (auto u = (*meter)->device_used_bytes()) used_before = *u;
   }
-  MOE_CUDA_TRY(cudaFree(nullptr));  // the context, now
+  MOE_CUDA_TRY(cudaSetDevice(dev_index));  // the context, now (this thread's device from here on)
+  MOE_CUDA_TRY(cudaFree(nullptr));
   MOE_CUDA_TRY(cudaStreamCreateWithFlags(&m.st, cudaStreamNonBlocking));
   MOE_CUDA_TRY(cudaEventCreateWithFlags(&m.routes_ready, cudaEventDisableTiming));
   {

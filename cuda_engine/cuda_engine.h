@@ -117,10 +117,10 @@ class CudaEngine final : public Engine {
 
 // One line about the device the engine would run on ("NVIDIA H200, 139.8 GiB
 // free of 139.8 GiB"), or an error when there is no usable device.
-Result<std::string> cuda_device_summary();
+Result<std::string> cuda_device_summary(int index = 0);
 
-// Makes device `index` (among the visible ones) current for this thread,
-// or says how many there are.
-Status select_cuda_device(int index);
+// Whether device `index` (among the visible ones) exists, or how many there
+// are; makes no context.
+Status check_cuda_device(int index);
 
 }  // namespace moe

@@ -103,34 +103,44 @@ case "$MOE_WORKER_NAME$MOE_FALLBACK_NAME" in *[!A-Za-z0-9_.-]*)
 # to each), socket, name and profile; WORKERS sets the count (2 CPU workers,
 # or 1 on a host of several GPUs). Worker 0 is WORKER_NAME, the others
 # WORKER_NAME-1, WORKER_NAME-2, ... (docs/scale-out.md, "Several GPUs").
-if [ -z "${WORKERS:-}" ]; then
-  WORKERS=1
-  if [ "$BACKEND" = cuda ]; then
-    if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
-      gpus=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)
-    else
-      gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-    fi
-    [ "${gpus:-0}" -ge 1 ] && WORKERS=$gpus
+gpus=0
+if [ "$BACKEND" = cuda ]; then
+  if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+    gpus=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c . || true)
+  else
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   fi
 fi
+if [ -z "${WORKERS:-}" ]; then
+  WORKERS=1
+  [ "${gpus:-0}" -ge 1 ] && WORKERS=$gpus
+fi
 case "$WORKERS" in ''|*[!0-9]*) echo "supervise: WORKERS must be a number from 1 to 16, not '$WORKERS'" >&2; exit 1 ;; esac
+WORKERS=$((10#$WORKERS))
 if [ "$WORKERS" -lt 1 ] || [ "$WORKERS" -gt 16 ]; then
   echo "supervise: WORKERS must be a number from 1 to 16, not '$WORKERS'" >&2; exit 1
 fi
-if [ "$WORKERS" -gt 1 ] && [ -n "${WARM_PROFILE:-}" ] && [ "$WARM_PROFILE" != off ]; then
-  echo "supervise: WARM_PROFILE names one file; with $WORKERS workers each keeps its own" \
-       "(MOE_STATE_DIR/NAME.profile.json): leave WARM_PROFILE unset, or off" >&2; exit 1
+if [ "$BACKEND" = cuda ] && [ "$WORKERS" -gt 1 ] && [ "$WORKERS" -gt "${gpus:-0}" ]; then
+  echo "supervise: WORKERS=$WORKERS CUDA workers, but $gpus GPU(s) are visible: one worker a GPU" >&2; exit 1
 fi
 # Each main worker keeps its expert use in a routing profile and starts from
-# it after a restart (with Redis's last resident set first; docs/memory-islands.md).
-profile_args() {  # NAME
+# it after a restart (with Redis's last resident set first;
+# docs/memory-islands.md): WARM_PROFILE is worker 0's file, FILE-1.json,
+# FILE-2.json, ... the others' (FILE without its .json).
+profile_args() {  # NAME INDEX
   [ "${WARM_PROFILE:-}" = off ] && return 0
   local profile=${WARM_PROFILE:-$state/$1.profile.json}
+  if [ -n "${WARM_PROFILE:-}" ] && [ "$2" -gt 0 ]; then profile=${WARM_PROFILE%.json}-$2.json; fi
   case "$profile" in *[!A-Za-z0-9_./-]*)
     echo "supervise: WARM_PROFILE may hold only letters, digits, '_', '.', '/' and '-'" >&2; return 1 ;; esac
   echo "--save-profile $profile --warm-profile $profile"
 }
+# Several workers share the host: each gets its share of the cores for
+# missed experts unless WORKER_ARGS says --threads.
+THREAD_ARGS=""
+if [ "$WORKERS" -gt 1 ] && [[ " ${WORKER_ARGS:-} " != *" --threads"* ]]; then
+  THREAD_ARGS="--threads $(( $(nproc) / WORKERS > 0 ? $(nproc) / WORKERS : 1 ))"
+fi
 # The gateway's keys.
 MOE_GATEWAY_ARGS=""
 if [ -n "${API_KEY_FILE:-}" ]; then
@@ -172,11 +182,11 @@ MOE_GATEWAY_WORKERS=""
     program=worker name=$MOE_WORKER_NAME device=""
     if [ "$i" -gt 0 ]; then program=worker-$i name=$MOE_WORKER_NAME-$i; fi
     if [ "$BACKEND" = cuda ] && [ "$WORKERS" -gt 1 ]; then device="--device $i"; fi
-    prof=$(profile_args "$name") || exit 1
+    prof=$(profile_args "$name" "$i") || exit 1
     cat <<CONF
 
 [program:$program]
-command=/bin/sh -c 'exec %(ENV_MOE_WORKER_BIN)s --model %(ENV_MOE_MODEL)s --backend %(ENV_MOE_BACKEND)s --socket %(ENV_MOE_RUN_DIR)s/$name.sock --redis "%(ENV_MOE_REDIS_URL)s" \$MOE_REDIS_AUTH_ARGS $prof $device \$MOE_WORKER_ARGS'
+command=/bin/sh -c 'exec %(ENV_MOE_WORKER_BIN)s --model %(ENV_MOE_MODEL)s --backend %(ENV_MOE_BACKEND)s --socket %(ENV_MOE_RUN_DIR)s/$name.sock --redis "%(ENV_MOE_REDIS_URL)s" \$MOE_REDIS_AUTH_ARGS $prof $device $THREAD_ARGS \$MOE_WORKER_ARGS'
 priority=20
 autorestart=true
 startsecs=0

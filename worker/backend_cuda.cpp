@@ -142,8 +142,7 @@ class CudaBackend final : public EngineBackend {
 bool cuda_backend_built() { return true; }
 
 std::string cuda_unavailable_reason(int device_index, std::string* device) {
-  if (Status sel = select_cuda_device(device_index); !sel) return sel.error();
-  auto dev = cuda_device_summary();
+  auto dev = cuda_device_summary(device_index);
   if (!dev.ok()) return dev.error();
   if (device) *device = dev.value();
   return "";

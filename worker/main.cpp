@@ -84,6 +84,11 @@ int main(int argc, char** argv) {
   if (backend_kind == moe::BackendChoice::automatic) {
     std::string device;
     std::string why_not = moe::worker::cuda_unavailable_reason(o.cuda.device, &device);
+    // A device index this machine lacks is an error, not a reason to serve on the CPU.
+    if (o.device_given && why_not.rfind("--device", 0) == 0) {
+      std::fprintf(stderr, "moe-worker: %s\n", why_not.c_str());
+      return 2;
+    }
     // A model the CUDA engine does not run with these options (DeepSeek-V2 236B's compressed
     // query, latent rows in int8) is served on the CPU.
     if (why_not.empty()) why_not = moe::worker::cuda_model_refusal(o.model_path, o.cuda);
@@ -93,7 +98,7 @@ int main(int argc, char** argv) {
     else
       std::fprintf(stderr, "moe-worker: the CPU backend: %s\n", why_not.c_str());
   }
-  if (backend_kind == moe::BackendChoice::cpu && o.device_given) {
+  if (o.backend == moe::BackendChoice::cpu && o.device_given) {
     std::fprintf(stderr, "moe-worker: --device %d chooses a CUDA device; the CPU backend has none to choose\n",
                  o.cuda.device);
     return 2;

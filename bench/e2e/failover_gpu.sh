@@ -59,6 +59,8 @@ for p in moe-worker moe-gateway; do [ -x "$bin/$p" ] || { echo "failover_gpu: no
 export GATEWAY_BIN=$bin/moe-gateway WORKER_BIN=$bin/moe-worker
 export SUPERVISORD=$carry/bin/supervisord REDIS_SERVER=$carry/bin/redis-server
 export BACKEND=${BACKEND:-cuda} WORKER_ARGS=${WORKER_ARGS:-}
+# One main worker (supervise.sh would start one a visible GPU): the probe after the kill must meet the restarted one.
+export WORKERS=${WORKERS:-1}
 # No keys on this private, loopback-only stack.
 unset API_KEY_FILE MOE_API_KEY REDIS_PASSWORD_FILE
 "$carry/bin/supervisord" --version >/dev/null ||

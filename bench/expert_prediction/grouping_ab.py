@@ -72,7 +72,7 @@ def run(args, mode):
                           "--threads", str(args.threads), "--kv-blocks", str(args.kv_blocks)],
                          stderr=subprocess.DEVNULL)
     g = subprocess.Popen([os.path.join(args.build, "gateway", "moe-gateway"), "--model", MODEL, "--worker",
-                          "unix:" + sock, "--port", str(port), "--grouped-batching", mode,
+                          "unix:" + sock, "--port", str(port), "--grouped-batching", mode, "--predict", "on",
                           "--max-step-tokens", str(args.step_tokens), "--grouping-max-skips", str(args.max_skips)],
                          stderr=subprocess.DEVNULL)
     try:

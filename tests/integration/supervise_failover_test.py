@@ -88,7 +88,8 @@ def several_workers():
     its own program, socket, log and name in Redis and /metrics, the gateway
     driving both; streams spread over both and all complete; kill -9 of the
     second costs no stream and supervisord restarts it. Also: WORKERS out of
-    range and --device on the CPU backend are refused."""
+    range, more CUDA workers than visible GPUs, and --device on the CPU
+    backend are refused."""
     model = os.environ["MOE_MODEL"]
     e = env()
     e["WORKERS"] = "2"
@@ -144,6 +145,16 @@ def several_workers():
             check(rc != 0 and "WORKERS must be a number from 1 to 16" in b.output(), f"WORKERS={bad} is refused (rc {rc})")
         finally:
             b.close()
+    e = env()
+    e.update(BACKEND="cuda", WORKERS="3", CUDA_VISIBLE_DEVICES="0")
+    b = ss.Stack(model, e, name="supervise-workers-gpus")
+    try:
+        b.start()
+        rc = b.proc.wait(60)
+        check(rc != 0 and "WORKERS=3 CUDA workers, but 1 GPU(s) are visible" in b.output(),
+              f"more CUDA workers than visible GPUs are refused (rc {rc})")
+    finally:
+        b.close()
     r = subprocess.run([os.environ["MOE_WORKER"], "--model", model, "--socket", "/nonexistent/x.sock", "--backend",
                         "cpu", "--device", "1"], capture_output=True, text=True, timeout=60)
     check(r.returncode == 2 and "--device 1 chooses a CUDA device" in r.stderr,
