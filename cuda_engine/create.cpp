@@ -46,10 +46,15 @@ Result<std::string> cuda_device_summary(int index) {
          format_bytes(prop.totalGlobalMem) + ")";
 }
 
-Status check_cuda_device(int index) {
+int cuda_device_count() {
   // cudaGetDeviceCount makes no context (cudaSetDevice would, since CUDA 12).
   int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return make_error("no CUDA device");
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+Status check_cuda_device(int index) {
+  const int n = cuda_device_count();
+  if (n == 0) return make_error("no CUDA device");
   if (index < 0 || index >= n) {
     const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
     return make_error("--device " + std::to_string(index) + ": this process sees " + std::to_string(n) +
@@ -329,8 +334,7 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   // pool can grow into the islands below without moving a block. A layer's
   // part of a block is its bf16 rows, or its codes then (16-byte aligned)
   // their scales; its kernels see block 0's rows and a negative block stride.
-  // MLA: a layer's part is its 16 latent rows.
-  const size_t part = m.mla ? size_t(kBlockTokens) * m.latent_width * 2 : kv_pool_bytes(1, m.kv_dtype, d.n_kv_heads, d.head_dim);
+  const size_t part = m.kv_part_bytes();
   const size_t rows = size_t(kBlockTokens) * d.n_kv_heads;
   const size_t codes_bytes = align_up(rows * d.head_dim, 16);
   uint8_t* block0 = m.arena->base() + m.plan.kv_block_offset(0);
@@ -428,10 +432,12 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   return Result<std::unique_ptr<CudaEngine>>(std::move(eng));
 }
 
-size_t CudaEngine::Impl::kv_block_bytes() const {
-  if (mla) return size_t(d.n_layers) * kBlockTokens * size_t(latent_width) * 2;
-  return size_t(2) * d.n_layers * kv_pool_bytes(1, kv_dtype, d.n_kv_heads, d.head_dim);
+size_t CudaEngine::Impl::kv_part_bytes() const {
+  if (mla) return size_t(kBlockTokens) * size_t(latent_width) * 2;
+  return kv_pool_bytes(1, kv_dtype, d.n_kv_heads, d.head_dim);
 }
+
+size_t CudaEngine::Impl::kv_block_bytes() const { return size_t(mla ? 1 : 2) * d.n_layers * kv_part_bytes(); }
 
 CudaEngine::~CudaEngine() = default;
 

@@ -193,7 +193,9 @@ struct CudaEngine::Impl {
   // cache holds latent rows of latent_width = kv_lora_rank + qk_rope_head_dim.
   bool mla = false;
   int latent_width = 0;
-  // A 16-token block of every layer's KV: K and V rows, or MLA's latent rows.
+  // A 16-token block's part of one layer: its K (or V) rows, or MLA's
+  // latent rows; a block holds a layer's K and V parts, or its latent part.
+  size_t kv_part_bytes() const;
   size_t kv_block_bytes() const;
   uint8_t* pinned_experts = nullptr;  // experts quantised at load, page-locked (freed at the end)
 

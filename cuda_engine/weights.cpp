@@ -203,14 +203,14 @@ Status CudaEngine::Impl::carve_weights(Carver& c, bool upload) {
       MOE_TRY(mla_weights(L, lw));
     } else {
       MOE_TRY(linear(&L.qkv_w, {&lw.q, &lw.k, &lw.v}, 0));
-    }
-    if (d.qkv_bias && !mla) {
-      std::vector<float> b;
-      for (const Linear* p : {&lw.q, &lw.k, &lw.v}) {
-        if (p->bias.size() != size_t(p->out)) return make_error("layer " + std::to_string(l) + ": q/k/v bias missing");
-        b.insert(b.end(), p->bias.begin(), p->bias.end());
+      if (d.qkv_bias) {
+        std::vector<float> b;
+        for (const Linear* p : {&lw.q, &lw.k, &lw.v}) {
+          if (p->bias.size() != size_t(p->out)) return make_error("layer " + std::to_string(l) + ": q/k/v bias missing");
+          b.insert(b.end(), p->bias.begin(), p->bias.end());
+        }
+        MOE_TRY(vec(&L.qkv_b, b));
       }
-      MOE_TRY(vec(&L.qkv_b, b));
     }
     MOE_TRY(vec(&L.q_norm, lw.q_norm));
     MOE_TRY(vec(&L.k_norm, lw.k_norm));
