@@ -28,29 +28,6 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 
-// D consecutive bf16 values (D = 2, 4 or 8) as one 4-, 8- or 16-byte load.
-template <int D>
-__device__ __forceinline__ void load_row_part(const __nv_bfloat16* p, float* out) {
-  uint32_t w[D / 2];
-  if constexpr (D == 2) {
-    w[0] = *reinterpret_cast<const uint32_t*>(p);
-  } else if constexpr (D == 4) {
-    const uint2 u = *reinterpret_cast<const uint2*>(p);
-    w[0] = u.x, w[1] = u.y;
-  } else {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
-  }
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) {
-    __nv_bfloat162 b;
-    memcpy(&b, &w[i], 4);
-    const float2 f = __bfloat1622float2(b);
-    out[2 * i] = f.x;
-    out[2 * i + 1] = f.y;
-  }
-}
-
 // One code's value before its scale.
 template <KvDtype C>
 __device__ __forceinline__ float decode_code(uint32_t byte) {
@@ -81,7 +58,7 @@ __device__ __forceinline__ void load_code_part(const uint8_t* p, float* out) {
 // A value row's part: bf16 values, or codes.
 template <int D, KvDtype C>
 __device__ __forceinline__ void load_value_part(const PagedKvPool& kv, int64_t elem, float* out) {
-  if constexpr (C == KvDtype::bf16) load_row_part<D>(kv.v + elem, out);
+  if constexpr (C == KvDtype::bf16) detail::load_row_part<D>(kv.v + elem, out);
   else load_code_part<D, C>(kv.v_codes + elem, out);
 }
 

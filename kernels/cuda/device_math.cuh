@@ -57,6 +57,29 @@ __device__ __forceinline__ uint32_t half2_bits(half2 h) {
   return u;
 }
 
+// D consecutive bf16 values (D = 2, 4 or 8) as one 4-, 8- or 16-byte load.
+template <int D>
+__device__ __forceinline__ void load_row_part(const __nv_bfloat16* p, float* out) {
+  uint32_t w[D / 2];
+  if constexpr (D == 2) {
+    w[0] = *reinterpret_cast<const uint32_t*>(p);
+  } else if constexpr (D == 4) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    w[0] = u.x, w[1] = u.y;
+  } else {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
+  }
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) {
+    __nv_bfloat162 b;
+    memcpy(&b, &w[i], 4);
+    const float2 f = __bfloat1622float2(b);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
 __device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + __expf(-v)); }
 

@@ -105,16 +105,7 @@ template <int D>
 __device__ __forceinline__ void load_latent(const bf16* p, float* out) {
   if constexpr (D % 8 == 0) {
 #pragma unroll
-    for (int c = 0; c < D / 8; ++c) {
-      const uint4 u = __ldg(reinterpret_cast<const uint4*>(p) + c);
-      const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 f = __bfloat1622float2(b[e]);
-        out[c * 8 + 2 * e] = f.x;
-        out[c * 8 + 2 * e + 1] = f.y;
-      }
-    }
+    for (int c = 0; c < D / 8; ++c) detail::load_row_part<8>(p + c * 8, out + c * 8);
   } else {
 #pragma unroll
     for (int i = 0; i < D; ++i) out[i] = __bfloat162float(p[i]);
