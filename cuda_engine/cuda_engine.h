@@ -119,8 +119,9 @@ class CudaEngine final : public Engine {
 // free of 139.8 GiB"), or an error when there is no usable device.
 Result<std::string> cuda_device_summary(int index = 0);
 
-// Whether device `index` (among the visible ones) exists, or how many there
-// are; makes no context.
+// The CUDA devices this process sees (0: none), and whether device `index`
+// is one of them (else how many there are); neither makes a context.
+int cuda_device_count();
 Status check_cuda_device(int index);
 
 }  // namespace moe

@@ -115,6 +115,8 @@ bool cuda_backend_built();
 // Why the CUDA backend cannot run here ("" when it can): a build without the
 // toolkit, or no visible device. `device` gets the device's name and memory.
 std::string cuda_unavailable_reason(int device_index, std::string* device = nullptr);
+// CUDA devices this process sees (0 in a build without the toolkit).
+int cuda_devices();
 // Why the CUDA backend would refuse the model at `model_path` ("" when it
 // serves it, or when the description cannot be read: opening then says why).
 std::string cuda_model_refusal(const std::string& model_path, const CudaEngineOptions& opts);

@@ -148,6 +148,8 @@ std::string cuda_unavailable_reason(int device_index, std::string* device) {
   return "";
 }
 
+int cuda_devices() { return cuda_device_count(); }
+
 std::string cuda_model_refusal(const std::string& model_path, const CudaEngineOptions& opts) {
   // A folder's config.json alone (opening a GPTQ/AWQ folder converts it);
   // a packed or GGUF file opens by mmap, cheaply.

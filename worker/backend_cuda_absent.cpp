@@ -8,6 +8,8 @@ bool cuda_backend_built() { return false; }
 
 std::string cuda_unavailable_reason(int, std::string*) { return "this moe-worker was built without the CUDA toolkit"; }
 
+int cuda_devices() { return 0; }
+
 std::string cuda_model_refusal(const std::string&, const CudaEngineOptions&) { return ""; }
 
 Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string&, const CudaEngineOptions&) {

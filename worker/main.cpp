@@ -84,8 +84,9 @@ int main(int argc, char** argv) {
   if (backend_kind == moe::BackendChoice::automatic) {
     std::string device;
     std::string why_not = moe::worker::cuda_unavailable_reason(o.cuda.device, &device);
-    // A device index this machine lacks is an error, not a reason to serve on the CPU.
-    if (o.device_given && why_not.rfind("--device", 0) == 0) {
+    // A chosen device that cannot serve where devices exist (an index this
+    // machine lacks) is an error, not a reason to serve on the CPU.
+    if (o.device_given && !why_not.empty() && moe::worker::cuda_devices() > 0) {
       std::fprintf(stderr, "moe-worker: %s\n", why_not.c_str());
       return 2;
     }
