@@ -15,7 +15,6 @@ import json
 import os
 import re
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import side_by_side as sbs  # noqa: E402
@@ -23,15 +22,13 @@ import stack  # noqa: E402
 
 
 def counters(port):
-    time.sleep(1.3)  # the gateway asks its workers for stats every second
-    return sbs.scrape(port) or (0.0, 0.0)
+    m = stack.settled_metrics(port, sbs.EXPERT_KEYS)
+    return tuple(m.get(k) or 0.0 for k in sbs.EXPERT_KEYS)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--packed", required=True)
-    ap.add_argument("--bin", required=True)
-    ap.add_argument("--routing", required=True)
+    stack.run_arguments(ap)
     ap.add_argument("--budgets", default="8GiB,12GiB")
     ap.add_argument("--kv-dtypes", default="bf16,int8")
     ap.add_argument("--kv-blocks", type=int, default=2048)
@@ -41,23 +38,15 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--shape", default="qwen3-30b-a3b")
-    ap.add_argument("--rows", required=True)
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--deadline", type=float, default=0)
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
-    done = set()
-    if os.path.exists(a.rows):
-        for line in open(a.rows):
-            r = json.loads(line)
-            done.add((r["budget"], r["kv_dtype"], r["concurrency"]))
+    done = stack.done_rows(a.rows, lambda r: (r["budget"], r["kv_dtype"], r["concurrency"]))
     for budget in a.budgets.split(","):
         for kv in a.kv_dtypes.split(","):
             concs = [int(c) for c in a.concurrency.split(",") if (budget, kv, int(c)) not in done]
             if not concs:
                 continue
-            if a.deadline and time.time() > a.deadline - 60:
-                sbs.log("deadline: stopping")
+            if stack.past_deadline(a, 60):
                 return
             tag = f"{budget}-{kv}"
             w, g, port, wlog = stack.start(a.bin, a.packed, a.work, tag,

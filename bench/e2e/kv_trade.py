@@ -43,9 +43,7 @@ def settled(port):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--packed", required=True)
-    ap.add_argument("--bin", required=True)
-    ap.add_argument("--routing", required=True)
+    stack.run_arguments(ap)
     ap.add_argument("--budget", default="8GiB")
     ap.add_argument("--trades", default="on,off")
     ap.add_argument("--long-tokens", type=int, default=30000)
@@ -55,21 +53,14 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--shape", default="qwen3-30b-a3b")
-    ap.add_argument("--rows", required=True)
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--deadline", type=float, default=0)
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
-    done = set()
-    if os.path.exists(a.rows):
-        for line in open(a.rows):
-            done.add(json.loads(line)["kv_trade"])
+    done = stack.done_rows(a.rows, lambda r: r["kv_trade"])
     model = os.path.basename(a.packed)
     for trade in a.trades.split(","):
         if trade in done:
             continue
-        if a.deadline and time.time() > a.deadline - 120:
-            sbs.log("deadline: stopping")
+        if stack.past_deadline(a, 120):
             return
         tag = f"trade-{trade}"
         w, g, port, wlog = stack.start(a.bin, a.packed, a.work, tag,

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import side_by_side as sbs  # noqa: E402
@@ -44,8 +43,7 @@ KEYS = ("moe_gateway_worker_expert_hits_total", "moe_gateway_worker_expert_misse
 
 
 def counters(port):
-    time.sleep(1.3)  # the gateway asks its workers for stats every second
-    m = sbs.metric_sums(port, KEYS) or {}
+    m = stack.settled_metrics(port, KEYS)
     return {k: m.get(k) or 0.0 for k in KEYS}
 
 
@@ -72,9 +70,7 @@ def rows_of(config, conc, d, tokens, wave, a):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--packed", required=True)
-    ap.add_argument("--bin", required=True)
-    ap.add_argument("--routing", required=True)
+    stack.run_arguments(ap)
     ap.add_argument("--budget", required=True)
     ap.add_argument("--shape", required=True)
     ap.add_argument("--vocab", type=int, default=151936)
@@ -86,24 +82,16 @@ def main():
     ap.add_argument("--requests-at-1", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--rows", required=True)
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--deadline", type=float, default=0)
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
-    done = set()
-    if os.path.exists(a.rows):
-        for line in open(a.rows):
-            r = json.loads(line)
-            done.add((r["config"], r["concurrency"]))
+    done = stack.done_rows(a.rows, lambda r: (r["config"], r["concurrency"]))
     for config in a.configs.split(","):
         # grouping only changes which ready sequences a step takes: measured where many wait
         concs = [int(c) for c in a.concurrency.split(",")
                  if (config, int(c)) not in done and not (config == "grouped" and int(c) == 1)]
         if not concs:
             continue
-        if a.deadline and time.time() > a.deadline - 60:
-            sbs.log("deadline: stopping")
+        if stack.past_deadline(a, 60):
             return
         tag = f"{a.shape}-{config}"
         w, g, port, wlog = stack.start(a.bin, a.packed, a.work, tag,

@@ -359,11 +359,13 @@ def metric_sums(port, keys):
     return out
 
 
+EXPERT_KEYS = ("moe_gateway_worker_expert_hits_total", "moe_gateway_worker_expert_misses_total")
+
+
 def scrape(port):
     """(expert hits, misses) the gateway's /metrics counts for its workers."""
-    keys = ("moe_gateway_worker_expert_hits_total", "moe_gateway_worker_expert_misses_total")
-    m = metric_sums(port, keys)
-    return None if m is None else tuple(m[k] or 0.0 for k in keys)
+    m = metric_sums(port, EXPERT_KEYS)
+    return None if m is None else tuple(m[k] or 0.0 for k in EXPERT_KEYS)
 
 
 # ---- the run ------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """Our CUDA worker and a gateway in front of it, started for one benchmark
 row and stopped after it (warm_start.py, kv_dtype_ab.py)."""
+import json
 import os
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import side_by_side as sbs  # noqa: E402
@@ -29,6 +31,40 @@ def start(bin_dir, model, work, tag, worker_args, gateway_args=()):
         w.kill()
         raise RuntimeError("the gateway exited:\n" + sbs.tail(glog))
     return w, g, port, wlog
+
+
+def run_arguments(ap):
+    """The options every benchmark run on the GPU machine takes: the packed
+    model, our programs, the routing, the rows file a resumed run appends
+    to, a work folder, and a deadline (Unix time; 0: none)."""
+    ap.add_argument("--packed", required=True)
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--routing", required=True)
+    ap.add_argument("--rows", required=True)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--deadline", type=float, default=0)
+
+
+def done_rows(path, key):
+    """key(row) of each row an earlier call of the run wrote to `path`."""
+    if not os.path.exists(path):
+        return set()
+    return {key(json.loads(line)) for line in open(path)}
+
+
+def past_deadline(a, margin):
+    """True, said, when fewer than `margin` s are left before a.deadline."""
+    if a.deadline and time.time() > a.deadline - margin:
+        sbs.log("deadline: stopping")
+        return True
+    return False
+
+
+def settled_metrics(port, keys):
+    """metric_sums of `keys` once the gateway has asked its workers for stats
+    again (every second); {} when /metrics cannot be read."""
+    time.sleep(1.3)
+    return sbs.metric_sums(port, keys) or {}
 
 
 def stop(w, g):
