@@ -83,6 +83,18 @@ def failover():
         check(not left, f"nothing left running after close ({left})")
 
 
+def refused(model, e, name):
+    """supervise.sh run with env `e` until it exits: (exit code, its output,
+    whether supervisord had started)."""
+    st = ss.Stack(model, e, name=name)
+    try:
+        st.start()
+        rc = st.proc.wait(60)
+        return rc, st.output(), os.path.exists(os.path.join(st.state, "run", "supervisord.pid"))
+    finally:
+        st.close()
+
+
 def several_workers():
     """WORKERS=2 (CPU workers, as a host of two GPUs gets one a GPU): each
     its own program, socket, log and name in Redis and /metrics, the gateway
@@ -136,25 +148,12 @@ def several_workers():
         left = st.close()
         check(not left, f"nothing left running after close ({left})")
     for bad in ("0", "17", "two"):
-        e = env()
-        e["WORKERS"] = bad
-        b = ss.Stack(model, e, name="supervise-workers-bad")
-        try:
-            b.start()
-            rc = b.proc.wait(60)
-            check(rc != 0 and "WORKERS must be a number from 1 to 16" in b.output(), f"WORKERS={bad} is refused (rc {rc})")
-        finally:
-            b.close()
-    e = env()
-    e.update(BACKEND="cuda", WORKERS="3", CUDA_VISIBLE_DEVICES="0")
-    b = ss.Stack(model, e, name="supervise-workers-gpus")
-    try:
-        b.start()
-        rc = b.proc.wait(60)
-        check(rc != 0 and "WORKERS=3 CUDA workers, but 1 GPU(s) are visible" in b.output(),
-              f"more CUDA workers than visible GPUs are refused (rc {rc})")
-    finally:
-        b.close()
+        rc, out, _ = refused(model, dict(env(), WORKERS=bad), "supervise-workers-bad")
+        check(rc != 0 and "WORKERS must be a number from 1 to 16" in out, f"WORKERS={bad} is refused (rc {rc})")
+    rc, out, _ = refused(model, dict(env(), BACKEND="cuda", WORKERS="3", CUDA_VISIBLE_DEVICES="0"),
+                         "supervise-workers-gpus")
+    check(rc != 0 and "WORKERS=3 CUDA workers, but 1 GPU(s) are visible" in out,
+          f"more CUDA workers than visible GPUs are refused (rc {rc})")
     r = subprocess.run([os.environ["MOE_WORKER"], "--model", model, "--socket", "/nonexistent/x.sock", "--backend",
                         "cpu", "--device", "1"], capture_output=True, text=True, timeout=60)
     check(r.returncode == 2 and "--device 1 chooses a CUDA device" in r.stderr,
@@ -164,18 +163,10 @@ def several_workers():
 def other_tokenizer():
     model = os.environ["MOE_MODEL"]
     # 1. supervise.sh refuses before starting anything.
-    e = env()
-    e["FALLBACK_MODEL"] = OTHER_TOKENIZER
-    st = ss.Stack(model, e, name="supervise-tokenizer")
-    try:
-        st.start()
-        rc = st.proc.wait(60)
-        out = st.output()
-        check(rc != 0 and "another tokenizer" in out and "tokenizer.json differ" in out,
-              f"supervise.sh refuses a FALLBACK_MODEL of another tokenizer (rc {rc}): {out.strip()[-300:]}")
-        check(not os.path.exists(os.path.join(st.state, "run", "supervisord.pid")), "nothing was started")
-    finally:
-        st.close()
+    rc, out, started = refused(model, dict(env(), FALLBACK_MODEL=OTHER_TOKENIZER), "supervise-tokenizer")
+    check(rc != 0 and "another tokenizer" in out and "tokenizer.json differ" in out,
+          f"supervise.sh refuses a FALLBACK_MODEL of another tokenizer (rc {rc}): {out.strip()[-300:]}")
+    check(not started, "nothing was started")
     # 2. The gateway refuses such a fallback worker (when something else started it).
     c = ss.Stack(model, name="gateway-vocab")
     procs = []
