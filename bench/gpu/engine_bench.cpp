@@ -17,6 +17,10 @@
 //                    [--dense-weights auto|bf16|int8|int4]
 //                    [--budget-dense-weights auto|bf16|int8|int4] [--json PATH]
 //                    [--model DIR|FILE] (a checkpoint folder or packed file instead of --shape)
+//                    [--profile-steps N] (N decode steps of each batch and one prefill step
+//                    between profiler start and stop, each led by a marker kernel whose grid
+//                    size numbers the phase: ncu --profile-from-start off, then
+//                    bench/gpu/kernel_budget.py)
 // --budget-dense-weights: the dtype under a budget (default: --dense-weights).
 #include <cuda_runtime.h>
 
@@ -33,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/gpu/profile_marker.h"
 #include "bench/gpu/synthetic_model.h"
 #include "cuda_engine/cuda_engine.h"
 
@@ -58,8 +63,17 @@ struct Options {
   bool resident = true;  // --skip-resident: the budgets' rows only
   std::vector<int> budget_batches = {1};  // decode batches under a budget
   int admit_per_pass = 0;                 // 0: the engine's default
+  int profile_steps = 0;                  // decode steps a batch under the profiler (0: none)
   std::string json;
 };
+
+// The profiled phases so far; each is announced with its number and label.
+int profile_phase(const std::string& label) {
+  static int n = 0;
+  std::printf("profiled phase %d: %s\n", ++n, label.c_str());
+  std::fflush(stdout);
+  return n;
+}
 
 // The GPU memory this process holds, as nvidia-smi reports it (context
 // included); the device's used memory when nvidia-smi cannot say.
@@ -144,7 +158,7 @@ void expert_figures(Row& row, const CudaExpertStats& s0, const CudaExpertStats& 
 
 // Decode: `batch` sequences after a `context`-token prompt each; the median
 // step time of `steps` steps (after 8 warm-up steps).
-Result<Row> decode(CudaEngine& e, int batch, const Options& o) {
+Result<Row> decode(CudaEngine& e, int batch, const Options& o, const std::string& label) {
   const int V = e.desc().vocab_size;
   std::vector<SeqInput> step;
   for (int b = 0; b < batch; ++b) step.push_back(greedy(uint64_t(b + 1), tokens(o.context, 17 + b, V), 0));
@@ -157,11 +171,17 @@ Result<Row> decode(CudaEngine& e, int batch, const Options& o) {
     std::vector<SeqInput> next;
     for (int b = 0; b < batch; ++b) next.push_back(greedy(uint64_t(b + 1), {(*r)[size_t(b)].token}, pos[size_t(b)]++));
     if (i == 8) s0 = e.expert_stats();
+    // The profiled steps come after the timed ones (a profiler slows them).
+    if (o.profile_steps > 0 && i == o.steps + 8 - o.profile_steps)
+      bench::profile_begin(profile_phase(label + " decode b" + std::to_string(batch) + ", " +
+                                         std::to_string(o.profile_steps) + " steps"));
     const auto t0 = Clock::now();
     r = e.step(next);
     if (!r) return make_error(r.error());
-    if (i >= 8) ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    if (i >= 8 && i < o.steps + 8 - o.profile_steps)
+      ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
   }
+  if (o.profile_steps > 0) bench::profile_end();
   const CudaExpertStats s1 = e.expert_stats();
   for (int b = 0; b < batch; ++b) e.release(uint64_t(b + 1));
   std::sort(ms.begin(), ms.end());
@@ -174,16 +194,19 @@ Result<Row> decode(CudaEngine& e, int batch, const Options& o) {
 }
 
 // Prefill: one prompt of o.prompt tokens, its next token sampled; median of 5.
-Result<Row> prefill(CudaEngine& e, const Options& o) {
+Result<Row> prefill(CudaEngine& e, const Options& o, const std::string& label) {
   const int V = e.desc().vocab_size;
   std::vector<double> ms;
   const CudaExpertStats s0 = e.expert_stats();
   for (int i = 0; i < 6; ++i) {
     std::vector<SeqInput> step = {greedy(100, tokens(o.prompt, 1000 + i, V), 0)};
+    const bool profiled = o.profile_steps > 0 && i == 5;  // the last, after the timed ones
+    if (profiled) bench::profile_begin(profile_phase(label + " prefill " + std::to_string(o.prompt) + ", 1 step"));
     const auto t0 = Clock::now();
     auto r = e.step(step);
+    if (profiled) bench::profile_end();
     if (!r) return make_error(r.error());
-    if (i > 0) ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    if (i > 0 && !profiled) ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
     e.release(100);
   }
   const CudaExpertStats s1 = e.expert_stats();
@@ -205,7 +228,7 @@ int usage() {
                "                        [--routing router|uniform|router,uniform] [--host-experts auto|on|off]\n"
                "                        [--misses stream|copy] [--threads N] [--skip-resident]\n"
                "                        [--budget-batches 1[,8...]] [--admit-per-pass N]\n"
-               "                        [--json PATH]\n");
+               "                        [--json PATH] [--profile-steps N]\n");
   return 2;
 }
 
@@ -240,6 +263,7 @@ int main(int argc, char** argv) {
     else if (a == "--skip-resident") o.resident = false;
     else if (a == "--admit-per-pass") o.admit_per_pass = std::atoi(val().c_str());
     else if (a == "--model") o.model = val();
+    else if (a == "--profile-steps") o.profile_steps = std::atoi(val().c_str());
     else if (a == "--budget-batches") {
       o.budget_batches.clear();
       for (const auto& b : split_list(val())) o.budget_batches.push_back(std::atoi(b.c_str()));
@@ -266,6 +290,10 @@ int main(int argc, char** argv) {
       return usage();
     }
     if (bad) return usage();
+  }
+  if (o.profile_steps < 0 || o.profile_steps >= o.steps) {
+    std::fprintf(stderr, "moe-bench-engine: --profile-steps takes 0 to --steps - 1 (%d)\n", o.steps - 1);
+    return usage();
   }
   auto dev = cuda_device_summary();
   if (!dev) {
@@ -364,14 +392,14 @@ int main(int argc, char** argv) {
         };
         std::vector<int> batches = gib == 0 ? std::vector<int>{1, 8} : o.budget_batches;
         for (int b : batches) {
-          auto r = decode(**e, b, o);
+          auto r = decode(**e, b, o, s.name + " " + mode + " " + routing);
           if (!r) {
             std::fprintf(stderr, "moe-bench-engine: %s\n", r.error().c_str());
             return 1;
           }
           keep(*r);
         }
-        auto p = prefill(**e, o);
+        auto p = prefill(**e, o, s.name + " " + mode + " " + routing);
         if (!p) {
           std::fprintf(stderr, "moe-bench-engine: %s\n", p.error().c_str());
           return 1;
