@@ -373,6 +373,9 @@ struct CudaEngine::Impl {
 
   // Where a pass's inputs sit in the pack (a function of its sizes only, so
   // that a captured graph's pointers stay valid for every pass of that size).
+  // The pass in flight's runs of one sequence's tokens (its pieces): the
+  // attention walks a prompt's queries in tiles (cuda::AttentionArgs::runs).
+  int pass_runs = 0;
   struct PassPack {
     size_t tokens = 0, positions = 0, seq_of_token = 0, routing_seq = 0, sample_rows = 0, sample_pos = 0,
            params = 0, adjust_spans = 0, tables = 0, bytes = 0;

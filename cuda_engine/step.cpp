@@ -81,6 +81,7 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
       s += p.sample ? 1 : 0;
     }
     const int pieces = int(pass.size());
+    m.pass_runs = pieces;
     const Impl::PassPack pk = m.pack_layout(n, s, pieces);
     auto* tok = reinterpret_cast<int32_t*>(m.pack_host + pk.tokens);
     auto* pos = reinterpret_cast<int32_t*>(m.pack_host + pk.positions);

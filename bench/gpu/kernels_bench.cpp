@@ -414,8 +414,10 @@ Status bench_kernels(const ModelShape& s, const Options& o, Timer& t, std::vecto
     ra.q_out = q;
     return moe::cuda::qkv_rope_store(ra, pool(l), t.st);
   };
-  auto attend = [&](int l, int n, const int32_t* pos, const int32_t* seq) {
+  auto attend = [&](int l, int n, const int32_t* pos, const int32_t* seq,
+                    moe::cuda::AttentionWalk walk = moe::cuda::AttentionWalk::per_query) {
     moe::cuda::AttentionArgs aa;
+    aa.walk = walk;
     aa.q = q;
     aa.seq_of_token = seq;
     aa.positions = pos;
@@ -448,6 +450,10 @@ Status bench_kernels(const ModelShape& s, const Options& o, Timer& t, std::vecto
                        : "paged attention, " + str(n) + " seq x " + str(C + 1) + " keys",
                 nl, (prompt ? double(P) : double(n) * (C + 1)) * kv_token, 4.0 * s.n_heads * hd * keys,
                 [&](int l) { return attend(l, n, pos, seq); }));
+    if (prompt && moe::cuda::attention_query_tiles_supported(hd))
+      MOE_TRY(add("paged attention (causal prompt, query tiles)" + tok, nl, double(P) * kv_token,
+                  4.0 * s.n_heads * hd * keys,
+                  [&](int l) { return attend(l, n, pos, seq, moe::cuda::AttentionWalk::query_tiles); }));
   }
   {
     // A prompt's routes: seeded random, every expert of a layer in use.

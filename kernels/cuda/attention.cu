@@ -221,8 +221,190 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
   }
 }
 
+// ---- Query tiles (prompts): a block per (kQueryTile tokens, head).
+// Per 32-key tile the block stages K and V as floats in shared memory (coded
+// rows decoded and scaled there), then each query's 8 threads score 4 keys
+// apiece (float4 dots over the head) and keep its online softmax state, and
+// each thread accumulates 4 * HD / 32 of its query's output dims. A tile of
+// several sequences' tokens is walked one run of a sequence at a time, the
+// other queries masked; a run reads keys up to its last position.
+constexpr int kQueryTile = 16;
+constexpr int kKeyTile = 32;
+constexpr int kTileThreads = kQueryTile * 8;
+
+// Key row r of the tile (key j0 + r of the run's sequence) into ks/vs, HD/8
+// pieces of 8 values a row; rows past `keys` become zeros.
+template <int HD, KvDtype C>
+__device__ __forceinline__ void stage_kv_tile(const PagedKvPool& kv, const int32_t* table, int kvh, int j0, int keys,
+                                              float (*ks)[HD + 4], float (*vs)[HD]) {
+  constexpr int kPieces = HD / 8;
+  const int64_t row_stride = int64_t(kv.n_kv) * HD;
+  const int64_t bstride = kv.block_stride ? kv.block_stride : int64_t(kv.block_tokens) * row_stride;
+  const int64_t sstride = kv.scale_block_stride ? kv.scale_block_stride : int64_t(kv.block_tokens) * kv.n_kv;
+  for (int i = threadIdx.x; i < kKeyTile * kPieces; i += kTileThreads) {
+    const int r = i / kPieces, c = i % kPieces, j = j0 + r;
+    float kf[8], vf[8];
+    if (j < keys) {
+      const int64_t blk = table[j / kv.block_tokens], in_blk = j % kv.block_tokens;
+      const int64_t elem = blk * bstride + in_blk * row_stride + int64_t(kvh) * HD + c * 8;
+      if constexpr (C == KvDtype::bf16) {
+        detail::load_row_part<8>(kv.k + elem, kf);
+        detail::load_row_part<8>(kv.v + elem, vf);
+      } else {
+        load_code_part<8, C>(kv.k_codes + elem, kf);
+        load_code_part<8, C>(kv.v_codes + elem, vf);
+        const int64_t row = blk * sstride + in_blk * kv.n_kv + kvh;
+        const float kscale = __ldg(kv.k_scales + row), vscale = __ldg(kv.v_scales + row);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) kf[e] *= kscale, vf[e] *= vscale;
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) kf[e] = vf[e] = 0.f;
+    }
+    float4* kd = reinterpret_cast<float4*>(&ks[r][c * 8]);
+    float4* vd = reinterpret_cast<float4*>(&vs[r][c * 8]);
+    kd[0] = make_float4(kf[0], kf[1], kf[2], kf[3]);
+    kd[1] = make_float4(kf[4], kf[5], kf[6], kf[7]);
+    vd[0] = make_float4(vf[0], vf[1], vf[2], vf[3]);
+    vd[1] = make_float4(vf[4], vf[5], vf[6], vf[7]);
+  }
+}
+
+template <int HD, KvDtype C>
+__global__ void __launch_bounds__(kTileThreads) attention_tiles_kernel(AttentionArgs a, PagedKvPool kv) {
+  detail::allow_next_grid();
+  detail::wait_prior_grid();
+  static_assert(HD == 32 || HD == 64 || HD == 128, "query tiles take head_dim 32, 64 or 128");
+  constexpr int kDims = HD / 8;   // output dims a thread: 4 at sub * 4 + 32 u
+  constexpr int kKeys = kKeyTile / 8;  // keys a thread scores: sub + 8 m
+  // Rows padded by 4 floats: the 8 key rows a query's lanes read at once
+  // (and the 4 query rows of a warp) fall in distinct banks.
+  __shared__ __align__(16) float qs[kQueryTile][HD + 4];
+  __shared__ __align__(16) float ks[kKeyTile][HD + 4];
+  __shared__ __align__(16) float vs[kKeyTile][HD];
+  __shared__ float ps[kQueryTile][kKeyTile + 1];
+  __shared__ int32_t qseq[kQueryTile], qpos[kQueryTile];
+  const int t0 = blockIdx.x * kQueryTile, h = blockIdx.y;
+  const int kvh = h / (a.n_heads / kv.n_kv);
+  const int qi = threadIdx.x >> 3, sub = threadIdx.x & 7;
+  for (int i = threadIdx.x; i < kQueryTile * HD; i += kTileThreads) {
+    const int r = i / HD, d = i % HD, t = t0 + r;
+    qs[r][d] = t < a.tokens ? __bfloat162float(a.q[(size_t(t) * a.n_heads + h) * HD + d]) * a.scale : 0.f;
+  }
+  if (threadIdx.x < kQueryTile) {
+    const int t = t0 + threadIdx.x;
+    qseq[threadIdx.x] = t < a.tokens ? a.seq_of_token[t] : -1;
+    qpos[threadIdx.x] = t < a.tokens ? a.positions[t] : -1;
+  }
+  __syncthreads();
+  const int my_pos = qpos[qi];
+  float m = -INFINITY, l = 0.f;
+  float o[kDims];
+#pragma unroll
+  for (int i = 0; i < kDims; ++i) o[i] = 0.f;
+  for (int run = 0; run < kQueryTile && qseq[run] >= 0;) {
+    // The run: tokens [run, end) of one sequence; its keys reach its last position.
+    const int seq = qseq[run];
+    int end = run, last = -1;
+    while (end < kQueryTile && qseq[end] == seq) last = max(last, qpos[end++]);
+    const int keys = last + 1;
+    const bool active = qi >= run && qi < end;
+    const int32_t* table = kv.block_tables + size_t(seq) * kv.max_blocks;
+    for (int j0 = 0; j0 < keys; j0 += kKeyTile) {
+      stage_kv_tile<HD, C>(kv, table, kvh, j0, keys, ks, vs);
+      __syncthreads();
+      float s[kKeys];
+#pragma unroll
+      for (int u = 0; u < kKeys; ++u) s[u] = 0.f;
+#pragma unroll 4
+      for (int d = 0; d < HD; d += 4) {
+        const float4 q4 = *reinterpret_cast<const float4*>(&qs[qi][d]);
+#pragma unroll
+        for (int u = 0; u < kKeys; ++u) {
+          const float4 k4 = *reinterpret_cast<const float4*>(&ks[sub + 8 * u][d]);
+          s[u] = fmaf(q4.x, k4.x, fmaf(q4.y, k4.y, fmaf(q4.z, k4.z, fmaf(q4.w, k4.w, s[u]))));
+        }
+      }
+      float mx = -INFINITY;
+#pragma unroll
+      for (int u = 0; u < kKeys; ++u) {
+        const int j = j0 + sub + 8 * u;
+        if (!active || j > my_pos) s[u] = -INFINITY;
+        mx = fmaxf(mx, s[u]);
+      }
+      // The query's 8 lanes are lanes 8g..8g+7 of its warp.
+#pragma unroll
+      for (int off = 1; off < 8; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_new = fmaxf(m, mx);
+      const float corr = m_new == -INFINITY ? 1.f : __expf(m - m_new);  // 0 on the first keys (m = -inf)
+      float sum = 0.f;
+#pragma unroll
+      for (int u = 0; u < kKeys; ++u) {
+        const float p = s[u] == -INFINITY ? 0.f : __expf(s[u] - m_new);
+        ps[qi][sub + 8 * u] = p;
+        sum += p;
+      }
+#pragma unroll
+      for (int off = 1; off < 8; off <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      l = l * corr + sum;
+      m = m_new;
+#pragma unroll
+      for (int i = 0; i < kDims; ++i) o[i] *= corr;
+      __syncthreads();
+      if (active) {
+        const int n_valid = min(kKeyTile, min(keys, my_pos + 1) - j0);
+        for (int j = 0; j < n_valid; ++j) {
+          const float p = ps[qi][j];
+#pragma unroll
+          for (int u = 0; u < kDims / 4; ++u) {
+            const float4 v4 = *reinterpret_cast<const float4*>(&vs[j][sub * 4 + 32 * u]);
+            o[4 * u] = fmaf(p, v4.x, o[4 * u]);
+            o[4 * u + 1] = fmaf(p, v4.y, o[4 * u + 1]);
+            o[4 * u + 2] = fmaf(p, v4.z, o[4 * u + 2]);
+            o[4 * u + 3] = fmaf(p, v4.w, o[4 * u + 3]);
+          }
+        }
+      }
+      __syncthreads();  // ks, vs and ps are restaged next
+    }
+    run = end;
+  }
+  const int t = t0 + qi;
+  if (t >= a.tokens) return;
+  const float inv = 1.f / l;  // l > 0: key 0 is every query's
+  __nv_bfloat16* out = a.out + (size_t(t) * a.n_heads + h) * HD;
+#pragma unroll
+  for (int u = 0; u < kDims / 4; ++u) {
+    __nv_bfloat162 lo = __floats2bfloat162_rn(o[4 * u] * inv, o[4 * u + 1] * inv);
+    __nv_bfloat162 hi = __floats2bfloat162_rn(o[4 * u + 2] * inv, o[4 * u + 3] * inv);
+    uint2 w;
+    memcpy(&w.x, &lo, 4);
+    memcpy(&w.y, &hi, 4);
+    *reinterpret_cast<uint2*>(out + sub * 4 + 32 * u) = w;
+  }
+}
+
+template <KvDtype C>
+Status launch_attention_tiles(const AttentionArgs& a, const PagedKvPool& kv, cudaStream_t stream) {
+  const dim3 grid((a.tokens + kQueryTile - 1) / kQueryTile, a.n_heads);
+  switch (kv.head_dim) {
+    case 32: MOE_CUDA_TRY(detail::launch_pdl(attention_tiles_kernel<32, C>, grid, dim3(kTileThreads), 0, stream, a, kv)); break;
+    case 64: MOE_CUDA_TRY(detail::launch_pdl(attention_tiles_kernel<64, C>, grid, dim3(kTileThreads), 0, stream, a, kv)); break;
+    case 128: MOE_CUDA_TRY(detail::launch_pdl(attention_tiles_kernel<128, C>, grid, dim3(kTileThreads), 0, stream, a, kv)); break;
+    default:
+      return make_error("paged_attention: query tiles take head_dim 32, 64 or 128, not " + std::to_string(kv.head_dim));
+  }
+  MOE_CUDA_LAUNCHED();
+  return {};
+}
+
 template <KvDtype C>
 Status launch_attention(const AttentionArgs& a, const PagedKvPool& kv, cudaStream_t stream) {
+  const bool tiles = a.walk == AttentionWalk::query_tiles ||
+                     (a.walk == AttentionWalk::automatic && a.runs > 0 && a.tokens >= kQueryTile * a.runs &&
+                      attention_query_tiles_supported(kv.head_dim));
+  if (tiles) return launch_attention_tiles<C>(a, kv, stream);
   const dim3 grid(a.tokens, a.n_heads);
   switch (kv.head_dim) {
     case 16: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<16, C>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
@@ -239,6 +421,8 @@ Status launch_attention(const AttentionArgs& a, const PagedKvPool& kv, cudaStrea
 }
 
 }  // namespace
+
+bool attention_query_tiles_supported(int head_dim) { return head_dim == 32 || head_dim == 64 || head_dim == 128; }
 
 Status paged_attention(const AttentionArgs& a, const PagedKvPool& kv, cudaStream_t stream) {
   const bool coded = kv_coded(kv.dtype);

@@ -37,6 +37,16 @@ struct PagedKvPool {
   int64_t scale_block_stride = 0;    // the same for the scales (0: block_tokens * n_kv)
 };
 
+// How the kernel walks the queries. per_query: a block per (token, head),
+// its warps splitting the keys (decode: one query a sequence). query_tiles:
+// a block per (16 consecutive tokens, head) that stages each 32-key tile of
+// K and V in shared memory once for all 16 (a prompt: the keys a block reads
+// serve 16 queries instead of one). Both are exact for any layout of
+// tokens; tiles of many sequences' tokens walk them one run at a time.
+// automatic: query_tiles where the pass's runs average 16 tokens or more
+// (and head_dim is 32, 64 or 128), else per_query.
+enum class AttentionWalk { automatic, per_query, query_tiles };
+
 struct AttentionArgs {
   const __nv_bfloat16* q = nullptr;      // [tokens, n_heads, head_dim]
   const int32_t* seq_of_token = nullptr;  // [tokens]: row of block_tables
@@ -44,7 +54,14 @@ struct AttentionArgs {
   int tokens = 0, n_heads = 0;
   float scale = 1.f;
   __nv_bfloat16* out = nullptr;           // [tokens, n_heads, head_dim]
+  // Runs of one sequence's consecutive tokens in the pass (0: not known,
+  // which keeps per_query under automatic).
+  int runs = 0;
+  AttentionWalk walk = AttentionWalk::automatic;
 };
+
+// True where query_tiles serves this head_dim (32, 64, 128).
+bool attention_query_tiles_supported(int head_dim);
 
 // head_dim 16, 32, 64, 128 or 256 (others are refused); n_heads a multiple of n_kv.
 Status paged_attention(const AttentionArgs& a, const PagedKvPool& kv, cudaStream_t stream);

@@ -189,17 +189,9 @@ struct WeightRun<int8_t> {
 // half2 instead).
 template <>
 struct WeightRun<Q4Pair> {
-  // Chunk h is code bytes [4h, 4h + 4): inputs 8h..8h+7, even ones in the low
-  // nibbles. A nibble becomes the low byte of 2^23 (0x4B000000), then 2^23
-  // is subtracted.
+  // Chunk h is code bytes [4h, 4h + 4): inputs 8h..8h+7.
   __device__ __forceinline__ static void unpack(const uint4& v, int h, float (&f)[8]) {
-    const uint32_t word = h == 0 ? v.x : h == 1 ? v.y : h == 2 ? v.z : v.w;
-    const uint32_t lo = word & 0x0F0F0F0Fu, hi = (word >> 4) & 0x0F0F0F0Fu;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      f[2 * e] = __uint_as_float(__byte_perm(lo, 0x4B000000u, 0x7440u + e)) - 8388608.f;
-      f[2 * e + 1] = __uint_as_float(__byte_perm(hi, 0x4B000000u, 0x7440u + e)) - 8388608.f;
-    }
+    detail::q4_word_to_floats(h == 0 ? v.x : h == 1 ? v.y : h == 2 ? v.z : v.w, f);
   }
 };
 

@@ -80,6 +80,20 @@ __device__ __forceinline__ void load_row_part(const __nv_bfloat16* p, float* out
   }
 }
 
+// One 32-bit word of INT4 codes (8 inputs, the even ones in the low nibbles,
+// docs/int4-experts.md) as the floats 0..15 in input order. A nibble becomes
+// the low byte of 2^23 (0x4B000000) and 2^23 is subtracted: a byte permute
+// and an add, where an integer-to-float conversion would run at an eighth of
+// the rate.
+__device__ __forceinline__ void q4_word_to_floats(uint32_t word, float (&f)[8]) {
+  const uint32_t lo = word & 0x0F0F0F0Fu, hi = (word >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    f[2 * e] = __uint_as_float(__byte_perm(lo, 0x4B000000u, 0x7440u + e)) - 8388608.f;
+    f[2 * e + 1] = __uint_as_float(__byte_perm(hi, 0x4B000000u, 0x7440u + e)) - 8388608.f;
+  }
+}
+
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
 __device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + __expf(-v)); }
 

@@ -1,10 +1,16 @@
 // Grouped GEMM in four launches: (1) group the (token, slot) pairs by expert
-// and cut each expert's list into 64-row tiles; (2) gate/up GEMM with the
+// and cut each expert's list into BM-row tiles; (2) gate/up GEMM with the
 // SiLU product in the epilogue -> h [pairs, inter] bf16; (3) down GEMM scaled
 // by the routing weight -> partial [pairs, hidden] f32; (4) sum each token's
-// pairs into out. Tiles: 64 pairs x 64 output rows x 64 inputs, 4 warps of
-// 32x32 on bf16 wmma with f32 accumulators.
+// pairs into out. Tiles: BM pairs x 64 output rows x 64 inputs, 4 warps of
+// 32 x (64 or 16) on bf16 wmma with f32 accumulators. BM is 64, or 32 when
+// the experts get few pairs each (a prompt spread evenly over 128 experts
+// gives each ~32 of 4,096: a 64-row tile would be half empty). The next
+// k-step's activations and codes are loaded into registers while the
+// current one's MMAs run (one shared-memory stage, two barriers a step).
 #include <mma.h>
+
+#include <type_traits>
 
 #include "kernels/cuda/cuda_check.cuh"
 #include "kernels/cuda/launch.cuh"
@@ -16,7 +22,7 @@ namespace {
 
 using namespace nvcuda;
 
-constexpr int BM = 64, BN = 64, BK = 64;
+constexpr int BN = 64, BK = 64;
 constexpr int kThreads = 128;
 constexpr int LDS = BK + 8;   // bf16 tile row stride (pad: fewer bank conflicts)
 constexpr int LDC = BN + 4;   // f32 epilogue row stride
@@ -33,7 +39,9 @@ struct Workspace {
 };
 
 size_t align_up(size_t v) { return (v + 255) & ~size_t(255); }
-int max_tiles(int pairs, int n_experts) { return (pairs + BM - 1) / BM + n_experts; }
+int max_tiles(int pairs, int n_experts, int bm) { return (pairs + bm - 1) / bm + n_experts; }
+// Rows of a tile: 32 while the experts average at most 40 pairs each.
+int tile_rows(int pairs, int n_experts) { return pairs <= 40 * n_experts ? 32 : 64; }
 
 Workspace carve(void* base, const ExpertLayout& L, int pairs, int n_experts) {
   Workspace w{};
@@ -43,7 +51,7 @@ Workspace carve(void* base, const ExpertLayout& L, int pairs, int n_experts) {
     off += align_up(bytes);
     return p;
   };
-  const int mt = max_tiles(pairs, n_experts);
+  const int mt = max_tiles(pairs, n_experts, 32);  // the most tiles either height makes
   w.sorted = static_cast<int32_t*>(take(size_t(pairs) * 4));
   w.offsets = static_cast<int32_t*>(take(size_t(n_experts + 1) * 4));
   w.tile_expert = static_cast<int32_t*>(take(size_t(mt) * 4));
@@ -55,7 +63,7 @@ Workspace carve(void* base, const ExpertLayout& L, int pairs, int n_experts) {
   return w;
 }
 
-__global__ void align_kernel(const int32_t* ids, int pairs, int n_experts, Workspace w) {
+__global__ void align_kernel(const int32_t* ids, int pairs, int n_experts, int bm, Workspace w) {
   detail::allow_next_grid();
   detail::wait_prior_grid();
   extern __shared__ int32_t sh[];
@@ -75,55 +83,21 @@ __global__ void align_kernel(const int32_t* ids, int pairs, int n_experts, Works
       w.offsets[e] = off;
       tile0[e] = tiles;
       off += counts[e];
-      tiles += (counts[e] + BM - 1) / BM;
+      tiles += (counts[e] + bm - 1) / bm;
     }
     w.offsets[n_experts] = off;
     *w.n_tiles = tiles;
   }
   __syncthreads();
   for (int e = threadIdx.x; e < n_experts; e += blockDim.x)
-    for (int j = 0; j * BM < counts[e]; ++j) {
+    for (int j = 0; j * bm < counts[e]; ++j) {
       w.tile_expert[tile0[e] + j] = e;
-      w.tile_m0[tile0[e] + j] = j * BM;
+      w.tile_m0[tile0[e] + j] = j * bm;
     }
   for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
     const int e = ids[p];
     if (e >= 0 && e < n_experts) w.sorted[w.offsets[e] + atomicAdd(&cursor[e], 1)] = p;
   }
-}
-
-// Dequantises rows n0..n0+63, inputs k0..k0+63 of matrix m into dst[64][LDS]
-// (rows past `rows` become zeros). Thread t: row t/2, 32 inputs.
-__device__ void dequant_tile(const uint8_t* blob, const Q4MatrixLayout& m, int n0, int k0,
-                             __nv_bfloat16* dst) {
-  const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
-  const int n = n0 + r;
-  uint4 out[4];
-  if (n < m.rows) {
-    const int kb = k0 + half * 32;
-    const uint4 c = __ldg(reinterpret_cast<const uint4*>(blob + m.codes_offset + size_t(n) * (m.cols / 2) + kb / 2));
-    const float2 sb = __half22float2(
-        reinterpret_cast<const half2*>(blob + m.params_offset)[size_t(n) * (m.cols / m.group) + kb / m.group]);
-    const uint32_t ws[4] = {c.x, c.y, c.z, c.w};
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      uint32_t o[4];
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const uint32_t byte = (ws[q] >> (8 * b)) & 255u;
-        const __nv_bfloat162 v = __floats2bfloat162_rn(fmaf(float(byte & 15u), sb.x, sb.y),
-                                                       fmaf(float(byte >> 4), sb.x, sb.y));
-        memcpy(&o[b], &v, 4);
-      }
-      out[q] = make_uint4(o[0], o[1], o[2], o[3]);
-    }
-  } else {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) out[q] = make_uint4(0, 0, 0, 0);
-  }
-  uint4* d = reinterpret_cast<uint4*>(dst + r * LDS + half * 32);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) d[q] = out[q];
 }
 
 struct GemmParams {
@@ -135,14 +109,84 @@ struct GemmParams {
   Workspace w;
 };
 
-// grid: (ceil(N / BN), max_tiles)
-template <bool GATE_UP>
-__global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(GemmParams p) {
+// One k-step's global data, held in registers: each thread's 16-byte pieces
+// of the BM x 64 activations, and one 32-input run of codes of weight row
+// threadIdx.x / 2 (inputs (threadIdx.x % 2) * 32 ...) of each matrix with
+// its group's scale and bias (zero past the matrix's rows: its weights
+// dequantise to zero).
+template <int BM, int MATS>
+struct Stage {
+  static constexpr int kA = BM * (BK / 8) / kThreads;
+  uint4 a[kA];
+  uint4 codes[MATS];
+  float2 sb[MATS];
+
+  __device__ __forceinline__ void load(const GemmParams& p, const int32_t* rows, const uint8_t* blob, int n0,
+                                       int k0, int K) {
+#pragma unroll
+    for (int i = 0; i < kA; ++i) {
+      const int idx = threadIdx.x + i * kThreads, r = idx >> 3, c = idx & 7;
+      const int pair = rows[r];
+      a[i] = make_uint4(0, 0, 0, 0);
+      if (pair >= 0) {
+        const size_t arow = MATS == 2 ? size_t(pair / p.top_k) : size_t(pair);
+        a[i] = *reinterpret_cast<const uint4*>(p.a + arow * K + k0 + c * 8);
+      }
+    }
+    const int n = n0 + (threadIdx.x >> 1), kb = k0 + (threadIdx.x & 1) * 32;
+#pragma unroll
+    for (int m = 0; m < MATS; ++m) {
+      const Q4MatrixLayout& L = m == 0 ? p.m0 : p.m1;
+      codes[m] = make_uint4(0, 0, 0, 0);
+      sb[m] = make_float2(0.f, 0.f);
+      if (n < L.rows) {
+        codes[m] = __ldg(reinterpret_cast<const uint4*>(blob + L.codes_offset + size_t(n) * (L.cols / 2) + kb / 2));
+        sb[m] = __half22float2(
+            reinterpret_cast<const half2*>(blob + L.params_offset)[size_t(n) * (L.cols / L.group) + kb / L.group]);
+      }
+    }
+  }
+
+  // The activations into As [BM][LDS]; each matrix's run dequantised to
+  // bf16 into its Bs [BN][LDS] (row threadIdx.x / 2).
+  __device__ __forceinline__ void store(__nv_bfloat16* As, __nv_bfloat16* Bs) const {
+#pragma unroll
+    for (int i = 0; i < kA; ++i) {
+      const int idx = threadIdx.x + i * kThreads, r = idx >> 3, c = idx & 7;
+      *reinterpret_cast<uint4*>(As + r * LDS + c * 8) = a[i];
+    }
+    const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
+#pragma unroll
+    for (int m = 0; m < MATS; ++m) {
+      const uint32_t ws[4] = {codes[m].x, codes[m].y, codes[m].z, codes[m].w};
+      uint4* d = reinterpret_cast<uint4*>(Bs + m * BN * LDS + r * LDS + half * 32);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        float f[8];
+        detail::q4_word_to_floats(ws[q], f);
+        __nv_bfloat162 b[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          b[e] = __floats2bfloat162_rn(fmaf(f[2 * e], sb[m].x, sb[m].y), fmaf(f[2 * e + 1], sb[m].x, sb[m].y));
+        uint4 u;
+        memcpy(&u, b, 16);
+        d[q] = u;
+      }
+    }
+  }
+};
+
+// grid: (ceil(N / BN), max_tiles). Warps: WM x WN of 32 x BN/WN outputs.
+// Blocks an SM: 3 for the 64-row gate/up tile (64 accumulators and the next
+// step's loads: ~170 registers uncapped, which would leave 2), else 5.
+template <int BM, bool GATE_UP>
+__global__ void __launch_bounds__(kThreads, (BM == 64 && GATE_UP) ? 3 : 5) grouped_gemm_kernel(GemmParams p) {
   detail::allow_next_grid();
   detail::wait_prior_grid();
   constexpr int kMats = GATE_UP ? 2 : 1;
-  constexpr size_t kTileBytes = size_t(BM) * LDS * 2;
-  constexpr size_t kMainBytes = kTileBytes * (1 + kMats);
+  constexpr int WN = BM == 64 ? 2 : 4, FM = 2, FN = BN / WN / 16;
+  static_assert(BM / (kThreads / 32 / WN) == 32, "a warp owns 32 rows");
+  constexpr size_t kMainBytes = size_t(BM + kMats * BN) * LDS * 2;
   constexpr size_t kEpiBytes = size_t(BM) * LDC * 4 * kMats;
   __shared__ __align__(128) uint8_t smem[kMainBytes > kEpiBytes ? kMainBytes : kEpiBytes];
   __shared__ int32_t rows[BM];
@@ -156,48 +200,36 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(GemmParams p) {
   for (int r = threadIdx.x; r < BM; r += kThreads)
     rows[r] = m0 + r < count ? p.w.sorted[base + m0 + r] : -1;
   __nv_bfloat16* As = reinterpret_cast<__nv_bfloat16*>(smem);
-  __nv_bfloat16* Bs0 = As + BM * LDS;
-  __nv_bfloat16* Bs1 = Bs0 + BN * LDS;
-  const int warp = threadIdx.x >> 5, wm = warp >> 1, wn = warp & 1;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kMats][2][2];
+  __nv_bfloat16* Bs = As + BM * LDS;
+  const int warp = threadIdx.x >> 5, wm = warp / WN, wn = warp % WN;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kMats][FM][FN];
 #pragma unroll
   for (int t = 0; t < kMats; ++t)
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < FM; ++i)
 #pragma unroll
-      for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[t][i][j], 0.f);
+      for (int j = 0; j < FN; ++j) wmma::fill_fragment(acc[t][i][j], 0.f);
   __syncthreads();
 
+  Stage<BM, kMats> stage;
+  stage.load(p, rows, blob, n0, 0, K);
   for (int k0 = 0; k0 < K; k0 += BK) {
-    // A: 64 rows x 64 inputs = 512 16-byte pieces, 4 per thread.
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int idx = threadIdx.x + i * kThreads, r = idx >> 3, c = idx & 7;
-      const int pair = rows[r];
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (pair >= 0) {
-        const size_t arow = GATE_UP ? size_t(pair / p.top_k) : size_t(pair);
-        v = *reinterpret_cast<const uint4*>(p.a + arow * K + k0 + c * 8);
-      }
-      *reinterpret_cast<uint4*>(As + r * LDS + c * 8) = v;
-    }
-    dequant_tile(blob, p.m0, n0, k0, Bs0);
-    if constexpr (GATE_UP) dequant_tile(blob, p.m1, n0, k0, Bs1);
+    stage.store(As, Bs);
     __syncthreads();
+    if (k0 + BK < K) stage.load(p, rows, blob, n0, k0 + BK, K);  // in flight during the MMAs
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[FM];
 #pragma unroll
-      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], As + (wm * 32 + i * 16) * LDS + kk, LDS);
+      for (int i = 0; i < FM; ++i) wmma::load_matrix_sync(fa[i], As + (wm * 32 + i * 16) * LDS + kk, LDS);
 #pragma unroll
       for (int t = 0; t < kMats; ++t) {
-        const __nv_bfloat16* Bs = t == 0 ? Bs0 : Bs1;
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
+        for (int j = 0; j < FN; ++j) {
           wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
-          wmma::load_matrix_sync(fb, Bs + (wn * 32 + j * 16) * LDS + kk, LDS);
+          wmma::load_matrix_sync(fb, Bs + t * BN * LDS + (wn * (BN / WN) + j * 16) * LDS + kk, LDS);
 #pragma unroll
-          for (int i = 0; i < 2; ++i) wmma::mma_sync(acc[t][i][j], fa[i], fb, acc[t][i][j]);
+          for (int i = 0; i < FM; ++i) wmma::mma_sync(acc[t][i][j], fa[i], fb, acc[t][i][j]);
         }
       }
     }
@@ -207,11 +239,11 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(GemmParams p) {
 #pragma unroll
   for (int t = 0; t < kMats; ++t)
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < FM; ++i)
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
-        wmma::store_matrix_sync(Cs + t * BM * LDC + (wm * 32 + i * 16) * LDC + wn * 32 + j * 16, acc[t][i][j],
-                                LDC, wmma::mem_row_major);
+      for (int j = 0; j < FN; ++j)
+        wmma::store_matrix_sync(Cs + t * BM * LDC + (wm * 32 + i * 16) * LDC + wn * (BN / WN) + j * 16,
+                                acc[t][i][j], LDC, wmma::mem_row_major);
   __syncthreads();
   for (int idx = threadIdx.x; idx < BM * BN; idx += kThreads) {
     const int r = idx / BN, c = idx % BN;
@@ -260,7 +292,9 @@ Status q4_grouped_moe(const Q4ExpertArgs& a, const __nv_bfloat16* x, float* out,
   const int pairs = a.tokens * a.top_k;
   const Workspace w = carve(workspace, a.layout, pairs, a.n_experts);
   MOE_CUDA_REQUIRE(workspace_bytes >= w.bytes, "workspace too small");
-  MOE_CUDA_TRY(detail::launch_pdl(align_kernel, dim3(1), dim3(1024), size_t(3) * a.n_experts * 4, stream, a.expert_ids, pairs, a.n_experts, w));
+  const int bm = tile_rows(pairs, a.n_experts);
+  MOE_CUDA_TRY(detail::launch_pdl(align_kernel, dim3(1), dim3(1024), size_t(3) * a.n_experts * 4, stream, a.expert_ids,
+                                  pairs, a.n_experts, bm, w));
   MOE_CUDA_LAUNCHED();
   GemmParams p{};
   p.blobs = a.blobs;
@@ -268,15 +302,22 @@ Status q4_grouped_moe(const Q4ExpertArgs& a, const __nv_bfloat16* x, float* out,
   p.top_k = a.top_k;
   p.n_experts = a.n_experts;
   p.w = w;
-  const int mt = max_tiles(pairs, a.n_experts);
+  const int mt = max_tiles(pairs, a.n_experts, bm);
+  auto gemm = [&](auto rows, auto gate_up, int n_out) {
+    auto kern = grouped_gemm_kernel<decltype(rows)::value, decltype(gate_up)::value>;
+    return detail::launch_pdl(kern, dim3((n_out + BN - 1) / BN, mt), dim3(kThreads), 0, stream, p);
+  };
+  using Rows32 = std::integral_constant<int, 32>;
+  using Rows64 = std::integral_constant<int, 64>;
   p.m0 = a.layout.gate;
   p.m1 = a.layout.up;
   p.a = x;
-  MOE_CUDA_TRY(detail::launch_pdl(grouped_gemm_kernel<true>, dim3((a.layout.inter + BN - 1) / BN, mt), dim3(kThreads), 0, stream, p));
+  MOE_CUDA_TRY(bm == 32 ? gemm(Rows32{}, std::true_type{}, a.layout.inter) : gemm(Rows64{}, std::true_type{}, a.layout.inter));
   MOE_CUDA_LAUNCHED();
   p.m0 = a.layout.down;
   p.a = w.h;
-  MOE_CUDA_TRY(detail::launch_pdl(grouped_gemm_kernel<false>, dim3((a.layout.hidden + BN - 1) / BN, mt), dim3(kThreads), 0, stream, p));
+  MOE_CUDA_TRY(bm == 32 ? gemm(Rows32{}, std::false_type{}, a.layout.hidden)
+                        : gemm(Rows64{}, std::false_type{}, a.layout.hidden));
   MOE_CUDA_LAUNCHED();
   MOE_CUDA_TRY(detail::launch_pdl(combine_kernel, dim3(a.tokens), dim3(256), 0, stream, w.partial, a.expert_ids, a.n_experts, a.top_k, a.layout.hidden, out));
   MOE_CUDA_LAUNCHED();

@@ -335,7 +335,13 @@ TEST_CASE("cuda decode expert kernels (gate/up + SiLU, weighted down) match the 
 
 TEST_CASE("cuda grouped INT4 MoE GEMM matches the CPU", "[cuda][q4]") {
   SKIP_WITHOUT_GPU();
-  const MoeCase cases[] = {{256, 192, 64, 37, 4, 10}, {512, 320, 64, 150, 8, 7}, {128, 64, 32, 1, 2, 3}};
+  // Tiles of 32 pairs (a few pairs an expert: the first, the third, and the
+  // Qwen3-30B expert shape over 32 steps of K) and of 64 (the second: ~170 an
+  // expert, several tiles each).
+  const MoeCase cases[] = {{256, 192, 64, 37, 4, 10},
+                           {512, 320, 64, 150, 8, 7},
+                           {128, 64, 32, 1, 2, 3},
+                           {2048, 768, 64, 48, 8, 32}};
   std::mt19937 rng(13);
   for (const auto& c : cases) {
     INFO("hidden " << c.hidden << " inter " << c.inter << " tokens " << c.tokens);
@@ -855,7 +861,9 @@ namespace {
 // Random queries for (seq[t], pos[t]) through the CPU's attention over
 // `cpu`'s rows (each query's block table taken from `tables`) and the
 // kernel over `gpu` (its tables the device copy of `tables`): the relative
-// error of the kernel's output.
+// error of the kernel's output, the larger of its two walks (a block per
+// query, and 16-query tiles where the head size takes them: tiles of one
+// sequence's prompt and of several sequences' tokens alike).
 double attention_error(const AttentionShape& sh, moe::cpu::PagedKv cpu, const moe::cuda::PagedKvPool& gpu,
                        const std::vector<int32_t>& tables, const std::vector<int32_t>& seq,
                        const std::vector<int32_t>& pos, std::mt19937& rng) {
@@ -879,8 +887,18 @@ double attention_error(const AttentionShape& sh, moe::cpu::PagedKv cpu, const mo
   a.n_heads = nh;
   a.scale = scale;
   a.out = dout.p;
-  REQUIRE_OK(moe::cuda::paged_attention(a, gpu, nullptr));
-  return rel_err(as_float(dout.get()), ref);
+  double worst = 0;
+  for (const auto walk : {moe::cuda::AttentionWalk::per_query, moe::cuda::AttentionWalk::query_tiles}) {
+    if (walk == moe::cuda::AttentionWalk::query_tiles && !moe::cuda::attention_query_tiles_supported(hd)) continue;
+    INFO((walk == moe::cuda::AttentionWalk::per_query ? "a block a query" : "query tiles"));
+    a.walk = walk;
+    dout.put(std::vector<bf16>(q.size(), __float2bfloat16(NAN)));  // every output must be written
+    REQUIRE_OK(moe::cuda::paged_attention(a, gpu, nullptr));
+    const double e = rel_err(as_float(dout.get()), ref);
+    CHECK(std::isfinite(e));
+    worst = std::max(worst, e);
+  }
+  return worst;
 }
 
 // The same over f32 pools, bf16 on the device.
