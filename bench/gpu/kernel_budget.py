@@ -49,6 +49,11 @@ def base_name(full):
     return name + tmpl
 
 
+def number(text):
+    """A figure as ncu prints it (thousands separated by commas)."""
+    return float(text.replace(',', ''))
+
+
 def read_phases(log_path):
     """[(label, wall ms a step or None)] in the order the bench printed them."""
     phases = []
@@ -107,9 +112,9 @@ def main():
                 order.append(n)
             g = groups[n]
             g['launches'] += 1
-            g['ns'] += float(r['gpu__time_duration.sum'])
-            g['read'] += float(r['dram__bytes_read.sum'])
-            g['write'] += float(r['dram__bytes_write.sum'])
+            g['ns'] += number(r['gpu__time_duration.sum'])
+            g['read'] += number(r['dram__bytes_read.sum'])
+            g['write'] += number(r['dram__bytes_write.sum'])
         total_ns = sum(g['ns'] for g in groups.values()) / steps
         total_bytes = sum(g['read'] + g['write'] for g in groups.values()) / steps
         wall = ph.get('wall_ms')
