@@ -2,8 +2,9 @@
 // Causal attention over a paged KV pool (the CPU twin: kernels/cpu/attention.h).
 // The pool is fixed-size blocks of block_tokens slots; key j of sequence s
 // lives in slot j % block_tokens of block block_tables[s, j / block_tokens].
-// One kernel serves decode (one query per sequence) and prefill (many
-// queries of one sequence): each query attends to keys 0..positions[t].
+// Each query attends to keys 0..positions[t]; decode (one query a sequence)
+// and prompts (many queries of one sequence) walk the queries differently
+// (AttentionWalk below).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
