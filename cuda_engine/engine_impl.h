@@ -371,11 +371,12 @@ struct CudaEngine::Impl {
   };
   std::map<int, Graph> graphs;
 
+  // The pass in flight's shortest run of one sequence's tokens (its pieces):
+  // where every run is a prompt's, the attention walks the queries in tiles
+  // (cuda::AttentionArgs::shortest_run).
+  int pass_shortest_run = 0;
   // Where a pass's inputs sit in the pack (a function of its sizes only, so
   // that a captured graph's pointers stay valid for every pass of that size).
-  // The pass in flight's runs of one sequence's tokens (its pieces): the
-  // attention walks a prompt's queries in tiles (cuda::AttentionArgs::runs).
-  int pass_runs = 0;
   struct PassPack {
     size_t tokens = 0, positions = 0, seq_of_token = 0, routing_seq = 0, sample_rows = 0, sample_pos = 0,
            params = 0, adjust_spans = 0, tables = 0, bytes = 0;

@@ -176,7 +176,7 @@ Status CudaEngine::Impl::attention_gqa(const DevLayer& L, int n, const int32_t* 
   aa.n_heads = d.n_heads;
   aa.scale = softmax_scale;
   aa.out = attn;
-  aa.runs = pass_runs;  // a prompt's pass walks its queries in tiles
+  aa.shortest_run = pass_shortest_run;  // prompts' passes walk their queries in tiles
   return cuda::paged_attention(aa, kv, st);
 }
 

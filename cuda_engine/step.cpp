@@ -81,7 +81,8 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
       s += p.sample ? 1 : 0;
     }
     const int pieces = int(pass.size());
-    m.pass_runs = pieces;
+    m.pass_shortest_run = n;
+    for (const Piece& p : pass) m.pass_shortest_run = std::min(m.pass_shortest_run, p.count);
     const Impl::PassPack pk = m.pack_layout(n, s, pieces);
     auto* tok = reinterpret_cast<int32_t*>(m.pack_host + pk.tokens);
     auto* pos = reinterpret_cast<int32_t*>(m.pack_host + pk.positions);

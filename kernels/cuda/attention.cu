@@ -402,7 +402,7 @@ Status launch_attention_tiles(const AttentionArgs& a, const PagedKvPool& kv, cud
 template <KvDtype C>
 Status launch_attention(const AttentionArgs& a, const PagedKvPool& kv, cudaStream_t stream) {
   const bool tiles = a.walk == AttentionWalk::query_tiles ||
-                     (a.walk == AttentionWalk::automatic && a.runs > 0 && a.tokens >= kQueryTile * a.runs &&
+                     (a.walk == AttentionWalk::automatic && a.shortest_run >= kQueryTile &&
                       attention_query_tiles_supported(kv.head_dim));
   if (tiles) return launch_attention_tiles<C>(a, kv, stream);
   const dim3 grid(a.tokens, a.n_heads);

@@ -43,8 +43,10 @@ struct PagedKvPool {
 // a block per (16 consecutive tokens, head) that stages each 32-key tile of
 // K and V in shared memory once for all 16 (a prompt: the keys a block reads
 // serve 16 queries instead of one). Both are exact for any layout of
-// tokens; tiles of many sequences' tokens walk them one run at a time.
-// automatic: query_tiles where the pass's runs average 16 tokens or more
+// tokens; tiles of many sequences' tokens walk them one run at a time, each
+// over its whole context, which is slow for decode tokens (a pass of one
+// prompt and some decodes keeps per_query: not split between the walks).
+// automatic: query_tiles where every run of the pass is 16 tokens or more
 // (and head_dim is 32, 64 or 128), else per_query.
 enum class AttentionWalk { automatic, per_query, query_tiles };
 
@@ -55,9 +57,9 @@ struct AttentionArgs {
   int tokens = 0, n_heads = 0;
   float scale = 1.f;
   __nv_bfloat16* out = nullptr;           // [tokens, n_heads, head_dim]
-  // Runs of one sequence's consecutive tokens in the pass (0: not known,
-  // which keeps per_query under automatic).
-  int runs = 0;
+  // Tokens in the pass's shortest run of one sequence's consecutive tokens
+  // (0: not known, which keeps per_query under automatic).
+  int shortest_run = 0;
   AttentionWalk walk = AttentionWalk::automatic;
 };
 

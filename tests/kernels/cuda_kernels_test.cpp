@@ -1104,19 +1104,25 @@ TEST_CASE("cuda store and attention with blocks laid apart and running down equa
     for (auto [kv, q] : {std::pair{&flat, &q1}, std::pair{&laid, &q2}}) {
       REQUIRE_OK(moe::cuda::qkv_rope_store(rope_args(dqkv.p, dpos.p, dseq.p, dfreq.p, tokens, nh, q->p), *kv, nullptr));
     }
-    for (auto [kv, q, o] : {std::tuple{&flat, &q1, &o1}, std::tuple{&laid, &q2, &o2}}) {
-      moe::cuda::AttentionArgs a;
-      a.q = q->p;
-      a.seq_of_token = dseq.p;
-      a.positions = dpos.p;
-      a.tokens = tokens;
-      a.n_heads = nh;
-      a.scale = 0.09f;
-      a.out = o->p;
-      REQUIRE_OK(moe::cuda::paged_attention(a, *kv, nullptr));
+    // Both walks of the queries (the tiles meet sequence 0's tokens in two
+    // runs apart).
+    for (const auto walk : {moe::cuda::AttentionWalk::per_query, moe::cuda::AttentionWalk::query_tiles}) {
+      INFO((walk == moe::cuda::AttentionWalk::per_query ? "a block a query" : "query tiles"));
+      for (auto [kv, q, o] : {std::tuple{&flat, &q1, &o1}, std::tuple{&laid, &q2, &o2}}) {
+        moe::cuda::AttentionArgs a;
+        a.q = q->p;
+        a.seq_of_token = dseq.p;
+        a.positions = dpos.p;
+        a.tokens = tokens;
+        a.n_heads = nh;
+        a.scale = 0.09f;
+        a.out = o->p;
+        a.walk = walk;
+        REQUIRE_OK(moe::cuda::paged_attention(a, *kv, nullptr));
+      }
+      const auto g1 = o1.get(), g2 = o2.get();
+      CHECK(std::memcmp(g1.data(), g2.data(), g1.size() * sizeof(bf16)) == 0);
     }
-    const auto g1 = o1.get(), g2 = o2.get();
-    CHECK(std::memcmp(g1.data(), g2.data(), g1.size() * sizeof(bf16)) == 0);
     // Each stored row sits where the strides say.
     size_t compared = 0;
     if (coded) {
