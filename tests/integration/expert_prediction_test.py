@@ -231,7 +231,14 @@ def main():
             r'^moe_gateway_worker_sequences_assigned_total\{worker="(\w+)",fallback="0"\} (\S+)$', body, re.M)}
         check(assigned.get("w1", 0) + assigned.get("w2", 0) == 8 and min(assigned.values()) > 0,
               f"/metrics counts the sequences given to each worker ({assigned})")
-        _, pc = post(g, "/debug/experts", {"prompt": SIMILAR_X})
+        # The workers' resident sets reach the gateway through Redis, read by
+        # its own thread: wait for both rather than race that read.
+        end = time.time() + 10
+        while True:
+            _, pc = post(g, "/debug/experts", {"prompt": SIMILAR_X})
+            if sorted(w["worker"] for w in pc["workers"]) == ["w1", "w2"] or time.time() > end:
+                break
+            time.sleep(0.1)
         check(sorted(w["worker"] for w in pc["workers"]) == ["w1", "w2"],
               f"/debug/experts scores both workers' resident sets ({pc['workers']})")
 
