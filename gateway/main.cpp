@@ -212,6 +212,7 @@ int main(int argc, char** argv) {
   api_opts.admission.max_waiting = opts.max_waiting;
   api_opts.predictor = predictor.get();
   if (worker_streams) api_opts.resident_sets = [ws = worker_streams.get()] { return ws->resident(); };
+  if (redis) api_opts.redis_connected = [r = redis.get()] { return r->connected(); };
   moe::gw::OpenAiApi api(api_opts, engine.get(), text.get(), &metrics);
 
   moe::gw::HttpServerOptions http;

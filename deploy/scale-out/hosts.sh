@@ -35,6 +35,10 @@ die() { say "$*"; exit 1; }
 host_ns() { echo "$name-h$1"; }
 host_addr() { echo "$net.$((10 + $1))"; }
 healthy() { curl -s -m 2 -o /dev/null -w '%{http_code}' "http://$1/health" 2>/dev/null | grep -q 200; }
+# A host takes traffic once its worker said hello and its gateway reaches
+# Redis: before that, a session's turn would live in that gateway's memory
+# alone (lost with the host).
+host_ready() { curl -sf -m 2 "http://$1/health" 2>/dev/null | grep -Eq '"redis": ?"connected"'; }
 
 start_host() {
   local i=$1 ns addr
@@ -66,11 +70,11 @@ wait_host() {
   local i=$1 addr
   addr=$(host_addr "$i")
   for _ in $(seq 1 600); do
-    healthy "$addr:8080" && return 0
+    host_ready "$addr:8080" && return 0
     sleep 0.1
   done
   tail -20 "$state/logs/h$i.log" >&2
-  say "host $i ($addr) never became healthy"
+  say "host $i ($addr) never became healthy with Redis connected"
   return 1
 }
 

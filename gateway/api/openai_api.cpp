@@ -498,9 +498,12 @@ void OpenAiApi::health(const std::shared_ptr<HttpExchange>& ex) {
   r.headers = {{"Content-Type", "application/json"}};
   if (s.degraded) r.headers.emplace_back("X-Moe-Degraded", "1");
   const std::string backend = scheduler_->backend();
+  json redis = nullptr;  // no --redis
+  if (opts_.redis_connected) redis = opts_.redis_connected() ? "connected" : "connecting";
   r.body = json_text(json{{"status", ready ? "ok" : "starting"},
                           {"degraded", s.degraded},
-                          {"backend", backend.empty() ? json(nullptr) : json(backend)}});
+                          {"backend", backend.empty() ? json(nullptr) : json(backend)},
+                          {"redis", redis}});
   reply(ex, kHealth, std::move(r));
 }
 

@@ -58,6 +58,10 @@ struct ApiOptions {
   const PromptExpertPredictor* predictor = nullptr;  // /debug/experts (null: 404)
   // Worker name → its published resident set, for /debug/experts (may be unset).
   std::function<std::map<std::string, std::string>()> resident_sets;
+  // Whether the Redis connection is up now (unset: no --redis). /health says
+  // so, for whoever must not send session turns to a gateway that would keep
+  // them in its memory alone (deploy/scale-out/hosts.sh waits on it).
+  std::function<bool()> redis_connected;
 };
 
 class OpenAiApi final : public HttpHandler {

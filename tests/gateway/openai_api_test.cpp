@@ -629,6 +629,7 @@ TEST_CASE("api: /health is 503 until the scheduler is ready, and requests are re
   gw.scheduler().ready_ = true;
   CHECK(http(gw.port(), "GET", "/health").status == 200);
   CHECK(json::parse(http(gw.port(), "GET", "/health").body)["status"] == "ok");
+  CHECK(json::parse(http(gw.port(), "GET", "/health").body)["redis"].is_null());  // no --redis
 }
 
 TEST_CASE("api: degraded serving is marked with X-Moe-Degraded", "[gateway][api]") {

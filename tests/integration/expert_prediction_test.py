@@ -123,6 +123,15 @@ def main():
         c.start_redis()
         w1 = c.start_worker("w1")
         a = c.start_gateway([w1], name="gateway-a", extra=ON)
+        # /health says when the gateway reaches Redis (a scale-out host takes
+        # traffic only then: deploy/scale-out/hosts.sh).
+        end, health = time.time() + 10, {}
+        while time.time() < end and health.get("redis") != "connected":
+            hc = http.client.HTTPConnection("127.0.0.1", a, timeout=10)
+            hc.request("GET", "/health")
+            health = json.loads(hc.getresponse().read())
+            time.sleep(0.05)
+        check(health.get("redis") == "connected", f"/health says Redis is connected ({health.get('redis')})")
 
         # 1. The bucket tag travels to the worker and back into Redis.
         st, p0 = post(a, "/debug/experts", {"prompt": TRAIN_X[0]})

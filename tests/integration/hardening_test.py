@@ -17,6 +17,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -110,6 +111,13 @@ def child_pid(c, name, nth=0):
 
 def main():
     h.need_redis()
+    # A temp folder of its own (TMPDIR, which the gateways read too): every
+    # gateway that starts removes the machine's stale moe-gateway-* folders,
+    # so one of a test running beside this one could take the folder that
+    # part 4 expects this test's next gateway to remove.
+    private_tmp = tempfile.mkdtemp(prefix="moe-hardening-tmp-")
+    os.environ["TMPDIR"] = private_tmp
+    tempfile.tempdir = private_tmp
     c = h.Cluster("hardening")
     try:
         c.start_redis(password="s3cret")
@@ -281,6 +289,7 @@ def main():
                 if name in c.logs:
                     print(f"---- {name} log\n" + c.log(name)[-3000:])
         c.close()
+        shutil.rmtree(private_tmp, ignore_errors=True)
     print(f"{'FAILED' if failures else 'PASSED'}: {len(failures)} failure(s)")
     return 1 if failures else 0
 
