@@ -85,8 +85,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
   const int n_keys = a.positions[t] + 1;
   const int32_t* table = kv.block_tables + size_t(a.seq_of_token[t]) * kv.max_blocks;
   const int64_t row_stride = int64_t(kv.n_kv) * HD;  // elements per slot
-  const int64_t bstride = kv.block_stride ? kv.block_stride : int64_t(kv.block_tokens) * row_stride;
-  const int64_t sstride = kv.scale_block_stride ? kv.scale_block_stride : int64_t(kv.block_tokens) * kv.n_kv;
+  const int64_t bstride = kv.block_elems(), sstride = kv.block_scales();
 
   float m = -INFINITY, l = 0.f;
   float o[D];
@@ -239,8 +238,7 @@ __device__ __forceinline__ void stage_kv_tile(const PagedKvPool& kv, const int32
                                               float (*ks)[HD + 4], float (*vs)[HD]) {
   constexpr int kPieces = HD / 8;
   const int64_t row_stride = int64_t(kv.n_kv) * HD;
-  const int64_t bstride = kv.block_stride ? kv.block_stride : int64_t(kv.block_tokens) * row_stride;
-  const int64_t sstride = kv.scale_block_stride ? kv.scale_block_stride : int64_t(kv.block_tokens) * kv.n_kv;
+  const int64_t bstride = kv.block_elems(), sstride = kv.block_scales();
   for (int i = threadIdx.x; i < kKeyTile * kPieces; i += kTileThreads) {
     const int r = i / kPieces, c = i % kPieces, j = j0 + r;
     float kf[8], vf[8];

@@ -36,6 +36,14 @@ struct PagedKvPool {
   // negative where block ids run down from the top (docs/kv-islands-trade.md).
   int64_t block_stride = 0;
   int64_t scale_block_stride = 0;    // the same for the scales (0: block_tokens * n_kv)
+
+  // The strides in force: the ones set above, else one pool per layer's.
+  __host__ __device__ int64_t block_elems() const {
+    return block_stride ? block_stride : int64_t(block_tokens) * n_kv * head_dim;
+  }
+  __host__ __device__ int64_t block_scales() const {
+    return scale_block_stride ? scale_block_stride : int64_t(block_tokens) * n_kv;
+  }
 };
 
 // How the kernel walks the queries. per_query: a block per (token, head),

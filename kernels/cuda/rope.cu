@@ -30,10 +30,8 @@ __global__ void __launch_bounds__(kThreads) qkv_rope_kernel(QkvRopeArgs a, Paged
   // as PagedKvPool says; negative where blocks run down).
   const int64_t blk = table[pos / kv.block_tokens], in_blk = pos % kv.block_tokens;
   const int64_t row_stride = int64_t(kv.n_kv) * HD;
-  const int64_t slot = blk * (kv.block_stride ? kv.block_stride : int64_t(kv.block_tokens) * row_stride) +
-                       in_blk * row_stride;
-  const int64_t scale_slot =
-      blk * (kv.scale_block_stride ? kv.scale_block_stride : int64_t(kv.block_tokens) * kv.n_kv) + in_blk * kv.n_kv;
+  const int64_t slot = blk * kv.block_elems() + in_blk * row_stride;
+  const int64_t scale_slot = blk * kv.block_scales() + in_blk * kv.n_kv;
   float* x = sh + warp * HD;
   // Full-width norm: 1 / rms of the token's q and k rows (bias included).
   float inv_q = 0.f, inv_k = 0.f;
