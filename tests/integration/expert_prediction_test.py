@@ -125,13 +125,15 @@ def main():
         a = c.start_gateway([w1], name="gateway-a", extra=ON)
         # /health says when the gateway reaches Redis (a scale-out host takes
         # traffic only then: deploy/scale-out/hosts.sh).
-        end, health = time.time() + 10, {}
-        while time.time() < end and health.get("redis") != "connected":
+        health = {}
+
+        def redis_connected():
             hc = http.client.HTTPConnection("127.0.0.1", a, timeout=10)
             hc.request("GET", "/health")
-            health = json.loads(hc.getresponse().read())
-            time.sleep(0.05)
-        check(health.get("redis") == "connected", f"/health says Redis is connected ({health.get('redis')})")
+            health.update(json.loads(hc.getresponse().read()))
+            return health.get("redis") == "connected"
+
+        check(h.wait_for(redis_connected, 10), f"/health says Redis is connected ({health.get('redis')})")
 
         # 1. The bucket tag travels to the worker and back into Redis.
         st, p0 = post(a, "/debug/experts", {"prompt": TRAIN_X[0]})
@@ -242,14 +244,14 @@ def main():
               f"/metrics counts the sequences given to each worker ({assigned})")
         # The workers' resident sets reach the gateway through Redis, read by
         # its own thread: wait for both rather than race that read.
-        end = time.time() + 10
-        while True:
+        scored = []
+
+        def both_scored():
             _, pc = post(g, "/debug/experts", {"prompt": SIMILAR_X})
-            if sorted(w["worker"] for w in pc["workers"]) == ["w1", "w2"] or time.time() > end:
-                break
-            time.sleep(0.1)
-        check(sorted(w["worker"] for w in pc["workers"]) == ["w1", "w2"],
-              f"/debug/experts scores both workers' resident sets ({pc['workers']})")
+            scored[:] = sorted(w["worker"] for w in pc["workers"])
+            return scored == ["w1", "w2"]
+
+        check(h.wait_for(both_scored, 10), f"/debug/experts scores both workers' resident sets ({scored})")
 
         # 6. --predict off: no endpoint, no prediction metrics, no bucket on the wire.
         c.procs["gateway-c"].terminate()

@@ -39,15 +39,6 @@ def check(cond, what):
         failures.append(what)
 
 
-def wait_for(pred, timeout):
-    end = time.time() + timeout
-    while time.time() < end:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def alive(pid):
     try:
         os.kill(pid, 0)
@@ -132,23 +123,23 @@ def main():
         w = c.start_worker("w1", redis=False, extra=["--redis", f"redis://127.0.0.1:{c.redis_port}",
                                                      "--redis-password-file", pw_file])
         c.start_gateway([w], redis=False, extra=["--redis", url, "--predict", "on"])  # /debug/experts scores what Redis holds
-        check(wait_for(lambda: "connected and logged in" in c.log("gateway"), 10),
+        check(h.wait_for(lambda: "connected and logged in" in c.log("gateway"), 10),
               "AUTH: the gateway logged in as an ACL user from the URL")
-        check(wait_for(lambda: "connected and logged in" in c.log("w1"), 10),
+        check(h.wait_for(lambda: "connected and logged in" in c.log("w1"), 10),
               "AUTH: the worker logged in with the password file")
         check(url.split("@")[0] not in c.log("gateway") and "p@ss" not in c.log("gateway"),
               "AUTH: the credentials never reach the log")
         status, hdr, _ = h.chat(c.http_port, [{"role": "user", "content": "hi"}], 4, "new")
         sid = hdr.get("x-session-id", "")
-        check(status == 200 and wait_for(lambda: c.redis("EXISTS", "moe:session:open:" + sid).strip() == "1", 5),
+        check(status == 200 and h.wait_for(lambda: c.redis("EXISTS", "moe:session:open:" + sid).strip() == "1", 5),
               "AUTH: a session turn is stored through the logged-in connection")
-        check(wait_for(lambda: c.redis("XLEN", MODEL_KEY + ":resident").strip() not in ("", "0"), 10),
+        check(h.wait_for(lambda: c.redis("XLEN", MODEL_KEY + ":resident").strip() not in ("", "0"), 10),
               "AUTH: the worker publishes through its logged-in connection")
         port_ok = c.http_port
         c.start_gateway([w], redis=False, name="wrong", extra=["--redis", f"redis://:nope@127.0.0.1:{c.redis_port}"],
                         wait=False)
         # A second gateway may not take the worker (one at a time): it answers 503 but must say why it has no Redis.
-        check(wait_for(lambda: "refused the credentials" in c.log("wrong"), 10),
+        check(h.wait_for(lambda: "refused the credentials" in c.log("wrong"), 10),
               "AUTH: wrong credentials are said clearly")
         check(c.procs["wrong"].poll() is None, "AUTH: a gateway with wrong credentials keeps running")
         c.procs["wrong"].terminate()
@@ -159,7 +150,7 @@ def main():
         before = metric(c.http_port, "moe_gateway_internal_errors_total")
         raw_redis(c.redis_port, "s3cret", "XADD", MODEL_KEY + ":resident", "*", "worker", b"\xff\xfe\xc3bad",
                   "kind", "snapshot", "experts", "1:2 1:3")
-        check(wait_for(lambda: re.search(r"skipping garbage entry .* in " + MODEL_KEY + ":resident",
+        check(h.wait_for(lambda: re.search(r"skipping garbage entry .* in " + MODEL_KEY + ":resident",
                                          c.log("gateway")) is not None, 10),
               "untrusted: the gateway skips a worker name that is not one")
         status, body = debug_experts(c.http_port)
@@ -198,7 +189,7 @@ def main():
         check(metric(c.http_port, "moe_gateway_prompt_tokens_total") == tokens0,
               "gone while loading: nothing was run for it")
         check(metric(c.http_port, "moe_gateway_generations") == 0, "gone while loading: no generation left behind")
-        check(wait_for(lambda: c.redis("GET", "moe:session:open:" + sid) == stored0, 5),
+        check(h.wait_for(lambda: c.redis("GET", "moe:session:open:" + sid) == stored0, 5),
               "gone while loading: the session is unchanged")
 
         # ---- 4. kill -9 of a gateway with its own worker: no orphan, the folder cleaned
@@ -224,12 +215,12 @@ def main():
         with open(os.path.join(planted, "worker.pid"), "w") as f:
             f.write(f"{squatter.pid}\n")
         c.kill9("embedded")
-        check(wait_for(lambda: not alive(pid), 5), "orphan: the worker exits when its gateway is killed -9")
+        check(h.wait_for(lambda: not alive(pid), 5), "orphan: the worker exits when its gateway is killed -9")
         c.start_gateway([], redis=False, name="embedded2")
         log = c.log("embedded2")
         check(mine and not os.path.exists(mine[0]) and f"removed the stale folder {mine[0]}" in log,
               "orphan: the next gateway removes the folder the killed one left")
-        check(wait_for(lambda: squatter.poll() is not None, 5) and not os.path.exists(planted),
+        check(h.wait_for(lambda: squatter.poll() is not None, 5) and not os.path.exists(planted),
               "orphan: a child still running in a stale folder is killed, the folder removed")
         c.procs["embedded2"].terminate()
         c.procs["embedded2"].wait()
@@ -259,9 +250,9 @@ def main():
         check(len(kept) == 64 and refused == 16, f"fd limit: 64 kept, 16 told 503 ({len(kept)}, {refused})")
         first = child_pid(c, "lowfd")
         os.kill(first, signal.SIGKILL)
-        check(wait_for(lambda: child_pid(c, "lowfd", 1) is not None, 10),
+        check(h.wait_for(lambda: child_pid(c, "lowfd", 1) is not None, 10),
               "fd limit: the worker is restarted at the connection cap")
-        check(wait_for(lambda: len(re.findall(r"worker \S+ ready", c.log("lowfd"))) >= 2, 30),
+        check(h.wait_for(lambda: len(re.findall(r"worker \S+ ready", c.log("lowfd"))) >= 2, 30),
               "fd limit: the restarted worker said hello")
         s = kept[0]
         s.setblocking(True)

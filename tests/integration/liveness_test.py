@@ -37,15 +37,6 @@ def count(c, name, pattern):
     return len(re.findall(pattern, c.log(name)))
 
 
-def wait_for(pred, timeout):
-    end = time.time() + timeout
-    while time.time() < end:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def run_streams(c, ps, twins, disturb):
     """Starts the streams, waits until each produced 3 events, calls
     disturb(), then returns (lost, longest gap in s, seconds from the
@@ -94,14 +85,14 @@ def main():
         status, hdr, _ = h.complete(c.http_port, ps[0], 4)
         check(status == 200 and hdr.get("x-moe-degraded") == "1", "frozen worker: the fallback serves meanwhile")
         c.procs["main"].send_signal(signal.SIGCONT)
-        back = wait_for(lambda: h.complete(c.http_port, ps[0], 2)[1].get("x-moe-degraded") != "1", 20)
+        back = h.wait_for(lambda: h.complete(c.http_port, ps[0], 2)[1].get("x-moe-degraded") != "1", 20)
         check(back, "frozen worker: after SIGCONT the main worker serves again")
         check(count(c, "gateway", r"worker \S+main.sock down") == downs + 1, "frozen worker: declared down once")
 
         # ---- 2. stuck in a step that never returns
         c.kill9("main")
         main_sock = c.start_worker("main", extra=["--stall-exit-s", "5"], env={"MOE_WORKER_FAULT": "hang-step=30"})
-        check(wait_for(lambda: h.complete(c.http_port, ps[0], 2)[1].get("x-moe-degraded") != "1", 30),
+        check(h.wait_for(lambda: h.complete(c.http_port, ps[0], 2)[1].get("x-moe-degraded") != "1", 30),
               "hung worker: the main worker is back before the test")
         t_hang = [None]
 
@@ -114,7 +105,7 @@ def main():
         print(f"RESULT hung worker: lost {lost}, longest gap {gap:.2f} s")
         check(lost == 0, "hung worker: every stream completed with its undisturbed text")
         check(gap < 4.5, f"hung worker: the longest gap in any stream stays under 4.5 s ({gap:.2f} s)")
-        exited = wait_for(lambda: c.procs["main"].poll() is not None, 15)
+        exited = h.wait_for(lambda: c.procs["main"].poll() is not None, 15)
         check(exited and c.procs["main"].returncode == 3,
               f"hung worker: it ended itself with exit 3 after --stall-exit-s (code {c.procs['main'].returncode})")
         check("made no progress for 5 s" in c.log("main"), "hung worker: its log says why")
@@ -123,7 +114,7 @@ def main():
         downs = count(c, "gateway", r"worker \S+main.sock down")
         # Every step from the second on runs 4 s longer, making progress.
         main_sock = c.start_worker("main", env={"MOE_WORKER_FAULT": "slow-step=2:4000"})
-        check(wait_for(lambda: h.complete(c.http_port, ps[0], 1)[1].get("x-moe-degraded") != "1", 30),
+        check(h.wait_for(lambda: h.complete(c.http_port, ps[0], 1)[1].get("x-moe-degraded") != "1", 30),
               "slow step: the main worker serves")
         t0 = time.monotonic()
         status, hdr, body = h.complete(c.http_port, ps[1], 1)

@@ -28,6 +28,16 @@ def free_port():
     return port
 
 
+def wait_for(pred, timeout):
+    """True as soon as pred() is, polled every 50 ms; False after `timeout` s."""
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def need_redis():
     if not shutil.which("redis-server") or not shutil.which("redis-cli"):
         print("SKIPPED: redis-server is not installed")
