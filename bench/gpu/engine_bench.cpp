@@ -391,15 +391,16 @@ int main(int argc, char** argv) {
           rows.push_back(r);
         };
         std::vector<int> batches = gib == 0 ? std::vector<int>{1, 8} : o.budget_batches;
+        const std::string label = s.name + " " + mode + " " + routing;  // a profiled phase's
         for (int b : batches) {
-          auto r = decode(**e, b, o, s.name + " " + mode + " " + routing);
+          auto r = decode(**e, b, o, label);
           if (!r) {
             std::fprintf(stderr, "moe-bench-engine: %s\n", r.error().c_str());
             return 1;
           }
           keep(*r);
         }
-        auto p = prefill(**e, o, s.name + " " + mode + " " + routing);
+        auto p = prefill(**e, o, label);
         if (!p) {
           std::fprintf(stderr, "moe-bench-engine: %s\n", p.error().c_str());
           return 1;
