@@ -248,7 +248,11 @@ StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected, uint64_t now_m
       ++it;
       continue;
     }
-    if (rejected) rejected->push_back({*it, {}, true, FinishReason::error, why});
+    // One that has generated tokens (resumed here from a worker with more
+    // KV, say) ends as if it reached its length; a prompt that never fits is
+    // an error.
+    const bool grew = !seqs_.at(*it).generated.empty();
+    if (rejected) rejected->push_back({*it, {}, true, grew ? FinishReason::length : FinishReason::error, grew ? "" : why});
     count_group(seqs_.at(*it).req.group, -1);
     seqs_.erase(*it);
     it = waiting_.erase(it);
@@ -428,7 +432,10 @@ std::vector<SequenceUpdate> BatchPolicy::apply(const StepPlan& plan, const std::
           u.reason = FinishReason::error;
           u.error = "the worker sampled a token the response format does not allow";
         } else if (int(s.generated.size()) >= s.req.max_new_tokens ||
-                   (limits_.max_context > 0 && int(s.context.size()) >= limits_.max_context)) {
+                   (limits_.max_context > 0 && int(s.context.size()) >= limits_.max_context) ||
+                   blocks_for(int(s.context.size())) > limits_.kv_blocks_total) {
+          // The last: the next token's KV would not fit even in the whole
+          // cache, so the sequence can never grow here (it would wait forever).
           u.finished = true;
           u.reason = FinishReason::length;
         }

@@ -114,6 +114,45 @@ TEST_CASE("a request that can never fit is rejected, not queued forever", "[sche
   CHECK(picture(s) == "2:0+3s");
 }
 
+TEST_CASE("a sequence that fills the whole KV cache ends with length, not a wait forever", "[scheduler][policy]") {
+  // 2 blocks of 4 tokens: a 3-token prompt can grow to 8 positions, never a 9th.
+  BatchPolicy p(limits(64, 2));
+  p.add(1, req(3, 50));
+  int token = 500;
+  std::vector<int32_t> seen;
+  SequenceUpdate last;
+  for (int it = 0; it < 20 && p.running() + p.waiting() > 0; ++it) {
+    StepPlan plan = p.plan();
+    REQUIRE_FALSE(plan.empty());  // never a step with nothing in it while the sequence is alive
+    CHECK(plan.release.empty());  // and never preempted
+    for (const auto& u : p.apply(plan, answer(plan, token++), nullptr)) {
+      for (const auto& t : u.tokens) seen.push_back(t.token);
+      if (u.finished) last = u;
+    }
+  }
+  CHECK(p.running() + p.waiting() == 0);
+  CHECK(last.seq_id == 1);
+  CHECK(last.reason == FinishReason::length);
+  CHECK(seen.size() == 6);  // the context: 3 prompt + 6 generated = 9 tokens, the 9th never written
+  CHECK(p.preemptions() == 0);
+}
+
+TEST_CASE("a resumed sequence longer than this worker's cache ends with length; a long prompt is an error",
+          "[scheduler][policy]") {
+  BatchPolicy p(limits(64, 2));  // 8 tokens of KV
+  SequenceState moved{7, req(4, 20), {600, 601, 602, 603, 604}, {}};  // 9 tokens: ran on a larger worker
+  p.add_resumed(std::move(moved), true);
+  p.add(8, req(9, 2));
+  std::vector<SequenceUpdate> rejected;
+  p.plan(&rejected);
+  REQUIRE(rejected.size() == 2);
+  for (const auto& u : rejected) {
+    CHECK(u.finished);
+    if (u.seq_id == 7) CHECK((u.reason == FinishReason::length && u.error.empty()));
+    if (u.seq_id == 8) CHECK((u.reason == FinishReason::error && !u.error.empty()));
+  }
+}
+
 TEST_CASE("out of KV mid-decode preempts the youngest; recompute never repeats tokens", "[scheduler][policy]") {
   // 4 blocks of 4 tokens. Two sequences of 4-token prompts fit (1 block each + headroom);
   // they grow until the cache runs out.
