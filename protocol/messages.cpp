@@ -419,6 +419,27 @@ std::vector<uint8_t> encode_step(const StepRequest& m) {
   return finish(b);
 }
 
+std::string sampling_problem(const SamplingParams& o) {
+  if (!finite(o.temperature) || o.temperature < 0.0f) return "temperature must be finite and >= 0";
+  if (!finite(o.top_p) || o.top_p <= 0.0f || o.top_p > 1.0f) return "top_p must be in (0, 1]";
+  if (o.top_logprobs > kMaxTopLogprobs) return "top_logprobs above " + std::to_string(kMaxTopLogprobs);
+  if (!finite(o.repetition_penalty) || o.repetition_penalty <= 0.0f) return "repetition_penalty must be finite and > 0";
+  if (!finite(o.presence_penalty) || !finite(o.frequency_penalty))
+    return "presence_penalty and frequency_penalty must be finite";
+  if (!finite(o.min_p) || o.min_p < 0.0f || o.min_p > 1.0f) return "min_p must be in [0, 1]";
+  int64_t last = -1;
+  for (const TokenAdjust& a : o.adjust) {
+    if (a.token <= last) return "adjust must be sorted by token, distinct, none negative";
+    last = a.token;
+    // A bias is finite, or -inf (the token is banned).
+    if (std::isnan(a.bias) || a.bias == std::numeric_limits<float>::infinity())
+      return "adjust bias of token " + std::to_string(a.token) + " must be finite or -inf";
+  }
+  if (!o.allowed.empty() && std::all_of(o.allowed.begin(), o.allowed.end(), [](uint32_t w) { return w == 0; }))
+    return "allowed names no token";
+  return {};
+}
+
 Result<StepRequest> decode_step(Payload p) {
   return verified<fb::StepRequest>(p, "step", [](const fb::StepRequest& t) -> Result<StepRequest> {
     Reader r("step");
@@ -465,44 +486,17 @@ Result<StepRequest> decode_step(Payload p) {
         o.seed = sp->seed();
         o.logprobs = sp->logprobs();
         o.top_logprobs = sp->top_logprobs();
-        if (!finite(o.temperature) || o.temperature < 0.0f)
-          r.fail(id() + ": temperature must be finite and >= 0");
-        if (!finite(o.top_p) || o.top_p <= 0.0f || o.top_p > 1.0f)
-          r.fail(id() + ": top_p must be in (0, 1]");
-        if (o.top_logprobs > kMaxTopLogprobs)
-          r.fail(id() + ": top_logprobs above " + std::to_string(kMaxTopLogprobs));
         o.repetition_penalty = sp->repetition_penalty();
         o.presence_penalty = sp->presence_penalty();
         o.frequency_penalty = sp->frequency_penalty();
         o.min_p = sp->min_p();
-        if (!finite(o.repetition_penalty) || o.repetition_penalty <= 0.0f)
-          r.fail(id() + ": repetition_penalty must be finite and > 0");
-        if (!finite(o.presence_penalty) || !finite(o.frequency_penalty))
-          r.fail(id() + ": presence_penalty and frequency_penalty must be finite");
-        if (!finite(o.min_p) || o.min_p < 0.0f || o.min_p > 1.0f) r.fail(id() + ": min_p must be in [0, 1]");
         if (const auto* av = sp->adjust(); av && r.within(av->size(), kMaxTokenAdjust, "adjust")) {
           o.adjust.reserve(av->size());
-          int64_t last = -1;
-          for (const fb::TokenAdjust* a : *av) {
-            if (a->token() <= last) {
-              r.fail(id() + ": adjust must be sorted by token, distinct, none negative");
-              break;
-            }
-            last = a->token();
-            // A bias is finite, or -inf (the token is banned).
-            if (std::isnan(a->bias()) || a->bias() == std::numeric_limits<float>::infinity()) {
-              r.fail(id() + ": adjust bias of token " + std::to_string(a->token()) + " must be finite or -inf");
-              break;
-            }
+          for (const fb::TokenAdjust* a : *av)
             o.adjust.push_back({a->token(), a->bias(), a->output_count(), uint8_t(a->in_prompt() ? 1 : 0)});
-          }
         }
-        if (const auto* mv = sp->allowed()) {
-          o.allowed = r.scalars(mv, kMaxAllowedWords, "allowed");
-          bool any = false;
-          for (uint32_t w : o.allowed) any = any || w != 0;
-          if (!o.allowed.empty() && !any) r.fail(id() + ": allowed names no token");
-        }
+        if (const auto* mv = sp->allowed()) o.allowed = r.scalars(mv, kMaxAllowedWords, "allowed");
+        if (const std::string why = sampling_problem(o); !why.empty()) r.fail(id() + ": " + why);
       }
       if (!r.ok()) break;
       m.sequences.push_back(std::move(s));

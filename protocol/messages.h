@@ -158,6 +158,12 @@ struct SamplingParams {
   bool operator==(const SamplingParams&) const = default;
 };
 
+// What is wrong with a sequence's sampling parameters as the worker takes
+// them (docs/sampling.md), or empty. The worker refuses a step holding such
+// a sequence; the gateway checks each sequence with the same rule before it
+// sends one, so a bad sequence ends alone instead of failing its step.
+std::string sampling_problem(const SamplingParams& o);
+
 struct StepSequence {
   uint64_t seq_id = 0;
   std::vector<int32_t> tokens;  // new tokens of this chunk, at least one

@@ -588,8 +588,10 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
     for (auto [name, v] : {std::pair{"presence_penalty", presence}, std::pair{"frequency_penalty", frequency}})
       if (v && !(*v >= -2.0 && *v <= 2.0))
         return invalid_param(name, std::string("'") + name + "' must be between -2 and 2.", "invalid_value");
-    if (repetition && !(*repetition > 0.0 && *repetition <= 100.0))
-      return invalid_param("repetition_penalty", "'repetition_penalty' must be greater than 0 and at most 100.",
+    // At most a factor of 100 either way: a smaller divisor overflows a
+    // logit to infinity (from about 1e-37 on), a zero one is no penalty.
+    if (repetition && !(*repetition >= 0.01 && *repetition <= 100.0))
+      return invalid_param("repetition_penalty", "'repetition_penalty' must be between 0.01 and 100.",
                            "invalid_value");
     if (min_p && !(*min_p >= 0.0 && *min_p <= 1.0))
       return invalid_param("min_p", "'min_p' must be between 0 and 1.", "invalid_value");
@@ -671,6 +673,10 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
   if (req.response_schema && req.min_tokens > 0)
     return invalid_param("min_tokens", "'min_tokens' cannot be combined with 'response_format' or a forced 'tool_choice': "
                                        "the answer ends where its value does.", "invalid_value");
+  // ... and which ignore_eos takes away: a finished value could not end.
+  if (req.response_schema && req.ignore_eos)
+    return invalid_param("ignore_eos", "'ignore_eos' cannot be combined with 'response_format' or a forced "
+                                       "'tool_choice': the answer ends where its value does.", "invalid_value");
 
   if (const json* opts = member(body, "stream_options")) {
     if (!opts->is_object()) return *wrong_type("stream_options", "an object");
@@ -713,6 +719,14 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
       const int64_t reserve = max_tokens ? *max_tokens : std::max<int64_t>(1, std::min<int64_t>(limits.max_context / 8, 512));
       fit = std::max<int64_t>(1, limits.max_context - reserve);
     }
+    // A KV cache smaller than the context: the history goes as far as the
+    // cache holds, leaving the same room (a session's next turn still runs).
+    if (limits.kv_capacity > 0 && !truncate && (fit == 0 || fit > limits.kv_capacity)) {
+      const int64_t cap = limits.kv_capacity;
+      const int64_t reserve = std::min<int64_t>(max_tokens ? *max_tokens : std::max<int64_t>(1, std::min<int64_t>(cap / 8, 512)),
+                                                cap / 2);
+      fit = std::min<int64_t>(fit == 0 ? cap : fit, std::max<int64_t>(1, cap - reserve));
+    }
     if ((err = chat_prompt(body, codec, prior, &req.messages, &req.prompts, fit, &req.trimmed_messages,
                            &req.trimmed_tokens, req.tools)))
       return *err;
@@ -739,6 +753,12 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
     if (p.empty()) return invalid_param(prompt_param, std::string("'") + prompt_param + "' is empty.", "invalid_value");
     longest = std::max(longest, p.size());
   }
+  if (limits.kv_capacity > 0 && static_cast<int64_t>(longest) > limits.kv_capacity) {
+    return invalid_param(prompt_param, "The server's KV cache holds " + std::to_string(limits.kv_capacity) +
+                                           " tokens of one sequence. However, your prompt has " +
+                                           std::to_string(longest) + " tokens.",
+                         "context_length_exceeded");
+  }
   if (limits.max_context > 0) {
     const int64_t ctx = limits.max_context;
     const int64_t room = ctx - static_cast<int64_t>(longest);  // tokens left for the completion
@@ -764,7 +784,9 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
   req.max_tokens_given = max_tokens.has_value();
 
   req.sampling.temperature = static_cast<float>(temperature.value_or(1.0));
-  req.sampling.top_p = static_cast<float>(top_p.value_or(1.0));
+  // A top_p below the smallest float still means "the best token alone":
+  // it must not round to 0, which the worker refuses.
+  req.sampling.top_p = std::max(static_cast<float>(top_p.value_or(1.0)), std::numeric_limits<float>::min());
   req.sampling.top_k = top_k && *top_k > 0 ? static_cast<uint32_t>(std::min<int64_t>(*top_k, std::numeric_limits<int>::max())) : 0;
   req.seed_given = seed.has_value();
   req.sampling.seed = static_cast<uint64_t>(seed.value_or(0));

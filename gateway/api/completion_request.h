@@ -72,6 +72,9 @@ struct CompletionRequest {
 struct RequestLimits {
   std::string served_model_name;
   int max_context = 0;          // tokens; 0: unknown, not checked
+  // Tokens the largest serving worker's KV cache holds (0: unknown): a
+  // longer prompt is refused, a chat's history trimmed to it.
+  int kv_capacity = 0;
   int max_choices = 128;        // prompts × n
   // What one request may cost: choices × max_new_tokens (the generated
   // tokens it may ask for), and for a whole (not streamed) response with

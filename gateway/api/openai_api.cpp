@@ -350,6 +350,7 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
   RequestLimits limits;
   limits.served_model_name = opts_.served_model_name;
   limits.max_context = scheduler_->ready() ? scheduler_->max_context() : 0;
+  limits.kv_capacity = scheduler_->ready() ? scheduler_->kv_capacity() : 0;
   limits.max_choices = opts_.max_choices;
   limits.max_request_tokens = opts_.max_request_tokens;
   limits.max_logprob_entries = opts_.max_logprob_entries;

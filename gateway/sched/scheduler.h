@@ -146,6 +146,10 @@ class Scheduler {
   virtual SchedulerStats stats() const = 0;
   // Tokens of the longest sequence the worker accepts (prompt + generated).
   virtual int max_context() const = 0;
+  // Tokens the largest serving worker's whole KV cache holds (0: unknown):
+  // a longer prompt can run nowhere now; a sequence that grows past it ends
+  // with "length".
+  virtual int kv_capacity() const { return 0; }
   // The backend of the worker that serves now ("cpu", "cuda"; "" while none).
   virtual std::string backend() const { return ""; }
   // The overload rule's view for a request of `priority`.

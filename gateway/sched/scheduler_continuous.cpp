@@ -117,6 +117,31 @@ int ContinuousScheduler::max_context() const {
   return 0;
 }
 
+int ContinuousScheduler::kv_capacity() const {
+  int most = 0;
+  for (size_t i = 0; i < workers_.size(); ++i)
+    if (serving(i)) {
+      const PolicyLimits& l = workers_[i].policy.limits();
+      most = std::max(most, l.kv_blocks_total * std::max(l.kv_block_tokens, 1));
+    }
+  return most;
+}
+
+bool ContinuousScheduler::may_fit_later(const SequenceState& s, const std::vector<size_t>& candidates,
+                                        bool whole) const {
+  // A main worker that takes nothing now (down, restarting, under KV
+  // pressure) and holds it (whole: all it may generate) by the limits it
+  // last said, or never said them.
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    const Worker& w = workers_[i];
+    if (w.fallback || std::find(candidates.begin(), candidates.end(), i) != candidates.end()) continue;
+    if (w.base_limits.kv_blocks_total <= 0) return true;
+    BatchPolicy probe(w.base_limits);
+    if (whole ? probe.holds_all(s) : probe.fits(s)) return true;
+  }
+  return false;
+}
+
 std::string ContinuousScheduler::backend() const {
   for (size_t i = 0; i < workers_.size(); ++i)
     if (serving(i)) return workers_[i].link->worker_hello().backend;
@@ -471,7 +496,7 @@ void ContinuousScheduler::assign_queued() {
       ++it;
       continue;
     }
-    if (fallback < 0) {
+    if (fallback < 0 || !workers_[size_t(fallback)].policy.fits(*it)) {
       it->req.on_fallback = false;
       ++it;
       continue;
@@ -516,16 +541,48 @@ void ContinuousScheduler::assign_queued() {
   }
   const ExpertPrediction none;
   std::vector<std::vector<SequenceState>> moved(candidates.size()), fresh(candidates.size());
+  std::deque<SequenceState> later;  // no serving worker holds them; one that may is down
   while (!queued_.empty()) {
     SequenceState s = std::move(queued_.front());
     queued_.pop_front();
-    size_t k = 0;
-    if (candidates.size() > 1) {
-      for (size_t j = 0; j < view.size(); ++j) view[j].load = std::min(1.0, demand[j] / total[j]);
+    // The workers that hold all it may generate. Else a stream already
+    // under way (moved off a lost worker) waits for a main worker that
+    // would (one restarting while a smaller fallback serves: a pause, not
+    // a cut); a fresh one takes the largest that holds its prompt (it ends
+    // there with "length" when full). None at all: it waits for a worker
+    // that may hold it (down, or under KV pressure); with none anywhere it
+    // goes to the largest, whose policy ends it.
+    std::vector<size_t> fit;
+    for (size_t j = 0; j < candidates.size(); ++j)
+      if (workers_[candidates[j]].policy.holds_all(s)) fit.push_back(j);
+    if (fit.empty() && !s.generated.empty() && may_fit_later(s, candidates, true)) {
+      later.push_back(std::move(s));
+      continue;
+    }
+    if (fit.empty())
+      for (size_t j = 0; j < candidates.size(); ++j)
+        if (workers_[candidates[j]].policy.fits(s) && (fit.empty() || total[j] > total[fit[0]])) fit.assign(1, j);
+    if (fit.empty()) {
+      if (may_fit_later(s, candidates, false)) {
+        later.push_back(std::move(s));
+        continue;
+      }
+      size_t largest = 0;
+      for (size_t j = 1; j < candidates.size(); ++j)
+        if (total[j] > total[largest]) largest = j;
+      fit.push_back(largest);
+    }
+    size_t k = fit[0];
+    if (fit.size() > 1) {
+      std::vector<WorkerCandidate> among;
+      for (size_t j : fit) {
+        among.push_back(view[j]);
+        among.back().load = std::min(1.0, demand[j] / total[j]);
+      }
       auto pi = predicted_.find(s.id);
       const int chosen = choose_worker(pi != predicted_.end() ? pi->second.prediction : none,
-                                       p ? size_t(p->n_experts()) : 0, view, opts_.choice);
-      k = chosen < 0 ? 0 : size_t(chosen);
+                                       p ? size_t(p->n_experts()) : 0, among, opts_.choice);
+      k = fit[chosen < 0 ? 0 : size_t(chosen)];
     }
     const Worker& wk = workers_[candidates[k]];
     const int bt = std::max(wk.policy.limits().kv_block_tokens, 1);
@@ -533,6 +590,7 @@ void ContinuousScheduler::assign_queued() {
     // Sequences that ran elsewhere go first, as a lost worker's would.
     (moved_.erase(s.id) ? moved : fresh)[k].push_back(std::move(s));
   }
+  queued_ = std::move(later);
   for (size_t k = 0; k < candidates.size(); ++k) {
     Worker& wk = workers_[candidates[k]];
     for (auto it = moved[k].rbegin(); it != moved[k].rend(); ++it) {
@@ -580,7 +638,16 @@ void ContinuousScheduler::rebalance() {
     if (busiest == i) continue;
     // The younger half: what would wait longest where it is. At least one.
     const size_t n = (size_t(workers_[busiest].policy.waiting()) + 1) / 2;
-    for (SequenceState& s : workers_[busiest].policy.take_waiting(n)) {
+    // Only what it holds as well as the busy one would: never a sequence
+    // it would cut short.
+    const BatchPolicy& here = idle.policy;
+    const BatchPolicy& there = workers_[busiest].policy;
+    auto takes = [&](const SequenceState& q) {
+      if (!here.fits(q)) return false;
+      if (here.holds_all(q)) return true;
+      return !there.holds_all(q) && here.limits().kv_blocks_total >= there.limits().kv_blocks_total;
+    };
+    for (SequenceState& s : workers_[busiest].policy.take_waiting(n, takes)) {
       owner_[s.id] = i;
       ++idle.taken_over;
       idle.policy.add_resumed(std::move(s), false);

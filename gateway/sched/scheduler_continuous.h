@@ -83,6 +83,7 @@ class ContinuousScheduler final : public Scheduler {
   bool ready() const override;
   SchedulerStats stats() const override;
   int max_context() const override;
+  int kv_capacity() const override;
   std::string backend() const override;
   OverloadView overload(int priority) const override;
   ExpertView* expert_view() override { return &expert_view_; }
@@ -135,7 +136,10 @@ class ContinuousScheduler final : public Scheduler {
   void assign_queued();
   // Gives the queued sequence at `it` to worker `w`; the next queued one.
   std::deque<SequenceState>::iterator give(size_t w, std::deque<SequenceState>::iterator it);
-  void rebalance();  // an idle worker takes half the queue of the busiest one
+  void rebalance();  // an idle worker takes half the queue of the busiest one (what it can hold)
+  // A main worker outside `candidates` (the workers taking sequences now)
+  // may hold `s` once it takes them again.
+  bool may_fit_later(const SequenceState& s, const std::vector<size_t>& candidates, bool whole) const;
   void step(size_t w);
   void finish_step(size_t w, const std::vector<ChunkResult>& results);
   void dispatch(std::vector<SequenceUpdate>& updates);

@@ -173,12 +173,25 @@ bool BatchPolicy::can_ever_run(const Seq& s, std::string* why) const {
            std::to_string(limits_.max_context);
     return false;
   }
-  if (blocks_for(len + 1) > limits_.kv_blocks_total) {
+  // Its whole context in the cache: it runs as one prefill and samples a
+  // token (after which apply() ends it if the next one cannot fit).
+  if (blocks_for(len) > limits_.kv_blocks_total) {
     *why = "the prompt of " + std::to_string(len) + " tokens needs more KV blocks than the worker has (" +
            std::to_string(limits_.kv_blocks_total) + ")";
     return false;
   }
   return true;
+}
+
+bool BatchPolicy::fits(const SequenceState& st) const {
+  const int len = int(st.req.prompt.size() + st.generated.size());
+  return blocks_for(len) <= limits_.kv_blocks_total && (limits_.max_context <= 0 || len + 1 <= limits_.max_context);
+}
+
+bool BatchPolicy::holds_all(const SequenceState& st) const {
+  int64_t target = int64_t(st.req.prompt.size()) + std::max<int64_t>(st.req.max_new_tokens, int64_t(st.generated.size()));
+  if (limits_.max_context > 0) target = std::min<int64_t>(target, limits_.max_context);
+  return int64_t(blocks_for(int(std::min<int64_t>(target, INT_MAX / 2)))) <= limits_.kv_blocks_total;
 }
 
 void BatchPolicy::preempt_for_priority(StepPlan& plan) {
@@ -202,7 +215,7 @@ void BatchPolicy::preempt_for_priority(StepPlan& plan) {
   // Room means all three: its KV (with headroom), a batch slot, and step
   // tokens left after the decodes for its first chunk.
   auto room = [&](int committed, int running, int decoding) {
-    const int need = running == 0 ? blocks_for(len + 1) : blocks_for(len) + limits_.headroom_blocks;
+    const int need = running == 0 ? blocks_for(len) : blocks_for(len) + limits_.headroom_blocks;
     return committed + need <= total && running < limits_.max_batch_sequences && decoding < limits_.max_step_tokens;
   };
   if (room(committed_blocks(), int(running_.size()), decodes())) return;  // it fits as things are
@@ -377,7 +390,9 @@ StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected, uint64_t now_m
     const uint64_t id = order[next + pick];
     Seq& s = seqs_.at(id);
     const int len = int(s.context.size());
-    const int need = running_.empty() ? blocks_for(len + 1) : blocks_for(len) + limits_.headroom_blocks;
+    // Alone it needs only its context (the cache is all its own); beside
+    // others, headroom to grow.
+    const int need = running_.empty() ? blocks_for(len) : blocks_for(len) + limits_.headroom_blocks;
     if (committed_blocks() + need > total) break;
     for (size_t i = 0; i < pick; ++i) ++seqs_.at(order[next + i]).skips;  // overtaken
     order.erase(order.begin() + long(next + pick));
@@ -392,7 +407,34 @@ StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected, uint64_t now_m
     running_.push_back(id);
     add_prefill(id);
   }
+  drop_unsendable(plan, rejected);
   return plan;
+}
+
+void BatchPolicy::drop_unsendable(StepPlan& plan, std::vector<SequenceUpdate>* rejected) {
+  // A sampled chunk the worker would refuse (the same rule it applies)
+  // would fail the whole step, every other sequence in it too: its sequence
+  // ends here, alone. A structured value that no token can continue is the
+  // case met in practice (an empty mask of allowed tokens).
+  for (auto it = plan.chunks.begin(); it != plan.chunks.end();) {
+    const std::string why = it->sample ? protocol::sampling_problem(it->sampling) : std::string();
+    if (why.empty()) {
+      ++it;
+      continue;
+    }
+    const uint64_t id = it->seq_id;
+    it = plan.chunks.erase(it);
+    Seq& s = seqs_.at(id);
+    if (s.on_worker > 0) plan.release.push_back(id);  // its KV on the worker
+    if (rejected)
+      rejected->push_back({id, {}, true, FinishReason::error,
+                           why == "allowed names no token" ? "no token can continue the requested format here"
+                                                          : "the worker would refuse the sampling: " + why});
+    count_group(s.req.group, -1);
+    running_.erase(std::remove(running_.begin(), running_.end(), id), running_.end());
+    waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), id), waiting_.end());
+    seqs_.erase(id);
+  }
 }
 
 std::vector<SequenceUpdate> BatchPolicy::apply(const StepPlan& plan, const std::vector<ChunkResult>& results,
@@ -523,16 +565,20 @@ int BatchPolicy::on_fallback() const {
   return n;
 }
 
-std::vector<SequenceState> BatchPolicy::take_waiting(size_t n) {
-  n = std::min(n, waiting_.size());
+std::vector<SequenceState> BatchPolicy::take_waiting(size_t n, const std::function<bool(const SequenceState&)>& which) {
   std::vector<SequenceState> out;
-  for (auto it = waiting_.end() - long(n); it != waiting_.end(); ++it) {
+  // The youngest first (from the back), those `which` takes.
+  for (auto it = waiting_.end(); it != waiting_.begin() && out.size() < n;) {
+    --it;
     Seq& s = seqs_.at(*it);
+    SequenceState st{*it, s.req, s.generated, s.hints};
+    if (which && !which(st)) continue;
     count_group(s.req.group, -1);
-    out.push_back({*it, std::move(s.req), std::move(s.generated), std::move(s.hints)});
     seqs_.erase(*it);
+    it = waiting_.erase(it);
+    out.push_back(std::move(st));
   }
-  waiting_.erase(waiting_.end() - long(n), waiting_.end());
+  std::reverse(out.begin(), out.end());
   return out;
 }
 

@@ -146,8 +146,14 @@ class BatchPolicy {
   std::vector<SequenceState> take_if(const std::function<bool(const SequenceRequest&)>& which,
                                      std::vector<uint64_t>* released);
   // Removes up to `n` sequences from the back of the queue (the youngest; none
-  // holds KV on the worker), oldest of them first.
-  std::vector<SequenceState> take_waiting(size_t n);
+  // holds KV on the worker) that `which` takes (null: any), oldest of them first.
+  std::vector<SequenceState> take_waiting(size_t n, const std::function<bool(const SequenceState&)>& which = {});
+  // Whether this worker can hold the sequence's whole context (what it has
+  // generated too) and sample its next token: where it may be sent.
+  bool fits(const SequenceState& s) const;
+  // ... and all it may generate (max_new_tokens, within the context): it
+  // will not end early here for want of KV.
+  bool holds_all(const SequenceState& s) const;
   // Queues a sequence moved from another worker: it is recomputed from its
   // prompt plus `generated`, whose tokens are not reported again.
   void add_resumed(SequenceState s, bool front);
@@ -199,6 +205,7 @@ class BatchPolicy {
   // Grouped batching: which of `candidates` (oldest first) goes next.
   size_t pick_grouped(const std::vector<uint64_t>& candidates, const ExpertSet& step) const;
   int blocks_for(int tokens) const;
+  void drop_unsendable(StepPlan& plan, std::vector<SequenceUpdate>* rejected);
   int committed_blocks() const;  // blocks admitted sequences hold or will hold once prefilled
   void preempt(uint64_t id, StepPlan& plan);
   // Priorities: a sequence's class now (lower first; aged: the most urgent).

@@ -124,19 +124,26 @@ void step(const Schema& sc, Stack& s, uint8_t b, GrammarState* out) {
     const SchemaNode& n = sc.nodes[t.node];
     switch (t.kind) {
       case kValue: {
-        // Parts of a sequence are raw text and JSON values right after it.
+        // Alternatives first: each option decides whether whitespace may
+        // come before it (raw text may not), so whitespace never leaves a
+        // state that no byte can follow.
+        if (n.kind == NodeKind::alternatives) {
+          for (int o : n.options) {
+            Stack c;
+            copy_stack(s, &c);
+            c.f[c.depth - 1].node = uint16_t(o);
+            step(sc, c, b, out);
+          }
+          return;
+        }
+        // Parts of a sequence are raw text and JSON values right after it;
+        // raw text takes no whitespace before it.
         const bool in_sequence = s.depth >= 2 && s.f[s.depth - 2].kind == kSequence;
-        if (is_ws(b) && !(in_sequence && n.kind == NodeKind::literals))
+        if (is_ws(b) && n.kind != NodeKind::sequence && !(in_sequence && n.kind == NodeKind::literals))
           return whitespace(t, b) ? out->add(s) : void();
         switch (n.kind) {
           case NodeKind::alternatives:
-            for (int o : n.options) {
-              Stack c;
-              copy_stack(s, &c);
-              c.f[c.depth - 1].node = uint16_t(o);
-              step(sc, c, b, out);
-            }
-            return;
+            return;  // above
           case NodeKind::literals:
             t.kind = kLiteral;
             t.bits = all_bits(n.literals.size());

@@ -27,8 +27,12 @@ static int32_t argmax(const float* logits, int vocab) {
 }
 
 int32_t sample_token(const float* logits, int vocab, const SampleDraw& p, int64_t position) {
-  if (p.temperature <= 0.0f || p.top_k == 1) return argmax(logits, vocab);
-  const float mx = logits[argmax(logits, vocab)];
+  const int32_t best = argmax(logits, vocab);
+  const float mx = logits[best];
+  // An infinite best (a penalty or bias that overflowed) leaves no finite
+  // weights (inf - inf): the best token, as greedy. A masked row never
+  // yields a masked token this way (those are -inf).
+  if (p.temperature <= 0.0f || p.top_k == 1 || std::isinf(mx)) return best;
   const double inv_t = 1.0 / p.temperature;
   std::vector<double> prob(vocab);
   for (int i = 0; i < vocab; ++i) prob[i] = std::exp((double(logits[i]) - mx) * inv_t);

@@ -108,7 +108,9 @@ __global__ void __launch_bounds__(kThreads)
   const MaskedRow row{logits + size_t(blockIdx.x) * vocab, mask_at == kNoMask ? nullptr : masks + mask_at};
   const SampleDraw p = params[blockIdx.x];
   const Best top = block_argmax(row, vocab, scratch);
-  if (p.temperature <= 0.f || p.top_k == 1) {
+  // An infinite best (an overflowed penalty or bias) leaves no finite
+  // weights: the best token, as greedy (the CPU twin does the same).
+  if (p.temperature <= 0.f || p.top_k == 1 || isinf(top.v)) {
     if (threadIdx.x == 0) tokens[blockIdx.x] = top.i;
     return;
   }

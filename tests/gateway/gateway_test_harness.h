@@ -61,11 +61,13 @@ class ScriptedScheduler final : public Scheduler {
   bool ready() const override { return ready_.load(); }
   SchedulerStats stats() const override;
   int max_context() const override { return max_context_.load(); }
+  int kv_capacity() const override { return kv_capacity_.load(); }
 
   // Test-thread side.
   std::atomic<bool> ready_{true};
   std::atomic<bool> degraded_{false};
   std::atomic<int> max_context_{4096};
+  std::atomic<int> kv_capacity_{0};  // 0: not known
   std::atomic<int> tick_ms_{1};
   std::atomic<int> tokens_per_tick_{1};
   // Sequences that run at once; the rest wait (reported as stats().waiting).

@@ -473,6 +473,10 @@ TEST_CASE("api: penalties, min_p, logit_bias and min_tokens reach the sequence; 
   CHECK(gw.scheduler().submitted().back().sampling.frequency_penalty == 1.0f);
   REQUIRE(post(gw, "/v1/completions", body(json::object())).status == 200);
   CHECK(gw.scheduler().submitted().back().sampling.repetition_penalty == 1.0f);
+  // A top_p too small for a float stays above 0 (the best token alone), as the worker requires.
+  REQUIRE(post(gw, "/v1/completions", body({{"top_p", 1e-50}})).status == 200);
+  CHECK(gw.scheduler().submitted().back().sampling.top_p > 0.0f);
+  CHECK(moe::protocol::sampling_problem(gw.scheduler().submitted().back().sampling).empty());
   CHECK(gw.scheduler().submitted().back().logit_bias.empty());
 
   const std::vector<std::tuple<json, const char*, const char*>> bad = {
@@ -492,6 +496,11 @@ TEST_CASE("api: penalties, min_p, logit_bias and min_tokens reach the sequence; 
       {{{"logit_bias", {{"7", 1}, {"007", 2}}}}, "logit_bias", "invalid_value"},
       {{{"logit_bias", json::array({1})}}, "logit_bias", "invalid_type"},
       {{{"min_tokens", 2}, {"response_format", {{"type", "json_object"}}}}, "min_tokens", "invalid_value"},
+      {{{"ignore_eos", true}, {"response_format", {{"type", "json_object"}}}}, "ignore_eos", "invalid_value"},
+      // Below what a float holds (it would reach the worker as 0), and a
+      // divisor that overflows a logit.
+      {{{"repetition_penalty", 1e-300}}, "repetition_penalty", "invalid_value"},
+      {{{"repetition_penalty", 0.009}}, "repetition_penalty", "invalid_value"},
   };
   for (const auto& [extra, param, code] : bad) {
     INFO(extra.dump());
@@ -606,6 +615,36 @@ TEST_CASE("api: a chat longer than the context loses its oldest turns, and says 
   CHECK(json::parse(t.body)["usage"]["prompt_trimmed"]["tokens"] == 10);
   check_error(post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", "x"}, {"truncate_prompt_tokens", 0}}), 400,
               "truncate_prompt_tokens", "invalid_value");
+}
+
+TEST_CASE("api: a KV cache smaller than the context trims a chat to what it holds, refuses a longer prompt",
+          "[gateway][api][context]") {
+  TestGateway gw;
+  gw.scheduler().max_context_ = 4096;
+  gw.scheduler().kv_capacity_ = 120;  // the worker's whole cache: 120 tokens of one sequence
+  json msgs = json::array();
+  for (int i = 0; i < 10; ++i)
+    msgs.push_back({{"role", i % 2 ? "assistant" : "user"}, {"content", "turn " + std::to_string(i) + std::string(20, 'x')}});
+  msgs.push_back({{"role", "user"}, {"content", "the last question"}});
+  auto r = post(gw, "/v1/chat/completions", {{"model", "demo-moe"}, {"messages", msgs}, {"max_tokens", 10}});
+  INFO(r.body);
+  REQUIRE(r.status == 200);
+  std::string prompt;
+  const auto submitted = gw.scheduler().submitted();
+  for (int32_t id : submitted.back().prompt) prompt += char(id);
+  CHECK(prompt.size() <= 110);  // the cache, less the 10 tokens asked
+  CHECK(prompt.find("the last question") != std::string::npos);
+  CHECK(json::parse(r.body)["usage"].contains("prompt_trimmed"));
+  // Without max_tokens the room kept is an eighth of the cache.
+  auto d = post(gw, "/v1/chat/completions", {{"model", "demo-moe"}, {"messages", msgs}});
+  REQUIRE(d.status == 200);
+  CHECK(gw.scheduler().submitted().back().prompt.size() <= 105);
+  // A completion prompt longer than the cache: 400, not a failure later.
+  check_error(post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", std::string(121, 'p')}, {"max_tokens", 2}}),
+              400, "prompt", "context_length_exceeded");
+  // One that fills it exactly runs (its first token fits; it ends there with length).
+  CHECK(post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", std::string(120, 'p')}, {"max_tokens", 2}}).status ==
+        200);
 }
 
 TEST_CASE("api: /v1/models lists the served model", "[gateway][api]") {

@@ -32,7 +32,9 @@ struct TwoWorkers {
   std::vector<std::unique_ptr<WorkerSupervisor>> sups;
   std::unique_ptr<ContinuousScheduler> sched;
 
-  explicit TwoWorkers(ContinuousSchedulerOptions o, std::vector<std::string> extra = {}) {
+  // extra: both workers' options; extra_b (when given): b's instead.
+  explicit TwoWorkers(ContinuousSchedulerOptions o, std::vector<std::string> extra = {},
+                      std::vector<std::string> extra_b = {}) {
     uv_loop_init(&loop);
     std::vector<std::string> sockets;
     for (const char* name : {"a.sock", "b.sock"}) {
@@ -40,7 +42,8 @@ struct TwoWorkers {
       so.worker_bin = MOE_WORKER_BIN;
       so.model_path = scheduler_fixture();
       so.extra_args = {"--threads", "1", "--backend", "cpu"};
-      so.extra_args.insert(so.extra_args.end(), extra.begin(), extra.end());
+      const auto& mine = name[0] == 'b' && !extra_b.empty() ? extra_b : extra;
+      so.extra_args.insert(so.extra_args.end(), mine.begin(), mine.end());
       so.socket_name = name;
       auto s = WorkerSupervisor::start(&loop, so);
       REQUIRE(s.ok());
@@ -210,6 +213,41 @@ TEST_CASE("an idle worker takes over half the queue of a busy one", "[scheduler]
     CHECK(c.reason == FinishReason::length);
     CHECK(c.tokens == run[0].tokens);
   }
+}
+
+TEST_CASE("a worker too small for a sequence never takes it, idle or not", "[scheduler][worker][multi]") {
+  // a: 8 blocks of 16 tokens; b: 2 (32 tokens), too few for any prompt plus
+  // 40 tokens. Every sequence runs on a, whole, whatever b's idleness says.
+  ContinuousSchedulerOptions o;
+  TwoWorkers rig(o, {"--kv-blocks", "8"}, {"--kv-blocks", "2"});
+  auto reqs = fixture_requests(40);
+  REQUIRE(int(reqs[0].prompt.size()) + 40 > 32);
+  REQUIRE(int(reqs[0].prompt.size()) + 40 <= 128);
+  Collector alone;
+  rig.sched->submit(reqs[0], &alone);
+  rig.run_until([&] { return alone.done; });
+  REQUIRE(alone.done);
+  CHECK(alone.reason == FinishReason::length);
+  CHECK(alone.tokens.size() == 40);
+  std::vector<Collector> run(5);
+  for (auto& c : run) rig.sched->submit(reqs[0], &c);
+  rig.run_until([&] { return all_done(run); });
+  REQUIRE(all_done(run));
+  for (const auto& c : run) {
+    CHECK(c.reason == FinishReason::length);
+    CHECK(c.tokens == alone.tokens);
+  }
+  CHECK(rig.sched->sequences_assigned(1) == 0);
+  CHECK(rig.sched->sequences_taken_over(1) == 0);
+  // A short one that b holds whole may still go there.
+  Collector small;
+  SequenceRequest s = reqs[0];
+  s.max_new_tokens = 2;
+  std::vector<Collector> busy(3);
+  for (auto& c : busy) rig.sched->submit(reqs[0], &c);
+  rig.sched->submit(s, &small);
+  rig.run_until([&] { return all_done(busy) && small.done; });
+  CHECK(small.tokens.size() == 2);
 }
 
 TEST_CASE("check_vocabulary: the same size and EOS ids pass, in any order; anything else names both",

@@ -104,7 +104,7 @@ TEST_CASE("admission waits until the KV blocks hold the prompt plus headroom", "
 
 TEST_CASE("a request that can never fit is rejected, not queued forever", "[scheduler][policy]") {
   BatchPolicy p(limits(64, 2));  // 8 tokens of KV in all
-  p.add(1, req(8, 4));           // needs 9 positions: 3 blocks
+  p.add(1, req(9, 4));           // its prompt alone needs 3 blocks
   p.add(2, req(3, 1));
   std::vector<SequenceUpdate> rejected;
   StepPlan s = p.plan(&rejected);
@@ -151,6 +151,46 @@ TEST_CASE("a resumed sequence longer than this worker's cache ends with length; 
     if (u.seq_id == 7) CHECK((u.reason == FinishReason::length && u.error.empty()));
     if (u.seq_id == 8) CHECK((u.reason == FinishReason::error && !u.error.empty()));
   }
+}
+
+TEST_CASE("a sequence whose sampling the worker would refuse ends alone; its step runs for the others",
+          "[scheduler][policy]") {
+  BatchPolicy p(limits(64, 16));
+  p.add(1, req(3, 4));
+  SequenceRequest bad = req(3, 4);
+  bad.sampling.repetition_penalty = 0.0f;  // what a tiny value narrowed to a float becomes
+  p.add(2, std::move(bad));
+  p.add(3, req(3, 4));
+  std::vector<SequenceUpdate> rejected;
+  StepPlan s = p.plan(&rejected);
+  CHECK(picture(s) == "1:0+3s 3:0+3s");
+  REQUIRE(rejected.size() == 1);
+  CHECK(rejected[0].seq_id == 2);
+  CHECK(rejected[0].reason == FinishReason::error);
+  CHECK(rejected[0].error.find("repetition_penalty") != std::string::npos);
+  for (const auto& c : s.chunks) CHECK(moe::protocol::sampling_problem(c.sampling).empty());
+  CHECK(p.running() == 2);
+  CHECK(p.waiting() == 0);
+}
+
+TEST_CASE("a prompt that fills the whole cache runs and gives one token; fits() says where a sequence may go",
+          "[scheduler][policy]") {
+  BatchPolicy p(limits(64, 2));  // 8 tokens of KV
+  p.add(1, req(8, 5));
+  std::vector<SequenceUpdate> rejected;
+  StepPlan s = p.plan(&rejected);
+  CHECK(rejected.empty());
+  CHECK(picture(s) == "1:0+8s");
+  auto u = p.apply(s, answer(s), nullptr);
+  REQUIRE(u.size() == 1);
+  CHECK(u[0].tokens.size() == 1);
+  CHECK(u[0].finished);
+  CHECK(u[0].reason == FinishReason::length);
+  // A sequence of 8 tokens fits (prompt and generated alike), one of 9 does not.
+  CHECK(p.fits({1, req(8, 5), {}, {}}));
+  CHECK(p.fits({2, req(5, 5), {7, 7, 7}, {}}));
+  CHECK_FALSE(p.fits({3, req(5, 5), {7, 7, 7, 7}, {}}));
+  CHECK_FALSE(p.fits({4, req(9, 5), {}, {}}));
 }
 
 TEST_CASE("out of KV mid-decode preempts the youngest; recompute never repeats tokens", "[scheduler][policy]") {

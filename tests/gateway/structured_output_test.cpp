@@ -334,3 +334,57 @@ TEST_CASE("structured: random walks through the masks always end in valid JSON",
   }
   CHECK(registry.stats().mask_hits > 0);
 }
+
+TEST_CASE("structured: a tool call's markup takes no whitespace before it, and its masks never run dry",
+          "[gateway][structured][tools]") {
+  // A space before "<tool_call>" was taken as a value's leading whitespace,
+  // after which the raw text refused every byte: a live state with an empty
+  // mask, which the worker refuses (and with it every sequence of the step).
+  PieceCodec codec;
+  GrammarRegistry registry(&codec);
+  std::mt19937 rng(5);
+  const auto call = compile(json::parse(R"({"type": "object", "properties": {"name": {"const": "f"},
+      "arguments": {"type": "object"}}, "required": ["name", "arguments"], "additionalProperties": false})"));
+  const std::vector<std::shared_ptr<const Schema>> sequences = {
+      tool_call_sequence(*call, "<tool_call>\n", "\n</tool_call>", ""),
+      tool_call_sequence(*call, "<tool_call>\n", "\n</tool_call>", "\n"),
+      tool_call_sequence(*call, "[TOOL_CALLS]", "", "")};
+  for (const auto& sc : sequences) {
+    for (const char* lead : {" ", "\n", "  <tool_call>"}) {
+      GrammarState st = GrammarState::start(*sc);
+      CHECK_FALSE(st.feed(*sc, lead));
+    }
+    auto g = registry.grammar(sc);
+    int ended = 0;
+    for (int walk = 0; walk < 40; ++walk) {
+      GrammarState st = g->start();
+      bool finished = false;
+      for (int step = 0; step < 600 && !st.closed(); ++step) {
+        auto mask = g->mask(st);
+        std::vector<int32_t> allowed;
+        for (int32_t id = 0; id < codec.vocab_size(); ++id)
+          if ((*mask)[size_t(id) / 32] >> (id % 32) & 1) allowed.push_back(id);
+        if (allowed.empty()) {
+          REQUIRE(st.finishable(*sc));  // only a finished value may have no way on
+          break;
+        }
+        // Closing bytes weigh most (walks end), whitespace next: it is what
+        // found the dead end.
+        std::vector<double> w;
+        for (int32_t id : allowed) {
+          const std::string b = codec.token_bytes(id);
+          w.push_back(b.find_first_of("\"}]:<>") != std::string::npos ? 8.0
+                      : b.find_first_of(" \n") != std::string::npos   ? 3.0
+                                                                        : 1.0);
+        }
+        const int32_t pick = allowed[std::discrete_distribution<size_t>(w.begin(), w.end())(rng)];
+        REQUIRE(st.feed(*sc, codec.token_bytes(pick)));
+        finished = finished || st.finishable(*sc);  // a whole call (more may follow a separator)
+      }
+      ended += finished ? 1 : 0;
+    }
+    INFO("walks that made a whole call: " << ended << ", sequence " << (&sc - &sequences[0]));
+    CHECK(ended >= 10);
+  }
+}
+

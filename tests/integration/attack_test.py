@@ -164,6 +164,20 @@ def bad_json(port, rnd):
     count(f"bad json HTTP {status}")
 
 
+def poison_step(port, rnd):
+    """Requests whose sampling, once narrowed to what the worker takes, it
+    would refuse, and with it the whole step the honest requests share
+    (the honest-client check below fails if any of them gets a 5xx)."""
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 6}
+    extra = rnd.choice([{"repetition_penalty": 1e-300}, {"top_p": 1e-50}, {"repetition_penalty": 1e-40},
+                        {"response_format": {"type": "json_object"}, "ignore_eos": True},
+                        {"response_format": {"type": "json_schema", "json_schema": {
+                            "name": "n", "schema": {"type": "integer"}}}, "ignore_eos": True,
+                         "logit_bias": {"24": 100}}])
+    status, _, _ = request(port, CHAT, dict(base, **extra))
+    count(f"poison step HTTP {status}")
+
+
 def no_key(port, rnd):
     path = rnd.choice(["/v1/models", "/metrics", "/no/such", "/debug/experts", CHAT])
     status, _, _ = request(port, path, "{}", key="guess-" + str(rnd.randint(0, 10**6)))
@@ -266,7 +280,8 @@ def main():
         plan = [("honest", honest, 3), ("session", honest_session, 1), ("flood", flood, 6), ("bad json", bad_json, 2),
                 ("no key", no_key, 1), ("garbage http", garbage_http, 2), ("slowloris", slowloris, 4),
                 ("pipeline+leave", pipeline_and_leave, 1), ("disconnect", disconnect_mid_stream, 2),
-                ("never read", never_read, 2), ("connection flood", connection_flood, 1)]
+                ("never read", never_read, 2), ("connection flood", connection_flood, 1),
+                ("poison step", poison_step, 1)]
         threads = [attacker(name, port, end, fn) for name, fn, n in plan for _ in range(n)]
         samples = []
         killed = False
@@ -315,6 +330,8 @@ def main():
         check(not any(k.startswith("honest HTTP 5") and k != "honest HTTP 503" for k in tally) and
               "honest HTTP 429" not in tally, "no honest request failed for anything but the connection cap")
         check(tally.get("flood HTTP 429", 0) > 0, "the flooding key met its bound (429)")
+        check(not any(k.startswith("poison step HTTP 5") and k != "poison step HTTP 503" for k in tally),
+              "a request the worker would refuse is refused alone, as a 400 (or served)")
         check(m.get("moe_gateway_connections_refused_total", 0) > 0, "the connection flood met the cap (503)")
         check(killed and len(re.findall(r"started moe-worker", c.log("gateway"))) >= 2,
               "the worker killed mid-attack was restarted")

@@ -238,12 +238,39 @@ def trusted_proxy(c):
     c.close(keep=True)
 
 
+def smaller_fallback(c):
+    """A main worker killed mid-stream while a fallback too small for the
+    streams serves: they wait for the main one's return and go on whole,
+    never cut at the fallback's KV ("length" early)."""
+    main = c.start_worker("main", redis=False, extra=["--kv-blocks", "32"])
+    fb = c.start_worker("fb", redis=False, extra=["--kv-blocks", "3"])  # 48 tokens: less than any stream needs
+    port = c.start_gateway([main], fallback=fb, redis=False)
+    ps = [f"def resumed_{i}(values):\n" for i in range(3)]
+    want = 100
+    twins = h.twins_of(port, ps, want)
+    streams = [h.Stream(port, p, want).start() for p in ps]
+    end = time.time() + 60
+    while time.time() < end and not all(s.events >= 8 for s in streams):
+        time.sleep(0.002)
+    c.kill9("main")
+    time.sleep(1.0)  # the fallback serves meanwhile
+    c.start_worker("main", redis=False, extra=["--kv-blocks", "32"])
+    lost = h.lost_streams(streams, twins, "smaller fallback ", timeout=120)
+    lengths = [len(s.text) for s in streams]
+    print(f"RESULT smaller fallback: streams={len(streams)} lost={lost} finish={[s.finish for s in streams]} "
+          f"chars={lengths}")
+    assert lost == 0
+    assert all(s.finish == "length" for s in streams)
+    c.close(keep=True)
+
+
 def main():
     ok = False
     clusters = []
     try:
         for name, part in (("overload-fb", overload_with_fallback), ("overload-429", overload_without_fallback),
-                           ("priorities", priorities), ("proxy", trusted_proxy)):
+                           ("priorities", priorities), ("proxy", trusted_proxy),
+                           ("smaller-fallback", smaller_fallback)):
             c = h.Cluster(name)
             clusters.append(c)
             part(c)

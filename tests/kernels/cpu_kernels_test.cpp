@@ -457,6 +457,17 @@ TEST_CASE("a mask of allowed tokens: only they are drawn, in their own proportio
     if (logits[size_t(t)] > logits[size_t(best)]) best = t;
   REQUIRE(sample_token(masked.data(), vocab, {0.0f, 1.0f, 0, 1}, 0) == best);
   REQUIRE(allowed.count(sample_token(masked.data(), vocab, {1.0f, 0.9f, 40, 2}, 3)));
+  // A logit pushed to infinity (a penalty's division overflowed) left every
+  // weight NaN and the draw fell back to token 0, masked or not: the
+  // infinite allowed token is drawn, as greedy.
+  auto overflowed = masked;
+  overflowed[33] = std::numeric_limits<float>::infinity();
+  overflowed[0] = std::numeric_limits<float>::infinity();  // masked out below
+  mask_logits(overflowed.data(), vocab, mask.data());
+  for (int pos = 0; pos < 50; ++pos) {
+    REQUIRE(sample_token(overflowed.data(), vocab, {1.0f, 1.0f, 0, 5}, pos) == 33);
+    REQUIRE(sample_token(overflowed.data(), vocab, {0.7f, 0.9f, 10, 5}, pos) == 33);
+  }
 }
 
 TEST_CASE("min_p keeps tokens at or above min_p times the best one's probability", "[kernels][sampling]") {
