@@ -189,6 +189,13 @@ std::optional<ApiError> parse_tools(const json& body, const TextCodec& codec, Co
       if (const json* p = member(*fn, "parameters"); p && !p->is_object())
         return invalid_param(at + ".function.parameters", "'" + at + ".function.parameters' must be a JSON schema object.",
                              "invalid_type");
+      // A call's arguments are a JSON object: a schema of another type
+      // could only give arguments no client can read.
+      if (const json* p = member(*fn, "parameters"); p && p->contains("type") && (*p)["type"] != "object")
+        return invalid_param(at + ".function.parameters",
+                             "'" + at + ".function.parameters' must describe an object (\"type\": \"object\"): a "
+                             "call's arguments are a JSON object.",
+                             "invalid_value");
     }
     req->tools = *tools;
   }
@@ -340,7 +347,8 @@ std::optional<ApiError> completion_prompts(const json& body, const TextCodec& co
       int64_t id = t.get<int64_t>();
       if (id < 0 || id >= codec.vocab_size()) {
         return invalid_param("prompt", "Token id " + std::to_string(id) + " in 'prompt' is outside the vocabulary [0, " +
-                                           std::to_string(codec.vocab_size()) + ").");
+                                           std::to_string(codec.vocab_size()) + ").",
+                             "invalid_value");
       }
       ids->push_back(static_cast<int32_t>(id));
     }

@@ -119,11 +119,14 @@ HttpResponse OpenAiApi::protocol_error(int status, const std::string& message) {
                      : status == 431 ? "request_header_too_large"
                      : status == 411 ? "length_required"
                      : status == 503 ? "too_many_connections"
+                     : status == 501 ? "not_implemented"             // a request the server does not take
+                     : status == 505 ? "http_version_not_supported"  // (the client's, not a server fault)
                      : status >= 500 ? "internal_error"
                                      : "bad_request";
   metrics_->count_request("invalid", status);
+  const bool server_fault = status >= 500 && status != 501 && status != 505;
   return api_error_response(
-      ApiError{status, message, status >= 500 ? "server_error" : "invalid_request_error", "", code});
+      ApiError{status, message, server_fault ? "server_error" : "invalid_request_error", "", code});
 }
 
 void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {

@@ -147,6 +147,18 @@ TEST_CASE("http: bad request line, chunked body, HTTP/2 preface", "[gateway][htt
     REQUIRE(r.ok);
     CHECK(r.status == 400);
   }
+  // What the server does not take is the client's error, not an internal one.
+  for (const auto& [req, status, code] :
+       {std::tuple{std::string("GET /v1/models HTTP/3.0\r\n\r\n"), 505, "http_version_not_supported"},
+        std::tuple{std::string("POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n"), 501,
+                   "not_implemented"}}) {
+    TestClient c(gw.port());
+    c.send(req);
+    auto r = c.read_response();
+    REQUIRE(r.ok);
+    check_error_shape(r, status, code);
+    CHECK(json::parse(r.body)["error"]["type"] == "invalid_request_error");
+  }
 }
 
 TEST_CASE("http: headers that never end get 408 and a close", "[gateway][http]") {

@@ -318,7 +318,7 @@ TEST_CASE("api: validation errors have OpenAI's shape and status", "[gateway][ap
               400, "messages[0].role", "invalid_value");
   check_error(post(gw, "/v1/chat/completions", chat("x", {{"logprobs", true}, {"top_logprobs", 21}})), 400,
               "top_logprobs", "invalid_value");
-  check_error(post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", {1, 99999}}}), 400, "prompt", nullptr);
+  check_error(post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", {1, 99999}}}), 400, "prompt", "invalid_value");
   check_error(post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", {"a", 1}}}), 400, "prompt", "invalid_type");
   check_error(http(port, "GET", "/v2/whatever"), 404, nullptr, "unknown_url");
   auto m = http(port, "GET", "/v1/chat/completions");

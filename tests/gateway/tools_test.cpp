@@ -165,6 +165,10 @@ TEST_CASE("tools: assistant tool_calls and tool turns are rendered back; bad sha
   err({{"tools", "x"}}, "tools", "invalid_type");
   err({{"tools", {{{"type", "function"}, {"function", {{"name", "bad name"}}}}}}}, "tools[0].function.name", "invalid_value");
   err({{"tools", {kWeather, kWeather}}}, "tools[1].function.name", "invalid_value");
+  // Arguments are an object: a schema of a string or an integer is refused.
+  for (const char* type : {"string", "integer"})
+    err({{"tools", {{{"type", "function"}, {"function", {{"name", "f"}, {"parameters", {{"type", type}}}}}}}}},
+        "tools[0].function.parameters", "invalid_value");
   err({{"tool_choice", "required"}}, "tool_choice", "invalid_value");  // no tools
   err({{"tools", {kWeather}}, {"tool_choice", {{"type", "function"}, {"function", {{"name", "nope"}}}}}}, "tool_choice",
       "invalid_value");
