@@ -126,7 +126,10 @@ Result<std::shared_ptr<const structured::Schema>> tool_call_schema(const Complet
     const std::string name = fn["name"].get<std::string>();
     if (req.tool_choice == CompletionRequest::ToolChoice::named && name != req.tool_name) continue;
     names.push_back(name);
-    json params = fn.contains("parameters") ? fn["parameters"] : json{{"type", "object"}};
+    // No parameters: an empty parameter list, so the arguments are {}.
+    json params = fn.contains("parameters")
+                      ? fn["parameters"]
+                      : json{{"type", "object"}, {"properties", json::object()}, {"additionalProperties", false}};
     if (params.dump().find("\"$ref\"") != std::string::npos || !structured::compile_json_schema(params).ok())
       params = json{{"type", "object"}};
     options.push_back({{"type", "object"},

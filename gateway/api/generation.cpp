@@ -390,7 +390,10 @@ void Generation::finish_response() {
     json lp = req_.sampling.logprobs ? c->logprobs : json(nullptr);
     if (req_.kind == ApiKind::chat) {
       std::string content = c->text, reasoning = c->reasoning;
-      if (c->splitter && !c->splitter->entered()) {
+      // Not under a grammar (response_format, a forced tool call): the whole
+      // text is the value it asked for, whatever it holds (a string
+      // "a</think>b" was cut in two, and the JSON with it).
+      if (c->splitter && !c->splitter->entered() && !req_.response_schema) {
         // A close tag without an open one (models whose template does not
         // open the reasoning): the text before it was reasoning.
         const std::string close = ctx_.codec->reasoning_tags().close;

@@ -253,7 +253,29 @@ void OpenAiApi::completions(ApiKind kind, const std::shared_ptr<HttpExchange>& e
     if (!id.empty()) session = SessionKey{caller.session_owner, id};
   }
   if (session.id.empty() || fresh) return run_completion(kind, ex, caller, body, session, {});
-  opts_.sessions->load(session, [this, kind, ex, caller, body = std::move(body), session](ChatMessages prior) {
+  const std::string busy_key = session.owner + "\n" + session.id;
+  if (busy_sessions_->count(busy_key)) {
+    HttpResponse r = api_error_response(
+        ApiError{409, "A turn of this session is still running; send the next one when it has ended (a retry with "
+                      "the same Idempotency-Key then gets the stored answer).",
+                 "invalid_request_error", "session_id", "session_busy"});
+    r.headers.emplace_back("Retry-After", "1");
+    return reply(ex, kChat, std::move(r));
+  }
+  busy_sessions_->insert(busy_key);
+  struct TurnMark {
+    std::weak_ptr<std::unordered_set<std::string>> busy;
+    std::string key;
+    ~TurnMark() {
+      if (auto b = busy.lock()) b->erase(key);
+    }
+  };
+  auto mark = std::make_shared<TurnMark>();  // built in place: a temporary's end would unmark it
+  mark->busy = busy_sessions_;
+  mark->key = busy_key;
+  std::shared_ptr<const void> turn = std::move(mark);
+  opts_.sessions->load(session, [this, kind, ex, caller, body = std::move(body), session,
+                                 turn = std::move(turn)](ChatMessages prior) {
     // The client may have gone while Redis answered: then nothing runs.
     if (!ex->open()) {
       metrics_->count_disconnect();
@@ -261,7 +283,7 @@ void OpenAiApi::completions(ApiKind kind, const std::shared_ptr<HttpExchange>& e
     }
     // Called from a Redis reply: a failure here must still answer the client.
     if (!last_resort("a request after its session loaded",
-                     [&] { run_completion(kind, ex, caller, body, session, std::move(prior)); }) &&
+                     [&] { run_completion(kind, ex, caller, body, session, std::move(prior), turn); }) &&
         ex->open())
       reply_error(ex, kChat, ApiError{500, "Internal error while starting the request.", "server_error", "",
                                       "internal_error"});
@@ -323,7 +345,8 @@ void OpenAiApi::replay(const std::shared_ptr<HttpExchange>& ex, const json& body
 }
 
 void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller,
-                               const json& body, const SessionKey& session, ChatMessages prior) {
+                               const json& body, const SessionKey& session, ChatMessages prior,
+                               std::shared_ptr<const void> turn) {
   const char* endpoint = kind == ApiKind::chat ? kChat : kCompletions;
   // A session turn may carry an Idempotency-Key: the same key again (a
   // retry) is answered from the store when its turn was stored already.
@@ -457,8 +480,8 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
     ChatMessages conversation = std::move(prior);
     conversation.insert(conversation.end(), req.messages.begin(), req.messages.end());
     SessionStore* store = opts_.sessions;
-    ctx.on_complete = [store, session, request_key, request_digest, conversation = std::move(conversation)](
-                          const ChatMessage& reply, std::function<void()> then) mutable {
+    ctx.on_complete = [store, session, request_key, request_digest, conversation = std::move(conversation),
+                       turn = std::move(turn)](const ChatMessage& reply, std::function<void()> then) mutable {
       conversation.push_back(reply);
       // What a retry needs, only for a turn that can be retried by its key.
       conversation.back().request_key = request_key;

@@ -20,6 +20,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -86,8 +87,10 @@ class OpenAiApi final : public HttpHandler {
 
   void completions(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller);
   // After the session's stored turns (if any) were loaded.
+  // `turn` (a session's turn): held until the turn ends, stored or not.
   void run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller,
-                      const nlohmann::json& body, const SessionKey& session, ChatMessages prior);
+                      const nlohmann::json& body, const SessionKey& session, ChatMessages prior,
+                      std::shared_ptr<const void> turn = {});
   // A retried session turn whose answer is stored: that answer again.
   void replay(const std::shared_ptr<HttpExchange>& ex, const nlohmann::json& body, const SessionKey& session,
               const ChatMessage& stored);
@@ -119,6 +122,11 @@ class OpenAiApi final : public HttpHandler {
   std::mt19937_64 rng_;  // response ids and seeds of requests without one
   uint64_t next_request_serial_ = 1;
   const HttpServer* server_ = nullptr;
+  // Sessions with a turn running here (owner and id): a second turn of one
+  // meanwhile is a 409, since each turn is answered from and saved over
+  // the turns before it (two at once: one's turn lost, neither seeing the other).
+  std::shared_ptr<std::unordered_set<std::string>> busy_sessions_ =
+      std::make_shared<std::unordered_set<std::string>>();
 };
 
 }  // namespace moe::gw

@@ -110,11 +110,13 @@ void SessionStore::forget(std::list<Held>::iterator it) {
   lru_.erase(it);
 }
 
-void SessionStore::remember(const std::string& key, const ChatMessages& messages) {
+void SessionStore::remember(const std::string& key, const ChatMessages& messages, bool unsynced) {
   if (auto it = index_.find(key); it != index_.end()) forget(it->second);
   Held h;
   h.key = key;
   h.messages = messages;
+  h.unsynced = unsynced;
+  h.version = ++saves_;
   h.bytes = key.size() + 64;
   for (const ChatMessage& m : messages) h.bytes += text_bytes(m) + 32;
   h.expires = std::chrono::steady_clock::now() + std::chrono::seconds(opts_.ttl_s);
@@ -143,8 +145,9 @@ ChatMessages SessionStore::from_redis(const std::string& key, std::string_view t
     std::fprintf(stderr, "moe-gateway: session %s in Redis: %s; ignored\n", key.c_str(), why);
     return ChatMessages{};
   };
-  // JSON escaping grows text at most sixfold (\u0000 for a control byte).
-  if (text.size() > 6 * opts_.max_bytes + 64 * opts_.max_messages + 4096) return bad("larger than a session may be");
+  // JSON escaping grows text at most sixfold (\u0000 for a control byte);
+  // save() keeps what it writes under the same bound.
+  if (text.size() > max_stored_bytes()) return bad("larger than a session may be");
   ParsedJson parsed = parse_json_body(text, 6);  // turns, a turn, its tool calls, a call, its function
   if (std::holds_alternative<ApiError>(parsed)) return bad("not JSON");
   const json& j = std::get<json>(parsed);
@@ -186,10 +189,19 @@ ChatMessages SessionStore::from_redis(const std::string& key, std::string_view t
 void SessionStore::load(const SessionKey& sk, std::function<void(ChatMessages)> done) {
   const std::string key = redis_key(sk);
   if (!redis_ || !redis_->connected()) return done(from_memory(key));
+  // Turns this process answered while Redis did not take them are newer
+  // than whatever Redis holds: they are the conversation.
+  if (auto it = index_.find(key); it != index_.end() && it->second->unsynced) return done(from_memory(key));
   redis_->command({"GET", key}, [this, key, done = std::move(done)](const redisReply* r) {
     if (!r || r->type != REDIS_REPLY_STRING) return done(from_memory(key));  // gone, nil, or not ours
-    ChatMessages messages = from_redis(key, std::string_view(r->str, r->len));
-    remember(key, messages);
+    if (auto it = index_.find(key); it != index_.end() && it->second->unsynced)
+      return done(from_memory(key));  // a save failed while the GET was on its way
+    const std::string_view text(r->str, r->len);
+    ChatMessages messages = from_redis(key, text);
+    // A copy that failed its checks is not a conversation: what this process
+    // holds (if anything) stays, rather than an empty one over it.
+    if (messages.empty() && !text.empty() && text != "[]") return done(from_memory(key));
+    remember(key, messages, false);
     done(std::move(messages));
   });
 }
@@ -197,7 +209,8 @@ void SessionStore::load(const SessionKey& sk, std::function<void(ChatMessages)> 
 void SessionStore::save(const SessionKey& sk, ChatMessages messages, std::function<void()> saved) {
   messages = capped(std::move(messages), opts_.max_messages, opts_.max_bytes);
   const std::string key = redis_key(sk);
-  remember(key, messages);
+  remember(key, messages, redis_ != nullptr);  // unsynced until Redis says it holds them
+  const uint64_t version = saves_;
   if (!redis_ || !redis_->connected()) {
     if (saved) saved();
     return;
@@ -214,10 +227,30 @@ void SessionStore::save(const SessionKey& sk, ChatMessages messages, std::functi
     }
     list.push_back(std::move(t));
   }
+  // What load() takes back: the caps count text, not the JSON around it
+  // (escapes, a keyed turn's request fields), so the oldest turns (after a
+  // leading system turn) go until the stored form is within its bound.
+  std::string stored = json_text(list);
+  while (stored.size() > max_stored_bytes() && list.size() > 1) {
+    const bool system_first = list[0]["role"] == "system" && list.size() > 2;
+    list.erase(list.begin() + (system_first ? 1 : 0));
+    stored = json_text(list);
+  }
+  if (stored.size() > max_stored_bytes()) stored = "[]";
   // The caller's reply waits for this answer: Redis then holds the turn
   // before the client can send its next one to any host.
-  redis_->command({"SET", key, json_text(list), "EX", std::to_string(opts_.ttl_s)},
-                  [saved = std::move(saved)](const redisReply*) {
+  redis_->command({"SET", key, stored, "EX", std::to_string(opts_.ttl_s)},
+                  [this, key, version, saved = std::move(saved)](const redisReply* r) {
+                    if (r && r->type != REDIS_REPLY_ERROR) {
+                      if (auto it = index_.find(key); it != index_.end() && it->second->version == version)
+                        it->second->unsynced = false;
+                    } else {
+                      // Kept here, newer than Redis' copy, until a save goes through.
+                      ++save_failures_;
+                      std::fprintf(stderr, "moe-gateway: a session's turns were not stored in Redis (%s); kept in "
+                                           "memory and written again with its next turn\n",
+                                   r ? std::string(r->str, r->len).c_str() : "connection lost");
+                    }
                     if (saved) saved();
                   });
   if (!opts_.events_key.empty())

@@ -78,6 +78,10 @@ class SessionStore {
 
   size_t in_memory() const { return lru_.size(); }
   size_t memory_bytes() const { return memory_bytes_; }
+  // Saves Redis did not take (an error reply such as a full memory, or the
+  // connection lost first); the turns stay in this process' mirror,
+  // marked as newer than Redis' copy (below).
+  uint64_t save_failures() const { return save_failures_; }
   const SessionStoreOptions& options() const { return opts_; }
 
  private:
@@ -86,18 +90,27 @@ class SessionStore {
     ChatMessages messages;
     size_t bytes = 0;
     std::chrono::steady_clock::time_point expires;
+    // Saved here but not (yet) in Redis: saved while Redis was away, or
+    // refused by it. load() then answers from here, the newer copy, and the
+    // session's next save writes it to Redis whole.
+    bool unsynced = false;
+    uint64_t version = 0;  // the save that wrote it (a Redis reply names the save it answers)
   };
-  void remember(const std::string& key, const ChatMessages& messages);
+  void remember(const std::string& key, const ChatMessages& messages, bool unsynced);
   void forget(std::list<Held>::iterator it);
   ChatMessages from_memory(const std::string& key);
   ChatMessages from_redis(const std::string& key, std::string_view text) const;
   static std::string redis_key(const SessionKey& k) { return protocol::session_key(k.owner, k.id); }
+  // The most bytes a session's stored JSON may take (what load() accepts).
+  size_t max_stored_bytes() const { return 6 * opts_.max_bytes + 64 * opts_.max_messages + 4096; }
 
   RedisClient* redis_;
   SessionStoreOptions opts_;
   std::list<Held> lru_;  // most recently used first
   std::unordered_map<std::string, std::list<Held>::iterator> index_;
   size_t memory_bytes_ = 0;
+  uint64_t saves_ = 0;
+  uint64_t save_failures_ = 0;
 };
 
 }  // namespace moe::gw

@@ -326,6 +326,37 @@ TEST_CASE("hardening: without API keys a session id must be one the server issue
   CHECK(prompt_text(gw.scheduler().submitted().back()).find("remember me") == std::string::npos);
 }
 
+TEST_CASE("hardening: a second turn of a session while one runs is 409; no turn is lost", "[gateway][hardening][sessions]") {
+  SessionStore store(nullptr, {});
+  ApiOptions api;
+  api.sessions = &store;
+  api.api_keys = {"alice-key"};
+  TestGateway gw({}, api);
+  gw.scheduler().set_script(spell("ack"));
+  gw.scheduler().tick_ms_ = 100;  // a turn takes a while
+  const std::string alice = "Authorization: Bearer alice-key\r\n";
+  auto turn = [&](const std::string& text) {
+    return http(gw.port(), "POST", kChat, chat_body(text, R"("session_id":"talk")"), alice);
+  };
+  std::thread first([&] { CHECK(turn("first question").status == 200); });
+  for (int i = 0; i < 200 && gw.scheduler().active() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  REQUIRE(gw.scheduler().active() == 1);
+  auto second = turn("second question");
+  expect_error(second, 409, "session_busy");
+  CHECK(second.headers["retry-after"] == "1");
+  first.join();
+  gw.scheduler().tick_ms_ = 1;
+  REQUIRE(turn("third question").status == 200);
+  const std::string p = prompt_text(gw.scheduler().submitted().back());
+  CHECK(p.find("first question") != std::string::npos);
+  CHECK(p.find("second question") == std::string::npos);
+  // Another session of the same caller is not held up by it.
+  std::thread slow([&] { CHECK(turn("fourth").status == 200); });
+  for (int i = 0; i < 200 && gw.scheduler().active() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  CHECK(http(gw.port(), "POST", kChat, chat_body("elsewhere", R"("session_id":"other")"), alice).status == 200);
+  slow.join();
+}
+
 TEST_CASE("hardening: the store keeps the newest turns within its caps", "[gateway][hardening][sessions]") {
   ChatMessages m = {{"system", "be brief"}, {"user", "1"}, {"assistant", "a1"}, {"user", "2"}, {"assistant", "a2"}};
   auto c = SessionStore::capped(m, 3, 1 << 20);

@@ -147,6 +147,15 @@ TEST_CASE("api: a thinking model's reasoning is reasoning_content, whole and str
   json q = json::parse(http(gw.port(), "POST", "/v1/chat/completions", chat().dump()).body);
   CHECK(q["choices"][0]["message"]["reasoning_content"] == "plan");
   CHECK(q["choices"][0]["message"]["content"] == "ans");
+  // ... but not under response_format: the whole text is the value asked for
+  // (a JSON string holding "</think>" was cut in two, the JSON with it).
+  const std::string value = R"({"tag": "a</think>b"})";
+  gw.scheduler().set_script(spell(value));
+  json v = json::parse(http(gw.port(), "POST", "/v1/chat/completions",
+                            chat({{"response_format", {{"type", "json_object"}}}}).dump())
+                           .body);
+  CHECK(v["choices"][0]["message"]["content"] == value);
+  CHECK_FALSE(v["choices"][0]["message"].contains("reasoning_content"));
 
   // Logprobs in a stream: every token's once; the answer's ride on answer chunks.
   const std::string out = "<think>r</think>ab";

@@ -202,6 +202,15 @@ TEST_CASE("tools: a forced choice installs a grammar of the call, in the model's
   CHECK(g.finishable(sa));
   CHECK(g.feed(sa, "\n<tool_call>\n{\"arguments\": {\"city\": \"b\"}, \"name\": \"get_weather\"}\n</tool_call>"));
   CHECK(g.finishable(sa));
+  // A function declared without parameters takes none: its arguments are {}.
+  const json bare = {{"type", "function"}, {"function", {{"name", "ping"}}}};
+  post(gw, "/v1/chat/completions",
+       chat_body({{"tools", {bare}}, {"tool_choice", {{"type", "function"}, {"function", {{"name", "ping"}}}}}}));
+  const SequenceRequest none = gw.scheduler().submitted().back();
+  REQUIRE(none.grammar);
+  const auto& sn = none.grammar->schema();
+  CHECK(accepts(sn, "<tool_call>\n{\"name\": \"ping\", \"arguments\": {}}\n</tool_call>"));
+  CHECK_FALSE(accepts(sn, "<tool_call>\n{\"name\": \"ping\", \"arguments\": {\"name\": \"ping\"}}\n</tool_call>"));
 }
 
 TEST_CASE("tools: Mistral's [TOOL_CALLS] list, parsed at the end; ids of nine characters; a forced call's grammar",

@@ -428,3 +428,92 @@ TEST_CASE("what the worker writes to Redis, the gateway reads back, and the othe
   REQUIRE(fresh.warmed.size() == 1);
   CHECK(fresh.warmed[0] == std::vector<pr::ExpertRef>{{0, 1}, {0, 2}, {1, 0}, {1, 2}, {1, 3}});
 }
+
+TEST_CASE("a session's turns that Redis refuses stay the conversation; what is stored always loads back",
+          "[redis][roundtrip][sessions]") {
+  if (::access(kRedisServer, X_OK) != 0) {
+    std::puts("SKIPPED: no redis-server");
+    WARN("SKIPPED: no redis-server");
+    return;
+  }
+  RedisServer server;
+  RawRedis raw(server.port);
+  REQUIRE(raw.ok());
+  Loop loop;
+  auto ep = pr::parse_redis_url(server.url());
+  REQUIRE(ep.ok());
+  auto client = std::make_unique<moe::gw::RedisClient>(&loop.loop, ep.value());
+  client->start();
+  REQUIRE(loop.until([&] { return client->connected(); }));
+  moe::gw::SessionStoreOptions sso;
+  const moe::gw::SessionKey sk{moe::gw::SessionStore::open_owner(), "s-refused"};
+  const std::string key = "moe:session:open:s-refused";
+  auto load = [&](moe::gw::SessionStore& store) {
+    bool done = false;
+    moe::gw::ChatMessages back;
+    store.load(sk, [&](moe::gw::ChatMessages m) {
+      back = std::move(m);
+      done = true;
+    });
+    REQUIRE(loop.until([&] { return done; }));
+    return back;
+  };
+  auto save = [&](moe::gw::SessionStore& store, moe::gw::ChatMessages m) {
+    bool done = false;
+    store.save(sk, std::move(m), [&] { done = true; });
+    REQUIRE(loop.until([&] { return done; }));
+  };
+  moe::gw::SessionStore store(client.get(), sso);
+  const moe::gw::ChatMessages one = {{"user", "turn 1"}, {"assistant", "answer 1"}};
+  moe::gw::ChatMessages two = one;
+  two.push_back({"user", "turn 2"});
+  two.push_back({"assistant", "answer 2"});
+  save(store, one);
+  CHECK(store.save_failures() == 0);
+  // Redis full (noeviction): the save is refused with an error reply.
+  REQUIRE(raw.text({"CONFIG", "SET", "maxmemory-policy", "noeviction"}) == "OK");
+  REQUIRE(raw.text({"CONFIG", "SET", "maxmemory", "1"}) == "OK");
+  save(store, two);
+  CHECK(store.save_failures() == 1);
+  CHECK(raw.text({"GET", key}).find("turn 2") == std::string::npos);  // Redis kept the older copy
+  // The next turn sees turn 2: the refused save is the newer copy (Redis'
+  // older one used to win, and the answered turn was lost).
+  auto back = load(store);
+  REQUIRE(back.size() == 4);
+  CHECK(back[2].content == "turn 2");
+  // Once Redis takes writes again, the next save stores the whole conversation.
+  REQUIRE(raw.text({"CONFIG", "SET", "maxmemory", "0"}) == "OK");
+  back.push_back({"user", "turn 3"});
+  back.push_back({"assistant", "answer 3"});
+  save(store, back);
+  moe::gw::SessionStore fresh(client.get(), sso);  // another gateway: nothing in memory
+  auto again = load(fresh);
+  REQUIRE(again.size() == 6);
+  CHECK(again[2].content == "turn 2");
+  CHECK(again[4].content == "turn 3");
+
+  // Text of control bytes (escaped sixfold) and keyed turns' request fields
+  // are not counted by the text cap: what save() writes must still be what
+  // load() accepts, never a copy it refuses and a history lost.
+  moe::gw::SessionStoreOptions small;
+  small.max_bytes = 600;
+  small.max_messages = 64;
+  moe::gw::SessionStore tight(client.get(), small);
+  moe::gw::ChatMessages many;
+  for (int i = 0; i < 60; ++i) {  // 540 bytes of text; ~16 KB as JSON, over the 11.8 KB load() accepts
+    moe::gw::ChatMessage m{i % 2 ? "assistant" : "user", i % 2 ? std::string() : std::string(18, '\x01'), "", ""};
+    if (i % 2) {
+      m.request_key = std::string(124, '"');
+      m.request_digest = std::string(32, 'd');
+      m.finish_reason = "length";
+    }
+    many.push_back(std::move(m));
+  }
+  save(tight, many);
+  CHECK(raw.text({"GET", key}).size() <= 6 * small.max_bytes + 64 * small.max_messages + 4096);
+  moe::gw::SessionStore tight_reader(client.get(), small);
+  const auto kept = load(tight_reader);
+  CHECK(kept.size() >= 2);  // the newest turns, not an empty history
+  CHECK(kept.back().finish_reason == "length");
+  client.reset();
+}
