@@ -383,8 +383,10 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
   ParsedRequest parsed = parse_completion_request(kind, body, *codec_, limits, prior);
   if (auto* err = std::get_if<ApiError>(&parsed)) return reply_error(ex, endpoint, *err);
   if (!scheduler_->ready()) {
-    return reply_error(ex, endpoint,
-                       ApiError{503, "The engine is not ready yet; retry shortly.", "server_error", "", "engine_not_ready"});
+    HttpResponse r = api_error_response(
+        ApiError{503, "The engine is not ready yet; retry shortly.", "server_error", "", "engine_not_ready"});
+    r.headers.emplace_back("Retry-After", "1");  // a worker (re)starting: seconds
+    return reply(ex, endpoint, std::move(r));
   }
   // Priority: the key's, or the body's where the operator allows it (never
   // earlier than the key's own).
@@ -463,6 +465,8 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
   ctx.metrics = metrics_;
   ctx.endpoint = endpoint;
   ctx.response_id = new_id(kind == ApiKind::chat ? "chatcmpl-" : "cmpl-");
+  // The response's id as clients' SDKs read it (their request id), for logs on both sides.
+  ctx.extra_headers.emplace_back("X-Request-Id", ctx.response_id);
   ctx.created = static_cast<int64_t>(std::time(nullptr));
   ctx.start_ns = uv_hrtime();
   ctx.degraded = now.degraded || on_fallback;

@@ -60,6 +60,8 @@ TEST_CASE("api: chat completion, whole response", "[gateway][api]") {
   REQUIRE(r.status == 200);
   CHECK(r.headers["content-type"] == "application/json");
   CHECK(r.headers.count("x-moe-degraded") == 0);
+  // The response's id is its request id, as clients' SDKs read it.
+  CHECK(r.headers["x-request-id"] == json::parse(r.body)["id"]);
   json j = json::parse(r.body);
   CHECK(j["id"].get<std::string>().rfind("chatcmpl-", 0) == 0);
   CHECK(j["object"] == "chat.completion");
@@ -664,7 +666,9 @@ TEST_CASE("api: /health is 503 until the scheduler is ready, and requests are re
   gw.scheduler().ready_ = false;
   auto h = http(gw.port(), "GET", "/health");
   CHECK(h.status == 503);
-  check_error(post(gw, "/v1/chat/completions", chat("x")), 503, nullptr, "engine_not_ready");
+  auto refused = post(gw, "/v1/chat/completions", chat("x"));
+  check_error(refused, 503, nullptr, "engine_not_ready");
+  CHECK(refused.headers["retry-after"] == "1");
   gw.scheduler().ready_ = true;
   CHECK(http(gw.port(), "GET", "/health").status == 200);
   CHECK(json::parse(http(gw.port(), "GET", "/health").body)["status"] == "ok");
