@@ -16,11 +16,17 @@ namespace {
 class ByteLevel final : public Decoder {
  public:
   void decode_chain(std::vector<std::string>& tokens) const override {
+    tokens.assign(1, sanitize_utf8(joined(tokens)));
+  }
+  void decode_chain_raw(std::vector<std::string>& tokens) const override { tokens.assign(1, joined(tokens)); }
+
+ private:
+  static std::string joined(const std::vector<std::string>& tokens) {
     const ByteAlphabet& alphabet = byte_alphabet();
     std::string bytes;
     for (const auto& t : tokens)
       if (!alphabet.decode(t, bytes)) bytes += t;
-    tokens.assign(1, sanitize_utf8(bytes));
+    return bytes;
   }
 };
 
@@ -39,14 +45,18 @@ class Replace final : public Decoder {
 // otherwise each byte of the run becomes one U+FFFD.
 class ByteFallback final : public Decoder {
  public:
-  void decode_chain(std::vector<std::string>& tokens) const override {
+  void decode_chain(std::vector<std::string>& tokens) const override { decode(tokens, true); }
+  void decode_chain_raw(std::vector<std::string>& tokens) const override { decode(tokens, false); }
+
+ private:
+  static void decode(std::vector<std::string>& tokens, bool repair) {
     std::vector<std::string> out;
     out.reserve(tokens.size());
     std::string run;
     size_t run_len = 0;
     auto flush = [&] {
       if (run_len == 0) return;
-      if (utf8_valid(run)) {
+      if (!repair || utf8_valid(run)) {
         out.push_back(run);
       } else {
         for (size_t k = 0; k < run_len; ++k) out.emplace_back(kReplacementChar);
@@ -69,7 +79,6 @@ class ByteFallback final : public Decoder {
     tokens = std::move(out);
   }
 
- private:
   static int hex(char c) {
     if (c >= '0' && c <= '9') return c - '0';
     if (c >= 'A' && c <= 'F') return c - 'A' + 10;
@@ -144,6 +153,9 @@ class Sequence final : public Decoder {
   explicit Sequence(std::vector<std::unique_ptr<Decoder>> parts) : parts_(std::move(parts)) {}
   void decode_chain(std::vector<std::string>& tokens) const override {
     for (const auto& p : parts_) p->decode_chain(tokens);
+  }
+  void decode_chain_raw(std::vector<std::string>& tokens) const override {
+    for (const auto& p : parts_) p->decode_chain_raw(tokens);
   }
 
  private:

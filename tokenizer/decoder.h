@@ -16,6 +16,9 @@ class Decoder {
  public:
   virtual ~Decoder() = default;
   virtual void decode_chain(std::vector<std::string>& tokens) const = 0;
+  // The same, leaving broken UTF-8 as it is: the bytes tokens stand for,
+  // where one may hold part of a character (logprobs' "bytes").
+  virtual void decode_chain_raw(std::vector<std::string>& tokens) const { decode_chain(tokens); }
 };
 
 // A null spec gives a null pointer: tokens are then joined with spaces.

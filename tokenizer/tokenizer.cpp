@@ -273,6 +273,18 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_to
   return clean_up_spaces_ ? clean_up_tokenization_spaces(out) : out;
 }
 
+std::string Tokenizer::token_bytes(int32_t id) const {
+  const Impl& im = *impl_;
+  if (auto it = im.added_by_id.find(id); it != im.added_by_id.end()) return im.added[it->second].content;
+  const std::string* t = im.model->id_to_token(id);
+  if (!t) return {};
+  std::vector<std::string> tokens{*t};
+  if (im.decoder) im.decoder->decode_chain_raw(tokens);
+  std::string out;
+  for (const std::string& s : tokens) out += s;
+  return out;
+}
+
 int32_t Tokenizer::token_to_id(std::string_view token) const {
   auto it = impl_->added_by_content.find(token);
   if (it != impl_->added_by_content.end()) return it->second;

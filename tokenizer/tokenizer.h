@@ -40,6 +40,10 @@ class Tokenizer {
 
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens) const;
   std::string decode(std::span<const int32_t> ids, bool skip_special_tokens) const;
+  // The bytes one token stands for, as the decoder gives them but with
+  // broken UTF-8 left as it is (a byte token is one byte of a character);
+  // no clean-up of spaces. decode() of the same id repairs those to U+FFFD.
+  std::string token_bytes(int32_t id) const;
 
   int32_t token_to_id(std::string_view token) const;  // -1 if none
   std::string id_to_token(int32_t id) const;          // "" if none

@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 
 #include <uv.h>
 
 #include "gateway/json_body.h"
 #include "gateway/last_resort.h"
+#include "tokenizer/utf8.h"
 
 namespace moe::gw {
 namespace {
@@ -24,6 +26,21 @@ json bytes_array(const std::string& s) {
   json a = json::array();
   for (unsigned char c : s) a.push_back(static_cast<int>(c));
   return a;
+}
+
+// A completions logprob token as text: itself, or where it is part of a
+// character, "bytes:" and its bytes as \xNN (distinct tokens stay distinct
+// keys of top_logprobs, where they all read U+FFFD).
+std::string completion_token_text(const TextCodec& codec, int32_t id) {
+  const std::string raw = codec.token_raw_bytes(id);
+  if (moe::tok::utf8_valid(raw)) return codec.token_bytes(id);
+  std::string out = "bytes:";
+  char hex[5];
+  for (unsigned char c : raw) {
+    std::snprintf(hex, sizeof hex, "\\x%02x", c);
+    out += hex;
+  }
+  return out;
 }
 
 }  // namespace
@@ -58,18 +75,20 @@ json Generation::empty_logprobs() const {
 }
 
 void Generation::add_logprobs(const TokenEvent& ev, size_t text_offset, json& into) const {
-  std::string tok = ctx_.codec->token_bytes(ev.token);
+  const TextCodec& codec = *ctx_.codec;
   if (req_.kind == ApiKind::chat) {
+    // "token" is text (U+FFFD for part of a character); "bytes" the token's own.
     json top = json::array();
-    for (const auto& [id, lp] : ev.top) {
-      std::string t = ctx_.codec->token_bytes(id);
-      top.push_back({{"token", t}, {"logprob", lp}, {"bytes", bytes_array(t)}});
-    }
-    into["content"].push_back({{"token", tok}, {"logprob", ev.logprob}, {"bytes", bytes_array(tok)}, {"top_logprobs", top}});
+    for (const auto& [id, lp] : ev.top)
+      top.push_back({{"token", codec.token_bytes(id)}, {"logprob", lp}, {"bytes", bytes_array(codec.token_raw_bytes(id))}});
+    into["content"].push_back({{"token", codec.token_bytes(ev.token)},
+                               {"logprob", ev.logprob},
+                               {"bytes", bytes_array(codec.token_raw_bytes(ev.token))},
+                               {"top_logprobs", top}});
   } else {
     json top = json::object();
-    for (const auto& [id, lp] : ev.top) top[ctx_.codec->token_bytes(id)] = lp;
-    into["tokens"].push_back(tok);
+    for (const auto& [id, lp] : ev.top) top[completion_token_text(codec, id)] = lp;
+    into["tokens"].push_back(completion_token_text(codec, ev.token));
     into["token_logprobs"].push_back(ev.logprob);
     into["top_logprobs"].push_back(top);
     into["text_offset"].push_back(text_offset);

@@ -55,6 +55,7 @@ class ModelTextCodec final : public TextCodec {
     int32_t one[1] = {id};
     return tok_->decode(one, /*skip_special_tokens=*/false);
   }
+  std::string token_raw_bytes(int32_t id) const override { return tok_->token_bytes(id); }
 
   bool is_special(int32_t id) const override { return tok_->is_special(id); }
   // A template that describes tools and writes [TOOL_CALLS] (Mistral's) or <tool_call> (Qwen's, Hermes').

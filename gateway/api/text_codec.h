@@ -58,6 +58,10 @@ class TextCodec {
   virtual std::unique_ptr<TokenTextStream> stream_decoder() const = 0;
   // The bytes one token stands for (may be part of a UTF-8 character); for logprobs.
   virtual std::string token_bytes(int32_t id) const = 0;
+  // The same with a part of a character left as its own bytes (token_bytes
+  // may give U+FFFD there): what logprobs' "bytes" report, so that a
+  // client joining them gets the character back.
+  virtual std::string token_raw_bytes(int32_t id) const { return token_bytes(id); }
   // A control token (chat markers, BOS/EOS…): never text a grammar allows.
   virtual bool is_special(int32_t id) const {
     (void)id;

@@ -275,6 +275,19 @@ TEST_CASE("api: logprobs in the chat and completions shapes", "[gateway][api]") 
   json k = json::parse(c.body);
   CHECK(k["choices"][0]["logprobs"]["tokens"] == json::array({"H", "e"}));
   CHECK(k["choices"][0]["logprobs"]["text_offset"] == json::array({0, 1}));
+
+  // A character over two tokens (one byte each): chat's "bytes" are each
+  // token's own, so joined they give the character back; completions name
+  // such a token "bytes:\xNN" (as text every one would read U+FFFD).
+  gw.scheduler().set_script(spell("\xC3\xA9"));  // "é"
+  json u = json::parse(post(gw, "/v1/chat/completions", chat("x", {{"logprobs", true}})).body);
+  const auto& lp = u["choices"][0]["logprobs"]["content"];
+  REQUIRE(lp.size() == 2);
+  CHECK(lp[0]["bytes"] == json::array({0xC3}));
+  CHECK(lp[1]["bytes"] == json::array({0xA9}));
+  CHECK(u["choices"][0]["message"]["content"] == "\xC3\xA9");
+  json v = json::parse(post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", "p"}, {"logprobs", 1}}).body);
+  CHECK(v["choices"][0]["logprobs"]["tokens"] == json::array({"bytes:\\xc3", "bytes:\\xa9"}));
 }
 
 TEST_CASE("api: validation errors have OpenAI's shape and status", "[gateway][api][errors]") {

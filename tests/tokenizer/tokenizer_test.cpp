@@ -157,6 +157,40 @@ TEST_CASE("stream decoder holds back a character split over byte tokens", "[toke
   CHECK(cut.flush().find("\xEF\xBF\xBD") != std::string::npos);
 }
 
+TEST_CASE("token_bytes gives each token's own bytes, a part of a character included", "[tokenizer]") {
+  // Byte tokens (SentencePiece's <0xNN>): one byte each, joined the character.
+  auto spm = load(kFixtures + "/tokenizers/spm_bpe");
+  const auto ids = spm->encode("\xF0\x9F\x99\x82!", false);
+  REQUIRE(ids.size() == 6);
+  std::string joined;
+  for (int k = 1; k <= 4; ++k) {
+    const std::string b = spm->token_bytes(ids[size_t(k)]);
+    CHECK(b.size() == 1);
+    joined += b;
+  }
+  CHECK(joined == "\xF0\x9F\x99\x82");
+  CHECK(spm->decode(std::vector<int32_t>{ids[1]}, false) == "\xEF\xBF\xBD");  // decode repairs it
+  // Byte-level vocabularies: every reference string's tokens join to its text.
+  const json ref = json::parse(slurp(kFixtures + "/tokenizers/reference.json"));
+  for (const char* name : {"bytelevel_qwen", "bytelevel_gpt2"}) {
+    auto tok = load(kFixtures + "/tokenizers/" + name);
+    int partial = 0;
+    for (const auto& s : ref[name]["strings"]) {
+      const auto sids = ids_of(s["ids_no_special"]);
+      std::string all;
+      for (int32_t id : sids) {
+        const std::string b = tok->token_bytes(id);
+        partial += moe::tok::utf8_valid(b) ? 0 : 1;
+        all += b;
+      }
+      INFO(name << ": " << s["text"].get<std::string>());
+      CHECK(all == tok->decode(sids, false));
+    }
+    INFO(name);
+    CHECK(partial > 0);  // some token of the references is part of a character
+  }
+}
+
 TEST_CASE("bos, eos and special ids come from the tokenizer files", "[tokenizer]") {
   auto spm = load(kFixtures + "/tokenizers/spm_bpe");
   CHECK(spm->bos_token() == "<s>");
