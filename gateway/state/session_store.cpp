@@ -21,6 +21,16 @@ size_t text_bytes(const ChatMessage& m) {
   return m.role.size() + m.content.size() + m.tool_calls.size() + m.tool_call_id.size();
 }
 
+// What one turn takes in the mirror's memory: the object and every string
+// it holds (their heap parts; short ones live inside the object).
+size_t held_bytes(const ChatMessage& m) {
+  size_t b = sizeof(ChatMessage) + 48;  // the vector's slot and the allocator's share
+  for (const std::string* f : {&m.role, &m.content, &m.tool_calls, &m.tool_call_id, &m.request_key,
+                               &m.request_digest, &m.finish_reason})
+    if (f->capacity() > 15) b += f->capacity() + 1;
+  return b;
+}
+
 bool known_role(const std::string& r) { return r == "system" || r == "user" || r == "assistant" || r == "tool"; }
 
 }  // namespace
@@ -117,8 +127,8 @@ void SessionStore::remember(const std::string& key, const ChatMessages& messages
   h.messages = messages;
   h.unsynced = unsynced;
   h.version = ++saves_;
-  h.bytes = key.size() + 64;
-  for (const ChatMessage& m : messages) h.bytes += text_bytes(m) + 32;
+  h.bytes = sizeof(Held) + 2 * key.size() + 160;  // the list node, the key twice (here and the index), the index's node
+  for (const ChatMessage& m : h.messages) h.bytes += held_bytes(m);
   h.expires = std::chrono::steady_clock::now() + std::chrono::seconds(opts_.ttl_s);
   if (h.bytes > opts_.memory_bytes) return;
   while (!lru_.empty() && memory_bytes_ + h.bytes > opts_.memory_bytes) forget(std::prev(lru_.end()));

@@ -357,6 +357,26 @@ TEST_CASE("hardening: a second turn of a session while one runs is 409; no turn 
   slow.join();
 }
 
+TEST_CASE("hardening: the session mirror counts what its turns take in memory, not their text alone",
+          "[gateway][hardening][sessions]") {
+  // Empty turns with long keys: text of a few bytes, objects and strings of
+  // hundreds (the mirror's bound was 5x under what the process held).
+  SessionStoreOptions so;
+  so.memory_bytes = size_t(1) << 20;
+  SessionStore store(nullptr, so);
+  ChatMessages turns;
+  for (int i = 0; i < 64; ++i) {
+    ChatMessage m{i % 2 ? "assistant" : "user", ""};
+    m.request_key = std::string(128, 'k');
+    turns.push_back(m);
+  }
+  store.save({SessionStore::open_owner(), "s-one"}, turns);
+  CHECK(store.memory_bytes() >= 64 * (sizeof(ChatMessage) + 128));
+  for (int i = 0; i < 200; ++i) store.save({SessionStore::open_owner(), "s-" + std::to_string(i)}, turns);
+  CHECK(store.memory_bytes() <= so.memory_bytes);
+  CHECK(store.in_memory() < 200);  // the least recently used went
+}
+
 TEST_CASE("hardening: the store keeps the newest turns within its caps", "[gateway][hardening][sessions]") {
   ChatMessages m = {{"system", "be brief"}, {"user", "1"}, {"assistant", "a1"}, {"user", "2"}, {"assistant", "a2"}};
   auto c = SessionStore::capped(m, 3, 1 << 20);
