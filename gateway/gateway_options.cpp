@@ -42,6 +42,7 @@ const std::vector<Numeric>& numeric_options() {
       {"--request-timeout-ms", 1, kDayMs, [](GatewayOptions& o, uint64_t v) { o.request_timeout_ms = v; }},
       {"--keepalive-timeout-ms", 1, kDayMs, [](GatewayOptions& o, uint64_t v) { o.keepalive_timeout_ms = v; }},
       {"--write-timeout-ms", 1, kDayMs, [](GatewayOptions& o, uint64_t v) { o.write_timeout_ms = v; }},
+      {"--stream-ping-ms", 0, kDayMs, [](GatewayOptions& o, uint64_t v) { o.stream_ping_ms = v; }},
       {"--max-write-queue-bytes", 1, kU32, [](GatewayOptions& o, uint64_t v) { o.max_write_queue_bytes = v; }},
       {"--max-connections", 1, 1'000'000, [](GatewayOptions& o, uint64_t v) { o.max_connections = v; }},
       {"--max-step-tokens", 1, 65535, [](GatewayOptions& o, uint64_t v) { o.max_step_tokens = int(v); }},
@@ -160,6 +161,9 @@ std::string gateway_usage() {
          "                            (default 60000; at least 1)\n"
          "  --write-timeout-ms N      a client that takes none of a response's bytes for N ms\n"
          "                            is closed and its work cancelled (default 30000)\n"
+         "  --stream-ping-ms N        a stream silent for N ms gets an SSE comment line, which\n"
+         "                            clients skip, so idle timeouts of proxies keep it while\n"
+         "                            the work waits (default 15000; 0: none)\n"
          "  --max-write-queue-bytes N a streaming client this far behind is dropped and its\n"
          "                            generation cancelled (default 1048576)\n"
          "\n"

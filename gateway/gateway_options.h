@@ -30,6 +30,7 @@ struct GatewayOptions {
   uint64_t request_timeout_ms = 30'000;    // --request-timeout-ms
   uint64_t keepalive_timeout_ms = 60'000;  // --keepalive-timeout-ms
   uint64_t write_timeout_ms = 30'000;      // --write-timeout-ms
+  uint64_t stream_ping_ms = 15'000;        // --stream-ping-ms (0: none)
   size_t max_write_queue_bytes = 1 << 20;  // --max-write-queue-bytes
   size_t max_connections = 0;              // --max-connections (0: from the descriptor limit)
   int max_step_tokens = 256;               // --max-step-tokens: tokens of one worker step

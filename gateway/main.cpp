@@ -223,6 +223,7 @@ int main(int argc, char** argv) {
   http.keepalive_timeout_ms = opts.keepalive_timeout_ms;
   http.max_write_queue_bytes = opts.max_write_queue_bytes;
   http.write_timeout_ms = opts.write_timeout_ms;
+  http.stream_ping_ms = opts.stream_ping_ms;
   http.max_connections = max_connections;
   moe::gw::HttpServer server(loop, http, &api);
   api.watch_server(&server);

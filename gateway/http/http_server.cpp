@@ -128,6 +128,7 @@ class Connection {
     out += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
     if (body) out += *body;
     write(std::move(out), body != nullptr);
+    if (!body) arm_ping();
   }
 
   bool write_stream(std::string_view data) {
@@ -149,10 +150,18 @@ class Connection {
     } else {
       write(std::string(data), false);
     }
+    arm_ping();
     return !closing_;
   }
 
+  // The stream's silence deadline (timer_ has no other use while an
+  // exchange is current).
+  void arm_ping() {
+    if (!server_->opts_.stream_ping.empty()) arm_timer(server_->opts_.stream_ping_ms);
+  }
+
   void end_stream() {
+    uv_timer_stop(&timer_);
     if (current_ && current_->chunked_) {
       write("0\r\n\r\n", true);
     } else {
@@ -341,7 +350,11 @@ class Connection {
     auto* c = static_cast<Connection*>(t->data);
     if (c->closing_) return;
     if (c->lingering_ || c->current_) {
-      if (c->lingering_) c->close();
+      if (c->lingering_) {
+        c->close();
+      } else if (c->current_->streaming_ && !c->current_->ended_) {
+        c->write_stream(c->server_->opts_.stream_ping);  // re-arms
+      }
       return;
     }
     if (c->parser_.started()) {

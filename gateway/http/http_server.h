@@ -43,6 +43,12 @@ struct HttpServerOptions {
   size_t max_write_queue_bytes = 1 << 20;  // a stream further behind than this is dropped
   size_t max_connections = 1024;           // open connections; past it 503 and close
   uint64_t write_timeout_ms = 30'000;      // a write not done by then closes the connection
+  // A streamed response silent this long gets `stream_ping` as a chunk (an
+  // SSE comment, which clients skip): proxies and clients that time out an
+  // idle connection keep it while the work waits (a worker restarting).
+  // 0 or empty: none.
+  uint64_t stream_ping_ms = 15'000;
+  std::string stream_ping = ": keep-alive\n\n";
 };
 
 struct HttpResponse {

@@ -219,6 +219,31 @@ TEST_CASE("http: HTTP/1.0 gets Connection: close and a close-delimited stream", 
   CHECK(ev.back() == "[DONE]");
 }
 
+TEST_CASE("http: a silent stream gets SSE comment lines, which leave its events as they are", "[gateway][http]") {
+  HttpServerOptions o;
+  o.stream_ping_ms = 40;
+  TestGateway gw(o);
+  gw.scheduler().tick_ms_ = 150;  // a token every 150 ms: several pings between tokens
+  TestClient c(gw.port());
+  c.send(post("/v1/completions", R"({"model":"demo-moe","prompt":"x","max_tokens":3,"stream":true})"));
+  auto r = c.read_response();
+  REQUIRE(r.ok);
+  CHECK(r.status == 200);
+  size_t pings = 0;
+  for (size_t at = r.body.find(": keep-alive\n\n"); at != std::string::npos; at = r.body.find(": keep-alive\n\n", at + 1))
+    ++pings;
+  CHECK(pings >= 3);
+  auto ev = sse_events(r.body);  // comment lines are no events
+  REQUIRE(ev.size() >= 4);       // three tokens (then the finish), then [DONE]
+  CHECK(ev.back() == "[DONE]");
+  std::string text;
+  for (size_t i = 0; i + 1 < ev.size(); ++i) text += json::parse(ev[i])["choices"][0]["text"].get<std::string>();
+  CHECK(text.size() == 3);
+  // A response that is not a stream gets none.
+  auto whole = http(gw.port(), "POST", "/v1/completions", R"({"model":"demo-moe","prompt":"x","max_tokens":2})");
+  CHECK(whole.body.find("keep-alive") == std::string::npos);
+}
+
 TEST_CASE("http: --api-key guards every endpoint but /health", "[gateway][http][auth]") {
   ApiOptions api;
   api.api_keys = {"sekret"};
