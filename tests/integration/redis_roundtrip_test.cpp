@@ -221,6 +221,14 @@ class FakeBackend final : public moe::worker::Backend {
 };
 
 // The gateway's loop, turned by hand while the test waits for something.
+// Whether redis-server is there to start; says the test is skipped when not.
+bool have_redis_server() {
+  if (::access(kRedisServer, X_OK) == 0) return true;
+  std::puts("SKIPPED: no redis-server");
+  WARN("SKIPPED: no redis-server");
+  return false;
+}
+
 struct Loop {
   uv_loop_t loop{};
   Loop() { uv_loop_init(&loop); }
@@ -252,11 +260,7 @@ TEST_CASE("the worker and the gateway name a model's keys alike", "[redis][round
 
 TEST_CASE("what the worker writes to Redis, the gateway reads back, and the other way round",
           "[redis][roundtrip]") {
-  if (::access(kRedisServer, X_OK) != 0) {
-    std::puts("SKIPPED: no redis-server");
-    WARN("SKIPPED: no redis-server");
-    return;
-  }
+  if (!have_redis_server()) return;
   RedisServer server;
   RawRedis raw(server.port);
   REQUIRE(raw.ok());
@@ -431,11 +435,7 @@ TEST_CASE("what the worker writes to Redis, the gateway reads back, and the othe
 
 TEST_CASE("a session's turns that Redis refuses stay the conversation; what is stored always loads back",
           "[redis][roundtrip][sessions]") {
-  if (::access(kRedisServer, X_OK) != 0) {
-    std::puts("SKIPPED: no redis-server");
-    WARN("SKIPPED: no redis-server");
-    return;
-  }
+  if (!have_redis_server()) return;
   RedisServer server;
   RawRedis raw(server.port);
   REQUIRE(raw.ok());
