@@ -436,7 +436,7 @@ std::string sampling_problem(const SamplingParams& o) {
       return "adjust bias of token " + std::to_string(a.token) + " must be finite or -inf";
   }
   if (!o.allowed.empty() && std::all_of(o.allowed.begin(), o.allowed.end(), [](uint32_t w) { return w == 0; }))
-    return "allowed names no token";
+    return kNoAllowedToken;
   return {};
 }
 

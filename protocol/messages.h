@@ -163,6 +163,9 @@ struct SamplingParams {
 // a sequence; the gateway checks each sequence with the same rule before it
 // sends one, so a bad sequence ends alone instead of failing its step.
 std::string sampling_problem(const SamplingParams& o);
+// sampling_problem's answer for a mask of allowed tokens that names none
+// (a structured value no token can continue).
+inline constexpr const char* kNoAllowedToken = "allowed names no token";
 
 struct StepSequence {
   uint64_t seq_id = 0;

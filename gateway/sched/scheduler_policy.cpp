@@ -163,29 +163,28 @@ const std::vector<int32_t>* BatchPolicy::generated(uint64_t id) const {
 }
 
 bool BatchPolicy::can_ever_run(const Seq& s, std::string* why) const {
-  const int len = int(s.context.size());
   if (s.req.prompt.empty()) {
     *why = "the prompt is empty";
     return false;
   }
-  if (limits_.max_context > 0 && len + 1 > limits_.max_context) {
-    *why = "the prompt of " + std::to_string(len) + " tokens leaves no room in the context of " +
+  *why = context_problem(int(s.context.size()));
+  return why->empty();
+}
+
+std::string BatchPolicy::context_problem(int len) const {
+  if (limits_.max_context > 0 && len + 1 > limits_.max_context)
+    return "the prompt of " + std::to_string(len) + " tokens leaves no room in the context of " +
            std::to_string(limits_.max_context);
-    return false;
-  }
   // Its whole context in the cache: it runs as one prefill and samples a
   // token (after which apply() ends it if the next one cannot fit).
-  if (blocks_for(len) > limits_.kv_blocks_total) {
-    *why = "the prompt of " + std::to_string(len) + " tokens needs more KV blocks than the worker has (" +
+  if (blocks_for(len) > limits_.kv_blocks_total)
+    return "the prompt of " + std::to_string(len) + " tokens needs more KV blocks than the worker has (" +
            std::to_string(limits_.kv_blocks_total) + ")";
-    return false;
-  }
-  return true;
+  return {};
 }
 
 bool BatchPolicy::fits(const SequenceState& st) const {
-  const int len = int(st.req.prompt.size() + st.generated.size());
-  return blocks_for(len) <= limits_.kv_blocks_total && (limits_.max_context <= 0 || len + 1 <= limits_.max_context);
+  return context_problem(int(st.req.prompt.size() + st.generated.size())).empty();
 }
 
 bool BatchPolicy::holds_all(const SequenceState& st) const {
@@ -428,7 +427,7 @@ void BatchPolicy::drop_unsendable(StepPlan& plan, std::vector<SequenceUpdate>* r
     if (s.on_worker > 0) plan.release.push_back(id);  // its KV on the worker
     if (rejected)
       rejected->push_back({id, {}, true, FinishReason::error,
-                           why == "allowed names no token" ? "no token can continue the requested format here"
+                           why == protocol::kNoAllowedToken ? "no token can continue the requested format here"
                                                           : "the worker would refuse the sampling: " + why});
     count_group(s.req.group, -1);
     running_.erase(std::remove(running_.begin(), running_.end(), id), running_.end());

@@ -205,6 +205,9 @@ class BatchPolicy {
   // Grouped batching: which of `candidates` (oldest first) goes next.
   size_t pick_grouped(const std::vector<uint64_t>& candidates, const ExpertSet& step) const;
   int blocks_for(int tokens) const;
+  // Why a context of `len` tokens can never run on this worker (the context
+  // must leave room for one more token, its KV fit the whole cache), or "".
+  std::string context_problem(int len) const;
   void drop_unsendable(StepPlan& plan, std::vector<SequenceUpdate>* rejected);
   int committed_blocks() const;  // blocks admitted sequences hold or will hold once prefilled
   void preempt(uint64_t id, StepPlan& plan);

@@ -149,11 +149,11 @@ ChatMessages SessionStore::from_memory(const std::string& key) {
   return held->messages;
 }
 
-ChatMessages SessionStore::from_redis(const std::string& key, std::string_view text) const {
+std::optional<ChatMessages> SessionStore::from_redis(const std::string& key, std::string_view text) const {
   // Whatever Redis holds is checked like a request: it may be anyone's bytes.
-  auto bad = [&](const char* why) {
+  auto bad = [&](const char* why) -> std::optional<ChatMessages> {
     std::fprintf(stderr, "moe-gateway: session %s in Redis: %s; ignored\n", key.c_str(), why);
-    return ChatMessages{};
+    return std::nullopt;
   };
   // JSON escaping grows text at most sixfold (\u0000 for a control byte);
   // save() keeps what it writes under the same bound.
@@ -206,13 +206,12 @@ void SessionStore::load(const SessionKey& sk, std::function<void(ChatMessages)> 
     if (!r || r->type != REDIS_REPLY_STRING) return done(from_memory(key));  // gone, nil, or not ours
     if (auto it = index_.find(key); it != index_.end() && it->second->unsynced)
       return done(from_memory(key));  // a save failed while the GET was on its way
-    const std::string_view text(r->str, r->len);
-    ChatMessages messages = from_redis(key, text);
+    std::optional<ChatMessages> messages = from_redis(key, std::string_view(r->str, r->len));
     // A copy that failed its checks is not a conversation: what this process
     // holds (if anything) stays, rather than an empty one over it.
-    if (messages.empty() && !text.empty() && text != "[]") return done(from_memory(key));
-    remember(key, messages, false);
-    done(std::move(messages));
+    if (!messages) return done(from_memory(key));
+    remember(key, *messages, false);
+    done(std::move(*messages));
   });
 }
 

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <functional>
 #include <list>
+#include <optional>
 #include <string>
 #include <unordered_map>
 
@@ -99,7 +100,8 @@ class SessionStore {
   void remember(const std::string& key, const ChatMessages& messages, bool unsynced);
   void forget(std::list<Held>::iterator it);
   ChatMessages from_memory(const std::string& key);
-  ChatMessages from_redis(const std::string& key, std::string_view text) const;
+  // Redis' copy as turns; nullopt where it fails its checks (said in the log).
+  std::optional<ChatMessages> from_redis(const std::string& key, std::string_view text) const;
   static std::string redis_key(const SessionKey& k) { return protocol::session_key(k.owner, k.id); }
   // The most bytes a session's stored JSON may take (what load() accepts).
   size_t max_stored_bytes() const { return 6 * opts_.max_bytes + 64 * opts_.max_messages + 4096; }
