@@ -248,6 +248,18 @@ struct Loop {
   }
 };
 
+// A session's turns as the store loads them, the loop turned until they come.
+moe::gw::ChatMessages load_session(Loop& loop, moe::gw::SessionStore& store, const moe::gw::SessionKey& sk) {
+  bool done = false;
+  moe::gw::ChatMessages back;
+  store.load(sk, [&](moe::gw::ChatMessages m) {
+    back = std::move(m);
+    done = true;
+  });
+  REQUIRE(loop.until([&] { return done; }));
+  return back;
+}
+
 }  // namespace
 
 TEST_CASE("the worker and the gateway name a model's keys alike", "[redis][roundtrip]") {
@@ -376,13 +388,7 @@ TEST_CASE("what the worker writes to Redis, the gateway reads back, and the othe
   CHECK(raw.text({"GET", "moe:session:open:s-roundtrip"}) ==
         R"([{"content":"hello","role":"user"},{"content":"hi there","role":"assistant"}])");
   moe::gw::SessionStore reader(client.get(), sso);
-  bool loaded = false;
-  moe::gw::ChatMessages back;
-  reader.load(sk, [&](moe::gw::ChatMessages m) {
-    back = std::move(m);
-    loaded = true;
-  });
-  REQUIRE(loop.until([&] { return loaded; }));
+  const moe::gw::ChatMessages back = load_session(loop, reader, sk);
   REQUIRE(back.size() == 2);
   CHECK(back[1].content == "hi there");
   // The worker acknowledges the session event too (it has no use for it).
@@ -448,16 +454,7 @@ TEST_CASE("a session's turns that Redis refuses stay the conversation; what is s
   moe::gw::SessionStoreOptions sso;
   const moe::gw::SessionKey sk{moe::gw::SessionStore::open_owner(), "s-refused"};
   const std::string key = "moe:session:open:s-refused";
-  auto load = [&](moe::gw::SessionStore& store) {
-    bool done = false;
-    moe::gw::ChatMessages back;
-    store.load(sk, [&](moe::gw::ChatMessages m) {
-      back = std::move(m);
-      done = true;
-    });
-    REQUIRE(loop.until([&] { return done; }));
-    return back;
-  };
+  auto load = [&](moe::gw::SessionStore& store) { return load_session(loop, store, sk); };
   auto save = [&](moe::gw::SessionStore& store, moe::gw::ChatMessages m) {
     bool done = false;
     store.save(sk, std::move(m), [&] { done = true; });
