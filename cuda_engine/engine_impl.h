@@ -236,6 +236,7 @@ struct CudaEngine::Impl {
   std::unique_ptr<cuda::CublasLtMatmul> mm;
   cudaStream_t st = nullptr;
   cudaEvent_t routes_ready = nullptr;  // budget mode: a layer's routes are on the host
+  bool omit(uint32_t kernel) const { return (opts.bench_omit & kernel) != 0; }  // benchmarks: --omit
   bool all_resident = false;
   uint64_t residency_version = 0;
 

@@ -177,6 +177,45 @@ struct CudaEngineOptions {
   // from an offset of its own (kernels/cuda/router.cuh, ForcedRouting). Empty:
   // off. Takes precedence over uniform_routing_seed.
   std::string routing_trace;
+  // Benchmarks only, outputs meaningless: kernels left out of every pass, so
+  // that a step's time without one tells that kernel's share of the step as
+  // it runs among the others (moe-bench-engine --omit). Bits of OmitKernel.
+  uint32_t bench_omit = 0;
 };
+
+enum OmitKernel : uint32_t {
+  kOmitQkv = 1u << 0,        // the q|k|v projection (with its RMSNorm)
+  kOmitAttention = 1u << 1,  // RoPE, the KV store and attention
+  kOmitO = 1u << 2,          // the o projection
+  kOmitPost = 1u << 3,       // the post-attention projection: the router's GEMV or the shared gate|up
+  kOmitRouter = 1u << 4,     // softmax and top-k (uniform or replayed routing still draws the ids)
+  kOmitGateUp = 1u << 5,     // the routed experts' gate|up
+  kOmitDown = 1u << 6,       // the routed experts' down
+  kOmitLmHead = 1u << 7,     // the final norm and lm_head
+  kOmitSampling = 1u << 8,   // adjustments and sampling
+};
+
+// "qkv,attention,..." (OmitKernel's names, lower case) as bits; an unknown
+// name is an error.
+inline Result<uint32_t> parse_omit(std::string_view names) {
+  static constexpr std::pair<std::string_view, uint32_t> kNames[] = {
+      {"qkv", kOmitQkv},       {"attention", kOmitAttention}, {"o", kOmitO},
+      {"post", kOmitPost},     {"router", kOmitRouter},       {"gate_up", kOmitGateUp},
+      {"down", kOmitDown},     {"lm_head", kOmitLmHead},      {"sampling", kOmitSampling}};
+  uint32_t bits = 0;
+  while (!names.empty()) {
+    const size_t comma = names.find(',');
+    const std::string_view name = names.substr(0, comma);
+    names = comma == std::string_view::npos ? std::string_view{} : names.substr(comma + 1);
+    if (name.empty()) continue;
+    bool known = false;
+    for (const auto& [n, b] : kNames)
+      if (n == name) bits |= b, known = true;
+    if (!known)
+      return make_error("unknown kernel '" + std::string(name) +
+                        "' (qkv, attention, o, post, router, gate_up, down, lm_head, sampling)");
+  }
+  return bits;
+}
 
 }  // namespace moe

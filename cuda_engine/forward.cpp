@@ -93,8 +93,9 @@ Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, 
   // router's place.
   const bool forced = opts.uniform_routing_seed != 0 || trace_dev;
   const cuda::SharePublishArgs* publish_one = sharing && n == 1 ? &a : nullptr;
-  MOE_TRY(cuda::router_topk(logits, n, n_experts, top_k, d.moe.norm_topk_prob, d.moe.routed_scaling, ids, route_w, st,
-                            stride, forced ? nullptr : publish_one));
+  if (!omit(kOmitRouter))
+    MOE_TRY(cuda::router_topk(logits, n, n_experts, top_k, d.moe.norm_topk_prob, d.moe.routed_scaling, ids, route_w,
+                              st, stride, forced ? nullptr : publish_one));
   if (forced)
     MOE_TRY(cuda::force_experts({positions, routing_seq, ml, opts.uniform_routing_seed, trace_dev, trace_tokens,
                                  n_moe_layers},
@@ -130,8 +131,8 @@ Status CudaEngine::Impl::routed_experts(int ml, int n, const int32_t* ids) {
   a.tokens = n;
   a.top_k = top_k;
   if (small || !grouped_ok) {
-    MOE_TRY(cuda::q4_expert_gate_up(a, xn, h, st));
-    MOE_TRY(cuda::q4_expert_down(a, h, x, true, st));
+    if (!omit(kOmitGateUp)) MOE_TRY(cuda::q4_expert_gate_up(a, xn, h, st));
+    if (!omit(kOmitDown)) MOE_TRY(cuda::q4_expert_down(a, h, x, true, st));
   } else {
     MOE_TRY(cuda::q4_grouped_moe(a, xn, x, grouped_ws, grouped_ws_bytes, st));
   }
@@ -256,22 +257,24 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
   MOE_TRY(cuda::embedding_gather(embed, vocab, hidden, tokens, n, x, st));
   for (const DevLayer& L : layers) {
     advanced();
-    if (fuse) {
+    if (omit(kOmitQkv)) {
+    } else if (fuse) {
       MOE_TRY(gemv_rmsnorm(L.qkv_w, x, L.in_norm, nullptr, qkv, n));
     } else {
       MOE_TRY(cuda::rmsnorm(x, L.in_norm, xn, n, hidden, eps, st));
       MOE_TRY(project(L.qkv_w, xn, qkv, n, false));
     }
-    MOE_TRY(mla ? attention_mla(L, n, positions, seq_of_token, tables)
-                : attention_gqa(L, n, positions, seq_of_token, tables));
-    MOE_TRY(project(L.o_w, attn, x, n, true));
+    if (!omit(kOmitAttention))
+      MOE_TRY(mla ? attention_mla(L, n, positions, seq_of_token, tables)
+                  : attention_gqa(L, n, positions, seq_of_token, tables));
+    if (!omit(kOmitO)) MOE_TRY(project(L.o_w, attn, x, n, true));
     // The normed state xn and the first projection after attention: the
     // shared expert's / dense MLP's gate|up (with the router's rows when the
     // layer has both), or the router alone. Small batches norm inside the GEMV.
     bool logits_ready = false;
     if (fuse && (L.mlp_gu_w || L.moe_index >= 0)) {
       const DenseW& w = L.mlp_gu_w ? L.mlp_gu_w : L.router_w;
-      MOE_TRY(gemv_rmsnorm(w, x, L.post_norm, xn, L.mlp_gu_w ? gu : router_logits, n));
+      if (!omit(kOmitPost)) MOE_TRY(gemv_rmsnorm(w, x, L.post_norm, xn, L.mlp_gu_w ? gu : router_logits, n));
       logits_ready = true;
     } else {
       MOE_TRY(cuda::rmsnorm(x, L.post_norm, xn, n, hidden, eps, st));
@@ -293,7 +296,8 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
   const auto* rows = reinterpret_cast<const int32_t*>(pack_dev + pk.sample_rows);
   MOE_TRY(cuda::gather_rows_f32(x, rows, s, hidden, xs, st));
   MOE_TRY(cuda::rmsnorm(xs, final_norm, xsn, s, hidden, eps, st));
-  if (lm_head.quantised()) {
+  if (omit(kOmitLmHead)) {
+  } else if (lm_head.quantised()) {
     // The quantised vocabulary projection is too large to turn back into bf16:
     // GEMVs of up to 8 rows.
     for (int r0 = 0; r0 < s; r0 += cuda::kGemvMaxTokens)
@@ -304,6 +308,7 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
   }
   // Always launched (a row without entries returns at once), so a decode
   // graph serves steps with and without adjustments alike.
+  if (omit(kOmitSampling)) return {};
   MOE_TRY(cuda::adjust_logits(logits, s, vocab, reinterpret_cast<const AdjustSpan*>(pack_dev + pk.adjust_spans),
                               adjust_entries, adjust_saved, st));
   return cuda::sample_tokens(logits, s, vocab, reinterpret_cast<const SampleDraw*>(pack_dev + pk.params),

@@ -65,6 +65,8 @@ struct Options {
   int admit_per_pass = 0;                 // 0: the engine's default
   int profile_steps = 0;                  // decode steps a batch under the profiler (0: none)
   std::string json;
+  // --omit: sets of kernels left out, one engine each ({"", 0}: none).
+  std::vector<std::pair<std::string, uint32_t>> omit_sets = {{"", 0}};
 };
 
 // The profiled phases so far; each is announced with its number and label.
@@ -127,6 +129,7 @@ SeqInput greedy(uint64_t id, std::vector<int32_t> toks, int start) {
 
 struct Row {
   std::string shape, mode, phase, dense = "bf16", routing = "router";
+  std::string omit;  // --omit: the kernels left out (a diagnosis, not a result)
   int batch = 0;
   double tok_s = 0, peak_mib = 0, hit_rate = 1, pcie_mb_per_token = 0, host_experts_per_token = 0;
   // The host's share (streamed passes): per token, the host's time on its
@@ -228,7 +231,7 @@ int usage() {
                "                        [--routing router|uniform|router,uniform] [--host-experts auto|on|off]\n"
                "                        [--misses stream|copy] [--threads N] [--skip-resident]\n"
                "                        [--budget-batches 1[,8...]] [--admit-per-pass N]\n"
-               "                        [--json PATH] [--profile-steps N]\n");
+               "                        [--json PATH] [--profile-steps N] [--omit KERNEL[,KERNEL...][;...]]\n");
   return 2;
 }
 
@@ -257,6 +260,20 @@ int main(int argc, char** argv) {
     else if (a == "--budget-dense-weights") choose(o.budget_dense_weights.emplace());
     else if (a == "--fuse-max-tokens") o.fuse_max_tokens = std::atoi(val().c_str());
     else if (a == "--json") o.json = val();
+    else if (a == "--omit") {
+      o.omit_sets.clear();
+      const std::string sets = val();
+      for (size_t at = 0; at <= sets.size();) {
+        size_t semi = sets.find(';', at);
+        if (semi == std::string::npos) semi = sets.size();
+        const std::string set = sets.substr(at, semi - at) == "none" ? "" : sets.substr(at, semi - at);
+        at = semi + 1;
+        auto bits = parse_omit(set);
+        if (bits) o.omit_sets.emplace_back(set, *bits);
+        else std::fprintf(stderr, "moe-bench-engine: %s\n", bits.error().c_str());
+        bad = bad || !bits.ok();
+      }
+    }
     else if (a == "--host-experts") choose(o.host_experts);
     else if (a == "--misses") choose(o.misses);
     else if (a == "--threads") o.threads = std::atoi(val().c_str());
@@ -339,6 +356,7 @@ int main(int argc, char** argv) {
     if (o.resident || o.budgets_gib.empty()) modes.push_back(0);
     for (double b : o.budgets_gib) modes.push_back(b);
     for (double gib : modes)
+      for (const auto& [omit_name, omit_bits] : o.omit_sets)
       for (const std::string& routing : o.routings) {
         CudaEngineOptions eo;
         eo.vram_budget = size_t(gib * double(1ull << 30));
@@ -356,6 +374,7 @@ int main(int argc, char** argv) {
         eo.dense_weights = gib == 0 || !o.budget_dense_weights ? o.dense_weights : *o.budget_dense_weights;
         eo.fuse_max_tokens = o.fuse_max_tokens;
         eo.uniform_routing_seed = routing == "uniform" ? 0x5eed : 0;
+        eo.bench_omit = omit_bits;
         eo.host_experts = o.host_experts;
         eo.misses = o.misses;
         eo.host_threads = o.threads;
@@ -378,7 +397,9 @@ int main(int argc, char** argv) {
           r.mode = mode;
           r.dense = dense;
           r.routing = routing;
+          r.omit = omit_name;
           r.peak_mib = used_mib();
+          if (!r.omit.empty()) std::printf("    without %s:", r.omit.c_str());
           std::printf("    %s b%d: %.1f tok/s, hit %.3f, %.1f MB/token over PCIe, %.2f experts/token on the host, "
                       "%.0f MiB\n",
                       r.phase.c_str(), r.batch, r.tok_s, r.hit_rate, r.pcie_mb_per_token, r.host_experts_per_token,
@@ -400,6 +421,7 @@ int main(int argc, char** argv) {
           }
           keep(*r);
         }
+        if (omit_bits) continue;  // a diagnosis of decode steps
         auto p = prefill(**e, o, label);
         if (!p) {
           std::fprintf(stderr, "moe-bench-engine: %s\n", p.error().c_str());
@@ -411,16 +433,18 @@ int main(int argc, char** argv) {
   std::printf("\n| shape | mode | routing | dense weights | phase | batch | tok/s | hit rate | PCIe MB/token | GPU MiB |\n"
               "|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Row& r : rows)
-    std::printf("| %s | %s | %s | %s | %s | %d | %.0f | %.3f | %.1f | %.0f |\n", r.shape.c_str(), r.mode.c_str(),
-                r.routing.c_str(), r.dense.c_str(), r.phase.c_str(), r.batch, r.tok_s, r.hit_rate,
-                r.pcie_mb_per_token, r.peak_mib);
+    std::printf("| %s | %s | %s | %s | %s%s%s | %d | %.0f | %.3f | %.1f | %.0f |\n", r.shape.c_str(), r.mode.c_str(),
+                r.routing.c_str(), r.dense.c_str(), r.phase.c_str(), r.omit.empty() ? "" : " without ", r.omit.c_str(),
+                r.batch, r.tok_s, r.hit_rate, r.pcie_mb_per_token, r.peak_mib);
   if (!o.json.empty()) {
     nlohmann::json j = nlohmann::json::array();
-    for (const Row& r : rows)
+    for (const Row& r : rows) {
       j.push_back({{"shape", r.shape}, {"mode", r.mode}, {"routing", r.routing}, {"dense_weights", r.dense},
                    {"phase", r.phase}, {"batch", r.batch}, {"ours_tok_s", r.tok_s}, {"hit_rate", r.hit_rate},
                    {"pcie_mb_per_token", r.pcie_mb_per_token}, {"host_experts_per_token", r.host_experts_per_token},
                    {"peak_gpu_mib", r.peak_mib}});
+      if (!r.omit.empty()) j.back()["omit"] = r.omit;
+    }
     std::ofstream(o.json) << j.dump(1) << "\n";
   }
   return 0;

@@ -9,7 +9,7 @@
 # and the summary JSON.
 #   bench/gpu/run_all.sh BUILD_DIR OUT_DIR [COMMIT]
 # Writes OUT_DIR/engine-qwen15.json, engine-qwen3.json, peer.json and
-# gpu-latest.json; the log goes to stdout. Takes about 4 minutes on an H200.
+# gpu-latest.json (PEER=0: the two engine files only); the log goes to stdout. Takes about 4 minutes on an H200.
 set -euo pipefail
 build=${1:?usage: run_all.sh BUILD_DIR OUT_DIR [COMMIT]}
 out=${2:?usage: run_all.sh BUILD_DIR OUT_DIR [COMMIT]}
@@ -19,5 +19,7 @@ mkdir -p "$out"
 bench="$build/bench/gpu/moe-bench-engine"
 "$bench" --shape qwen15 --dense-weights int8 --budget-dense-weights auto --vram-budget 6 --budget-batches 1,8 --routing router,uniform --json "$out/engine-qwen15.json"
 "$bench" --shape qwen3 --dense-weights int8 --budget-dense-weights auto --vram-budget 12,8 --budget-batches 1,8 --routing router,uniform --json "$out/engine-qwen3.json"
+# PEER=0: the engine's rows only (a "before" run beside an "after" one).
+[ "${PEER:-1}" = 0 ] && exit 0
 python3 "$here/transformers_peer.py" --shape all --ours "$out/engine-qwen15.json,$out/engine-qwen3.json" \
     --json "$out/peer.json" --summary "$out/gpu-latest.json" --commit "$commit"

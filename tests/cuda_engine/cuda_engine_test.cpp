@@ -959,7 +959,6 @@ TEST_CASE("cuda engine: copy mode's layer-ahead guesses from the next router bea
   const std::string path = packed("demo-moe");
   const Resident r = resident(path);
   const int E = r.E;
-  const int V = r.engine->desc().vocab_size;
   std::map<std::string, CudaExpertStats> by;
   for (const char* guess : {"router", "transition"}) {
     INFO("guess " << guess);
