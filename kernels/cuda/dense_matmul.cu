@@ -195,7 +195,7 @@ struct WeightRun<Q4Pair> {
   }
 };
 
-template <typename W, int T, In MODE, int P>
+template <typename W, int T, In MODE>
 __global__ void __launch_bounds__(kThreads)
     gemv_kernel(GemvWeights wa, GemvIn in, float* y, int n_out, int k, bool accumulate, const float* gate,
                 int gate_stride) {
@@ -220,12 +220,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int r = 0; r < kRowsPerWarp; ++r)
       if (active) scale[r] = __ldg(wa.row_scale + min(row0 + r, n_out - 1));
   }
-  // Groups of 64 runs (two per lane per row) kept in flight: P of them are
-  // asked for before the wait on the kernel before, and each one used is
-  // replaced by the one P groups on, so the loads of a whole o projection
-  // (4,096 inputs, INT8: four groups) are issued while attention still runs.
-  // Groups are used in order, so the sums are as with any P.
-  uint4 buf[P][kRowsPerWarp][2];
+  uint4 cur[kRowsPerWarp][2];
   auto load = [&](uint4 (&dst)[kRowsPerWarp][2], int c0) {
 #pragma unroll
     for (int u = 0; u < 2; ++u)
@@ -233,8 +228,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int r = 0; r < kRowsPerWarp; ++r)
         if (active && c0 + 32 * u < kw) dst[r][u] = __ldcs(wr[r] + c0 + 32 * u);
   };
-#pragma unroll
-  for (int g = 0; g < P; ++g) load(buf[g], lane + 64 * g);
+  load(cur, lane);
   detail::wait_prior_grid();
   stage_input<T, MODE>(in, k, xs);
   // Scales wait in shared memory, sparing registers in the main loop.
@@ -250,37 +244,38 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = 0; r < kRowsPerWarp; ++r)
 #pragma unroll
     for (int t = 0; t < T; ++t) acc[r][t] = 0.f;
-  for (int base = lane; base < kw; base += 64 * P) {
+  for (int c0 = lane; c0 < kw; c0 += 64) {
+    uint4 nxt[kRowsPerWarp][2];
+    load(nxt, c0 + 64);
 #pragma unroll
-    for (int g = 0; g < P; ++g) {
-      const int c0 = base + 64 * g;
+    for (int u = 0; u < 2; ++u) {
+      const int c = c0 + 32 * u;
+      if (c >= kw) break;
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int c = c0 + 32 * u;
-        if (c >= kw) break;
+      for (int h = 0; h < kChunks; ++h) {
+        float wf[kRowsPerWarp][8];
 #pragma unroll
-        for (int h = 0; h < kChunks; ++h) {
-          float wf[kRowsPerWarp][8];
+        for (int r = 0; r < kRowsPerWarp; ++r) WeightRun<W>::unpack(cur[r][u], h, wf[r]);
 #pragma unroll
-          for (int r = 0; r < kRowsPerWarp; ++r) WeightRun<W>::unpack(buf[g][r][u], h, wf[r]);
+        for (int t = 0; t < T; ++t) {
+          const uint4 xv = xs[t * kc + c * kChunks + h];
+          const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&xv);
 #pragma unroll
-          for (int t = 0; t < T; ++t) {
-            const uint4 xv = xs[t * kc + c * kChunks + h];
-            const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&xv);
+          for (int e = 0; e < 4; ++e) {
+            const float2 f = __bfloat1622float2(b[e]);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const float2 f = __bfloat1622float2(b[e]);
-#pragma unroll
-              for (int r = 0; r < kRowsPerWarp; ++r) {
-                acc[r][t] = fmaf(wf[r][2 * e], f.x, acc[r][t]);
-                acc[r][t] = fmaf(wf[r][2 * e + 1], f.y, acc[r][t]);
-              }
+            for (int r = 0; r < kRowsPerWarp; ++r) {
+              acc[r][t] = fmaf(wf[r][2 * e], f.x, acc[r][t]);
+              acc[r][t] = fmaf(wf[r][2 * e + 1], f.y, acc[r][t]);
             }
           }
         }
       }
-      load(buf[g], c0 + 64 * P);
     }
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) cur[r][u] = nxt[r][u];
   }
   store_rows<T>(acc, row0, n_out, y, accumulate, gate, gate_stride, kScaled ? scale_s[threadIdx.x >> 5] : nullptr);
 }
@@ -288,15 +283,13 @@ __global__ void __launch_bounds__(kThreads)
 template <typename W, int T, In MODE>
 Status launch_gemv(const GemvWeights& wa, const GemvIn& in, float* y, int n_out, int k, bool acc,
                    const float* gate, int gate_stride, cudaStream_t stream) {
-  // Wide rows keep four groups of runs in flight, the rest two.
-  const int runs = std::is_same_v<W, int8_t> ? k / 16 : k / 8;
-  auto kernel = runs > 128 ? gemv_kernel<W, T, MODE, 4> : gemv_kernel<W, T, MODE, 2>;
   const size_t smem = size_t(T) * k * 2;
   if (smem > 48 * 1024)
-    MOE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    MOE_CUDA_TRY(cudaFuncSetAttribute(gemv_kernel<W, T, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      int(smem)));
   const int rows_per_block = kWarps * kRowsPerWarp;
-  MOE_CUDA_TRY(detail::launch_pdl(kernel, dim3((n_out + rows_per_block - 1) / rows_per_block), dim3(kThreads), smem,
-                                  stream, wa, in, y, n_out, k, acc, gate, gate_stride));
+  MOE_CUDA_TRY(detail::launch_pdl(gemv_kernel<W, T, MODE>, dim3((n_out + rows_per_block - 1) / rows_per_block),
+                                  dim3(kThreads), smem, stream, wa, in, y, n_out, k, acc, gate, gate_stride));
   MOE_CUDA_LAUNCHED();
   return {};
 }
