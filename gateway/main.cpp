@@ -247,8 +247,12 @@ int main(int argc, char** argv) {
   uv_signal_start(&shutdown.sigint, Shutdown::on_signal, SIGINT);
   uv_signal_start(&shutdown.sigterm, Shutdown::on_signal, SIGTERM);
   uv_run(loop, UV_RUN_DEFAULT);
-  // Let the closing connections finish their close callbacks.
+  // Let the closing connections finish their close callbacks, and requests
+  // still being tokenised on the thread pool come back (their clients are
+  // gone: nothing more runs for them), so that no pool thread reads the
+  // codec after it is freed.
   uv_run(loop, UV_RUN_NOWAIT);
+  while (api.jobs_in_flight() > 0) uv_run(loop, UV_RUN_ONCE);
   // Redis first: its pending callbacks (called with nullptr) reach the store and streams.
   redis.reset();
   worker_streams.reset();

@@ -129,6 +129,62 @@ HttpResponse OpenAiApi::protocol_error(int status, const std::string& message) {
       ApiError{status, message, server_fault ? "server_error" : "invalid_request_error", "", code});
 }
 
+namespace {
+
+// One request's work on the thread pool and what follows it on the loop.
+struct PoolJob {
+  uv_work_t req{};
+  std::function<void()> work;
+  std::function<void(bool failed)> finish;  // on the loop
+  bool failed = false;
+};
+
+}  // namespace
+
+void OpenAiApi::off_loop(const std::shared_ptr<HttpExchange>& ex, const char* endpoint, std::function<void()> work,
+                         std::function<void()> then) {
+  auto fail = [this, ex, endpoint] {
+    reply_error(ex, endpoint,
+                ApiError{500, "Internal error while reading the request.", "server_error", "", "internal_error"});
+  };
+  if (!server_) {
+    if (!last_resort("a request's text", work)) return fail();
+    return then();
+  }
+  auto* job = new PoolJob;
+  job->work = std::move(work);
+  job->finish = [this, ex, fail, then = std::move(then)](bool failed) {
+    --jobs_in_flight_;
+    // The client may have gone while its text was read: then nothing runs.
+    if (!ex->open()) {
+      metrics_->count_disconnect();
+      return;
+    }
+    if (failed) return fail();
+    // As after a session's load: whatever throws here still answers.
+    if (!last_resort("a request after its text was read", then) && ex->open()) fail();
+  };
+  job->req.data = job;
+  ++jobs_in_flight_;
+  const int rc = uv_queue_work(
+      server_->loop(), &job->req,
+      [](uv_work_t* w) {
+        auto* j = static_cast<PoolJob*>(w->data);
+        j->failed = !last_resort("a request's text (thread pool)", j->work);
+      },
+      [](uv_work_t* w, int status) {
+        // Deleted here, on the loop: what `finish` holds (a session's turn
+        // mark among it) is let go where the loop's state lives.
+        std::unique_ptr<PoolJob> j(static_cast<PoolJob*>(w->data));
+        j->finish(j->failed || status != 0);
+      });
+  if (rc != 0) {
+    delete job;
+    --jobs_in_flight_;
+    fail();
+  }
+}
+
 void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
   const HttpRequest& req = ex->request();
   const std::string& path = req.path;
@@ -204,9 +260,16 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
   if (route.endpoint == kHealth) return health(ex);
   if (route.endpoint == kDebugExperts) return debug_experts(ex);
   if (page) return experts_page(ex, route.endpoint == kExperts);
-  if (route.endpoint == kTokenize)
-    return reply(ex, kTokenize, tokenize_response(ex->request().body, *codec_, opts_.served_model_name,
-                                                  scheduler_->ready() ? scheduler_->max_context() : 0));
+  if (route.endpoint == kTokenize) {
+    auto out = std::make_shared<HttpResponse>();
+    off_loop(ex, kTokenize,
+             [out, body = ex->request().body, codec = codec_, name = opts_.served_model_name,
+              max_context = scheduler_->ready() ? scheduler_->max_context() : 0] {
+               *out = tokenize_response(body, *codec, name, max_context);
+             },
+             [this, ex, out] { reply(ex, kTokenize, std::move(*out)); });
+    return;
+  }
   if (route.endpoint == kDetokenize)
     return reply(ex, kDetokenize, detokenize_response(ex->request().body, *codec_, opts_.served_model_name));
   metrics(ex);
@@ -380,7 +443,29 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
   limits.max_choices = opts_.max_choices;
   limits.max_request_tokens = opts_.max_request_tokens;
   limits.max_logprob_entries = opts_.max_logprob_entries;
-  ParsedRequest parsed = parse_completion_request(kind, body, *codec_, limits, prior);
+  // Parsing tokenises the prompt (or renders and tokenises the chat): on
+  // the thread pool, the loop serving the other connections meanwhile.
+  struct Job {
+    nlohmann::json body;
+    ChatMessages prior;
+    std::optional<ParsedRequest> parsed;
+  };
+  auto job = std::make_shared<Job>(Job{body, std::move(prior), std::nullopt});
+  off_loop(ex, endpoint,
+           [job, kind, codec = codec_, limits] {
+             job->parsed.emplace(parse_completion_request(kind, job->body, *codec, limits, job->prior));
+           },
+           [this, job, kind, ex, caller, session, turn = std::move(turn), request_key, request_digest]() mutable {
+             start_completion(kind, ex, caller, job->body, session, std::move(job->prior), std::move(turn),
+                              request_key, request_digest, std::move(*job->parsed));
+           });
+}
+
+void OpenAiApi::start_completion(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller,
+                                 const json& body, const SessionKey& session, ChatMessages prior,
+                                 std::shared_ptr<const void> turn, const std::string& request_key,
+                                 const std::string& request_digest, ParsedRequest parsed) {
+  const char* endpoint = kind == ApiKind::chat ? kChat : kCompletions;
   if (auto* err = std::get_if<ApiError>(&parsed)) return reply_error(ex, endpoint, *err);
   if (!scheduler_->ready()) {
     HttpResponse r = api_error_response(

@@ -76,6 +76,9 @@ class OpenAiApi final : public HttpHandler {
   const Admission& admission() const { return admission_; }
   // The server whose connections /metrics reports (optional; set once it exists).
   void watch_server(const HttpServer* server) { server_ = server; }
+  // Requests whose text is being tokenised on libuv's thread pool: the
+  // process runs its loop until none is left before the codec goes.
+  size_t jobs_in_flight() const { return jobs_in_flight_; }
 
  private:
   // Who sent a request: what admission counts and whose sessions it may read.
@@ -101,6 +104,18 @@ class OpenAiApi final : public HttpHandler {
   void metrics(const std::shared_ptr<HttpExchange>& ex);
   void debug_experts(const std::shared_ptr<HttpExchange>& ex);
   void reply(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint, HttpResponse r);
+  // Runs `work` on libuv's thread pool, so that tokenising a long prompt or
+  // rendering a long chat holds up no other connection, then `then` on the
+  // loop, unless the client has gone meanwhile. An exception in `work` is a
+  // 500 for this request. `work` must touch nothing of this object: it
+  // runs beside the loop. Without a server (no loop) both run here.
+  void off_loop(const std::shared_ptr<HttpExchange>& ex, const char* endpoint, std::function<void()> work,
+                std::function<void()> then);
+  // run_completion's second half, on the loop once the request is parsed.
+  void start_completion(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller,
+                        const nlohmann::json& body, const SessionKey& session, ChatMessages prior,
+                        std::shared_ptr<const void> turn, const std::string& request_key,
+                        const std::string& request_digest, ParsedRequest parsed);
   void reply_error(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint, const ApiError& e);
   // The index of the key the request carries, -1 for none or a wrong one.
   // The key's index, or -1. `basic`: an HTTP Basic password counts too (the
@@ -122,6 +137,7 @@ class OpenAiApi final : public HttpHandler {
   std::mt19937_64 rng_;  // response ids and seeds of requests without one
   uint64_t next_request_serial_ = 1;
   const HttpServer* server_ = nullptr;
+  size_t jobs_in_flight_ = 0;
   // Sessions with a turn running here (owner and id): a second turn of one
   // meanwhile is a 409, since each turn is answered from and saved over
   // the turns before it (two at once: one's turn lost, neither seeing the other).

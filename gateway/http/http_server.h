@@ -123,6 +123,7 @@ class HttpServer {
   Status listen();
   // The bound port (after listen()).
   int port() const { return bound_port_; }
+  uv_loop_t* loop() const { return loop_; }
   // Stops listening and closes every connection (aborting their exchanges).
   // The loop must run on for the handles to finish closing.
   void close();

@@ -7,7 +7,12 @@
 #include <cstdio>
 #include <fstream>
 #include <regex>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <stdexcept>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -91,6 +96,47 @@ class ThrowingCodec final : public TextCodec {
 
  private:
   ByteCodec inner_;
+};
+
+// A codec whose text side waits at a gate the test opens: a request whose
+// prompt takes as long to tokenise as the test wants.
+class GatedCodec final : public TextCodec {
+ public:
+  std::vector<int32_t> encode(std::string_view text) const override {
+    wait();
+    return inner_.encode(text);
+  }
+  moe::Result<std::vector<int32_t>> encode_chat(const json& messages) const override {
+    wait();
+    return inner_.encode_chat(messages);
+  }
+  std::unique_ptr<TokenTextStream> stream_decoder() const override { return inner_.stream_decoder(); }
+  std::string token_bytes(int32_t id) const override { return inner_.token_bytes(id); }
+  int vocab_size() const override { return inner_.vocab_size(); }
+  std::vector<int32_t> stop_token_ids() const override { return inner_.stop_token_ids(); }
+  void open() {
+    std::lock_guard<std::mutex> l(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  bool is_open() const {
+    std::lock_guard<std::mutex> l(mu_);
+    return open_;
+  }
+  int waiting() const { return waiting_.load(); }
+
+ private:
+  void wait() const {
+    std::unique_lock<std::mutex> l(mu_);
+    ++waiting_;
+    cv_.wait(l, [&] { return open_; });
+    --waiting_;
+  }
+  ByteCodec inner_;
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  mutable std::atomic<int> waiting_{0};
+  bool open_ = false;
 };
 
 }  // namespace
@@ -404,6 +450,59 @@ TEST_CASE("hardening: the store keeps the newest turns within its caps", "[gatew
   CHECK(s[0].role == "system");
   CHECK(s[1].content == "2");
   CHECK(s[2].content == "a2");
+}
+
+TEST_CASE("hardening: a request being tokenised holds up no other connection", "[gateway][hardening]") {
+  GatedCodec codec;
+  TestGateway gw({}, {}, &codec);
+  // A watchdog opens the gate after 20 s whatever happens, so that a loop
+  // held up by a tokenisation fails this test instead of hanging it.
+  std::atomic<bool> done{false};
+  std::thread watchdog([&] {
+    for (int i = 0; i < 2000 && !done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    codec.open();
+  });
+  ClientResponse tok, chat;
+  std::thread a([&] { tok = http(gw.port(), "POST", "/tokenize", R"({"prompt":"hello"})"); });
+  std::thread b([&] { chat = http(gw.port(), "POST", kChat, chat_body("hi")); });
+  // Both are read and wait at the gate at once: neither holds the loop.
+  CHECK(eventually([&] { return codec.waiting() == 2; }, 10000));
+  // Meanwhile other clients are answered.
+  CHECK(http(gw.port(), "GET", "/health").status == 200);
+  CHECK(http(gw.port(), "GET", "/v1/models").status == 200);
+  CHECK(http(gw.port(), "POST", "/detokenize", R"({"tokens":[104,105]})").status == 200);
+  CHECK_FALSE(codec.is_open());  // all of it while both still waited
+  codec.open();
+  a.join();
+  b.join();
+  done = true;
+  watchdog.join();
+  CHECK(tok.status == 200);
+  CHECK(json::parse(tok.body)["count"] == 5);
+  CHECK(chat.status == 200);
+  // A client that leaves while its prompt is read: nothing runs for it
+  // (no sequence reaches the scheduler), and the gateway goes on.
+  GatedCodec slow;
+  TestGateway gw2({}, {}, &slow);
+  std::atomic<bool> done2{false};
+  std::thread watchdog2([&] {
+    for (int i = 0; i < 2000 && !done2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    slow.open();
+  });
+  {
+    TestClient c(gw2.port());
+    const std::string body = chat_body("bye");
+    c.send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(body.size()) +
+           "\r\n\r\n" + body);
+    CHECK(eventually([&] { return slow.waiting() == 1; }, 10000));
+  }  // closed
+  CHECK(eventually([&] { return gw2.server().connection_count() == 0; }, 10000));
+  slow.open();
+  CHECK(eventually([&] { return gw2.api().jobs_in_flight() == 0; }));
+  done2 = true;
+  watchdog2.join();
+  CHECK(http(gw2.port(), "POST", kChat, chat_body("again")).status == 200);
+  CHECK(gw2.scheduler().submitted().size() == 1);  // the second request's sequence only
 }
 
 TEST_CASE("hardening: an exception in the text side is a 500 for that request only", "[gateway][hardening]") {
