@@ -245,6 +245,9 @@ def smaller_fallback(c):
     main = c.start_worker("main", redis=False, extra=["--kv-blocks", "32"])
     fb = c.start_worker("fb", redis=False, extra=["--kv-blocks", "3"])  # 48 tokens: less than any stream needs
     port = c.start_gateway([main], fallback=fb, redis=False)
+    # The fallback may be ready first: a fresh request it took would be cut
+    # at its 48 tokens (a limit of its own, not what this part tests).
+    c.wait_health(main=True)
     ps = [f"def resumed_{i}(values):\n" for i in range(3)]
     want = 100
     twins = h.twins_of(port, ps, want)

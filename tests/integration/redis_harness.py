@@ -110,7 +110,9 @@ class Cluster:
             self.wait_health(name=name)
         return self.http_port
 
-    def wait_health(self, timeout=60, name="gateway"):
+    def wait_health(self, timeout=60, name="gateway", main=False):
+        """Until /health says ok; `main`: and not degraded, i.e. a main
+        worker serves (a fallback alone is ready too)."""
         end = time.time() + timeout
         while time.time() < end:
             try:
@@ -118,7 +120,7 @@ class Cluster:
                 c.request("GET", "/health")
                 r = c.getresponse()
                 body = r.read()
-                if r.status == 200 and b'"ok"' in body:
+                if r.status == 200 and b'"ok"' in body and (not main or json.loads(body).get("degraded") is False):
                     return
             except OSError:
                 pass
