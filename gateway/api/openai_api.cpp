@@ -1,6 +1,7 @@
 #include "gateway/api/openai_api.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <ctime>
@@ -136,8 +137,13 @@ struct PoolJob {
   uv_work_t req{};
   std::function<void()> work;
   std::function<void(bool failed)> finish;  // on the loop
+  std::atomic<bool> cancelled{false};       // the client left: the work need not run
   bool failed = false;
 };
+
+// Parses waiting for or on the pool at once: past this a request is 503
+// (the pool has four threads; a backlog only delays every request's start).
+constexpr size_t kMaxPoolJobs = 64;
 
 }  // namespace
 
@@ -151,10 +157,17 @@ void OpenAiApi::off_loop(const std::shared_ptr<HttpExchange>& ex, const char* en
     if (!last_resort("a request's text", work)) return fail();
     return then();
   }
+  if (jobs_in_flight_ >= kMaxPoolJobs) {
+    HttpResponse r = api_error_response(ApiError{503, "Too many requests are being read at once; retry shortly.",
+                                                 "server_error", "", "server_busy"});
+    r.headers.emplace_back("Retry-After", "1");
+    return reply(ex, endpoint, std::move(r));
+  }
   auto* job = new PoolJob;
   job->work = std::move(work);
   job->finish = [this, ex, fail, then = std::move(then)](bool failed) {
     --jobs_in_flight_;
+    ex->on_abort(nullptr);  // the job is gone after this
     // The client may have gone while its text was read: then nothing runs.
     if (!ex->open()) {
       metrics_->count_disconnect();
@@ -165,20 +178,28 @@ void OpenAiApi::off_loop(const std::shared_ptr<HttpExchange>& ex, const char* en
     if (!last_resort("a request after its text was read", then) && ex->open()) fail();
   };
   job->req.data = job;
+  // A client that leaves (or a shutdown) takes its job off the queue, or
+  // tells a running one to skip the work.
+  ex->on_abort([job] {
+    job->cancelled = true;
+    (void)uv_cancel(reinterpret_cast<uv_req_t*>(&job->req));
+  });
   ++jobs_in_flight_;
   const int rc = uv_queue_work(
       server_->loop(), &job->req,
       [](uv_work_t* w) {
         auto* j = static_cast<PoolJob*>(w->data);
+        if (j->cancelled) return;
         j->failed = !last_resort("a request's text (thread pool)", j->work);
       },
       [](uv_work_t* w, int status) {
         // Deleted here, on the loop: what `finish` holds (a session's turn
         // mark among it) is let go where the loop's state lives.
         std::unique_ptr<PoolJob> j(static_cast<PoolJob*>(w->data));
-        j->finish(j->failed || status != 0);
+        j->finish(j->failed || status != 0 || j->cancelled);
       });
   if (rc != 0) {
+    ex->on_abort(nullptr);
     delete job;
     --jobs_in_flight_;
     fail();
@@ -436,6 +457,20 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
       }
     }
   }
+  auto job = std::make_shared<CompletionJob>();
+  job->kind = kind;
+  job->ex = ex;
+  job->caller = caller;
+  job->body = body;
+  job->session = session;
+  job->prior = std::move(prior);
+  job->turn = std::move(turn);
+  job->request_key = std::move(request_key);
+  job->request_digest = std::move(request_digest);
+  parse_then_start(std::move(job), 0);
+}
+
+RequestLimits OpenAiApi::limits_now() const {
   RequestLimits limits;
   limits.served_model_name = opts_.served_model_name;
   limits.max_context = scheduler_->ready() ? scheduler_->max_context() : 0;
@@ -443,21 +478,29 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
   limits.max_choices = opts_.max_choices;
   limits.max_request_tokens = opts_.max_request_tokens;
   limits.max_logprob_entries = opts_.max_logprob_entries;
+  return limits;
+}
+
+void OpenAiApi::parse_then_start(std::shared_ptr<CompletionJob> job, int attempt) {
   // Parsing tokenises the prompt (or renders and tokenises the chat): on
   // the thread pool, the loop serving the other connections meanwhile.
-  struct Job {
-    nlohmann::json body;
-    ChatMessages prior;
-    std::optional<ParsedRequest> parsed;
-  };
-  auto job = std::make_shared<Job>(Job{body, std::move(prior), std::nullopt});
-  off_loop(ex, endpoint,
-           [job, kind, codec = codec_, limits] {
-             job->parsed.emplace(parse_completion_request(kind, job->body, *codec, limits, job->prior));
+  job->limits = limits_now();
+  job->parsed.reset();
+  const auto ex = job->ex;
+  off_loop(ex, job->kind == ApiKind::chat ? kChat : kCompletions,
+           [job, codec = codec_] {
+             job->parsed.emplace(parse_completion_request(job->kind, job->body, *codec, job->limits, job->prior));
            },
-           [this, job, kind, ex, caller, session, turn = std::move(turn), request_key, request_digest]() mutable {
-             start_completion(kind, ex, caller, job->body, session, std::move(job->prior), std::move(turn),
-                              request_key, request_digest, std::move(*job->parsed));
+           [this, job, attempt]() mutable {
+             // The serving workers' limits changed while it was parsed (one
+             // came up, went down or was replaced): parse it again against
+             // them, as when it arrived.
+             const RequestLimits now = limits_now();
+             if ((now.max_context != job->limits.max_context || now.kv_capacity != job->limits.kv_capacity) &&
+                 attempt < 2)
+               return parse_then_start(std::move(job), attempt + 1);
+             start_completion(job->kind, job->ex, job->caller, job->body, job->session, std::move(job->prior),
+                              std::move(job->turn), job->request_key, job->request_digest, std::move(*job->parsed));
            });
 }
 

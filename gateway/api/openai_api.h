@@ -18,6 +18,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <unordered_set>
@@ -111,6 +112,24 @@ class OpenAiApi final : public HttpHandler {
   // runs beside the loop. Without a server (no loop) both run here.
   void off_loop(const std::shared_ptr<HttpExchange>& ex, const char* endpoint, std::function<void()> work,
                 std::function<void()> then);
+  // A completion request from its parse on: what run_completion checked,
+  // and the parse's inputs and result.
+  struct CompletionJob {
+    ApiKind kind = ApiKind::chat;
+    std::shared_ptr<HttpExchange> ex;
+    Caller caller;
+    nlohmann::json body;
+    SessionKey session;
+    ChatMessages prior;
+    std::shared_ptr<const void> turn;
+    std::string request_key, request_digest;
+    RequestLimits limits;  // the serving workers' when the parse began
+    std::optional<ParsedRequest> parsed;
+  };
+  RequestLimits limits_now() const;
+  // Parses on the thread pool (off_loop), then start_completion; limits
+  // that changed meanwhile parse it again, twice at most.
+  void parse_then_start(std::shared_ptr<CompletionJob> job, int attempt);
   // run_completion's second half, on the loop once the request is parsed.
   void start_completion(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller,
                         const nlohmann::json& body, const SessionKey& session, ChatMessages prior,

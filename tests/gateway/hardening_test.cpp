@@ -452,57 +452,109 @@ TEST_CASE("hardening: the store keeps the newest turns within its caps", "[gatew
   CHECK(s[2].content == "a2");
 }
 
+// Opens the codec's gate when the scope ends, however it ends, and joins
+// the client threads after: a loop held up by a tokenisation (the defect
+// these tests look for) fails them instead of hanging them; a watchdog
+// opens it after 20 s in any case.
+struct GateScope {
+  GatedCodec& codec;
+  std::vector<std::thread> threads;
+  std::atomic<bool> done{false};
+  std::thread watchdog;
+  explicit GateScope(GatedCodec& c) : codec(c) {
+    watchdog = std::thread([this] {
+      for (int i = 0; i < 2000 && !done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      codec.open();
+    });
+  }
+  ~GateScope() {
+    done = true;
+    codec.open();
+    for (auto& t : threads) t.join();
+    watchdog.join();
+  }
+};
+
+std::string post(const std::string& path, const std::string& body) {
+  return "POST " + path + " HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" +
+         body;
+}
+
 TEST_CASE("hardening: a request being tokenised holds up no other connection", "[gateway][hardening]") {
   GatedCodec codec;
   TestGateway gw({}, {}, &codec);
-  // A watchdog opens the gate after 20 s whatever happens, so that a loop
-  // held up by a tokenisation fails this test instead of hanging it.
-  std::atomic<bool> done{false};
-  std::thread watchdog([&] {
-    for (int i = 0; i < 2000 && !done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    codec.open();
-  });
   ClientResponse tok, chat;
-  std::thread a([&] { tok = http(gw.port(), "POST", "/tokenize", R"({"prompt":"hello"})"); });
-  std::thread b([&] { chat = http(gw.port(), "POST", kChat, chat_body("hi")); });
-  // Both are read and wait at the gate at once: neither holds the loop.
-  CHECK(eventually([&] { return codec.waiting() == 2; }, 10000));
-  // Meanwhile other clients are answered.
-  CHECK(http(gw.port(), "GET", "/health").status == 200);
-  CHECK(http(gw.port(), "GET", "/v1/models").status == 200);
-  CHECK(http(gw.port(), "POST", "/detokenize", R"({"tokens":[104,105]})").status == 200);
-  CHECK_FALSE(codec.is_open());  // all of it while both still waited
-  codec.open();
-  a.join();
-  b.join();
-  done = true;
-  watchdog.join();
+  {
+    GateScope gate(codec);
+    gate.threads.emplace_back([&] { tok = http(gw.port(), "POST", "/tokenize", R"({"prompt":"hello"})"); });
+    gate.threads.emplace_back([&] { chat = http(gw.port(), "POST", kChat, chat_body("hi")); });
+    // Both are read and wait at the gate at once: neither holds the loop
+    // (libuv's pool has four threads).
+    CHECK(eventually([&] { return codec.waiting() == 2; }, 10000));
+    // Meanwhile other clients are answered.
+    CHECK(http(gw.port(), "GET", "/health").status == 200);
+    CHECK(http(gw.port(), "GET", "/v1/models").status == 200);
+    CHECK(http(gw.port(), "POST", "/detokenize", R"({"tokens":[104,105]})").status == 200);
+    CHECK_FALSE(codec.is_open());  // all of it while both still waited
+  }
   CHECK(tok.status == 200);
   CHECK(json::parse(tok.body)["count"] == 5);
   CHECK(chat.status == 200);
-  // A client that leaves while its prompt is read: nothing runs for it
-  // (no sequence reaches the scheduler), and the gateway goes on.
-  GatedCodec slow;
-  TestGateway gw2({}, {}, &slow);
-  std::atomic<bool> done2{false};
-  std::thread watchdog2([&] {
-    for (int i = 0; i < 2000 && !done2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    slow.open();
-  });
+}
+
+TEST_CASE("hardening: requests waiting to be tokenised are bounded, and dropped when their client leaves",
+          "[gateway][hardening]") {
+  GatedCodec codec;
+  TestGateway gw({}, {}, &codec);
   {
-    TestClient c(gw2.port());
-    const std::string body = chat_body("bye");
-    c.send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(body.size()) +
-           "\r\n\r\n" + body);
-    CHECK(eventually([&] { return slow.waiting() == 1; }, 10000));
-  }  // closed
-  CHECK(eventually([&] { return gw2.server().connection_count() == 0; }, 10000));
-  slow.open();
-  CHECK(eventually([&] { return gw2.api().jobs_in_flight() == 0; }));
-  done2 = true;
-  watchdog2.join();
-  CHECK(http(gw2.port(), "POST", kChat, chat_body("again")).status == 200);
-  CHECK(gw2.scheduler().submitted().size() == 1);  // the second request's sequence only
+    GateScope gate(codec);
+    // Four fill the pool's threads, at the gate.
+    std::vector<std::unique_ptr<TestClient>> held;
+    for (int i = 0; i < 4; ++i) {
+      held.push_back(std::make_unique<TestClient>(gw.port()));
+      held.back()->send(post("/tokenize", R"({"prompt":"held"})"));
+    }
+    REQUIRE(eventually([&] { return codec.waiting() == 4; }, 10000));
+    // Queued behind them, then gone: taken off the queue at once.
+    {
+      TestClient leaver(gw.port());
+      leaver.send(post(kChat, chat_body("bye")));
+      REQUIRE(eventually([&] { return gw.api().jobs_in_flight() == 5; }));
+    }
+    CHECK(eventually([&] { return gw.api().jobs_in_flight() == 4; }));
+    // Up to 64 wait; the next is told to come back.
+    std::vector<std::unique_ptr<TestClient>> queued;
+    for (int i = 0; i < 60; ++i) {
+      queued.push_back(std::make_unique<TestClient>(gw.port()));
+      queued.back()->send(post("/tokenize", R"({"prompt":"queued"})"));
+    }
+    REQUIRE(eventually([&] { return gw.api().jobs_in_flight() == 64; }));
+    auto busy = http(gw.port(), "POST", "/tokenize", R"({"prompt":"one more"})");
+    expect_error(busy, 503, "server_busy");
+    CHECK(busy.headers["retry-after"] == "1");
+    CHECK(http(gw.port(), "GET", "/health").status == 200);
+    codec.open();
+    for (auto& c : held) CHECK(c->read_response(10000).status == 200);
+    for (auto& c : queued) CHECK(c->read_response(10000).status == 200);
+  }
+  CHECK(eventually([&] { return gw.api().jobs_in_flight() == 0; }));
+  CHECK(gw.scheduler().submitted().empty());  // the chat that left never ran
+}
+
+TEST_CASE("hardening: a request is checked against the context of the workers serving when its parse ends",
+          "[gateway][hardening]") {
+  GatedCodec codec;
+  TestGateway gw({}, {}, &codec);
+  ClientResponse r;
+  {
+    GateScope gate(codec);
+    gate.threads.emplace_back(
+        [&] { r = http(gw.port(), "POST", "/v1/completions", R"({"model":"demo-moe","prompt":"twenty bytes of text"})"); });
+    REQUIRE(eventually([&] { return codec.waiting() == 1; }, 10000));
+    // A worker with a 16-token context takes over while the prompt is read.
+    gw.scheduler().max_context_ = 16;
+  }
+  expect_error(r, 400, "context_length_exceeded");
 }
 
 TEST_CASE("hardening: an exception in the text side is a 500 for that request only", "[gateway][hardening]") {
