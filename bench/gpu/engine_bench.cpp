@@ -97,11 +97,11 @@ double used_mib() {
   return double(t - f) / (1 << 20);
 }
 
-std::vector<std::string> split_list(const std::string& v) {
+std::vector<std::string> split_list(const std::string& v, char sep = ',') {
   std::vector<std::string> out;
   size_t p = 0;
   while (p <= v.size()) {
-    const size_t c = v.find(',', p);
+    const size_t c = v.find(sep, p);
     out.push_back(v.substr(p, c == std::string::npos ? std::string::npos : c - p));
     if (c == std::string::npos) break;
     p = c + 1;
@@ -262,12 +262,8 @@ int main(int argc, char** argv) {
     else if (a == "--json") o.json = val();
     else if (a == "--omit") {
       o.omit_sets.clear();
-      const std::string sets = val();
-      for (size_t at = 0; at <= sets.size();) {
-        size_t semi = sets.find(';', at);
-        if (semi == std::string::npos) semi = sets.size();
-        const std::string set = sets.substr(at, semi - at) == "none" ? "" : sets.substr(at, semi - at);
-        at = semi + 1;
+      for (std::string set : split_list(val(), ';')) {
+        if (set == "none") set.clear();
         auto bits = parse_omit(set);
         if (bits) o.omit_sets.emplace_back(set, *bits);
         else std::fprintf(stderr, "moe-bench-engine: %s\n", bits.error().c_str());

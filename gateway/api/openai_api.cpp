@@ -499,15 +499,17 @@ void OpenAiApi::parse_then_start(std::shared_ptr<CompletionJob> job, int attempt
              if ((now.max_context != job->limits.max_context || now.kv_capacity != job->limits.kv_capacity) &&
                  attempt < 2)
                return parse_then_start(std::move(job), attempt + 1);
-             start_completion(job->kind, job->ex, job->caller, job->body, job->session, std::move(job->prior),
-                              std::move(job->turn), job->request_key, job->request_digest, std::move(*job->parsed));
+             start_completion(*job);
            });
 }
 
-void OpenAiApi::start_completion(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller,
-                                 const json& body, const SessionKey& session, ChatMessages prior,
-                                 std::shared_ptr<const void> turn, const std::string& request_key,
-                                 const std::string& request_digest, ParsedRequest parsed) {
+void OpenAiApi::start_completion(CompletionJob& job) {
+  const ApiKind kind = job.kind;
+  const std::shared_ptr<HttpExchange>& ex = job.ex;
+  const Caller& caller = job.caller;
+  const json& body = job.body;
+  const SessionKey& session = job.session;
+  ParsedRequest& parsed = *job.parsed;
   const char* endpoint = kind == ApiKind::chat ? kChat : kCompletions;
   if (auto* err = std::get_if<ApiError>(&parsed)) return reply_error(ex, endpoint, *err);
   if (!scheduler_->ready()) {
@@ -609,11 +611,12 @@ void OpenAiApi::start_completion(ApiKind kind, const std::shared_ptr<HttpExchang
   if (!session.id.empty()) {
     ctx.extra_headers.emplace_back("X-Session-Id", session.id);
     // The stored turns, this request's (validated) turns and the reply.
-    ChatMessages conversation = std::move(prior);
+    ChatMessages conversation = std::move(job.prior);
     conversation.insert(conversation.end(), req.messages.begin(), req.messages.end());
     SessionStore* store = opts_.sessions;
-    ctx.on_complete = [store, session, request_key, request_digest, conversation = std::move(conversation),
-                       turn = std::move(turn)](const ChatMessage& reply, std::function<void()> then) mutable {
+    ctx.on_complete = [store, session, request_key = job.request_key, request_digest = job.request_digest,
+                       conversation = std::move(conversation),
+                       turn = std::move(job.turn)](const ChatMessage& reply, std::function<void()> then) mutable {
       conversation.push_back(reply);
       // What a retry needs, only for a turn that can be retried by its key.
       conversation.back().request_key = request_key;

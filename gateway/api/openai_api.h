@@ -131,10 +131,7 @@ class OpenAiApi final : public HttpHandler {
   // that changed meanwhile parse it again, twice at most.
   void parse_then_start(std::shared_ptr<CompletionJob> job, int attempt);
   // run_completion's second half, on the loop once the request is parsed.
-  void start_completion(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller,
-                        const nlohmann::json& body, const SessionKey& session, ChatMessages prior,
-                        std::shared_ptr<const void> turn, const std::string& request_key,
-                        const std::string& request_digest, ParsedRequest parsed);
+  void start_completion(CompletionJob& job);
   void reply_error(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint, const ApiError& e);
   // The index of the key the request carries, -1 for none or a wrong one.
   // The key's index, or -1. `basic`: an HTTP Basic password counts too (the
