@@ -130,6 +130,10 @@ Status CudaEngine::Impl::routed_experts(int ml, int n, const int32_t* ids) {
   a.route_weights = route_w;
   a.tokens = n;
   a.top_k = top_k;
+  // Streamed passes: a miss's pairs read its weights over the link once; the
+  // islands' experts stay a block a pair (on_gpu: what the tables name).
+  a.group_pairs = streaming;
+  if (streaming) a.resident = on_gpu + size_t(ml) * n_experts;
   if (small || !grouped_ok) {
     if (!omit(kOmitGateUp)) MOE_TRY(cuda::q4_expert_gate_up(a, xn, h, st));
     if (!omit(kOmitDown)) MOE_TRY(cuda::q4_expert_down(a, h, x, true, st));

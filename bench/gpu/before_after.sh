@@ -9,8 +9,8 @@
 # the kernel rows on the new binaries.
 # `run_all` runs bench/gpu/run_all.sh with the binary of before, then of
 # after (BASE_COMMIT and NEW_COMMIT name them in its JSON), into $OUT/base
-# and $OUT/new; SIDES (base new) their order, BASE_PEER=0 the base run
-# without transformers.
+# and $OUT/new; SIDES (base new) their order, BASE_PEER=0 / NEW_PEER=0 a
+# side's run without transformers.
 # EXTRA (tests): more builds of after, each p/NAME/moe-bench-engine, run
 # beside base and new in every round.
 #   bench/gpu/before_after.sh SECONDS tests|profile|run_all
@@ -21,6 +21,8 @@
 # NEW_FLAGS (tests): the new binary's engine runs, one per ';'-separated set
 # of moe-bench-engine flags (the switches a change brings), each beside the
 # base run in every round; unset: the new binary once, as it is.
+# BENCH_ARGS (tests): ';'-separated moe-bench-engine argument sets, each run
+# by every binary in every round (default: the resident Qwen3 rows above).
 # ABLATE (tests): moe-bench-engine --omit sets for the new binary, run after
 # the rounds ("none;qkv;attention;..."): each kernel's share of a step as it
 # runs among the others. ROUNDS: rounds of base and new runs (2).
@@ -50,7 +52,10 @@ if [ "$what" = tests ]; then
   args=(--shape qwen3 --dense-weights int8 --routing uniform --steps 32)
   IFS=';' read -r -a sets <<<"${NEW_FLAGS:-}"
   [ ${#sets[@]} -gt 0 ] || sets=("")
+  IFS=';' read -r -a arg_sets <<<"${BENCH_ARGS:-${args[*]}}"
   for round in $(seq 1 "${ROUNDS:-2}"); do
+    for a in "${!arg_sets[@]}"; do
+    read -r -a args <<<"${arg_sets[$a]}"
     for run in base "${sets[@]/#/new}" ${EXTRA:-}; do
       [ "$(left)" -gt 70 ] || break 2
       bin=$BASE/moe-bench-engine
@@ -63,8 +68,9 @@ if [ "$what" = tests ]; then
       fi
       tag=$(echo "$run" | tr -c 'a-zA-Z0-9\n' '_' | sed 's/__*/_/g; s/_$//')
       say "moe-bench-engine ($run) ${args[*]}"
-      timeout $(($(left) - 5)) $bin "${args[@]}" "${flags[@]}" --json "$out/engine-$tag-$round.json" 2>&1 |
-        grep -E "decode b|prefill b" | sed "s/^/$tag: /" | tee -a "$out/engine-$tag.txt"
+      timeout $(($(left) - 5)) $bin "${args[@]}" "${flags[@]}" --json "$out/engine-$tag-$round-$a.json" 2>&1 |
+        grep -E "decode b|prefill b|routing: engine ready|host's share" | sed "s/^/$tag: /" | tee -a "$out/engine-$tag.txt"
+    done
     done
   done
   if [ -n "${ABLATE:-}" ] && [ "$(left)" -gt 40 ]; then
@@ -86,7 +92,7 @@ elif [ "$what" = run_all ]; then
     commit=${BASE_COMMIT:-before}
     [ $side = new ] && commit=${NEW_COMMIT:-after}
     say "run_all.sh ($side, $commit)"
-    peer=1
+    peer=${NEW_PEER:-1}
     [ $side = base ] && peer=${BASE_PEER:-1}
     PEER=$peer timeout $(($(left) - 5)) bash bench/gpu/run_all.sh $W/build-$side "$out/$side" "$commit" \
       >"$out/run_all-$side.log" 2>&1

@@ -7,9 +7,12 @@
 // Routing: "router" is what the random router weights pick (concentrated:
 // a few experts take most tokens); "uniform" draws every token's experts
 // uniformly (CudaEngineOptions::uniform_routing_seed), the load the offload
-// targets are stated for. GPU memory is the process's, from nvidia-smi.
+// targets are stated for; "replay" walks the routing a real model chose on
+// real text (bench/e2e/traces: Qwen3-30B-A3B's own for qwen3, a recording
+// mapped onto qwen15; replay:FILE another), each sequence from an offset of
+// its own. GPU memory is the process's, from nvidia-smi.
 //   moe-bench-engine [--shape qwen15|qwen3|dsv2lite|all] [--vram-budget 12GiB[,8GiB]]
-//                    [--routing router|uniform|router,uniform] [--host-experts auto|on|off]
+//                    [--routing router|uniform|replay[:FILE][,...]] [--host-experts auto|on|off]
 //                    [--misses stream|copy] [--threads N] [--skip-resident]
 //                    [--budget-batches 1[,8...]] (decode batches under a budget; default 1)
 //                    [--admit-per-pass N] (streamed experts copied into islands a pass at most)
@@ -161,6 +164,14 @@ void expert_figures(Row& row, const CudaExpertStats& s0, const CudaExpertStats& 
 
 // Decode: `batch` sequences after a `context`-token prompt each; the median
 // step time of `steps` steps (after 8 warm-up steps).
+// The recorded routing of a real model for a benchmark shape
+// (bench/e2e/traces/README.md), relative to the repository root.
+std::string replay_trace_of(const std::string& shape) {
+  if (shape == "Qwen3-30B-A3B") return "bench/e2e/traces/qwen3-30b-a3b.safetensors";
+  if (shape == "Qwen1.5-MoE-A2.7B") return "bench/e2e/traces/qwen1.5-moe-a2.7b.safetensors";
+  return "";
+}
+
 Result<Row> decode(CudaEngine& e, int batch, const Options& o, const std::string& label) {
   const int V = e.desc().vocab_size;
   std::vector<SeqInput> step;
@@ -228,7 +239,7 @@ int usage() {
                "                        [--context N] [--prompt N] [--policy lru|lfu|ours] [--prefetch on|off]\n"
                "                        [--dense-weights auto|bf16|int8|int4] [--fuse-max-tokens N]\n"
                "                        [--budget-dense-weights auto|bf16|int8|int4]\n"
-               "                        [--routing router|uniform|router,uniform] [--host-experts auto|on|off]\n"
+               "                        [--routing router|uniform|replay[:FILE][,...]] [--host-experts auto|on|off]\n"
                "                        [--misses stream|copy] [--threads N] [--skip-resident]\n"
                "                        [--budget-batches 1[,8...]] [--admit-per-pass N]\n"
                "                        [--json PATH] [--profile-steps N] [--omit KERNEL[,KERNEL...][;...]]\n");
@@ -289,8 +300,9 @@ int main(int argc, char** argv) {
     else if (a == "--routing") {
       o.routings = split_list(val());
       for (const auto& r : o.routings)
-        if (r != "router" && r != "uniform") {
-          std::fprintf(stderr, "moe-bench-engine: --routing takes router and/or uniform, not '%s'\n", r.c_str());
+        if (r != "router" && r != "uniform" && r != "replay" && r.rfind("replay:", 0) != 0) {
+          std::fprintf(stderr, "moe-bench-engine: --routing takes router, uniform, replay or replay:FILE, not '%s'\n",
+                       r.c_str());
           return usage();
         }
     } else if (a == "--vram-budget") {
@@ -370,6 +382,14 @@ int main(int argc, char** argv) {
         eo.dense_weights = gib == 0 || !o.budget_dense_weights ? o.dense_weights : *o.budget_dense_weights;
         eo.fuse_max_tokens = o.fuse_max_tokens;
         eo.uniform_routing_seed = routing == "uniform" ? 0x5eed : 0;
+        if (routing.rfind("replay", 0) == 0) {
+          eo.routing_trace = routing.size() > 7 ? routing.substr(7) : replay_trace_of(s.name);
+          if (eo.routing_trace.empty()) {
+            std::fprintf(stderr, "moe-bench-engine: no recorded routing for shape %s: --routing replay:FILE\n",
+                         s.name.c_str());
+            return 1;
+          }
+        }
         eo.bench_omit = omit_bits;
         eo.host_experts = o.host_experts;
         eo.misses = o.misses;

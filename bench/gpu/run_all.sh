@@ -3,8 +3,9 @@
 # and Qwen3-30B-A3B shapes (seeded random weights made in memory, INT4
 # experts), all experts resident (INT8 non-expert weights) and under the VRAM
 # budgets of the targets (the worker's default dtype: INT4 where experts are
-# left out; decode at batch 1 and 8 there too), with the router's own and
-# with uniform routing;
+# left out; decode at batch 1 and 8 there too), with the router's own, with
+# uniform routing and with a real model's recorded routing replayed
+# (bench/e2e/traces);
 # then transformers on the same shapes; then one table of ratios and targets
 # and the summary JSON.
 #   bench/gpu/run_all.sh BUILD_DIR OUT_DIR [COMMIT]
@@ -17,8 +18,8 @@ commit=${3:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 bench="$build/bench/gpu/moe-bench-engine"
-"$bench" --shape qwen15 --dense-weights int8 --budget-dense-weights auto --vram-budget 6 --budget-batches 1,8 --routing router,uniform --json "$out/engine-qwen15.json"
-"$bench" --shape qwen3 --dense-weights int8 --budget-dense-weights auto --vram-budget 12,8 --budget-batches 1,8 --routing router,uniform --json "$out/engine-qwen3.json"
+"$bench" --shape qwen15 --dense-weights int8 --budget-dense-weights auto --vram-budget 6 --budget-batches 1,8 --routing router,uniform,replay --json "$out/engine-qwen15.json"
+"$bench" --shape qwen3 --dense-weights int8 --budget-dense-weights auto --vram-budget 12,8 --budget-batches 1,8 --routing router,uniform,replay --json "$out/engine-qwen3.json"
 # PEER=0: the engine's rows only (a "before" run beside an "after" one).
 [ "${PEER:-1}" = 0 ] && exit 0
 python3 "$here/transformers_peer.py" --shape all --ours "$out/engine-qwen15.json,$out/engine-qwen3.json" \

@@ -39,6 +39,16 @@ struct Q4ExpertArgs {
   // write zeros there without reading those weights, and the flat down
   // kernel skips those inputs' weights too. Null: all rows.
   const int32_t* split = nullptr;
+  // gate/up at 2+ tokens: the pairs routed to one expert read its weights
+  // once (one block serves them all) instead of once a pair. Pays where the
+  // weights come over the link (streamed misses: batch 8 under 8 GiB, uniform
+  // routing, +6 %); from device memory the kernel is not bound by the bytes
+  // and grouping costs 1-3 % (batch 8, resident, or replayed routing under 8
+  // GiB where most experts are hits), so resident passes leave it off and
+  // `resident` ([n_experts], optional) names the experts read from device
+  // memory, whose pairs stay a block each.
+  bool group_pairs = false;
+  const uint8_t* resident = nullptr;
 };
 
 // h[tokens*top_k, inter] = silu(gate_e x_t) * (up_e x_t) for every pair

@@ -277,9 +277,12 @@ TEST_CASE("cuda decode expert kernels (gate/up + SiLU, weighted down) match the 
   // Qwen3-like (down: 8 slots x 24 chunks, 6 a lane), Qwen1.5-like at 8
   // tokens (4 x 44, 6 a lane), one item a lane, an odd chunk count with
   // group 32, more pairs than the flat down kernel takes (8 x 40), and a
-  // shape outside the fast layout.
+  // shape outside the fast layout. The ids are drawn with repeats, so
+  // tokens share experts (and one token may name an expert twice): a grouped
+  // block serves several pairs, more than 8 of them in the last case but one.
   const MoeCase cases[] = {{256, 192, 64, 3, 4, 6},    {2048, 768, 64, 2, 8, 9}, {2048, 1408, 64, 8, 4, 12},
-                           {96, 224, 32, 3, 3, 5},     {512, 1280, 64, 2, 8, 9}, {200, 130, 64, 3, 5, 4}};
+                           {96, 224, 32, 3, 3, 5},     {512, 1280, 64, 2, 8, 9}, {200, 130, 64, 3, 5, 4},
+                           {2048, 768, 64, 8, 8, 20},  {256, 128, 64, 8, 8, 3}};
   std::mt19937 rng(12);
   for (const auto& c : cases) {
     INFO("hidden " << c.hidden << " inter " << c.inter << " top_k " << c.top_k);
@@ -307,9 +310,17 @@ TEST_CASE("cuda decode expert kernels (gate/up + SiLU, weighted down) match the 
     std::vector<int32_t> split(d.ids.size());
     for (size_t i = 0; i < split.size(); ++i) split[i] = i % 3 == 0 ? 0 : i % 3 == 1 ? 64 : c.inter;
     Dev<int32_t> dsplit(split);
-    for (const bool with_split : {false, true}) {
-      INFO("split " << with_split);
+    // Grouping: off, on, and on but for the even experts (read from device
+    // memory: a block a pair).
+    std::vector<uint8_t> even(size_t(c.n_experts));
+    for (int e = 0; e < c.n_experts; ++e) even[size_t(e)] = e % 2 == 0;
+    Dev<uint8_t> deven(even);
+    for (const int variant : {0, 1, 2, 3, 4, 5}) {
+      const bool with_split = variant & 1;
+      INFO("split " << with_split << ", pairs of one expert grouped " << (variant >> 1));
       a.split = with_split ? dsplit.p : nullptr;
+      a.group_pairs = variant >= 2;
+      a.resident = variant >= 4 ? deven.p : nullptr;
       dout.put(d.out0);
       // On a stream of its own the kernels overlap through programmatic
       // dependent launch; the result must not change.
