@@ -6,7 +6,9 @@
 // against the copy: blob bytes / the link's measured bandwidth. Then the
 // latency that matters to the CUDA engine's miss split: ONE expert-token
 // with its rows spread over a thread pool (cuda_engine/host_experts.h), with
-// f32 and with int8 inputs, at 1, 2, 4, ... threads.
+// f32 and with int8 inputs, at 1, 2, 4, ... threads. Last, the host's share
+// of one layer of a streamed pass of 8 tokens (cuda_engine/host_share.h) as
+// the tokens share more of their experts.
 //   cpu_expert_bench [--link-gbs 52.3] [--seconds 2]
 #include <algorithm>
 #include <atomic>
@@ -22,6 +24,7 @@
 #include <vector>
 
 #include "cuda_engine/host_experts.h"
+#include "cuda_engine/host_share.h"
 #include "kernels/cpu/activation.h"
 #include "model/int4.h"
 #include "model/safetensors.h"
@@ -129,6 +132,63 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
         if (threads < cores && threads * 2 > cores) threads = cores / 2;  // end on every core
       }
+  }
+  // The host's share of one layer of a streamed pass of 8 tokens, driven as
+  // the engine drives it (a post in the layer's slot, then the wait for
+  // done): 64 (token, expert) pairs, the first third of each pair's rows,
+  // over fewer distinct experts as the tokens share more of them.
+  std::printf("\n| shape | tokens | pairs | distinct experts | rows of each | threads | us a layer (median) | "
+              "GB/s of weights read once an expert |\n|---|---|---|---|---|---|---|---|\n");
+  for (const SplitInput& si : split_rows) {
+    const moe::ExpertLayout L = moe::expert_layout(si.shape.hidden, si.shape.inter, 64);
+    const int tokens = moe::kShareMaxTokens, per_token = 8, pairs = tokens * per_token;
+    const int rows = L.inter / 3 / 64 * 64;
+    std::vector<const uint8_t*> blobs;
+    for (int e = 0; e < si.n_blobs; ++e) blobs.push_back(si.blobs.data() + size_t(e) * L.blob_bytes);
+    moe::ShareSlot slot{};
+    std::vector<uint16_t> xs(size_t(moe::kShareMaxTokens) * L.hidden);
+    std::vector<float> sums(xs.size());
+    std::mt19937 rng(5);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (auto& v : xs) v = moe::f32_to_bf16(nd(rng));
+    moe::HostShare share(L, 1, si.n_blobs, blobs, moe::ShareMemory{&slot, xs.data(), sums.data()}, cores);
+    uint32_t pass = 0;
+    for (const int distinct : {64, 48, 32, 16}) {
+      if (distinct > si.n_blobs) continue;
+      std::vector<double> us;
+      int used = 0;  // the distinct experts the pairs name
+      for (int rep = 0; rep < 40; ++rep) {
+        // Token t's j-th expert: distinct experts in all, each token's
+        // distinct, a new set each rep (so that little stays cached).
+        const int base = rep * distinct;
+        for (int t = 0; t < tokens; ++t)
+          for (int j = 0; j < per_token; ++j) {
+            const int p = t * per_token + j;
+            slot.expert[p] = int32_t((base + (t * per_token + j * 7 + t) % distinct) % si.n_blobs);
+            slot.token[p] = uint8_t(t);
+            slot.weight[p] = 0.125f;
+          }
+        std::vector<char> named(size_t(si.n_blobs), 0);
+        for (int p = 0; p < pairs; ++p) named[size_t(slot.expert[p])] = 1;
+        used = int(std::count(named.begin(), named.end(), 1));
+        slot.count = uint32_t(pairs);
+        slot.rows = uint32_t(rows);
+        slot.tokens = uint32_t(tokens);
+        share.begin(++pass);
+        const auto t0 = Clock::now();
+        std::atomic_ref<uint32_t>(slot.posted).store(pass, std::memory_order_release);
+        while (std::atomic_ref<uint32_t>(slot.done).load(std::memory_order_acquire) != pass) {
+        }
+        if (rep >= 4) us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+        share.end(true);
+      }
+      std::sort(us.begin(), us.end());
+      const double med = us[us.size() / 2];
+      const double bytes = double(used) * L.blob_bytes * double(rows) / L.inter;
+      std::printf("| %s | %d | %d | %d | %d of %d | %d | %.0f | %.1f |\n", si.shape.name, tokens, pairs, used,
+                  rows, L.inter, cores, med, bytes / (med * 1e3));
+      std::fflush(stdout);
+    }
   }
   return 0;
 }
