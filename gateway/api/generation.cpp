@@ -13,6 +13,14 @@
 namespace moe::gw {
 namespace {
 
+// Characters of UTF-8 text (the bytes that start one): completions'
+// text_offset counts them, as a client indexing the text does.
+size_t code_points(const std::string& s) {
+  size_t n = 0;
+  for (unsigned char b : s) n += (b & 0xC0) != 0x80;
+  return n;
+}
+
 using json = nlohmann::json;
 
 // Token text may be part of a UTF-8 character; invalid bytes become U+FFFD.
@@ -245,10 +253,10 @@ void Generation::token(Choice& c, const TokenEvent& ev) {
   if (req_.sampling.logprobs && !stop_id) {
     if (req_.stream) {
       chunk_logprobs = empty_logprobs();
-      add_logprobs(ev, c.text_bytes, chunk_logprobs);
+      add_logprobs(ev, c.text_chars, chunk_logprobs);
     } else {
       if (!hold(logprob_entry_bytes(req_.sampling.top_logprobs))) return;
-      add_logprobs(ev, c.text_bytes, c.logprobs);
+      add_logprobs(ev, c.text_chars, c.logprobs);
     }
   }
   std::string piece = stop_id ? std::string() : c.decoder->push(ev.token);
@@ -257,6 +265,7 @@ void Generation::token(Choice& c, const TokenEvent& ev) {
   StopMatcher::Step step = c.tokens <= req_.min_tokens ? StopMatcher::Step{piece, false} : c.matcher.push(piece);
   if (!hold(step.text.size())) return;
   c.text_bytes += step.text.size();
+  c.text_chars += code_points(step.text);
   const json* lp = chunk_logprobs.is_null() ? nullptr : &chunk_logprobs;
   bool lp_sent = false;
   const std::string answer = tool_text(c, route_text(c, step.text, step.stopped, lp, &lp_sent), step.stopped);
@@ -306,6 +315,7 @@ void Generation::finished(Choice& c, FinishReason reason, const std::string& mes
   std::string tail = step.text + c.matcher.finish();
   if (!hold(tail.size())) return;
   c.text_bytes += tail.size();
+  c.text_chars += code_points(tail);
   tail = tool_text(c, route_text(c, tail, true, nullptr), true);
   if (!req_.stream || (ctx_.on_complete && c.index == 0)) c.text += tail;
   finish_choice(c, step.stopped || reason == FinishReason::stop ? "stop" : "length", tail);

@@ -288,6 +288,13 @@ TEST_CASE("api: logprobs in the chat and completions shapes", "[gateway][api]") 
   CHECK(u["choices"][0]["message"]["content"] == "\xC3\xA9");
   json v = json::parse(post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", "p"}, {"logprobs", 1}}).body);
   CHECK(v["choices"][0]["logprobs"]["tokens"] == json::array({"bytes:\\xc3", "bytes:\\xa9"}));
+
+  // text_offset counts characters of the text, as a client indexing it
+  // does: after "é" (two bytes, one character) the next token starts at 1.
+  gw.scheduler().set_script(spell("\xC3\xA9xy"));
+  json w = json::parse(post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", "p"}, {"logprobs", 1}}).body);
+  CHECK(w["choices"][0]["text"] == "\xC3\xA9xy");
+  CHECK(w["choices"][0]["logprobs"]["text_offset"] == json::array({0, 0, 1, 2}));
 }
 
 TEST_CASE("api: validation errors have OpenAI's shape and status", "[gateway][api][errors]") {
