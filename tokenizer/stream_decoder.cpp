@@ -26,22 +26,50 @@ std::string StreamDecoder::push(int32_t id) {
   const std::span<const int32_t> all(ids_);
   const std::string before = tok_.decode(all.subspan(prefix_, read_ - prefix_), skip_special_);
   const std::string after = tok_.decode(all.subspan(prefix_), skip_special_);
-  // Hold back while the newest bytes are an incomplete character.
+  // Hold back while the newest bytes are an incomplete character (or add no
+  // text: skipped special tokens), but not past kMaxHeld ids: a window that
+  // only grew would make every push decode it all again (100,000 lone lead
+  // bytes took /detokenize 69 s). Past that, release() lets out the text up
+  // to a cut no character spans (U+FFFD for bytes that never became one).
+  if (ids_.size() - read_ > kMaxHeld) return release(before, after);
   if (after.size() <= before.size() || ends_with_replacement(after)) return {};
-  // Clean-up may still change the tail (" ." → ".", " 's" → "'s"): held back
-  // while it is the start of one of its patterns.
+  // Clean-up may still change the tail (" ." → ".", " 's" → "'s"): held
+  // back while it is the start of one of its patterns.
   if (tok_.cleans_up_spaces() && clean_up_may_change_tail(after)) return {};
   const size_t cut = after.starts_with(before) ? before.size() : common_prefix(before, after);
   std::string out = after.substr(cut);
   prefix_ = read_;
   read_ = ids_.size();
+  trim();
+  return out;
+}
+
+std::string StreamDecoder::release(const std::string& before, const std::string& after) {
+  // The text of all but the newest kKeep ids, where it is what the whole
+  // window decodes to so far (no character spans the cut: a character is at
+  // most 4 bytes, so one that could still complete lies in the ids kept).
+  constexpr size_t kKeep = 4;
+  const std::span<const int32_t> all(ids_);
+  for (size_t c = ids_.size() - kKeep; c > read_; --c) {
+    const std::string part = tok_.decode(all.subspan(prefix_, c - prefix_), skip_special_);
+    if (!after.starts_with(part)) continue;
+    const size_t cut = part.starts_with(before) ? before.size() : common_prefix(before, part);
+    std::string out = part.size() > cut ? part.substr(cut) : std::string();
+    prefix_ = read_;
+    read_ = c;
+    trim();
+    return out;
+  }
+  return {};  // no such cut: held as before
+}
+
+void StreamDecoder::trim() {
   // Keep only the context window: ids before prefix_ are never read again.
   if (prefix_ > 64) {
     ids_.erase(ids_.begin(), ids_.begin() + static_cast<std::ptrdiff_t>(prefix_));
     read_ -= prefix_;
     prefix_ = 0;
   }
-  return out;
 }
 
 std::string StreamDecoder::flush() {

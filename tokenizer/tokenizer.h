@@ -88,7 +88,13 @@ class StreamDecoder {
   // What remains (partial characters come out as U+FFFD); resets the state.
   std::string flush();
 
+  // Ids held back at most before their text comes out as it decodes.
+  static constexpr size_t kMaxHeld = 16;
+
  private:
+  // Past kMaxHeld held ids: the text up to a cut that no character spans.
+  std::string release(const std::string& before, const std::string& after);
+  void trim();
   const Tokenizer& tok_;
   bool skip_special_;
   std::vector<int32_t> ids_;  // the window: ids_[prefix_ ..] is undecided

@@ -291,8 +291,16 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
              [this, ex, out] { reply(ex, kTokenize, std::move(*out)); });
     return;
   }
-  if (route.endpoint == kDetokenize)
-    return reply(ex, kDetokenize, detokenize_response(ex->request().body, *codec_, opts_.served_model_name));
+  if (route.endpoint == kDetokenize) {
+    // As /tokenize: a long list of ids is decoded off the loop.
+    auto out = std::make_shared<HttpResponse>();
+    off_loop(ex, kDetokenize,
+             [out, body = ex->request().body, codec = codec_, name = opts_.served_model_name] {
+               *out = detokenize_response(body, *codec, name);
+             },
+             [this, ex, out] { reply(ex, kDetokenize, std::move(*out)); });
+    return;
+  }
   metrics(ex);
 }
 

@@ -1,5 +1,6 @@
 #include "gateway/api/tokenize_api.h"
 
+#include <cstdint>
 #include <optional>
 
 #include "gateway/api/completion_request.h"
@@ -125,9 +126,12 @@ HttpResponse detokenize_response(const std::string& text, const TextCodec& codec
   for (const json& t : *it) {
     if (!t.is_number_integer())
       return api_error_response(invalid_param("tokens", "'tokens' must be an array of token ids.", "invalid_type"));
-    const int64_t id = t.get<int64_t>();
-    if (id < 0 || id >= codec.vocab_size())
-      return api_error_response(invalid_param("tokens", "Token id " + std::to_string(id) +
+    // An id past int64 (JSON's unsigned 2^63 and up) is out of range too,
+    // and said as sent.
+    const bool huge = t.is_number_unsigned() && t.get<uint64_t>() > uint64_t(INT64_MAX);
+    const int64_t id = huge ? -1 : t.get<int64_t>();
+    if (huge || id < 0 || id >= codec.vocab_size())
+      return api_error_response(invalid_param("tokens", "Token id " + (huge ? std::to_string(t.get<uint64_t>()) : std::to_string(id)) +
                                                             " is outside the vocabulary [0, " +
                                                             std::to_string(codec.vocab_size()) + ").", "invalid_value"));
     out += dec->push(static_cast<int32_t>(id));

@@ -110,7 +110,11 @@ class GatedCodec final : public TextCodec {
     wait();
     return inner_.encode_chat(messages);
   }
-  std::unique_ptr<TokenTextStream> stream_decoder() const override { return inner_.stream_decoder(); }
+  std::unique_ptr<TokenTextStream> stream_decoder() const override {
+    if (gate_decoder) wait();
+    return inner_.stream_decoder();
+  }
+  bool gate_decoder = false;  // ids to text wait at the gate too (/detokenize)
   std::string token_bytes(int32_t id) const override { return inner_.token_bytes(id); }
   int vocab_size() const override { return inner_.vocab_size(); }
   std::vector<int32_t> stop_token_ids() const override { return inner_.stop_token_ids(); }
@@ -500,6 +504,27 @@ TEST_CASE("hardening: a request being tokenised holds up no other connection", "
   CHECK(tok.status == 200);
   CHECK(json::parse(tok.body)["count"] == 5);
   CHECK(chat.status == 200);
+}
+
+TEST_CASE("hardening: a /detokenize being decoded holds up no other connection", "[gateway][hardening]") {
+  GatedCodec codec;
+  codec.gate_decoder = true;
+  TestGateway gw({}, {}, &codec);
+  ClientResponse detok;
+  {
+    GateScope gate(codec);
+    gate.threads.emplace_back([&] { detok = http(gw.port(), "POST", "/detokenize", R"({"tokens":[104,105]})"); });
+    CHECK(eventually([&] { return codec.waiting() == 1; }, 10000));
+    CHECK(http(gw.port(), "GET", "/health").status == 200);
+    CHECK(http(gw.port(), "GET", "/v1/models").status == 200);
+    CHECK_FALSE(codec.is_open());  // answered while the decode still waited
+  }
+  CHECK(detok.status == 200);
+  CHECK(json::parse(detok.body)["prompt"] == "hi");
+  // An id past int64 is out of range, said as sent.
+  auto huge = http(gw.port(), "POST", "/detokenize", R"({"tokens":[9223372036854775808]})");
+  CHECK(huge.status == 400);
+  CHECK(huge.body.find("9223372036854775808") != std::string::npos);
 }
 
 TEST_CASE("hardening: requests waiting to be tokenised are bounded, and dropped when their client leaves",

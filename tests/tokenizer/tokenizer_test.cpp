@@ -157,6 +157,46 @@ TEST_CASE("stream decoder holds back a character split over byte tokens", "[toke
   CHECK(cut.flush().find("\xEF\xBF\xBD") != std::string::npos);
 }
 
+TEST_CASE("stream decoder holds back at most kMaxHeld ids, whatever comes", "[tokenizer][stream]") {
+  auto tok = load(kFixtures + "/tokenizers/spm_bpe");
+  const auto ids = tok->encode("\xF0\x9F\x99\x82!", false);
+  REQUIRE(ids.size() == 6);
+  // 3,000 lone lead bytes (no character ever completes), then "!": the text
+  // comes out as the whole decodes (U+FFFD for each), never held back past
+  // kMaxHeld ids (a window that only grew cost quadratic time).
+  std::vector<int32_t> run(3000, ids[1]);
+  run.push_back(ids[5]);
+  moe::StreamDecoder sd(*tok);
+  std::string out;
+  size_t empty = 0, longest_empty = 0;
+  for (int32_t id : run) {
+    const std::string piece = sd.push(id);
+    CHECK(moe::tok::utf8_valid(piece));
+    empty = piece.empty() ? empty + 1 : 0;
+    longest_empty = std::max(longest_empty, empty);
+    out += piece;
+  }
+  out += sd.flush();
+  CHECK(longest_empty <= moe::StreamDecoder::kMaxHeld + 1);
+  CHECK(out == tok->decode(run, true));
+  // A character split over byte tokens after such a run: as the whole decodes.
+  std::vector<int32_t> then(40, ids[1]);
+  then.insert(then.end(), ids.begin() + 1, ids.end());
+  moe::StreamDecoder again(*tok);
+  std::string whole;
+  for (int32_t id : then) whole += again.push(id);
+  whole += again.flush();
+  CHECK(whole == tok->decode(then, true));
+  // Skipped special tokens add no text and hold nothing up.
+  auto qwen = load(kFixtures + "/tokenizers/bytelevel_qwen");
+  const auto special = qwen->encode("<|endoftext|>", false);
+  REQUIRE(special.size() == 1);
+  std::vector<int32_t> specials(2000, special[0]);
+  const auto tail = qwen->encode(" done", false);
+  specials.insert(specials.end(), tail.begin(), tail.end());
+  CHECK(stream_all(*qwen, specials, true) == " done");
+}
+
 TEST_CASE("token_bytes gives each token's own bytes, a part of a character included", "[tokenizer]") {
   // Byte tokens (SentencePiece's <0xNN>): one byte each, joined the character.
   auto spm = load(kFixtures + "/tokenizers/spm_bpe");
