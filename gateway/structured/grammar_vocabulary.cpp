@@ -88,7 +88,10 @@ std::shared_ptr<const GrammarVocabulary> GrammarVocabulary::build(const TextCode
   std::vector<int32_t> ids;
   for (int32_t id = 0; id < v->vocab_; ++id) {
     if (stop.count(id) || codec.is_special(id)) continue;
-    std::string b = codec.token_bytes(id);
+    // The token's own bytes: a byte token that is part of a character is
+    // that byte (the grammar checks UTF-8 byte by byte), not U+FFFD, so a
+    // character the vocabulary has no whole token for is still spelled.
+    std::string b = codec.token_raw_bytes(id);
     if (b.empty() || b.size() > 255) continue;
     v->bytes_[size_t(id)] = std::move(b);
     ids.push_back(id);

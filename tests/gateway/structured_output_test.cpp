@@ -37,7 +37,13 @@ class PieceCodec final : public TextCodec {
   std::vector<int32_t> encode(std::string_view) const override { return {}; }
   moe::Result<std::vector<int32_t>> encode_chat(const json&) const override { return std::vector<int32_t>{}; }
   std::unique_ptr<TokenTextStream> stream_decoder() const override { return nullptr; }
-  std::string token_bytes(int32_t id) const override { return pieces_[size_t(id)]; }
+  // As the model codecs do: a lone byte that is not a character reads as
+  // U+FFFD; its raw bytes are the byte itself.
+  std::string token_bytes(int32_t id) const override {
+    const std::string& p = pieces_[size_t(id)];
+    return p.size() == 1 && (unsigned char)p[0] >= 0x80 ? std::string("\xEF\xBF\xBD") : p;
+  }
+  std::string token_raw_bytes(int32_t id) const override { return pieces_[size_t(id)]; }
   bool is_special(int32_t id) const override { return pieces_[size_t(id)] == "<|x|>"; }
   int vocab_size() const override { return int(pieces_.size()); }
   std::vector<int32_t> stop_token_ids() const override { return {vocab_size() - 1}; }  // "<|end|>"
@@ -277,7 +283,7 @@ TEST_CASE("structured: a token mask equals feeding every token's bytes, and leav
     INFO("after " << text.substr(0, cut));
     const TokenMask mask = compute_mask(*sc, *vocab, g);
     for (int32_t id = 0; id < codec.vocab_size(); ++id) {
-      const std::string b = codec.token_bytes(id);
+      const std::string b = codec.token_raw_bytes(id);
       bool want = !codec.is_special(id) && id != codec.vocab_size() - 1;
       if (want) {
         GrammarState c = g;
@@ -290,6 +296,37 @@ TEST_CASE("structured: a token mask equals feeding every token's bytes, and leav
     if (cut < text.size()) REQUIRE(g.feed(*sc, text.substr(cut, 1)));
   }
   CHECK(allowed_somewhere > text.size());
+}
+
+TEST_CASE("structured: characters the vocabulary has no token for are spelled in bytes, and only whole",
+          "[gateway][structured]") {
+  // "é" (C3 A9) and "😀" (F0 9F 98 80) have no piece of their own: only
+  // byte tokens spell them (read alone, each is U+FFFD), in a const and a
+  // property name; a byte that cannot continue the character is refused.
+  PieceCodec codec;
+  auto vocab = GrammarVocabulary::build(codec);
+  for (const json& schema : {json{{"const", "\xC3\xA9\xF0\x9F\x98\x80"}},
+                             json{{"type", "object"}, {"properties", {{"\xC3\xA9", {{"const", 1}}}}},
+                                  {"required", {"\xC3\xA9"}}, {"additionalProperties", false}}}) {
+    INFO(schema.dump());
+    auto sc = compile(schema);
+    const std::string text = schema.contains("const") ? "\"\xC3\xA9\xF0\x9F\x98\x80\"" : "{\"\xC3\xA9\":1}";
+    GrammarState g = GrammarState::start(*sc);
+    for (size_t i = 0; i < text.size(); ++i) {
+      INFO("before byte " << i);
+      const TokenMask mask = compute_mask(*sc, *vocab, g);
+      const int32_t id = int32_t((unsigned char)text[i]);  // the byte's own token
+      CHECK((mask[size_t(id) / 32] >> (id % 32) & 1));
+      if ((unsigned char)text[i] == 0xC3) {
+        CHECK_FALSE((mask[0x41 / 32] >> (0x41 % 32) & 1));  // not "A" where "é" must come
+      }
+      if (i > 0 && (unsigned char)text[i - 1] == 0xC3) {
+        CHECK_FALSE((mask[0xC3 / 32] >> (0xC3 % 32) & 1));  // a lead byte cannot continue one
+      }
+      REQUIRE(g.feed(*sc, text.substr(i, 1)));
+    }
+    CHECK(g.finishable(*sc));
+  }
 }
 
 TEST_CASE("structured: random walks through the masks always end in valid JSON", "[gateway][structured]") {
@@ -315,12 +352,12 @@ TEST_CASE("structured: random walks through the masks always end in valid JSON",
         // Prefer structure over endless strings: closing bytes weigh more.
         std::vector<double> w;
         for (int32_t id : allowed) {
-          const std::string b = codec.token_bytes(id);
+          const std::string b = codec.token_raw_bytes(id);
           w.push_back(b.find_first_of("\"}],:") != std::string::npos ? 8.0 : 1.0);
         }
         const int32_t pick = allowed[std::discrete_distribution<size_t>(w.begin(), w.end())(rng)];
-        REQUIRE(st.feed(g->schema(), codec.token_bytes(pick)));
-        text += codec.token_bytes(pick);
+        REQUIRE(st.feed(g->schema(), codec.token_raw_bytes(pick)));
+        text += codec.token_raw_bytes(pick);
       }
       if (!st.closed()) continue;
       ++closed;
