@@ -323,6 +323,10 @@ void OpenAiApi::completions(ApiKind kind, const std::shared_ptr<HttpExchange>& e
         if (!it->is_string())
           return reply_error(ex, kChat, invalid_param("session_id", "'session_id' must be a string.", "invalid_type"));
         id = it->get<std::string>();
+        if (id.empty())
+          return reply_error(ex, kChat,
+                             ApiError{400, "session_id must be 1-128 characters of letters, digits, '_', '-', '.', ':'.",
+                                      "invalid_request_error", "session_id", "invalid_session_id"});
       }
     }
     if (body.is_object()) body.erase("session_id");
@@ -371,6 +375,17 @@ void OpenAiApi::completions(ApiKind kind, const std::shared_ptr<HttpExchange>& e
     // The client may have gone while Redis answered: then nothing runs.
     if (!ex->open()) {
       metrics_->count_disconnect();
+      return;
+    }
+    // Without keys an id is only good while the server holds its session:
+    // one of the issued shape that it never issued (or whose session expired)
+    // would otherwise start a conversation under an id the client chose.
+    if (prior.empty() && session.owner == SessionStore::open_owner()) {
+      reply_error(ex, kChat,
+                  ApiError{404,
+                           "No session has this id (never issued, or expired): send \"session_id\": \"new\" to "
+                           "start one.",
+                           "invalid_request_error", "session_id", "session_not_found"});
       return;
     }
     // Called from a Redis reply: a failure here must still answer the client.

@@ -363,6 +363,13 @@ TEST_CASE("hardening: without API keys a session id must be one the server issue
   expect_error(http(gw.port(), "POST", kChat, chat_body("hi", R"("session_id":"story-1")")), 400,
                "invalid_session_id");
   expect_error(http(gw.port(), "POST", kChat, chat_body("hi", R"("session_id":17)")), 400, "invalid_type");
+  expect_error(http(gw.port(), "POST", kChat, chat_body("hi", R"("session_id":"")")), 400, "invalid_session_id");
+  // One of the issued shape that the server never issued is no session
+  // (a client picking it would share a conversation with any other that did).
+  expect_error(http(gw.port(), "POST", kChat,
+                    chat_body("hi", R"("session_id":"s-0123456789abcdef0123456789abcdef")")),
+               404, "session_not_found");
+  CHECK(store.in_memory() == 0);
   auto first = http(gw.port(), "POST", kChat, chat_body("remember me", R"("session_id":"new")"));
   REQUIRE(first.status == 200);
   const std::string id = first.headers["x-session-id"];
