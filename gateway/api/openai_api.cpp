@@ -371,7 +371,7 @@ void OpenAiApi::completions(ApiKind kind, const std::shared_ptr<HttpExchange>& e
   mark->key = busy_key;
   std::shared_ptr<const void> turn = std::move(mark);
   opts_.sessions->load(session, [this, kind, ex, caller, body = std::move(body), session,
-                                 turn = std::move(turn)](ChatMessages prior) {
+                                 turn = std::move(turn)](ChatMessages prior, bool known) {
     // The client may have gone while Redis answered: then nothing runs.
     if (!ex->open()) {
       metrics_->count_disconnect();
@@ -380,7 +380,7 @@ void OpenAiApi::completions(ApiKind kind, const std::shared_ptr<HttpExchange>& e
     // Without keys an id is only good while the server holds its session:
     // one of the issued shape that it never issued (or whose session expired)
     // would otherwise start a conversation under an id the client chose.
-    if (prior.empty() && session.owner == SessionStore::open_owner()) {
+    if (!known && session.owner == SessionStore::open_owner()) {
       reply_error(ex, kChat,
                   ApiError{404,
                            "No session has this id (never issued, or expired): send \"session_id\": \"new\" to "

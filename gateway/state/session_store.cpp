@@ -196,22 +196,25 @@ std::optional<ChatMessages> SessionStore::from_redis(const std::string& key, std
   return capped(std::move(out), opts_.max_messages, opts_.max_bytes);
 }
 
-void SessionStore::load(const SessionKey& sk, std::function<void(ChatMessages)> done) {
+void SessionStore::load(const SessionKey& sk, std::function<void(ChatMessages, bool)> done) {
   const std::string key = redis_key(sk);
-  if (!redis_ || !redis_->connected()) return done(from_memory(key));
+  const auto in_memory = [this, &key] { return index_.count(key) > 0; };
+  if (!redis_ || !redis_->connected()) return done(from_memory(key), in_memory());
   // Turns this process answered while Redis did not take them are newer
   // than whatever Redis holds: they are the conversation.
-  if (auto it = index_.find(key); it != index_.end() && it->second->unsynced) return done(from_memory(key));
+  if (auto it = index_.find(key); it != index_.end() && it->second->unsynced) return done(from_memory(key), true);
   redis_->command({"GET", key}, [this, key, done = std::move(done)](const redisReply* r) {
-    if (!r || r->type != REDIS_REPLY_STRING) return done(from_memory(key));  // gone, nil, or not ours
+    const bool here = index_.count(key) > 0;
+    if (!r || r->type != REDIS_REPLY_STRING) return done(from_memory(key), here);  // gone, nil, or not ours
     if (auto it = index_.find(key); it != index_.end() && it->second->unsynced)
-      return done(from_memory(key));  // a save failed while the GET was on its way
+      return done(from_memory(key), true);  // a save failed while the GET was on its way
     std::optional<ChatMessages> messages = from_redis(key, std::string_view(r->str, r->len));
     // A copy that failed its checks is not a conversation: what this process
-    // holds (if anything) stays, rather than an empty one over it.
-    if (!messages) return done(from_memory(key));
+    // holds (if anything) stays, rather than an empty one over it. The
+    // session is known all the same.
+    if (!messages) return done(from_memory(key), true);
     remember(key, *messages, false);
-    done(std::move(*messages));
+    done(std::move(*messages), true);
   });
 }
 

@@ -64,9 +64,11 @@ class SessionStore {
   // The owner of the sessions of a gateway without keys (server-issued ids).
   static std::string open_owner() { return std::string(protocol::kSessionOwnerOpen); }
 
-  // The stored turns (empty for an unknown or expired session). Asks Redis
-  // when it is connected, else answers from memory at once.
-  void load(const SessionKey& key, std::function<void(ChatMessages)> done);
+  // The stored turns (empty for an unknown or expired session), and whether
+  // anything is stored under the key at all (a copy that failed its checks
+  // counts: the session is known, its turns are not used). Asks Redis when
+  // it is connected, else answers from memory at once.
+  void load(const SessionKey& key, std::function<void(ChatMessages, bool)> done);
   // Replaces the session's turns (capped) and renews its TTL; `saved` (if
   // any) runs once Redis has stored them (or failed to: its reply or the
   // connection's loss), or at once without Redis.

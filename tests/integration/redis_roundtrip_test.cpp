@@ -248,12 +248,15 @@ struct Loop {
   }
 };
 
-// A session's turns as the store loads them, the loop turned until they come.
-moe::gw::ChatMessages load_session(Loop& loop, moe::gw::SessionStore& store, const moe::gw::SessionKey& sk) {
+// A session's turns as the store loads them, the loop turned until they
+// come; `known`: whether anything is stored under its key.
+moe::gw::ChatMessages load_session(Loop& loop, moe::gw::SessionStore& store, const moe::gw::SessionKey& sk,
+                                   bool* known = nullptr) {
   bool done = false;
   moe::gw::ChatMessages back;
-  store.load(sk, [&](moe::gw::ChatMessages m) {
+  store.load(sk, [&](moe::gw::ChatMessages m, bool stored) {
     back = std::move(m);
+    if (known) *known = stored;
     done = true;
   });
   REQUIRE(loop.until([&] { return done; }));
@@ -388,9 +391,18 @@ TEST_CASE("what the worker writes to Redis, the gateway reads back, and the othe
   CHECK(raw.text({"GET", "moe:session:open:s-roundtrip"}) ==
         R"([{"content":"hello","role":"user"},{"content":"hi there","role":"assistant"}])");
   moe::gw::SessionStore reader(client.get(), sso);
-  const moe::gw::ChatMessages back = load_session(loop, reader, sk);
+  bool known = false;
+  const moe::gw::ChatMessages back = load_session(loop, reader, sk, &known);
   REQUIRE(back.size() == 2);
   CHECK(back[1].content == "hi there");
+  CHECK(known);
+  // A key nothing is stored under is no session; one holding what is not a
+  // list of turns is one (known), whose turns are not used.
+  CHECK(load_session(loop, reader, {moe::gw::SessionStore::open_owner(), "s-never"}, &known).empty());
+  CHECK_FALSE(known);
+  raw.text({"SET", "moe:session:open:s-garbage", "[[[not turns"});
+  CHECK(load_session(loop, reader, {moe::gw::SessionStore::open_owner(), "s-garbage"}, &known).empty());
+  CHECK(known);
   // The worker acknowledges the session event too (it has no use for it).
   CHECK(loop.until([&] { return raw.pending(worker->events_key()) == 0; }));
 
