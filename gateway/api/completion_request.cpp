@@ -68,7 +68,8 @@ std::optional<ApiError> message_text(const json& content, size_t index, std::str
       return invalid_param(param, "each part of '" + param + "' must be an object with a 'type'.", "invalid_type");
     }
     if (*type != "text") {
-      return invalid_param(param, "content parts of type '" + type->get<std::string>() + "' are not supported; only 'text'.");
+      return invalid_param(param, "content parts of type '" + type->get<std::string>() + "' are not supported; only 'text'.",
+                           "unsupported_value");
     }
     const json* text = member(part, "text");
     if (!text || !text->is_string()) return invalid_param(param, "a text part of '" + param + "' must have a string 'text'.", "invalid_type");

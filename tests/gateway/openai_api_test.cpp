@@ -323,6 +323,12 @@ TEST_CASE("api: validation errors have OpenAI's shape and status", "[gateway][ap
   check_error(post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", std::string(4096, 'a')}}), 400, "prompt",
               "context_length_exceeded");
   check_error(post(gw, "/v1/chat/completions", chat("x", {{"temperature", 3}})), 400, "temperature", "invalid_value");
+  // A content part this server does not take says so with a code.
+  check_error(post(gw, "/v1/chat/completions",
+                   {{"model", "demo-moe"},
+                    {"messages", {{{"role", "user"},
+                                   {"content", {{{"type", "image_url"}, {"image_url", {{"url", "http://x/a.png"}}}}}}}}}}),
+              400, "messages[0].content", "unsupported_value");
   check_error(post(gw, "/v1/chat/completions", chat("x", {{"temperature", "hot"}})), 400, "temperature", "invalid_type");
   check_error(post(gw, "/v1/chat/completions", chat("x", {{"top_p", 0}})), 400, "top_p", "invalid_value");
   check_error(post(gw, "/v1/chat/completions", chat("x", {{"n", 0}})), 400, "n", "invalid_value");
