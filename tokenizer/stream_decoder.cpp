@@ -16,6 +16,13 @@ size_t common_prefix(const std::string& a, const std::string& b) {
   return n;
 }
 
+// The text `text` adds past `before` (which it starts with, or with what
+// clean-up left of it).
+std::string new_text(const std::string& before, const std::string& text) {
+  const size_t cut = text.starts_with(before) ? before.size() : common_prefix(before, text);
+  return text.size() > cut ? text.substr(cut) : std::string();
+}
+
 }  // namespace
 
 StreamDecoder::StreamDecoder(const Tokenizer& tok, bool skip_special)
@@ -36,11 +43,8 @@ std::string StreamDecoder::push(int32_t id) {
   // Clean-up may still change the tail (" ." → ".", " 's" → "'s"): held
   // back while it is the start of one of its patterns.
   if (tok_.cleans_up_spaces() && clean_up_may_change_tail(after)) return {};
-  const size_t cut = after.starts_with(before) ? before.size() : common_prefix(before, after);
-  std::string out = after.substr(cut);
-  prefix_ = read_;
-  read_ = ids_.size();
-  trim();
+  std::string out = new_text(before, after);
+  advance(ids_.size());
   return out;
 }
 
@@ -53,17 +57,16 @@ std::string StreamDecoder::release(const std::string& before, const std::string&
   for (size_t c = ids_.size() - kKeep; c > read_; --c) {
     const std::string part = tok_.decode(all.subspan(prefix_, c - prefix_), skip_special_);
     if (!after.starts_with(part)) continue;
-    const size_t cut = part.starts_with(before) ? before.size() : common_prefix(before, part);
-    std::string out = part.size() > cut ? part.substr(cut) : std::string();
-    prefix_ = read_;
-    read_ = c;
-    trim();
+    std::string out = new_text(before, part);
+    advance(c);
     return out;
   }
   return {};  // no such cut: held as before
 }
 
-void StreamDecoder::trim() {
+void StreamDecoder::advance(size_t read) {
+  prefix_ = read_;
+  read_ = read;
   // Keep only the context window: ids before prefix_ are never read again.
   if (prefix_ > 64) {
     ids_.erase(ids_.begin(), ids_.begin() + static_cast<std::ptrdiff_t>(prefix_));
@@ -78,10 +81,7 @@ std::string StreamDecoder::flush() {
     const std::span<const int32_t> all(ids_);
     const std::string before = tok_.decode(all.subspan(prefix_, read_ - prefix_), skip_special_);
     const std::string after = tok_.decode(all.subspan(prefix_), skip_special_);
-    if (after.size() > before.size()) {
-      const size_t cut = after.starts_with(before) ? before.size() : common_prefix(before, after);
-      out = after.substr(cut);
-    }
+    if (after.size() > before.size()) out = new_text(before, after);
   }
   ids_.clear();
   prefix_ = read_ = 0;

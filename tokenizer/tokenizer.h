@@ -94,7 +94,8 @@ class StreamDecoder {
  private:
   // Past kMaxHeld held ids: the text up to a cut that no character spans.
   std::string release(const std::string& before, const std::string& after);
-  void trim();
+  // The ids before `read` are emitted: the last emitted run becomes the context.
+  void advance(size_t read);
   const Tokenizer& tok_;
   bool skip_special_;
   std::vector<int32_t> ids_;  // the window: ids_[prefix_ ..] is undecided

@@ -147,6 +147,13 @@ constexpr size_t kMaxPoolJobs = 64;
 
 }  // namespace
 
+void OpenAiApi::reply_off_loop(const std::shared_ptr<HttpExchange>& ex, const char* endpoint,
+                               std::function<HttpResponse()> make) {
+  auto out = std::make_shared<HttpResponse>();
+  off_loop(ex, endpoint, [out, make = std::move(make)] { *out = make(); },
+           [this, ex, endpoint, out] { reply(ex, endpoint, std::move(*out)); });
+}
+
 void OpenAiApi::off_loop(const std::shared_ptr<HttpExchange>& ex, const char* endpoint, std::function<void()> work,
                          std::function<void()> then) {
   auto fail = [this, ex, endpoint] {
@@ -281,26 +288,16 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
   if (route.endpoint == kHealth) return health(ex);
   if (route.endpoint == kDebugExperts) return debug_experts(ex);
   if (page) return experts_page(ex, route.endpoint == kExperts);
-  if (route.endpoint == kTokenize) {
-    auto out = std::make_shared<HttpResponse>();
-    off_loop(ex, kTokenize,
-             [out, body = ex->request().body, codec = codec_, name = opts_.served_model_name,
-              max_context = scheduler_->ready() ? scheduler_->max_context() : 0] {
-               *out = tokenize_response(body, *codec, name, max_context);
-             },
-             [this, ex, out] { reply(ex, kTokenize, std::move(*out)); });
-    return;
-  }
-  if (route.endpoint == kDetokenize) {
-    // As /tokenize: a long list of ids is decoded off the loop.
-    auto out = std::make_shared<HttpResponse>();
-    off_loop(ex, kDetokenize,
-             [out, body = ex->request().body, codec = codec_, name = opts_.served_model_name] {
-               *out = detokenize_response(body, *codec, name);
-             },
-             [this, ex, out] { reply(ex, kDetokenize, std::move(*out)); });
-    return;
-  }
+  if (route.endpoint == kTokenize)
+    return reply_off_loop(ex, kTokenize,
+                          [body = ex->request().body, codec = codec_, name = opts_.served_model_name,
+                           max_context = scheduler_->ready() ? scheduler_->max_context() : 0] {
+                            return tokenize_response(body, *codec, name, max_context);
+                          });
+  if (route.endpoint == kDetokenize)  // a long list of ids is decoded off the loop too
+    return reply_off_loop(ex, kDetokenize, [body = ex->request().body, codec = codec_, name = opts_.served_model_name] {
+      return detokenize_response(body, *codec, name);
+    });
   metrics(ex);
 }
 

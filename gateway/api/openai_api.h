@@ -112,6 +112,9 @@ class OpenAiApi final : public HttpHandler {
   // runs beside the loop. Without a server (no loop) both run here.
   void off_loop(const std::shared_ptr<HttpExchange>& ex, const char* endpoint, std::function<void()> work,
                 std::function<void()> then);
+  // off_loop for a reply `make` builds on the pool (/tokenize, /detokenize).
+  void reply_off_loop(const std::shared_ptr<HttpExchange>& ex, const char* endpoint,
+                      std::function<HttpResponse()> make);
   // A completion request from its parse on: what run_completion checked,
   // and the parse's inputs and result.
   struct CompletionJob {

@@ -243,14 +243,19 @@ struct RowsParams {
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
 
+// This block's pair (or token) and row block on a pairs_grid (below).
+__device__ __forceinline__ int2 grid_place(bool pair_fastest) {
+  return pair_fastest ? make_int2(blockIdx.x, blockIdx.y) : make_int2(blockIdx.y, blockIdx.x);
+}
+
 // grid: (ceil(rows / (kWarps * R)), pairs). GATE_UP: y = silu(m0 x) * (m1 x);
 // else y = m0 x. A warp owns R consecutive rows; their weights are loaded
 // before the activations are staged, so the two latencies overlap.
 template <typename XT, int CPL, bool FAST, bool GATE_UP, int R>
 __global__ void __launch_bounds__(kThreads) q4_rows_kernel(RowsParams p) {
   extern __shared__ uint4 smem[];
-  const int pair = p.pair_fastest ? blockIdx.x : blockIdx.y;
-  const int row_block = p.pair_fastest ? blockIdx.y : blockIdx.x;
+  const int2 place = grid_place(p.pair_fastest);
+  const int pair = place.x, row_block = place.y;
   const uint8_t* blob = p.blob;
   int lo = 0;  // rows below are the host's: zeros here, their weights unread
   if (p.blobs) {
@@ -335,8 +340,8 @@ __device__ __forceinline__ int nth_set_bit(uint64_t m, int k) {
 template <typename XT, int CPL, int R>
 __global__ void __launch_bounds__(kThreads) q4_gate_up_grouped_kernel(RowsParams p) {
   extern __shared__ uint4 smem[];
-  const int pair = p.pair_fastest ? blockIdx.x : blockIdx.y;
-  const int row_block = p.pair_fastest ? blockIdx.y : blockIdx.x;
+  const int2 place = grid_place(p.pair_fastest);
+  const int pair = place.x, row_block = place.y;
   const int lane = threadIdx.x & 31;
   detail::wait_prior_grid();  // the expert ids come from the router
   detail::allow_next_grid();  // as q4_rows_kernel: the down projection reads the ids early
@@ -431,8 +436,8 @@ __global__ void __launch_bounds__(kThreads) q4_down_kernel(DownParams p) {
   // The ids and route weights are the router's, done before gate/up let this
   // kernel start: the first experts' weights load before the wait, h after.
   extern __shared__ uint4 smem[];
-  const int t = p.token_fastest ? blockIdx.x : blockIdx.y;
-  const int row_block = p.token_fastest ? blockIdx.y : blockIdx.x;
+  const int2 place = grid_place(p.token_fastest);
+  const int t = place.x, row_block = place.y;
   const int K = p.m.cols;
   const int nchunks = K / 32;
   const size_t per = staged_bytes(K, FAST);  // a multiple of 16 bytes
@@ -519,8 +524,8 @@ __global__ void __launch_bounds__(kThreads) q4_down_flat_kernel(DownParams p) {
   detail::allow_next_grid();
   // As q4_down_kernel: weights (and the router's ids) before the wait, h after.
   extern __shared__ uint4 smem[];
-  const int t = p.token_fastest ? blockIdx.x : blockIdx.y;
-  const int row_block = p.token_fastest ? blockIdx.y : blockIdx.x;
+  const int2 place = grid_place(p.token_fastest);
+  const int t = place.x, row_block = place.y;
   const int K = p.m.cols;
   const int nchunks = K / 32;
   const size_t per = staged_bytes(K, true);
