@@ -392,6 +392,7 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.guess_ids_host), size_t(cuda::kGemvMaxTokens) * m.top_k * 4));
     for (int l = 0; l < d.n_layers; ++l)
       if (d.moe_layer_index(l) >= 0) m.layer_of_moe.push_back(l);
+    if (!m.all_resident && opts.misses == MissMode::stream && m.stage_slots) MOE_TRY(m.start_staging());
     if (!m.all_resident && opts.host_experts != HostShareMode::off) {
       // Copy mode splits a layer's misses on the host's clock; streamed
       // passes hand the host its share through mapped memory.
@@ -440,5 +441,24 @@ size_t CudaEngine::Impl::kv_part_bytes() const {
 size_t CudaEngine::Impl::kv_block_bytes() const { return size_t(mla ? 1 : 2) * d.n_layers * kv_part_bytes(); }
 
 CudaEngine::~CudaEngine() = default;
+
+Status CudaEngine::Impl::start_staging() {
+  MOE_CUDA_TRY(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  stage_fork.assign(size_t(n_moe_layers), nullptr);
+  for (cudaEvent_t& e : stage_fork) MOE_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  MOE_CUDA_TRY(cudaEventCreateWithFlags(&stage_join, cudaEventDisableTiming));
+  MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&stage_landed_host), sizeof(uint32_t)));
+  *stage_landed_host = 0;
+  std::vector<const uint8_t*> blobs(size_t(n_moe_layers) * n_experts);
+  for (int ml = 0; ml < n_moe_layers; ++ml)
+    for (int e = 0; e < n_experts; ++e) blobs[size_t(ml) * n_experts + e] = arena->host_blob_on_device({ml, e});
+  MOE_CUDA_TRY(cudaMemcpy(host_blobs_dev, blobs.data(), blobs.size() * sizeof(void*), cudaMemcpyHostToDevice));
+  MOE_CUDA_TRY(cudaMemset(stage_keys, 0xff, size_t(2 * top_k) * sizeof(int2)));  // (-1, -1): empty
+  MOE_CUDA_TRY(cudaMemset(stage_arrived, 0, size_t(2 * top_k) * sizeof(uint32_t)));
+  MOE_CUDA_TRY(cudaMemset(stage_landed, 0, sizeof(uint32_t)));
+  std::fprintf(stderr, "moe-worker: layer-ahead staging in streamed passes of one token (%d slots, %.1f MiB)\n",
+               2 * top_k, double(2 * top_k) * double(stage_slot_bytes) / (1 << 20));
+  return {};
+}
 
 }  // namespace moe

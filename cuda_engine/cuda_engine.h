@@ -44,6 +44,8 @@ struct CudaExpertStats {
   uint64_t bytes_streamed = 0;       // expert bytes kernels read from host memory (streamed misses)
   uint64_t host_share_served = 0;    // (token, expert) misses of streamed passes the host's cores took rows of
   ShareTimes share_times;            // those passes' shared layers: the host's time, the GPU's waits
+  uint64_t experts_staged = 0;       // guessed experts copied a layer ahead (stream_ahead); each also
+                                     // counts in bytes_streamed when a pass used it
 };
 
 // What the process holds on the device, the budget included (bytes).

@@ -52,6 +52,7 @@
 #include "kernels/cuda/cuda_check.cuh"
 #include "kernels/cuda/dense_matmul.cuh"
 #include "kernels/cuda/embedding.cuh"
+#include "kernels/cuda/expert_stage.cuh"
 #include "kernels/cuda/host_share.cuh"
 #include "kernels/cuda/mla.cuh"
 #include "kernels/cuda/norm.cuh"
@@ -425,6 +426,12 @@ struct CudaEngine::Impl {
     for (void* p : {static_cast<void*>(share_host), static_cast<void*>(pass_host), static_cast<void*>(on_gpu_host)})
       if (p) (void)cudaFreeHost(p);
     if (routes_ready) (void)cudaEventDestroy(routes_ready);
+    if (side) (void)cudaStreamSynchronize(side);
+    for (cudaEvent_t e : stage_fork)
+      if (e) (void)cudaEventDestroy(e);
+    if (stage_join) (void)cudaEventDestroy(stage_join);
+    if (side) (void)cudaStreamDestroy(side);
+    if (stage_landed_host) (void)cudaFreeHost(stage_landed_host);
     if (st) (void)cudaStreamDestroy(st);
     if (pinned_experts) (void)cudaFreeHost(pinned_experts);
   }
@@ -471,6 +478,28 @@ struct CudaEngine::Impl {
   int32_t* guess_ids_host = nullptr;  // [8, top_k] pinned
   int guess_tokens = 0;               // tokens whose guesses guess_ids_host holds for the next layer (0: none)
   std::vector<int> layer_of_moe;      // [n_moe_layers]: the model layer of each MoE layer
+
+  // ---- Layer-ahead staging in streamed passes of one token (opts.stream_ahead;
+  // kernels/cuda/expert_stage.cuh, docs/expert-prediction.md "Streamed passes")
+  bool staging = false;                       // this pass stages
+  cudaStream_t side = nullptr;                // the guesses and copies
+  std::vector<cudaEvent_t> stage_fork;        // [n_moe_layers] each layer's fork point on st
+  cudaEvent_t stage_join = nullptr;           // the side stream's end, joined before the pass ends
+  uint8_t* stage_slots = nullptr;             // workspace [2 * top_k, stage_slot_bytes]
+  size_t stage_slot_bytes = 0;
+  const uint8_t** host_blobs_dev = nullptr;   // workspace [n_moe_layers, n_experts] mapped host blobs
+  int2* stage_keys = nullptr;                 // workspace [2 * top_k]
+  uint32_t* stage_arrived = nullptr;          // workspace [2 * top_k]
+  uint32_t* stage_landed = nullptr;           // workspace [1]: experts staged over the engine's life
+  uint32_t* stage_landed_host = nullptr;      // pinned copy, read after each staging pass
+  float* x_snap = nullptr;                    // workspace [hidden]: the residual the side stream guesses from
+  uint64_t experts_staged = 0;
+  cuda::StageArgs stage_args(int ml) const;
+  Status start_staging();                     // create.cpp: stream, events, slots emptied, host blobs listed
+  // At MoE layer ml's start (the residual after attention): fork the side
+  // stream, guess layer ml + 1's experts there and stage them (forward.cpp).
+  Status stage_next_layer(int ml, int n, const int32_t* positions, const int32_t* routing_seq);
+  Status end_staging();                       // join the side stream, put the tables back
   Status release_experts(int ml);
   Status start_host_experts();
   std::vector<std::vector<int>> bound;  // [n_moe_layers] experts pinned for the layer's kernels

@@ -177,6 +177,17 @@ struct CudaEngineOptions {
   // from an offset of its own (kernels/cuda/router.cuh, ForcedRouting). Empty:
   // off. Takes precedence over uniform_routing_seed.
   std::string routing_trace;
+  // Streamed decode passes of one token: the experts the next MoE layer's
+  // router guesses on this layer's state after attention are copied from
+  // the host into staging slots by a second stream of the graph while this
+  // layer computes (docs/expert-prediction.md, "Streamed passes").
+  // 2 x top_k expert blobs of the budget go to the slots. Off until measured.
+  bool stream_ahead = false;
+  // Benchmarks with a replayed trace and stream_ahead: the guesses drawn
+  // from the trace's next layer with this recall (cuda::force_guess)
+  // instead of the seeded router's, which cannot know the replayed ids.
+  // Below 0: the router's guesses.
+  double bench_guess_recall = -1;
   // Benchmarks only, outputs meaningless: kernels left out of every pass, so
   // that a step's time without one tells that kernel's share of the step as
   // it runs among the others (moe-bench-engine --omit). Bits of OmitKernel.

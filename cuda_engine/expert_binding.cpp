@@ -211,6 +211,7 @@ CudaExpertStats CudaEngine::expert_stats() const {
   s.host_expert_tokens = m.host_expert_tokens;
   s.host_share_served = m.share ? m.share->experts_served() : 0;
   if (m.share) s.share_times = m.share->times();
+  s.experts_staged = m.experts_staged;
   s.bytes_streamed = m.bytes_streamed;
   return s;
 }

@@ -57,9 +57,62 @@ Status CudaEngine::Impl::mlp(const DevLayer& L, int n, bool fuse) {
   return project(L.mlp_down_w, mh, x, n, true);
 }
 
+cuda::StageArgs CudaEngine::Impl::stage_args(int ml) const {
+  cuda::StageArgs a;
+  a.guess_ids = guess_ids;
+  a.top_k = top_k;
+  a.n_experts = n_experts;
+  a.layer = ml;
+  a.table = blob_tables;
+  a.on_gpu = on_gpu;
+  a.host_blobs = host_blobs_dev;
+  a.slots = stage_slots;
+  a.blob_bytes = layout.blob_bytes;
+  a.slot_bytes = stage_slot_bytes;
+  a.staged = stage_keys;
+  a.arrived = stage_arrived;
+  a.landed = stage_landed;
+  return a;
+}
+
+Status CudaEngine::Impl::stage_next_layer(int ml, int n, const int32_t* positions, const int32_t* routing_seq) {
+  // The residual after attention, kept for the side stream (this layer's
+  // experts add to x meanwhile); then the fork.
+  MOE_TRY(cuda::copy_f32(x, x_snap, size_t(n) * hidden, st));
+  MOE_CUDA_TRY(cudaEventRecord(stage_fork[size_t(ml)], st));
+  MOE_CUDA_TRY(cudaStreamWaitEvent(side, stage_fork[size_t(ml)], 0));
+  if (opts.bench_guess_recall >= 0 && trace_dev) {
+    MOE_TRY(cuda::force_guess({positions, routing_seq, ml + 1, opts.uniform_routing_seed ^ 0x6e55, trace_dev,
+                               trace_tokens, n_moe_layers},
+                              float(opts.bench_guess_recall), guess_ids, n, n_experts, top_k, side));
+  } else {
+    // The next layer's router rows after its own MLP norm, as copy mode's
+    // guess_next_layer; the GEMV helpers enqueue on st, so st is the side
+    // stream meanwhile.
+    const DevLayer& next = layers[size_t(layer_of_moe[size_t(ml + 1)])];
+    const DenseW router = next.router_row >= 0 ? next.mlp_gu_w.slice(next.router_row, n_experts) : next.router_w;
+    if (!router) return make_error("layer-ahead staging: the next MoE layer has no router rows");
+    const cudaStream_t compute = st;
+    st = side;
+    const Status g = gemv_rmsnorm(router, x_snap, next.post_norm, nullptr, guess_logits, n);
+    st = compute;
+    MOE_TRY(g);
+    MOE_TRY(cuda::router_topk(guess_logits, n, n_experts, top_k, d.moe.norm_topk_prob, d.moe.routed_scaling, guess_ids,
+                              guess_w, side));
+  }
+  return cuda::stage_experts(stage_args(ml + 1), side);
+}
+
+Status CudaEngine::Impl::end_staging() {
+  MOE_CUDA_TRY(cudaEventRecord(stage_join, side));
+  MOE_CUDA_TRY(cudaStreamWaitEvent(st, stage_join, 0));
+  return cuda::restore_staged(stage_args(0), st);
+}
+
 Status CudaEngine::Impl::moe_layer(const DevLayer& L, int n, bool logits_ready, const int32_t* positions,
                                    const int32_t* routing_seq, bool fuse) {
   const int ml = L.moe_index;
+  if (staging && ml + 1 < n_moe_layers) MOE_TRY(stage_next_layer(ml, n, positions, routing_seq));
   // The router's logits: inside the shared projection's output, already
   // made by the fused norm + GEMV, or computed here from xn.
   const float* logits = L.router_row >= 0 ? gu + L.router_row : router_logits;
@@ -296,6 +349,7 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
       MOE_TRY(mlp(L, n, fuse));
     }
   }
+  if (staging) MOE_TRY(end_staging());
   if (s == 0) return {};
   const auto* rows = reinterpret_cast<const int32_t*>(pack_dev + pk.sample_rows);
   MOE_TRY(cuda::gather_rows_f32(x, rows, s, hidden, xs, st));

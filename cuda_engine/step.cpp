@@ -142,6 +142,8 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     m.streaming = m.stream_pass(n);
     if (m.streaming)
       MOE_TRY(m.prepare_streamed_pass());
+    // Layer-ahead staging: one token a pass (expert_stage.cuh), a fork per MoE layer but the last.
+    m.staging = m.streaming && n == 1 && m.side && m.n_moe_layers > 1;
     // The host's share: its threads serve this pass's layers as the GPU
     // posts them; on every way out of the pass they are done with it (or
     // abandon it when the pass failed).
@@ -198,7 +200,10 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
       MOE_CUDA_TRY(cudaMemcpyAsync(m.saved_host, m.adjust_saved, size_t(n_adjust) * 4, cudaMemcpyDeviceToHost, m.st));
     if (m.n_moe_layers > 0 && (m.all_resident || m.streaming))
       MOE_CUDA_TRY(cudaMemcpyAsync(m.ids_host, m.route_ids, size_t(m.n_moe_layers) * n * m.top_k * 4, cudaMemcpyDeviceToHost, m.st));
+    if (m.staging)
+      MOE_CUDA_TRY(cudaMemcpyAsync(m.stage_landed_host, m.stage_landed, sizeof(uint32_t), cudaMemcpyDeviceToHost, m.st));
     MOE_CUDA_TRY(cudaStreamSynchronize(m.st));
+    if (m.staging) m.experts_staged = *m.stage_landed_host;
     m.advanced();
     if (share_scope.s) {
       share_scope.s->end(true);

@@ -16,6 +16,9 @@
 //                    [--misses stream|copy] [--threads N] [--skip-resident]
 //                    [--budget-batches 1[,8...]] (decode batches under a budget; default 1)
 //                    [--admit-per-pass N] (streamed experts copied into islands a pass at most)
+//                    [--stream-ahead on|off] (layer-ahead staging of guessed experts in streamed
+//                    passes of one token) [--guess-recall P] (with replayed routing: guesses from the
+//                    trace's next layer, each kept with chance P, instead of the seeded router's)
 //                    [--steps N] [--prompt N] [--policy P] [--prefetch on|off]
 //                    [--dense-weights auto|bf16|int8|int4]
 //                    [--budget-dense-weights auto|bf16|int8|int4] [--json PATH]
@@ -66,6 +69,8 @@ struct Options {
   bool resident = true;  // --skip-resident: the budgets' rows only
   std::vector<int> budget_batches = {1};  // decode batches under a budget
   int admit_per_pass = 0;                 // 0: the engine's default
+  bool stream_ahead = false;              // --stream-ahead on: layer-ahead staging in streamed passes
+  double guess_recall = -1;               // --guess-recall P: replayed routing's guesses (< 0: the router's)
   int profile_steps = 0;                  // decode steps a batch under the profiler (0: none)
   std::string json;
   // --omit: sets of kernels left out, one engine each ({"", 0}: none).
@@ -135,6 +140,7 @@ struct Row {
   std::string omit;  // --omit: the kernels left out (a diagnosis, not a result)
   int batch = 0;
   double tok_s = 0, peak_mib = 0, hit_rate = 1, pcie_mb_per_token = 0, host_experts_per_token = 0;
+  double staged_per_token = 0;  // experts copied a layer ahead (--stream-ahead on)
   // The host's share (streamed passes): per token, the host's time on its
   // layers and the GPU's time waiting for them; waits over 50 µs a token;
   // the longest wait over the engine's life (warm-up and earlier rows too).
@@ -151,6 +157,7 @@ void expert_figures(Row& row, const CudaExpertStats& s0, const CudaExpertStats& 
   const double miss = double(s1.residency.misses - s0.residency.misses) + copy_split;
   row.hit_rate = s1.all_resident ? 1.0 : (hits + miss > 0 ? hits / (hits + miss) : 0);
   row.host_experts_per_token = host / tokens;
+  row.staged_per_token = double(s1.experts_staged - s0.experts_staged) / tokens;
   const ShareTimes &t0 = s0.share_times, &t1 = s1.share_times;
   row.share_host_us = (t1.host_us - t0.host_us) / tokens;
   row.share_wait_us = (t1.gpu_wait_us - t0.gpu_wait_us) / tokens;
@@ -242,6 +249,7 @@ int usage() {
                "                        [--routing router|uniform|replay[:FILE][,...]] [--host-experts auto|on|off]\n"
                "                        [--misses stream|copy] [--threads N] [--skip-resident]\n"
                "                        [--budget-batches 1[,8...]] [--admit-per-pass N]\n"
+               "                        [--stream-ahead on|off] [--guess-recall P]\n"
                "                        [--json PATH] [--profile-steps N] [--omit KERNEL[,KERNEL...][;...]]\n");
   return 2;
 }
@@ -286,6 +294,20 @@ int main(int argc, char** argv) {
     else if (a == "--threads") o.threads = std::atoi(val().c_str());
     else if (a == "--skip-resident") o.resident = false;
     else if (a == "--admit-per-pass") o.admit_per_pass = std::atoi(val().c_str());
+    else if (a == "--stream-ahead") {
+      const std::string v = val();
+      if (v != "on" && v != "off") {
+        std::fprintf(stderr, "moe-bench-engine: --stream-ahead takes on or off\n");
+        return usage();
+      }
+      o.stream_ahead = v == "on";
+    } else if (a == "--guess-recall") {
+      o.guess_recall = std::atof(val().c_str());
+      if (o.guess_recall < 0 || o.guess_recall > 1) {
+        std::fprintf(stderr, "moe-bench-engine: --guess-recall takes 0 to 1\n");
+        return usage();
+      }
+    }
     else if (a == "--model") o.model = val();
     else if (a == "--profile-steps") o.profile_steps = std::atoi(val().c_str());
     else if (a == "--budget-batches") {
@@ -395,6 +417,8 @@ int main(int argc, char** argv) {
         eo.misses = o.misses;
         eo.host_threads = o.threads;
         if (o.admit_per_pass > 0) eo.stream_admit_per_pass = o.admit_per_pass;
+        eo.stream_ahead = o.stream_ahead;
+        eo.bench_guess_recall = o.guess_recall;
         const auto t1 = Clock::now();
         auto e = CudaEngine::create((*model)->files, eo);
         if (!e) {
@@ -420,6 +444,8 @@ int main(int argc, char** argv) {
                       "%.0f MiB\n",
                       r.phase.c_str(), r.batch, r.tok_s, r.hit_rate, r.pcie_mb_per_token, r.host_experts_per_token,
                       r.peak_mib);
+          if (r.staged_per_token > 0)
+            std::printf("      staged a layer ahead: %.2f experts a token\n", r.staged_per_token);
           if (r.share_host_us > 0)
             std::printf("      host's share: host %.0f us a token on its layers, GPU waited %.0f us a token for it "
                         "(%.2f waits over 50 us a token; longest in the engine's life %.0f us)\n",
@@ -457,7 +483,7 @@ int main(int argc, char** argv) {
     for (const Row& r : rows) {
       j.push_back({{"shape", r.shape}, {"mode", r.mode}, {"routing", r.routing}, {"dense_weights", r.dense},
                    {"phase", r.phase}, {"batch", r.batch}, {"ours_tok_s", r.tok_s}, {"hit_rate", r.hit_rate},
-                   {"pcie_mb_per_token", r.pcie_mb_per_token}, {"host_experts_per_token", r.host_experts_per_token},
+                   {"pcie_mb_per_token", r.pcie_mb_per_token}, {"host_experts_per_token", r.host_experts_per_token}, {"staged_per_token", r.staged_per_token},
                    {"peak_gpu_mib", r.peak_mib}});
       if (!r.omit.empty()) j.back()["omit"] = r.omit;
     }

@@ -126,7 +126,32 @@ __global__ void force_experts_kernel(ForcedRouting route, int32_t* ids, int toke
   }
 }
 
+__global__ void force_guess_kernel(ForcedRouting route, float recall, int32_t* ids, int tokens, int n, int k) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= tokens) return;
+  const int r = replay_row_of(route.seq_of_token[t], route.positions[t], route.trace_tokens);
+  const int16_t* src = route.trace + (size_t(r) * route.trace_layers + route.layer) * k;
+  const uint64_t base = mix64(route.seed ^ mix64(uint64_t(route.layer) << 40 ^
+                                                  uint64_t(uint32_t(route.positions[t])) << 8 ^ 0x9e55ull));
+  for (int j = 0; j < k; ++j) {
+    const uint64_t h = mix64(base + uint64_t(j));
+    const bool keep = double(h >> 11) * 0x1.0p-53 < double(recall);
+    ids[size_t(t) * k + j] = keep ? int32_t(src[j]) : int32_t(mix64(h) % uint64_t(n));
+  }
+}
+
 }  // namespace
+
+Status force_guess(const ForcedRouting& route, float recall, int32_t* ids, int tokens, int n_experts, int top_k,
+                   cudaStream_t stream) {
+  MOE_CUDA_REQUIRE(ids && route.positions && route.seq_of_token && route.trace, "null pointer (a trace is needed)");
+  MOE_CUDA_REQUIRE(tokens > 0 && n_experts > 0 && top_k > 0 && route.trace_tokens > 0 && route.layer >= 0 &&
+                       route.layer < route.trace_layers,
+                   "tokens, experts, top_k and the trace's layer");
+  force_guess_kernel<<<(tokens + 63) / 64, 64, 0, stream>>>(route, recall, ids, tokens, n_experts, top_k);
+  MOE_CUDA_LAUNCHED();
+  return {};
+}
 
 Status router_topk(const float* logits, int tokens, int n_experts, int top_k, bool renormalize, float scale,
                    int32_t* ids, float* weights, cudaStream_t stream, int logits_stride,

@@ -57,6 +57,14 @@ struct ForcedRouting {
 Status force_experts(const ForcedRouting& route, int32_t* ids, int tokens, int n_experts, int top_k,
                      cudaStream_t stream, const SharePublishArgs* publish = nullptr);
 
+// Benchmarks with replayed routing: guesses for MoE layer route.layer (the
+// next one) as good as a real router's, which the seeded weights cannot
+// give while the trace fixes the ids: each of the token's recorded experts
+// at that layer kept with chance `recall` (a hash of the seed, the layer,
+// the position and the slot) and replaced by a drawn expert otherwise.
+Status force_guess(const ForcedRouting& route, float recall, int32_t* ids, int tokens, int n_experts, int top_k,
+                   cudaStream_t stream);
+
 // The trace row a replayed token takes (host side of the rule above, for
 // tests and tools).
 int replay_row(int32_t seq, int32_t position, int trace_tokens);

@@ -999,6 +999,41 @@ TEST_CASE("cuda engine: copy mode's layer-ahead guesses from the next router bea
   CHECK(used(by["router"]) > used(by["transition"]));
 }
 
+TEST_CASE("cuda engine: streamed passes staging the next layer's guessed experts give the resident outputs",
+          "[cuda][engine][prefetch]") {
+  SKIP_WITHOUT_GPU();
+  const std::string path = packed("demo-moe");
+  const Resident r = resident(path);
+  CudaEngineOptions o;
+  o.misses = MissMode::stream;
+  o.stream_ahead = true;
+  o.host_experts = HostShareMode::off;  // every miss streamed or staged: the GPU computes all, bit for bit
+  o.dense_weights = DenseWeights::bf16;
+  o.host_embedding = false;
+  o.kv_trade = false;
+  o.arena_budget = r.budget_for(r.E + r.E / 3);
+  auto small = cuda_engine(path, o);
+  REQUIRE_FALSE(small->expert_stats().all_resident);
+  // One sequence of the demo's held-out text (its router's real routing):
+  // decode passes of one token, the ones that stage.
+  auto ref = Checkpoint::open_file(data_dir() + "/../../models/demo-moe/reference.safetensors");
+  REQUIRE(ref.ok());
+  auto ids = test::ints(*ref->find("eval.ids"));
+  REQUIRE(ids.size() >= 40);
+  const std::vector<int32_t> a(ids.begin(), ids.begin() + 40);
+  side_by_side(*r.engine, *small, {a}, 48, [](int, size_t, const SeqOutput& x, const SeqOutput& y) {
+    CHECK(x.token == y.token);
+    CHECK(x.logprob == y.logprob);
+    CHECK(x.expert_counts == y.expert_counts);
+  });
+  const CudaExpertStats st = small->expert_stats();
+  std::printf("cuda engine streamed, staging a layer ahead: %llu experts staged, %llu streamed misses, %llu hits\n",
+              (unsigned long long)st.experts_staged, (unsigned long long)st.residency.streamed,
+              (unsigned long long)st.residency.hits);
+  CHECK(st.experts_staged > 0);
+  CHECK(st.residency.streamed > 0);
+}
+
 TEST_CASE("cuda engine: misses computed on the host as well as copied or streamed match the resident run",
           "[cuda][engine]") {
   SKIP_WITHOUT_GPU();
