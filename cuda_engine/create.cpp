@@ -392,7 +392,7 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     MOE_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&m.guess_ids_host), size_t(cuda::kGemvMaxTokens) * m.top_k * 4));
     for (int l = 0; l < d.n_layers; ++l)
       if (d.moe_layer_index(l) >= 0) m.layer_of_moe.push_back(l);
-    if (!m.all_resident && opts.misses == MissMode::stream && m.stage_slots) MOE_TRY(m.start_staging());
+    if (!m.all_resident && m.stage_slots) MOE_TRY(m.start_staging());
     if (!m.all_resident && opts.host_experts != HostShareMode::off) {
       // Copy mode splits a layer's misses on the host's clock; streamed
       // passes hand the host its share through mapped memory.
@@ -443,6 +443,17 @@ size_t CudaEngine::Impl::kv_block_bytes() const { return size_t(mla ? 1 : 2) * d
 CudaEngine::~CudaEngine() = default;
 
 Status CudaEngine::Impl::start_staging() {
+  // What the kernels need; without it the passes run as before, said once.
+  bool routers = true;
+  for (int ml = 1; ml < n_moe_layers; ++ml) {
+    const DevLayer& L = layers[size_t(layer_of_moe[size_t(ml)])];
+    routers = routers && (L.router_row >= 0 ? bool(L.mlp_gu_w) : bool(L.router_w));
+  }
+  if (!routers || top_k > 256 || layout.blob_bytes % 16 != 0 || n_moe_layers < 2) {
+    std::fprintf(stderr, "moe-worker: layer-ahead staging off: it needs a router for every MoE layer, top-k <= 256 "
+                 "and two MoE layers or more\n");
+    return {};
+  }
   MOE_CUDA_TRY(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
   stage_fork.assign(size_t(n_moe_layers), nullptr);
   for (cudaEvent_t& e : stage_fork) MOE_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
@@ -456,6 +467,7 @@ Status CudaEngine::Impl::start_staging() {
   MOE_CUDA_TRY(cudaMemset(stage_keys, 0xff, size_t(2 * top_k) * sizeof(int2)));  // (-1, -1): empty
   MOE_CUDA_TRY(cudaMemset(stage_arrived, 0, size_t(2 * top_k) * sizeof(uint32_t)));
   MOE_CUDA_TRY(cudaMemset(stage_landed, 0, sizeof(uint32_t)));
+  MOE_CUDA_TRY(cudaMemset(stage_reached, 0, sizeof(int32_t)));
   std::fprintf(stderr, "moe-worker: layer-ahead staging in streamed passes of one token (%d slots, %.1f MiB)\n",
                2 * top_k, double(2 * top_k) * double(stage_slot_bytes) / (1 << 20));
   return {};

@@ -492,6 +492,8 @@ struct CudaEngine::Impl {
   uint32_t* stage_arrived = nullptr;          // workspace [2 * top_k]
   uint32_t* stage_landed = nullptr;           // workspace [1]: experts staged over the engine's life
   uint32_t* stage_landed_host = nullptr;      // pinned copy, read after each staging pass
+  uint32_t stage_landed_seen = 0;             // its value at the last read (a 32-bit count wraps)
+  int32_t* stage_reached = nullptr;           // workspace [1]: the MoE layer the compute stream has reached
   float* x_snap = nullptr;                    // workspace [hidden]: the residual the side stream guesses from
   uint64_t experts_staged = 0;
   cuda::StageArgs stage_args(int ml) const;
@@ -500,6 +502,7 @@ struct CudaEngine::Impl {
   // stream, guess layer ml + 1's experts there and stage them (forward.cpp).
   Status stage_next_layer(int ml, int n, const int32_t* positions, const int32_t* routing_seq);
   Status end_staging();                       // join the side stream, put the tables back
+  Status forward_layers(const PassPack& pk, int n, int s);  // forward() but for the staging's join
   Status release_experts(int ml);
   Status start_host_experts();
   std::vector<std::vector<int>> bound;  // [n_moe_layers] experts pinned for the layer's kernels

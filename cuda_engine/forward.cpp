@@ -72,13 +72,14 @@ cuda::StageArgs CudaEngine::Impl::stage_args(int ml) const {
   a.staged = stage_keys;
   a.arrived = stage_arrived;
   a.landed = stage_landed;
+  a.reached = stage_reached;
   return a;
 }
 
 Status CudaEngine::Impl::stage_next_layer(int ml, int n, const int32_t* positions, const int32_t* routing_seq) {
   // The residual after attention, kept for the side stream (this layer's
   // experts add to x meanwhile); then the fork.
-  MOE_TRY(cuda::copy_f32(x, x_snap, size_t(n) * hidden, st));
+  MOE_TRY(cuda::copy_f32(x, x_snap, size_t(n) * hidden, st, stage_reached, ml));
   MOE_CUDA_TRY(cudaEventRecord(stage_fork[size_t(ml)], st));
   MOE_CUDA_TRY(cudaStreamWaitEvent(side, stage_fork[size_t(ml)], 0));
   if (opts.bench_guess_recall >= 0 && trace_dev) {
@@ -91,8 +92,7 @@ Status CudaEngine::Impl::stage_next_layer(int ml, int n, const int32_t* position
     // stream meanwhile.
     const DevLayer& next = layers[size_t(layer_of_moe[size_t(ml + 1)])];
     const DenseW router = next.router_row >= 0 ? next.mlp_gu_w.slice(next.router_row, n_experts) : next.router_w;
-    if (!router) return make_error("layer-ahead staging: the next MoE layer has no router rows");
-    const cudaStream_t compute = st;
+    const cudaStream_t compute = st;  // start_staging checked every layer has router rows
     st = side;
     const Status g = gemv_rmsnorm(router, x_snap, next.post_norm, nullptr, guess_logits, n);
     st = compute;
@@ -301,6 +301,15 @@ Status CudaEngine::Impl::attention_mla(const DevLayer& L, int n, const int32_t* 
 }
 
 Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
+  const Status f = forward_layers(pk, n, s);
+  if (!staging) return f;
+  // The side stream's leftovers overlap the final norm, lm_head and
+  // sampling; the join comes after them (and after a failure too).
+  const Status e = end_staging();
+  return f ? e : f;
+}
+
+Status CudaEngine::Impl::forward_layers(const PassPack& pk, int n, int s) {
   // Up to this many tokens RMSNorm and SiLU are folded into the GEMVs'
   // staging (fewer launches); above, every block re-reading the f32 inputs
   // costs more than the launches saved (docs/cuda.md).
@@ -349,7 +358,6 @@ Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
       MOE_TRY(mlp(L, n, fuse));
     }
   }
-  if (staging) MOE_TRY(end_staging());
   if (s == 0) return {};
   const auto* rows = reinterpret_cast<const int32_t*>(pack_dev + pk.sample_rows);
   MOE_TRY(cuda::gather_rows_f32(x, rows, s, hidden, xs, st));

@@ -203,7 +203,10 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     if (m.staging)
       MOE_CUDA_TRY(cudaMemcpyAsync(m.stage_landed_host, m.stage_landed, sizeof(uint32_t), cudaMemcpyDeviceToHost, m.st));
     MOE_CUDA_TRY(cudaStreamSynchronize(m.st));
-    if (m.staging) m.experts_staged = *m.stage_landed_host;
+    if (m.staging) {
+      m.experts_staged += uint32_t(*m.stage_landed_host - m.stage_landed_seen);
+      m.stage_landed_seen = *m.stage_landed_host;
+    }
     m.advanced();
     if (share_scope.s) {
       share_scope.s->end(true);

@@ -301,7 +301,7 @@ void CudaEngine::Impl::carve_workspace(Carver& c) {
     guess_w = c.take<float>(size_t(cuda::kGemvMaxTokens) * top_k);
     guess_ids = c.take<int32_t>(size_t(cuda::kGemvMaxTokens) * top_k);
     on_gpu = c.take<uint8_t>(size_t(n_moe_layers) * n_experts);
-    if (opts.stream_ahead) {
+    if (opts.stream_ahead && opts.misses == MissMode::stream) {
       stage_slot_bytes = align_up(layout.blob_bytes, 256);
       stage_slots = c.take<uint8_t>(size_t(2 * top_k) * stage_slot_bytes);
       host_blobs_dev = c.take<const uint8_t*>(size_t(n_moe_layers) * n_experts);
@@ -309,6 +309,7 @@ void CudaEngine::Impl::carve_workspace(Carver& c) {
       stage_arrived = c.take<uint32_t>(size_t(2 * top_k));
       stage_landed = c.take<uint32_t>(1);
       x_snap = c.take<float>(size_t(hidden));
+      stage_reached = c.take<int32_t>(1);
     }
     share_rows = c.take<uint16_t>(size_t(kShareMaxTokens) * top_k + 1);
     share_split = c.take<int32_t>(size_t(kShareMaxTokens) * top_k);

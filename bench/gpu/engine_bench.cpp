@@ -302,8 +302,10 @@ int main(int argc, char** argv) {
       }
       o.stream_ahead = v == "on";
     } else if (a == "--guess-recall") {
-      o.guess_recall = std::atof(val().c_str());
-      if (o.guess_recall < 0 || o.guess_recall > 1) {
+      const std::string v = val();
+      char* end = nullptr;
+      o.guess_recall = std::strtod(v.c_str(), &end);
+      if (v.empty() || *end != '\0' || o.guess_recall < 0 || o.guess_recall > 1) {
         std::fprintf(stderr, "moe-bench-engine: --guess-recall takes 0 to 1\n");
         return usage();
       }
@@ -419,6 +421,12 @@ int main(int argc, char** argv) {
         if (o.admit_per_pass > 0) eo.stream_admit_per_pass = o.admit_per_pass;
         eo.stream_ahead = o.stream_ahead;
         eo.bench_guess_recall = o.guess_recall;
+        if (o.guess_recall >= 0 && (routing.rfind("replay", 0) != 0 || !o.stream_ahead)) {
+          std::fprintf(stderr, "moe-bench-engine: --guess-recall draws guesses from a replayed trace for "
+                               "--stream-ahead on: it needs --routing replay[:FILE] (routing %s)\n",
+                       routing.c_str());
+          return 1;
+        }
         const auto t1 = Clock::now();
         auto e = CudaEngine::create((*model)->files, eo);
         if (!e) {

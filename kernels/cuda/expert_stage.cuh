@@ -28,7 +28,7 @@ struct StageArgs {
   int n_experts = 0;
   int layer = 0;                          // the MoE layer the guesses are for
   const uint8_t** table = nullptr;        // [layers, n_experts] the pass's blob pointers (entries swapped here)
-  uint8_t* on_gpu = nullptr;              // [layers, n_experts] 1: read from device memory (set once landed)
+  const uint8_t* on_gpu = nullptr;        // [layers, n_experts] 1: read from device memory (not staged)
   const uint8_t* const* host_blobs = nullptr;  // [layers, n_experts] each expert's mapped host blob
   uint8_t* slots = nullptr;               // [2 * top_k, slot_bytes]
   size_t blob_bytes = 0;                  // a multiple of 16
@@ -36,6 +36,11 @@ struct StageArgs {
   int2* staged = nullptr;                 // [2 * top_k] (layer, expert) a slot's table entry names; x < 0: none
   uint32_t* arrived = nullptr;            // [2 * top_k] blocks done copying into each slot (0 between copies)
   uint32_t* landed = nullptr;             // [1] experts staged, counted over the engine's life
+  // [1] the MoE layer the compute stream has reached (copy_f32's `mark`
+  // writes it as each layer forks): no expert's copy starts once the compute
+  // stream has reached the copies' layer, so the side stream never falls
+  // far behind.
+  const int32_t* reached = nullptr;
 };
 
 // Blocks the copy takes: enough 16-byte loads in flight for the link
@@ -45,14 +50,19 @@ constexpr int kStageBlocks = 16;
 // First puts back the entries this parity's slots held (a layer two back),
 // then copies each distinct guessed expert that on_gpu marks streamed into
 // slot (layer & 1) * top_k + j and, once every block has copied its part,
-// points the table at it and sets its on_gpu byte.
+// points the table at it. on_gpu is left alone: the host's share (posted by
+// the layer's router kernel from on_gpu) takes the same rows whether a copy
+// has landed or not, so outputs never depend on the copies' timing; a staged
+// expert speeds up the GPU's rows of it. top_k <= 256.
 Status stage_experts(const StageArgs& a, cudaStream_t stream);
 
-// Every slot's entry back to its host blob (on_gpu 0), slots emptied: after
-// a pass, so the next one starts from the tables the host uploaded.
+// Every slot's entry back to its host blob, slots emptied: after a pass,
+// so the next one starts from the tables the host uploaded.
 Status restore_staged(const StageArgs& a, cudaStream_t stream);
 
-// dst[0, n) = src[0, n) (a snapshot of the residual for the side stream).
-Status copy_f32(const float* src, float* dst, size_t n, cudaStream_t stream);
+// dst[0, n) = src[0, n) (a snapshot of the residual for the side stream),
+// and *mark = mark_value when mark is set (StageArgs::reached).
+Status copy_f32(const float* src, float* dst, size_t n, cudaStream_t stream, int32_t* mark = nullptr,
+                int32_t mark_value = 0);
 
 }  // namespace moe::cuda
