@@ -329,6 +329,8 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   m.carve_workspace(cs);
   if (m.trace_dev)
     MOE_CUDA_TRY(cudaMemcpy(m.trace_dev, m.trace_host.data(), m.trace_host.size() * 2, cudaMemcpyHostToDevice));
+  if (m.attn_split_counts)
+    MOE_CUDA_TRY(cudaMemset(m.attn_split_counts, 0, size_t(cuda::kGemvMaxTokens) * d.n_heads * sizeof(uint32_t)));
   // KV, block-major from the arena's top down (docs/kv-islands-trade.md):
   // block b holds every layer's K then V rows at kv_block_offset(b), so the
   // pool can grow into the islands below without moving a block. A layer's

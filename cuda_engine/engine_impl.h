@@ -252,6 +252,8 @@ struct CudaEngine::Impl {
   bf16 *xn = nullptr, *q = nullptr, *attn = nullptr, *mh = nullptr, *xsn = nullptr;
   bf16 *q_abs = nullptr, *o_lat = nullptr;  // MLA: [tokens, n_heads, latent_width] and [tokens, n_heads, rank]
   float* mla_partials = nullptr;            // MLA: the key splits' softmax states (cuda::mla_splits)
+  float* attn_partials = nullptr;           // decode attention's key splits' states (cuda::AttentionArgs)
+  uint32_t* attn_split_counts = nullptr;    // [kGemvMaxTokens, n_heads], zero between calls
   const uint8_t** blob_tables = nullptr;  // [n_moe_layers, n_experts] device pointers
   void* grouped_ws = nullptr;
   size_t grouped_ws_bytes = 0;
@@ -365,8 +367,9 @@ struct CudaEngine::Impl {
   void kv_after_step();
   void kv_idle();
 
-  // ---- Decode graphs (resident and streamed passes), keyed by batch size
-  // and whether the host shares the pass (2 n + sharing)
+  // ---- Decode graphs (resident and streamed passes), keyed by batch size,
+  // whether the host shares the pass and the attention's splits
+  // ((2 n + sharing) * 32 + splits)
   struct Graph {
     int seen = 0;
     cudaGraphExec_t exec = nullptr;
@@ -377,6 +380,9 @@ struct CudaEngine::Impl {
   // where every run is a prompt's, the attention walks the queries in tiles
   // (cuda::AttentionArgs::shortest_run).
   int pass_shortest_run = 0;
+  // The pass's decode attention splits (cuda::attention_splits_for its
+  // longest query): decode graphs are kept per class as well.
+  int pass_attn_splits = 1;
   // Where a pass's inputs sit in the pack (a function of its sizes only, so
   // that a captured graph's pointers stay valid for every pass of that size).
   struct PassPack {

@@ -139,6 +139,14 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     // Resident decode steps replay a graph captured for their batch size
     // (from the second step of that size: the first runs eagerly and sets up
     // the kernels' attributes).
+    // Decode attention over long contexts splits each query's keys over
+    // several blocks, by the size class of the pass's longest query.
+    m.pass_attn_splits = 1;
+    if (n <= cuda::kGemvMaxTokens && m.attn_partials) {
+      int keys = 0;
+      for (int i = 0; i < n; ++i) keys = std::max(keys, pos[i] + 1);
+      m.pass_attn_splits = cuda::attention_splits_for(keys);
+    }
     m.streaming = m.stream_pass(n);
     if (m.streaming)
       MOE_TRY(m.prepare_streamed_pass());
@@ -163,7 +171,7 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     }
     Impl::Graph* g = nullptr;
     if (pure_decode && (m.all_resident || m.streaming) && m.opts.graphs) {
-      g = &m.graphs[2 * n + (m.sharing ? 1 : 0)];
+      g = &m.graphs[(2 * n + (m.sharing ? 1 : 0)) * 32 + m.pass_attn_splits];
       if (!g->exec && g->seen++ >= 1) {
         cudaGraph_t graph = nullptr;
         MOE_CUDA_TRY(cudaStreamBeginCapture(m.st, cudaStreamCaptureModeThreadLocal));

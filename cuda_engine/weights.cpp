@@ -338,6 +338,11 @@ void CudaEngine::Impl::carve_workspace(Carver& c) {
       partials = std::max(partials, cuda::mla_partials_floats(n, d.n_heads, cuda::mla_splits(n, d.n_heads),
                                                               d.mla.kv_lora_rank));
     mla_partials = c.take<float>(std::max<size_t>(partials, 1));
+  } else {
+    // Decode attention over long contexts: key splits' states and counts.
+    attn_partials = c.take<float>(cuda::attention_partials_floats(cuda::kGemvMaxTokens, d.n_heads,
+                                                                  cuda::kAttentionMaxSplits, d.head_dim));
+    attn_split_counts = c.take<uint32_t>(size_t(cuda::kGemvMaxTokens) * d.n_heads);
   }
   pack_dev = c.take<uint8_t>(pack_bytes);
   trace_dev = trace_host.empty() ? nullptr : c.take<int16_t>(trace_host.size());

@@ -76,13 +76,23 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
   __shared__ float qs[HD];
   __shared__ float wm[kWarps], wl[kWarps];
   __shared__ float wo[kWarps][HD];
-  const int t = blockIdx.x, h = blockIdx.y;
+  __shared__ bool merge_here;
+  const int t = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int kvh = h / (a.n_heads / kv.n_kv);
+  const int n_keys = a.positions[t] + 1;
+  // This block's keys [k_begin, k_end): the query's keys cut into `splits`
+  // runs of whole 32-key tiles, each at least kAttentionSplitKeys long
+  // (every run holds keys: (splits - 1) runs of >= 512 rounded up by < 32
+  // stay short of n_keys for splits <= 16).
+  const int splits = min(a.max_splits, max(1, n_keys / kAttentionSplitKeys));
+  if (split >= splits) return;  // a short query's unused blocks
+  const int run = (n_keys + splits - 1) / splits;
+  const int chunk = (run + 31) / 32 * 32;
+  const int k_begin = split * chunk, k_end = min(n_keys, k_begin + chunk);
   const __nv_bfloat16* q = a.q + (size_t(t) * a.n_heads + h) * HD;
   for (int i = threadIdx.x; i < HD; i += kThreads) qs[i] = __bfloat162float(q[i]) * a.scale;
   __syncthreads();
-  const int n_keys = a.positions[t] + 1;
   const int32_t* table = kv.block_tables + size_t(a.seq_of_token[t]) * kv.max_blocks;
   const int64_t row_stride = int64_t(kv.n_kv) * HD;  // elements per slot
   const int64_t bstride = kv.block_elems(), sstride = kv.block_scales();
@@ -92,12 +102,12 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
 #pragma unroll
   for (int i = 0; i < D; ++i) o[i] = 0.f;
 
-  for (int tile = warp; tile * 32 < n_keys; tile += kWarps) {
+  for (int tile = k_begin / 32 + warp; tile * 32 < k_end; tile += kWarps) {
     const int j = tile * 32 + lane;
     float s = -INFINITY;
     int64_t slot = 0;  // this lane's key's slot: its first element (every head's rows)
     float vscale = 0.f;  // coded rows: this lane's key's V scale
-    if (j < n_keys) {
+    if (j < k_end) {
       const int64_t blk = table[j / kv.block_tokens], in_blk = j % kv.block_tokens;
       slot = blk * bstride + in_blk * row_stride;
       float d = 0.f;
@@ -130,7 +140,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
       s = d;
     }
     const float m_new = fmaxf(m, detail::warp_max(s));
-    const float p_plain = j < n_keys ? __expf(s - m_new) : 0.f;
+    const float p_plain = j < k_end ? __expf(s - m_new) : 0.f;
     const float corr = __expf(m - m_new);  // 0 on the first tile (m = -inf)
     l = l * corr + detail::warp_sum(p_plain);
     // The weight of the key's value row: its V scale folded in when coded.
@@ -138,7 +148,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
 #pragma unroll
     for (int i = 0; i < D; ++i) o[i] *= corr;
     m = m_new;
-    const int valid = min(32, n_keys - tile * 32);
+    const int valid = min(32, k_end - tile * 32);
     if constexpr (kSmall) {
       // Lane group g = lane / kLanesPerKey takes keys g, g + kKeysPerStep, ...
       // of the tile; eight steps' loads are in flight before their FMAs.
@@ -212,11 +222,52 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
   float L = 0.f;
   for (int w = 0; w < kWarps; ++w) L += wm[w] == -INFINITY ? 0.f : wl[w] * __expf(wm[w] - M);
   __nv_bfloat16* out = a.out + (size_t(t) * a.n_heads + h) * HD;
+  if (splits == 1) {
+    for (int i = threadIdx.x; i < HD; i += kThreads) {
+      float acc = 0.f;
+      for (int w = 0; w < kWarps; ++w)
+        if (wm[w] != -INFINITY) acc += wo[w][i] * __expf(wm[w] - M);
+      out[i] = __float2bfloat16(acc / L);
+    }
+    return;
+  }
+  // This run's state (max, sum, unnormalised output) for the merge; the
+  // last of the query's blocks to finish merges them all in split order.
+  const size_t th = size_t(t) * a.n_heads + h;
+  float* part = a.partials + (th * a.max_splits + split) * (HD + 2);
+  if (threadIdx.x == 0) part[0] = M, part[1] = L;
   for (int i = threadIdx.x; i < HD; i += kThreads) {
     float acc = 0.f;
     for (int w = 0; w < kWarps; ++w)
       if (wm[w] != -INFINITY) acc += wo[w][i] * __expf(wm[w] - M);
-    out[i] = __float2bfloat16(acc / L);
+    part[2 + i] = acc;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // this run's state, before its arrival
+    merge_here = atomicAdd(a.split_counts + th, 1u) == uint32_t(splits - 1);
+    if (merge_here) {
+      a.split_counts[th] = 0;  // ready for the next call
+      __threadfence();
+    }
+  }
+  __syncthreads();
+  if (!merge_here) return;
+  const float* parts = a.partials + th * a.max_splits * (HD + 2);
+  float MM = -INFINITY;
+  for (int sp = 0; sp < splits; ++sp) MM = fmaxf(MM, __ldcg(parts + size_t(sp) * (HD + 2)));
+  float LL = 0.f;
+  for (int sp = 0; sp < splits; ++sp) {
+    const float ms = __ldcg(parts + size_t(sp) * (HD + 2));
+    if (ms != -INFINITY) LL += __ldcg(parts + size_t(sp) * (HD + 2) + 1) * __expf(ms - MM);
+  }
+  for (int i = threadIdx.x; i < HD; i += kThreads) {
+    float acc = 0.f;
+    for (int sp = 0; sp < splits; ++sp) {
+      const float ms = __ldcg(parts + size_t(sp) * (HD + 2));
+      if (ms != -INFINITY) acc += __ldcg(parts + size_t(sp) * (HD + 2) + 2 + i) * __expf(ms - MM);
+    }
+    out[i] = __float2bfloat16(acc / LL);
   }
 }
 
@@ -403,7 +454,10 @@ Status launch_attention(const AttentionArgs& a, const PagedKvPool& kv, cudaStrea
                      (a.walk == AttentionWalk::automatic && a.shortest_run >= kQueryTile &&
                       attention_query_tiles_supported(kv.head_dim));
   if (tiles) return launch_attention_tiles<C>(a, kv, stream);
-  const dim3 grid(a.tokens, a.n_heads);
+  MOE_CUDA_REQUIRE(a.max_splits >= 1 && a.max_splits <= kAttentionMaxSplits &&
+                       (a.max_splits == 1 || (a.partials && a.split_counts)),
+                   "max_splits in [1, 16], with partials and split_counts above 1");
+  const dim3 grid(a.tokens, a.n_heads, a.max_splits);
   switch (kv.head_dim) {
     case 16: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<16, C>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
     case 32: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<32, C>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;
