@@ -369,7 +369,7 @@ struct CudaEngine::Impl {
 
   // ---- Decode graphs (resident and streamed passes), keyed by batch size,
   // whether the host shares the pass and the attention's splits
-  // ((2 n + sharing) * 32 + splits)
+  // ((2 n + sharing) * 32 + splits; one splits class instantiated a key)
   struct Graph {
     int seen = 0;
     cudaGraphExec_t exec = nullptr;

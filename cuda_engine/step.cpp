@@ -171,8 +171,17 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     }
     Impl::Graph* g = nullptr;
     if (pure_decode && (m.all_resident || m.streaming) && m.opts.graphs) {
-      g = &m.graphs[(2 * n + (m.sharing ? 1 : 0)) * 32 + m.pass_attn_splits];
+      const int key = 2 * n + (m.sharing ? 1 : 0);
+      g = &m.graphs[key * 32 + m.pass_attn_splits];
       if (!g->exec && g->seen++ >= 1) {
+        // One class's graph a (size, share) at a time, so the graphs stay
+        // within kGraphReserve; contexts cross a class rarely.
+        for (int other : {1, cuda::kAttentionMaxSplits}) {
+          auto it = m.graphs.find(key * 32 + other);
+          if (other == m.pass_attn_splits || it == m.graphs.end() || !it->second.exec) continue;
+          MOE_CUDA_TRY(cudaGraphExecDestroy(it->second.exec));
+          it->second = Impl::Graph{};
+        }
         cudaGraph_t graph = nullptr;
         MOE_CUDA_TRY(cudaStreamBeginCapture(m.st, cudaStreamCaptureModeThreadLocal));
         const Status fs = m.forward(pk, n, s);

@@ -74,8 +74,10 @@ struct AttentionArgs {
   // states into `partials` ([tokens, n_heads, max_splits, head_dim + 2] f32)
   // and merged, in split order, by the last block of the (token, head) to
   // finish (`split_counts`: [tokens, n_heads], zero before the first call;
-  // each merge leaves its count at zero again). A query of fewer keys, or
-  // max_splits 1, takes one block and writes out directly.
+  // each merge leaves its count at zero again; a grid that dies mid-way
+  // leaves it short, but that error is sticky). A query of fewer than
+  // 2 x kAttentionSplitKeys keys, or max_splits 1, takes one block and
+  // writes out directly.
   int max_splits = 1;
   float* partials = nullptr;
   uint32_t* split_counts = nullptr;
@@ -86,8 +88,8 @@ inline constexpr int kAttentionMaxSplits = 16;
 
 // The splits a pass whose longest query has `keys` keys is launched with:
 // a function of the context's size class only (a decode graph is captured
-// per class): 1 up to 512 keys, 4 up to 2,048, else 16.
-inline int attention_splits_for(int keys) { return keys <= 512 ? 1 : keys <= 2048 ? 4 : kAttentionMaxSplits; }
+// per class): 1 below 1,024 keys (where the kernel would not split), else 16.
+inline int attention_splits_for(int keys) { return keys < 2 * kAttentionSplitKeys ? 1 : kAttentionMaxSplits; }
 inline size_t attention_partials_floats(int tokens, int n_heads, int max_splits, int head_dim) {
   return max_splits > 1 ? size_t(tokens) * n_heads * max_splits * (head_dim + 2) : 0;
 }

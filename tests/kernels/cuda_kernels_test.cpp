@@ -899,18 +899,19 @@ double attention_error(const AttentionShape& sh, moe::cpu::PagedKv cpu, const mo
   a.scale = scale;
   a.out = dout.p;
   double worst = 0;
-  // A block per query, the same with long queries' keys split over blocks
-  // (twice: the merge must leave its counts ready for the next call), and
-  // query tiles.
+  // A block per query, the same with long queries' keys split over up to
+  // 16 blocks (twice: the merge must leave its counts ready for the next
+  // call) and over up to 4, and query tiles.
   const int splits = moe::cuda::kAttentionMaxSplits;
   Dev<float> dparts(std::max<size_t>(1, moe::cuda::attention_partials_floats(tokens, nh, splits, hd)));
   Dev<uint32_t> dcounts(std::vector<uint32_t>(size_t(tokens) * nh, 0u));
-  for (const int variant : {0, 1, 2, 3}) {
-    const auto walk = variant == 3 ? moe::cuda::AttentionWalk::query_tiles : moe::cuda::AttentionWalk::per_query;
+  for (const int variant : {0, 1, 2, 3, 4}) {
+    const auto walk = variant == 4 ? moe::cuda::AttentionWalk::query_tiles : moe::cuda::AttentionWalk::per_query;
     if (walk == moe::cuda::AttentionWalk::query_tiles && !moe::cuda::attention_query_tiles_supported(hd)) continue;
-    INFO((variant == 0 ? "a block a query" : variant < 3 ? "a block a query, keys split" : "query tiles"));
+    INFO((variant == 0 ? "a block a query" : variant < 4 ? "a block a query, keys split" : "query tiles")
+         << ", splits up to " << (variant == 3 ? 4 : variant == 0 || variant == 4 ? 1 : splits));
     a.walk = walk;
-    a.max_splits = variant == 1 || variant == 2 ? splits : 1;
+    a.max_splits = variant == 1 || variant == 2 ? splits : variant == 3 ? 4 : 1;
     a.partials = a.max_splits > 1 ? dparts.p : nullptr;
     a.split_counts = a.max_splits > 1 ? dcounts.p : nullptr;
     dout.put(std::vector<bf16>(q.size(), __float2bfloat16(NAN)));  // every output must be written
@@ -964,8 +965,9 @@ TEST_CASE("cuda paged attention (decode and prefill) matches the CPU", "[cuda][a
 TEST_CASE("cuda decode attention over long contexts, keys split over blocks, matches the CPU", "[cuda][attention]") {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(29);
-  for (int hd : {64, 128}) {
-    const int nh = 8, nkv = 2, bt = 16, max_blocks = 330, seqs = 2, pool_blocks = seqs * max_blocks + 3;
+  // Small heads (their own value loop), 64 and 128.
+  for (int hd : {32, 64, 128}) {
+    const int nh = 8, nkv = 2, bt = 16, max_blocks = 1260, seqs = 2, pool_blocks = seqs * max_blocks + 3;
     INFO("head_dim " << hd);
     const auto kpool = round_bf16(randn(size_t(pool_blocks) * bt * nkv * hd, rng));
     const auto vpool = round_bf16(randn(kpool.size(), rng));
@@ -973,9 +975,10 @@ TEST_CASE("cuda decode attention over long contexts, keys split over blocks, mat
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), rng);
     const std::vector<int32_t> tables(perm.begin(), perm.begin() + seqs * max_blocks);
-    // Decode queries of 5,200 keys (10 runs), 1,031 (2 runs, the second
-    // not a whole tile), 1,023 (one: under two runs' worth) and 5,280 (10).
-    const std::vector<int32_t> seq = {0, 1, 0, 1}, pos = {5199, 1030, 1022, 5279};
+    // Decode queries of 5,200 keys (10 runs; 4 where 4 is the most),
+    // 1,031 (2 runs, the second not a whole tile), 1,023 (one: under two
+    // runs' worth) and 20,000 (16: the cap; 4 of 5,000).
+    const std::vector<int32_t> seq = {0, 1, 0, 1}, pos = {5199, 1030, 1022, 19999};
     CHECK(paged_attention_error(AttentionShape{hd, nh, nkv, bt, max_blocks}, kpool, vpool, tables, seq, pos, rng) <
           8e-3);
   }
