@@ -181,7 +181,8 @@ struct CudaEngineOptions {
   // router guesses on this layer's state after attention are copied from
   // the host into staging slots by a second stream of the graph while this
   // layer computes (docs/expert-prediction.md, "Streamed passes").
-  // 2 x top_k expert blobs of the budget go to the slots. Off until measured.
+  // 2 x top_k expert blobs of the budget go to the slots. Off: measured 8-20 %
+  // slower at 8 GiB, batch 1 (docs/expert-prediction.md, "Measured: it loses").
   bool stream_ahead = false;
   // Benchmarks with a replayed trace and stream_ahead: the guesses drawn
   // from the trace's next layer with this recall (cuda::force_guess)
