@@ -300,14 +300,29 @@ StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected, uint64_t now_m
   for (const PlannedChunk& c : plan.chunks) step_experts.merge(seqs_.at(c.seq_id).hints.experts);
 
   // 2. Prefill chunks of admitted sequences, oldest first, within the budget
-  //    and the free blocks.
+  //    and the free blocks. A chunk that does not end its prompt ends on a
+  //    KV block boundary: the worker's prefix cache continues a prompt's
+  //    chain of cached blocks only while its blocks so far are whole
+  //    (docs/prefix-cache.md), so one chunk ending mid-block would cost
+  //    every later chunk of that prompt its reuse (the n choices of one
+  //    prompt, a shared history). A sequence whose aligned share of the
+  //    budget is empty waits for the next step, unless no prefill has run
+  //    in this step yet (the oldest always moves, even when decodes leave
+  //    less than a block).
+  bool prefilled = false;
   auto add_prefill = [&](uint64_t id) {
     Seq& s = seqs_.at(id);
     const int bt = std::max(limits_.kv_block_tokens, 1);
     const int remaining = int(s.context.size()) - s.on_worker;
     const int fit = (blocks_for(s.on_worker) + free_blocks) * bt - s.on_worker;
-    const int n = std::min({remaining, budget, fit});
+    int n = std::min({remaining, budget, fit});
     if (n <= 0) return;
+    if (n < remaining) {
+      const int aligned = (s.on_worker + n) / bt * bt - s.on_worker;
+      if (aligned > 0) n = aligned;
+      else if (prefilled) return;
+    }
+    prefilled = true;
     PlannedChunk c;
     c.seq_id = id;
     c.start_pos = s.on_worker;

@@ -51,11 +51,14 @@ TEST_CASE("chunked prefill stays under the per-step token budget, decodes ride a
   p.add(1, req(5, 3));
   p.add(2, req(12, 2));
   // Iteration table: the step's picture after each apply().
+  // Blocks of 4 tokens: a chunk that does not end its prompt ends on a
+  // block boundary.
   const std::vector<std::string> expected = {
-      "1:0+5s 2:0+3",     // 1 prefills whole (5), 2 gets the rest of the budget (3)
-      "1:5+1s 2:3+7",     // 1 decodes (1 token), 2 prefills 7 = budget - 1
-      "1:6+1s 2:10+2s",   // 2's last chunk samples
-      "2:12+1s",          // 1 finished after 3 tokens (length)
+      "1:0+5s",          // 1 prefills whole (5); the 3 left would end 2's chunk mid-block: 2 waits
+      "1:5+1s 2:0+4",    // 1 decodes (1 token), 2 prefills the whole blocks of 7 = budget - 1
+      "1:6+1s 2:4+4",    // the same
+      "2:8+4s",          // 1 finished after 3 tokens (length); 2's last chunk samples
+      "2:12+1s",
   };
   std::vector<std::string> got;
   std::vector<FinishReason> finished;
@@ -74,6 +77,48 @@ TEST_CASE("chunked prefill stays under the per-step token budget, decodes ride a
   CHECK(finished == std::vector<FinishReason>{FinishReason::length, FinishReason::length});
   CHECK(p.running() == 0);
   CHECK(p.waiting() == 0);
+}
+
+TEST_CASE("a prefill chunk that does not end its prompt ends on a KV block boundary; the oldest always moves",
+          "[scheduler][policy]") {
+  // The worker's prefix cache continues a prompt's chain of cached blocks
+  // only while its blocks so far are whole: the n choices of one prompt
+  // share its KV only if no chunk of theirs ends mid-block, whatever small
+  // requests take of a step's budget.
+  auto run = [](BatchPolicy& p) {
+    std::vector<std::string> got;
+    for (int it = 0; it < 20; ++it) {
+      StepPlan plan = p.plan();
+      if (plan.chunks.empty()) break;
+      got.push_back(picture(plan));
+      std::vector<uint64_t> released;
+      p.apply(plan, answer(plan), &released);
+    }
+    return got;
+  };
+  SECTION("a choice of the same prompt behind a short request") {
+    BatchPolicy p(limits(10, 100));
+    p.add(1, req(3, 3));
+    p.add(2, req(20, 1));
+    p.add(3, req(20, 1));
+    CHECK(run(p) == std::vector<std::string>{
+                        "1:0+3s 2:0+4",   // 7 left: 2 takes its whole block (4), 3 waits (3 would end mid-block)
+                        "1:3+1s 2:4+8",   // 9 left: two whole blocks
+                        "1:4+1s 2:12+8s",  // 2's last chunk samples, whatever its length
+                        "3:0+8",          // 3 (its prompt 2's: a worker would serve these blocks cached)
+                        "3:8+8",
+                        "3:16+4s",
+                    });
+  }
+  SECTION("less than a block of budget: the oldest prefill still moves, a younger one waits") {
+    BatchPolicy p(limits(3, 100));
+    p.add(1, req(10, 1));
+    p.add(2, req(6, 1));
+    // 1 (10 tokens) moves as the step's first prefill even when its chunk
+    // ends mid-block (3 of a block of 4), back on a boundary where the
+    // budget reaches one (3 + 1); 2 starts when 1 is done.
+    CHECK(run(p) == std::vector<std::string>{"1:0+3", "1:3+1", "1:4+3", "1:7+3s", "2:0+3", "2:3+3s"});
+  }
 }
 
 TEST_CASE("admission waits until the KV blocks hold the prompt plus headroom", "[scheduler][policy]") {

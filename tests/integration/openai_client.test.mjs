@@ -3,7 +3,7 @@
 // prompt.
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
-import { client, modelId, moeGenerate } from './client_setup.mjs';
+import { client, modelId, moeGenerate, raw } from './client_setup.mjs';
 
 const MAX = 24;
 
@@ -102,4 +102,26 @@ test('the prefix cache: a repeated long prompt comes back from the cache with th
   const cached = again.usage.prompt_tokens_details?.cached_tokens ?? 0;
   assert.ok(cached >= again.usage.prompt_tokens - 32, `${cached} of ${again.usage.prompt_tokens} prompt tokens cached`);
   assert.ok(cached < again.usage.prompt_tokens);  // the last ones are computed
+});
+
+// The server's count of prompt tokens its prefix cache served, from /metrics.
+async function cachedPromptTokens() {
+  const m = (await raw('GET', '/metrics')).text.match(/^moe_gateway_prompt_cached_tokens_total (\d+)/m);
+  assert.ok(m, 'moe_gateway_prompt_cached_tokens_total in /metrics');
+  return Number(m[1]);
+}
+
+test('the n choices of a long prompt prefill it once: the others come from the prefix cache', async () => {
+  // 1,000 tokens, not a multiple of the 256-token step: the first choice's
+  // last chunk leaves the next choice a part of a step that is not whole KV
+  // blocks. A chunk ending mid-block broke that choice's chain of cached
+  // blocks, so it computed nearly the whole prompt again.
+  const model = await modelId();
+  const prompt = Array.from({ length: 1000 }, (_, i) => 100 + ((i * 7919) % 3000));
+  const before = await cachedPromptTokens();
+  const r = await client().completions.create({ model, prompt, n: 4, max_tokens: 1, temperature: 0 });
+  assert.equal(r.choices.length, 4);
+  const served = (await cachedPromptTokens()) - before;
+  // Three choices after the first, each nearly all of the prompt.
+  assert.ok(served >= 3 * 800, `${served} prompt tokens of the 3 later choices came from the cache`);
 });
