@@ -144,8 +144,17 @@ Result<std::shared_ptr<const structured::Schema>> tool_call_schema(const Complet
   } else if (options.size() <= size_t(structured::kMaxAlternatives)) {
     call = {{"anyOf", options}};
   } else {
+    // The names as one enum, or (past an enum's 64 values) an anyOf of enums.
+    json name = {{"enum", names}};
+    if (names.size() > size_t(structured::kMaxLiterals)) {
+      name = {{"anyOf", json::array()}};
+      for (size_t i = 0; i < names.size(); i += size_t(structured::kMaxLiterals))
+        name["anyOf"].push_back(
+            {{"enum", json(std::vector<json>(names.begin() + long(i),
+                                             names.begin() + long(std::min(names.size(), i + size_t(structured::kMaxLiterals)))))}});
+    }
     call = {{"type", "object"},
-            {"properties", {{"name", {{"enum", names}}}, {"arguments", {{"type", "object"}}}}},
+            {"properties", {{"name", name}, {"arguments", {{"type", "object"}}}}},
             {"required", {"name", "arguments"}},
             {"additionalProperties", false}};
   }

@@ -238,12 +238,29 @@ void step(const Schema& sc, Stack& s, uint8_t b, GrammarState* out) {
         const std::vector<std::string>& names = names_of(sc, t.node);
         const int additional = additional_of(sc, t.node);
         if (t.stage == kFree && t.aux > 0) return utf8_step(b, t.aux, t.pos) ? out->add(s) : void();
+        // In kName the bytes so far are the first t.pos of every name still
+        // matching: where they leave a character, if another name takes
+        // over (kFree) or the key ends here.
+        auto name_utf8 = [&](uint8_t& remaining, uint16_t& range) {
+          remaining = 0, range = 0;
+          for (size_t i = 0; i < names.size(); ++i)
+            if (t.bits >> i & 1) {
+              for (size_t j = 0; j < t.pos; ++j) utf8_step(uint8_t(names[i][j]), remaining, range);
+              return;
+            }
+        };
         if (b == '"') {
           int named = -1;
           if (t.stage == kName)
             for (size_t i = 0; i < names.size(); ++i)
               if ((t.bits >> i & 1) && names[i].size() == t.pos) named = int(i);
           if (named < 0 && additional < 0) return;
+          if (named < 0 && t.stage == kName) {  // another name: it must not end inside a character
+            uint8_t remaining;
+            uint16_t range;
+            name_utf8(remaining, range);
+            if (remaining > 0) return;
+          }
           if (named >= 0) parent.bits |= uint64_t(1) << named;
           parent.aux = named >= 0 ? uint8_t(named) : 255;
           parent.stage = kAfterKey;
@@ -262,8 +279,14 @@ void step(const Schema& sc, Stack& s, uint8_t b, GrammarState* out) {
             return out->add(s);
           }
           if (additional < 0) return;
+          // Another name: it goes on from where the matched bytes left a
+          // character (a lead byte of a listed name wants its continuation).
+          uint8_t remaining;
+          uint16_t range;
+          name_utf8(remaining, range);
           t.stage = kFree;
-          t.pos = 0;
+          t.aux = remaining;
+          t.pos = range;
         }
         return utf8_step(b, t.aux, t.pos) ? out->add(s) : void();
       }
@@ -433,6 +456,49 @@ void step(const Schema& sc, Stack& s, uint8_t b, GrammarState* out) {
 }
 
 }  // namespace
+
+int frames_needed(const Schema& sc, int node) {
+  // The least fixed point from "too deep" everywhere down: a node's need
+  // only falls as its children's do, so passes stop once none changes
+  // (at most kMaxDepth + 1 of them, each value falling at least one step).
+  constexpr int kTooDeep = kMaxDepth + 1;
+  std::vector<int> need(sc.nodes.size(), kTooDeep);
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (size_t i = 0; i < sc.nodes.size(); ++i) {
+      const SchemaNode& n = sc.nodes[i];
+      int v = 1;
+      switch (n.kind) {
+        case NodeKind::any:
+        case NodeKind::literals:
+        case NodeKind::string:
+        case NodeKind::number:
+        case NodeKind::integer:
+          break;
+        case NodeKind::object:
+          for (size_t p = 0; p < n.props.size(); ++p)
+            if (n.required >> p & 1) v = std::max(v, 1 + std::max(1, need[size_t(n.props[p])]));
+          break;
+        case NodeKind::array:
+          if (n.min_items > 0) v = 1 + need[size_t(n.items)];
+          break;
+        case NodeKind::alternatives:
+          v = kTooDeep;
+          for (int o : n.options) v = std::min(v, need[size_t(o)]);
+          break;
+        case NodeKind::sequence:
+          for (int o : n.options) v = std::max(v, 1 + need[size_t(o)]);
+          break;
+      }
+      v = std::min(v, kTooDeep);
+      if (v < need[i]) {
+        need[i] = v;
+        changed = true;
+      }
+    }
+  }
+  return need[size_t(node)];
+}
 
 bool Stack::operator==(const Stack& o) const {
   return depth == o.depth && std::memcmp(f.data(), o.f.data(), sizeof(Frame) * depth) == 0;

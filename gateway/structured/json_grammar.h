@@ -36,6 +36,12 @@ struct Stack {
   bool operator==(const Stack& o) const;
 };
 
+// The fewest frames a stack needs to complete a value of `node` (each
+// object, key, array and value a frame; an alternative its cheapest
+// option), at most kMaxDepth + 1: above kMaxDepth no output can complete it
+// (a required nesting too deep, or a required recursion without end).
+int frames_needed(const Schema& schema, int node);
+
 class GrammarState {
  public:
   GrammarState() = default;

@@ -1,5 +1,7 @@
 #include "gateway/structured/json_schema.h"
 
+#include "gateway/structured/json_grammar.h"
+
 #include <map>
 #include <set>
 
@@ -34,8 +36,16 @@ class Compiler {
   Result<std::shared_ptr<const Schema>> run() {
     const int r = node(root_, "#");
     if (!error_.empty()) return make_error(error_);
+    if (schema_.nodes.size() > size_t(kMaxNodes))
+      return make_error("the schema compiles to " + std::to_string(schema_.nodes.size()) + " nodes, more than " +
+                        std::to_string(kMaxNodes));
     flatten_alternatives();
     if (!error_.empty()) return make_error(error_);
+    // One frame is kept for the markup around tool calls (tool_call_sequence).
+    if (frames_needed(schema_, r) > kMaxDepth - 1)
+      return make_error("the schema requires values nested deeper than " + std::to_string(kMaxDepth - 1) +
+                        " levels (each object, key, array and value a level), or a required recursion that never "
+                        "ends: no output could complete it");
     schema_.root = r;
     schema_.key = root_.dump();
     return std::make_shared<const Schema>(std::move(schema_));
@@ -50,7 +60,11 @@ class Compiler {
     schema_.nodes.push_back(std::move(n));
     return int(schema_.nodes.size()) - 1;
   }
-  int literal_node(std::vector<std::string> texts) {
+  int literal_node(std::vector<std::string> texts, const std::string& path) {
+    for (const std::string& t : texts)
+      if (t.size() > size_t(kMaxLiteralBytes))
+        return fail("a value of 'enum' or 'const' at " + path + " is " + std::to_string(t.size()) +
+                    " bytes of JSON, more than " + std::to_string(kMaxLiteralBytes));
     SchemaNode n;
     n.kind = NodeKind::literals;
     n.literals = std::move(texts);
@@ -70,17 +84,45 @@ class Compiler {
       if (annotations().count(k) || enforced().count(k)) continue;
       return fail("schema keyword '" + k + "' at " + path + " is not supported (it would not be enforced)");
     }
-    if (const auto r = s.find("$ref"); r != s.end()) return ref(*r, path);
+    if (const auto r = s.find("$ref"); r != s.end()) {
+      // A reference stands alone: keywords beside it would have to hold as
+      // well, which the compiler does not merge.
+      for (const auto& [k, v] : s.items())
+        if (k != "$ref" && k != "$defs" && k != "definitions" && !annotations().count(k))
+          return fail("'" + k + "' beside '$ref' at " + path + " is not supported (it would not be enforced)");
+      return ref(*r, path);
+    }
 
     int n = -1;
-    if (const auto e = s.find("enum"); e != s.end()) {
-      if (!e->is_array() || e->empty()) return fail("'enum' at " + path + " must be a non-empty array");
-      if (e->size() > size_t(kMaxLiterals)) return fail("'enum' at " + path + " has more than 64 values");
+    if (s.contains("enum") || s.contains("const")) {
+      const char* kw = s.contains("enum") ? "enum" : "const";
+      // The values are exact: beside them only a 'type' (which each value
+      // must have) and 'nullable' mean something.
+      for (const auto& [k, v] : s.items())
+        if (k != kw && k != "type" && k != "nullable" && k != "$defs" && k != "definitions" && !annotations().count(k))
+          return fail("'" + k + "' beside '" + kw + "' at " + path + " is not supported (it would not be enforced)");
+      std::vector<json> values;
+      if (std::string(kw) == "enum") {
+        const json& e = s["enum"];
+        if (!e.is_array() || e.empty()) return fail("'enum' at " + path + " must be a non-empty array");
+        if (e.size() > size_t(kMaxLiterals)) return fail("'enum' at " + path + " has more than 64 values");
+        values.assign(e.begin(), e.end());
+      } else {
+        values.push_back(s["const"]);
+      }
       std::vector<std::string> texts;
-      for (const json& v : *e) texts.push_back(v.dump());
-      n = literal_node(std::move(texts));
-    } else if (const auto c = s.find("const"); c != s.end()) {
-      n = literal_node({c->dump()});
+      for (const json& v : values) {
+        const int fits = has_type(s, v, path);
+        if (fits < 0) return kAnyNode;  // a bad 'type' (error_ set)
+        if (fits == 0) {
+          if (std::string(kw) == "const")
+            return fail("'const' at " + path + " is " + v.dump().substr(0, 64) + ", which is not of its 'type'");
+          continue;  // an enum value of another type can never be produced
+        }
+        texts.push_back(v.dump());
+      }
+      if (texts.empty()) return fail("no value of 'enum' at " + path + " is of its 'type'");
+      n = literal_node(std::move(texts), path);
     } else if (s.contains("anyOf") || s.contains("oneOf")) {
       const char* kw = s.contains("anyOf") ? "anyOf" : "oneOf";
       const json& list = s[kw];
@@ -101,10 +143,39 @@ class Compiler {
     if (const auto nb = s.find("nullable"); nb != s.end() && nb->is_boolean() && nb->get<bool>()) {
       SchemaNode alt;
       alt.kind = NodeKind::alternatives;
-      alt.options = {n, literal_node({"null"})};
+      alt.options = {n, literal_node({"null"}, path)};
       n = add(std::move(alt));
     }
     return n;
+  }
+
+  // Whether `v` is of the 'type' beside it (1), not (0), or no 'type' is
+  // there (1); -1 when the 'type' itself is malformed.
+  int has_type(const json& s, const json& v, const std::string& path) {
+    const auto t = s.find("type");
+    if (t == s.end()) return 1;
+    std::vector<std::string> types;
+    if (t->is_string()) types.push_back(t->get<std::string>());
+    else if (t->is_array())
+      for (const json& x : *t)
+        if (x.is_string()) types.push_back(x.get<std::string>());
+    if (types.empty()) {
+      fail("'type' at " + path + " must be a string or a list of strings");
+      return -1;
+    }
+    for (const std::string& ty : types) {
+      const bool integral = v.is_number_integer() || (v.is_number_float() && v.get<double>() == double(int64_t(v.get<double>())));
+      if ((ty == "string" && v.is_string()) || (ty == "number" && v.is_number()) || (ty == "integer" && v.is_number() && integral) ||
+          (ty == "boolean" && v.is_boolean()) || (ty == "null" && v.is_null()) || (ty == "object" && v.is_object()) ||
+          (ty == "array" && v.is_array()))
+        return 1;
+      if (ty != "string" && ty != "number" && ty != "integer" && ty != "boolean" && ty != "null" && ty != "object" &&
+          ty != "array") {
+        fail("'type' at " + path + ": unknown type '" + ty + "'");
+        return -1;
+      }
+    }
+    return 0;
   }
 
   int ref(const json& r, const std::string& path) {
@@ -128,8 +199,14 @@ class Compiler {
     // A placeholder first, so a recursive reference finds it.
     const int slot = add(SchemaNode{});
     refs_[target] = slot;
+    pending_.insert(slot);
     const int body = node((*defs)[name], target);
+    pending_.erase(slot);
     if (!error_.empty()) return kAnyNode;
+    // A definition that is only a reference back into the chain being
+    // resolved (a -> b -> a) has no schema of its own.
+    if (pending_.count(body) || body == slot)
+      return fail("'$ref' at " + path + " names '" + target + "', whose definition only refers back to itself");
     SchemaNode copy = schema_.nodes[size_t(body)];
     schema_.nodes[size_t(slot)] = std::move(copy);
     return slot;
@@ -166,9 +243,9 @@ class Compiler {
         n.kind = ty == "string" ? NodeKind::string : ty == "number" ? NodeKind::number : NodeKind::integer;
         options.push_back(add(std::move(n)));
       } else if (ty == "boolean") {
-        options.push_back(literal_node({"true", "false"}));
+        options.push_back(literal_node({"true", "false"}, path));
       } else if (ty == "null") {
-        options.push_back(literal_node({"null"}));
+        options.push_back(literal_node({"null"}, path));
       } else {
         return fail("'type' at " + path + ": unknown type '" + ty + "'");
       }
@@ -191,6 +268,8 @@ class Compiler {
         for (unsigned char ch : name)
           if (ch < 0x20 || ch == '"' || ch == '\\')
             return fail("property name '" + name + "' at " + path + " needs escapes, which are not supported");
+        if (name.size() > size_t(kMaxLiteralBytes))
+          return fail("a property name at " + path + " is longer than " + std::to_string(kMaxLiteralBytes) + " bytes");
         index[name] = n.names.size();
         n.names.push_back(name);
         n.props.push_back(-1);
@@ -272,6 +351,7 @@ class Compiler {
   const json& root_;
   Schema schema_;
   std::map<std::string, int> refs_;
+  std::set<int> pending_;  // reference slots whose definitions are being compiled
   std::string error_;
   int depth_ = 0;
 };

@@ -21,6 +21,8 @@ enum class NodeKind : uint8_t { any, object, array, string, number, integer, lit
 inline constexpr int kMaxProperties = 64;  // per object (a bit each)
 inline constexpr int kMaxLiterals = 64;    // per enum
 inline constexpr int kMaxAlternatives = 8;
+inline constexpr int kMaxNodes = 16384;          // a compiled schema's nodes (the recogniser's frames name one in 16 bits)
+inline constexpr int kMaxLiteralBytes = 16384;   // an enum or const value's JSON text, a property name
 
 struct SchemaNode {
   NodeKind kind = NodeKind::any;

@@ -31,6 +31,16 @@ TokenMask compute_mask(const Schema& schema, const GrammarVocabulary& vocab, con
   return mask;
 }
 
+size_t schema_bytes(const Schema& schema) {
+  size_t b = sizeof(Schema) + schema.key.capacity() + schema.nodes.capacity() * sizeof(SchemaNode);
+  for (const SchemaNode& n : schema.nodes) {
+    b += (n.props.capacity() + n.options.capacity()) * sizeof(int);
+    for (const std::string& x : n.names) b += sizeof(std::string) + x.capacity();
+    for (const std::string& x : n.literals) b += sizeof(std::string) + x.capacity();
+  }
+  return b;
+}
+
 std::shared_ptr<const TokenMask> TokenGrammar::mask(const GrammarState& state) const {
   return registry_->lookup(serial_, *this, state);
 }
@@ -59,8 +69,12 @@ std::shared_ptr<const TokenGrammar> GrammarRegistry::grammar(std::shared_ptr<con
   g->registry_ = this;
   g->serial_ = next_serial_++;
   grammars_.push_front(g);
-  // The least recently used goes (requests still holding it keep it; its masks age out of the LRU).
-  if (grammars_.size() > kMaxGrammars) grammars_.pop_back();
+  grammar_bytes_ += schema_bytes(g->schema());
+  // The least recently used go (requests still holding one keep it; its masks age out of the LRU).
+  while (grammars_.size() > 1 && (grammars_.size() > kMaxGrammars || grammar_bytes_ > kGrammarBytes)) {
+    grammar_bytes_ -= schema_bytes(grammars_.back()->schema());
+    grammars_.pop_back();
+  }
   return g;
 }
 

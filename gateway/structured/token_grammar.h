@@ -39,6 +39,10 @@ class TokenGrammar {
   uint64_t serial_ = 0;
 };
 
+// What a compiled schema holds in memory, roughly (its nodes, names,
+// literals and canonical text).
+size_t schema_bytes(const Schema& schema);
+
 // The walk itself (no cache): for tests and the registry.
 TokenMask compute_mask(const Schema& schema, const GrammarVocabulary& vocab, const GrammarState& state);
 
@@ -64,8 +68,11 @@ class GrammarRegistry {
   const TextCodec* codec_;
   std::shared_ptr<const GrammarVocabulary> vocab_;
   // The most recently used schemas' grammars (their masks stay useful to
-  // the next request of the same schema), at most kMaxGrammars.
+  // the next request of the same schema), at most kMaxGrammars and
+  // kGrammarBytes of schemas (by schema_bytes; the newest is always kept).
   static constexpr size_t kMaxGrammars = 64;
+  static constexpr size_t kGrammarBytes = size_t(64) << 20;
+  size_t grammar_bytes_ = 0;
   std::list<std::shared_ptr<const TokenGrammar>> grammars_;
   uint64_t next_serial_ = 1;
   // LRU of masks: most recent at the front.

@@ -178,6 +178,71 @@ TEST_CASE("structured: a schema keyword that would not be enforced is refused, n
   CHECK(compile_json_schema({{"type", "string"}, {"description", "x"}, {"title", "t"}, {"default", "a"}}).ok());
 }
 
+TEST_CASE("structured: what the recogniser could not follow is refused when the schema compiles", "[gateway][structured]") {
+  auto refused = [](const json& schema, const char* says) {
+    auto r = compile_json_schema(schema);
+    INFO(schema.dump().substr(0, 200));
+    REQUIRE_FALSE(r.ok());
+    INFO(r.error());
+    CHECK(r.error().find(says) != std::string::npos);
+  };
+  // A literal or a name longer than the 16-bit count of bytes matched
+  // would wrap (the literal asked for again from its start).
+  std::string long_text(kMaxLiteralBytes, 'a');
+  CHECK(compile_json_schema({{"const", long_text.substr(2)}}).ok());
+  refused({{"const", long_text}}, "more than 16384");
+  refused({{"enum", {"a", long_text}}}, "more than 16384");
+  refused({{"type", "object"}, {"properties", {{long_text + "b", {{"type", "integer"}}}}}}, "longer than 16384");
+  // More nodes than a frame can name.
+  json leaf = {{"type", "object"}, {"properties", json::object()}};
+  for (int i = 0; i < 5; ++i) leaf["properties"]["p" + std::to_string(i)] = {{"type", "string"}};
+  json mid = {{"type", "object"}, {"properties", json::object()}};
+  for (int i = 0; i < 64; ++i) mid["properties"]["m" + std::to_string(i)] = leaf;
+  json top = {{"type", "object"}, {"properties", json::object()}};
+  for (int i = 0; i < 64; ++i) top["properties"]["t" + std::to_string(i)] = mid;
+  refused(top, "more than 16384");
+  // Nesting the recogniser's 16 frames cannot hold, when the schema
+  // requires it; optional nesting compiles (the masks stop it in time).
+  json deep = {{"type", "integer"}}, optional = deep;
+  for (int i = 0; i < 20; ++i) {
+    deep = {{"type", "array"}, {"items", deep}, {"minItems", 1}};
+    optional = {{"type", "array"}, {"items", optional}};
+  }
+  refused(deep, "nested deeper than 15");
+  CHECK(compile_json_schema(optional).ok());
+  refused(json::parse(R"({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                                           "required": ["next"]}}, "$ref": "#/$defs/n"})"),
+          "never ends");
+  // Keywords beside $ref, and beside enum or const, other than a type.
+  const json defs = json::parse(R"({"o": {"type": "object", "properties": {"a": {"type": "integer"}}}})");
+  refused({{"$defs", defs}, {"$ref", "#/$defs/o"}, {"required", {"a"}}}, "'required' beside '$ref'");
+  refused({{"enum", {1, 2}}, {"maxItems", 1}}, "'maxItems' beside 'enum'");
+  refused({{"type", "string"}, {"const", 5}}, "not of its 'type'");
+  refused({{"type", "integer"}, {"enum", {"x", "y"}}}, "no value of 'enum'");
+  auto ints = compile({{"type", "integer"}, {"enum", {"x", 1, 2.0, 2.5}}});
+  CHECK(accepts(*ints, "1"));
+  CHECK(accepts(*ints, "2.0"));
+  CHECK_FALSE(accepts(*ints, "\"x\""));
+  CHECK_FALSE(accepts(*ints, "2.5"));
+  // References that only point at each other have no schema: not "any value".
+  refused(json::parse(R"({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})"),
+          "refers back to itself");
+  refused(json::parse(R"({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})"), "refers back to itself");
+}
+
+TEST_CASE("structured: a property name that leaves a listed one mid-character stays well-formed UTF-8",
+          "[gateway][structured]") {
+  // "é" is C3 A9; "è" (C3 A8) shares its lead byte and is another name.
+  auto sc = compile(json::parse(R"({"type": "object", "properties": {"é": {"type": "integer"}},
+                                    "additionalProperties": {"type": "integer"}})"));
+  CHECK(accepts(*sc, "{\"\xC3\xA9\": 1}"));
+  CHECK(accepts(*sc, "{\"\xC3\xA8\": 1}"));
+  CHECK(accepts(*sc, "{\"x\": 1, \"\xC3\xA9\": 2}"));
+  CHECK_FALSE(accepts(*sc, "{\"\xC3\xC3\xA9\": 1}"));  // a lead byte where its continuation must come
+  CHECK_FALSE(accepts(*sc, "{\"\xC3\": 1}"));          // the name ends inside the character
+  CHECK_FALSE(accepts(*sc, "{\"\xC3\xA9\xC3\": 1}"));
+}
+
 TEST_CASE("structured: the recogniser takes valid instances and refuses invalid ones", "[gateway][structured]") {
   auto sc = compile(kPerson);
   for (const char* ok : {R"({"name": "Ada", "age": 36, "colour": "red"})",

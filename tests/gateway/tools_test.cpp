@@ -211,6 +211,20 @@ TEST_CASE("tools: a forced choice installs a grammar of the call, in the model's
   const auto& sn = none.grammar->schema();
   CHECK(accepts(sn, "<tool_call>\n{\"name\": \"ping\", \"arguments\": {}}\n</tool_call>"));
   CHECK_FALSE(accepts(sn, "<tool_call>\n{\"name\": \"ping\", \"arguments\": {\"name\": \"ping\"}}\n</tool_call>"));
+  // "required" over more tools than one enum holds (64; a request may hold
+  // 128, 70 fit this test model's context): an anyOf of enums, not a 400
+  // about an enum.
+  json many = json::array();
+  for (int i = 0; i < 70; ++i) many.push_back({{"type", "function"}, {"function", {{"name", "f" + std::to_string(i)}}}});
+  auto r70 = post(gw, "/v1/chat/completions", chat_body({{"tools", many}, {"tool_choice", "required"}}));
+  INFO(r70.body);
+  REQUIRE(r70.status == 200);
+  const SequenceRequest wide = gw.scheduler().submitted().back();
+  REQUIRE(wide.grammar);
+  const auto& sw = wide.grammar->schema();
+  for (const char* name : {"f0", "f63", "f64", "f69"})
+    CHECK(accepts(sw, std::string("<tool_call>\n{\"name\": \"") + name + "\", \"arguments\": {}}\n</tool_call>"));
+  CHECK_FALSE(accepts(sw, "<tool_call>\n{\"name\": \"f70\", \"arguments\": {}}\n</tool_call>"));
 }
 
 TEST_CASE("tools: Mistral's [TOOL_CALLS] list, parsed at the end; ids of nine characters; a forced call's grammar",
