@@ -302,8 +302,17 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
 }
 
 void OpenAiApi::completions(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller) {
+  auto parsed = std::make_shared<ParsedJson>();
+  // The exchange outlives the job (the job is let go on the loop), and
+  // nothing writes its request meanwhile.
+  off_loop(ex, kind == ApiKind::chat ? kChat : kCompletions,
+           [parsed, ex] { *parsed = parse_json_body(ex->request().body); },
+           [this, kind, ex, caller, parsed] { completions_parsed(kind, ex, caller, std::move(*parsed)); });
+}
+
+void OpenAiApi::completions_parsed(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller,
+                                   ParsedJson parsed) {
   const char* endpoint = kind == ApiKind::chat ? kChat : kCompletions;
-  ParsedJson parsed = parse_json_body(ex->request().body);
   if (auto* err = std::get_if<ApiError>(&parsed)) return reply_error(ex, endpoint, *err);
   json body = std::move(std::get<json>(parsed));
   // Sessions (chat only): `session_id` in the body or an X-Session-Id header
@@ -345,7 +354,7 @@ void OpenAiApi::completions(ApiKind kind, const std::shared_ptr<HttpExchange>& e
     }
     if (!id.empty()) session = SessionKey{caller.session_owner, id};
   }
-  if (session.id.empty() || fresh) return run_completion(kind, ex, caller, body, session, {});
+  if (session.id.empty() || fresh) return run_completion(kind, ex, caller, std::move(body), session, {});
   const std::string busy_key = session.owner + "\n" + session.id;
   if (busy_sessions_->count(busy_key)) {
     HttpResponse r = api_error_response(
@@ -368,7 +377,7 @@ void OpenAiApi::completions(ApiKind kind, const std::shared_ptr<HttpExchange>& e
   mark->key = busy_key;
   std::shared_ptr<const void> turn = std::move(mark);
   opts_.sessions->load(session, [this, kind, ex, caller, body = std::move(body), session,
-                                 turn = std::move(turn)](ChatMessages prior, bool known) {
+                                 turn = std::move(turn)](ChatMessages prior, bool known) mutable {
     // The client may have gone while Redis answered: then nothing runs.
     if (!ex->open()) {
       metrics_->count_disconnect();
@@ -387,7 +396,7 @@ void OpenAiApi::completions(ApiKind kind, const std::shared_ptr<HttpExchange>& e
     }
     // Called from a Redis reply: a failure here must still answer the client.
     if (!last_resort("a request after its session loaded",
-                     [&] { run_completion(kind, ex, caller, body, session, std::move(prior), turn); }) &&
+                     [&] { run_completion(kind, ex, caller, std::move(body), session, std::move(prior), turn); }) &&
         ex->open())
       reply_error(ex, kChat, ApiError{500, "Internal error while starting the request.", "server_error", "",
                                       "internal_error"});
@@ -449,7 +458,7 @@ void OpenAiApi::replay(const std::shared_ptr<HttpExchange>& ex, const json& body
 }
 
 void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller,
-                               const json& body, const SessionKey& session, ChatMessages prior,
+                               json body, const SessionKey& session, ChatMessages prior,
                                std::shared_ptr<const void> turn) {
   const char* endpoint = kind == ApiKind::chat ? kChat : kCompletions;
   // A session turn may carry an Idempotency-Key: the same key again (a
@@ -481,7 +490,7 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
   job->kind = kind;
   job->ex = ex;
   job->caller = caller;
-  job->body = body;
+  job->body = std::move(body);
   job->session = session;
   job->prior = std::move(prior);
   job->turn = std::move(turn);

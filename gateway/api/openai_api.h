@@ -28,6 +28,7 @@
 
 #include "gateway/admission.h"
 #include "gateway/api_keys.h"
+#include "gateway/json_body.h"
 #include "gateway/api/completion_request.h"
 #include "gateway/predict/expert_prediction.h"
 #include "gateway/http/http_server.h"
@@ -89,11 +90,18 @@ class OpenAiApi final : public HttpHandler {
     const ApiKeyEntry* key = nullptr;  // the key it called with (null: no keys configured)
   };
 
+  // The body's JSON is read on the thread pool (a body of a megabyte takes
+  // tens of milliseconds, which the loop would otherwise spend away from
+  // every other connection), then completions_parsed() goes on, on the loop.
   void completions(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller);
+  void completions_parsed(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller,
+                          ParsedJson parsed);
   // After the session's stored turns (if any) were loaded.
   // `turn` (a session's turn): held until the turn ends, stored or not.
+  // `body` is moved into the job (a copy of a large body's tree would cost
+  // the loop as much as parsing it).
   void run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller,
-                      const nlohmann::json& body, const SessionKey& session, ChatMessages prior,
+                      nlohmann::json body, const SessionKey& session, ChatMessages prior,
                       std::shared_ptr<const void> turn = {});
   // A retried session turn whose answer is stored: that answer again.
   void replay(const std::shared_ptr<HttpExchange>& ex, const nlohmann::json& body, const SessionKey& session,
