@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -40,18 +41,26 @@ class ConfigReader {
       for (const char* n : keys) names += std::string(names.empty() ? "'" : " or '") + n + "'";
       return make_error(where_ + ": missing key " + names);
     }
-    if (!j_[k].is_number_integer())
-      return make_error(where_ + ": key '" + k + "' is not an integer");
-    *out = j_[k].get<int>();
+    return read_int(k, out);
+  }
+
+  // An integer key's value, refused past 2^30 either way (no dimension of
+  // a real model comes near; reading it as int would wrap).
+  Status read_int(const char* key, int* out) const {
+    if (!j_[key].is_number_integer())
+      return make_error(where_ + ": key '" + key + "' is not an integer");
+    const int64_t v = j_[key].is_number_unsigned() && j_[key].get<uint64_t>() > uint64_t(INT64_MAX)
+                          ? INT64_MAX
+                          : j_[key].get<int64_t>();
+    if (v > (int64_t(1) << 30) || v < -(int64_t(1) << 30))
+      return make_error(where_ + ": key '" + key + "' is " + j_[key].dump() + ", out of range");
+    *out = int(v);
     return Status::ok_status();
   }
 
   Status opt_int(const char* key, int* out) const {
     if (!has(key)) return Status::ok_status();
-    if (!j_[key].is_number_integer())
-      return make_error(where_ + ": key '" + key + "' is not an integer");
-    *out = j_[key].get<int>();
-    return Status::ok_status();
+    return read_int(key, out);
   }
 
   Status opt_float(const char* key, float* out) const {
@@ -220,6 +229,9 @@ Status parse_moe(const ConfigReader& c, ModelDesc* d) {
     case Arch::qwen2:
       break;
   }
+  if (m.n_experts > 4096)
+    return make_error(c.where() + ": the expert count (num_experts, num_local_experts or n_routed_experts) is " +
+                      std::to_string(m.n_experts) + ", more than 4096 (no model has that many; the file is likely corrupt)");
   if (m.n_experts < 1 || m.top_k < 1 || m.top_k > m.n_experts)
     return make_error(c.where() + ": num_experts_per_tok (" + std::to_string(m.top_k) +
                       ") must be between 1 and the number of experts (" +
@@ -286,6 +298,18 @@ Result<ModelDesc> parse_model_desc(const std::string& config_json_text,
     return make_error(
         c.where() +
         ": vocab_size, hidden_size, num_hidden_layers and num_attention_heads must be positive");
+  // Bounds far past any real model: tables are sized by these before the
+  // weights are checked against them, so a corrupt value would allocate
+  // gigabytes (or fail to) first.
+  struct Cap {
+    const char* key;
+    int value, max;
+  };
+  for (const Cap& cap : {Cap{"vocab_size", d.vocab_size, 1 << 24}, Cap{"hidden_size", d.hidden_size, 1 << 17},
+                         Cap{"num_hidden_layers", d.n_layers, 4096}, Cap{"num_attention_heads", d.n_heads, 4096}})
+    if (cap.value > cap.max)
+      return make_error(c.where() + ": " + cap.key + " is " + std::to_string(cap.value) + ", more than " +
+                        std::to_string(cap.max) + " (no model has that many; the file is likely corrupt)");
   d.n_kv_heads = d.n_heads;
   MOE_TRY(c.opt_int("num_key_value_heads", &d.n_kv_heads));
   if (c.has("head_dim")) {

@@ -23,8 +23,12 @@ Result<std::unique_ptr<BpeModel>> BpeModel::from_json(const nlohmann::json& mode
   if (!vocab.is_object() || vocab.empty()) return make_error("model: empty or missing vocab");
   int32_t max_id = -1;
   for (const auto& [tok, id] : vocab.items()) {
+    // Ids index a table of tokens: one far past any real vocabulary would
+    // allocate it (a billion entries) before anything else is checked.
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > kMaxTokenId)
+      return make_error("model: the id of '" + tok.substr(0, 64) + "' is " + id.dump().substr(0, 32) +
+                        ", not an integer from 0 to " + std::to_string(kMaxTokenId));
     const int32_t i = id.get<int32_t>();
-    if (i < 0) return make_error("model: negative id for '" + tok + "'");
     m->vocab_.emplace(tok, i);
     max_id = std::max(max_id, i);
   }

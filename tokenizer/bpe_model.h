@@ -25,6 +25,10 @@ struct StringHash {
 };
 using TokenMap = std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>>;
 
+// The largest token id a tokenizer may name (vocabularies in use hold up to
+// a few hundred thousand).
+inline constexpr int32_t kMaxTokenId = (1 << 24) - 1;
+
 class BpeModel {
  public:
   static Result<std::unique_ptr<BpeModel>> from_json(const nlohmann::json& model);

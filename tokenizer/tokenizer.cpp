@@ -1,5 +1,7 @@
 #include "tokenizer/tokenizer.h"
 
+#include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -74,7 +76,11 @@ std::string config_token(const json& cfg, const char* key) {
 tok::AddedToken parse_added(const json& a) {
   tok::AddedToken t;
   t.content = a.value("content", "");
-  t.id = a.value("id", -1);
+  // An id past any vocabulary reads as kMaxTokenId + 1, which the caller refuses.
+  const json id = a.value("id", json(-1));
+  t.id = !id.is_number_integer() ? -1
+         : id.get<int64_t>() > tok::kMaxTokenId ? tok::kMaxTokenId + 1
+                                                : int32_t(std::max<int64_t>(id.get<int64_t>(), -1));
   t.special = a.value("special", false);
   t.single_word = a.value("single_word", false);
   t.lstrip = a.value("lstrip", false);
@@ -152,19 +158,29 @@ Result<std::unique_ptr<Tokenizer>> Tokenizer::from_json(std::string_view tokeniz
     if (!dec) return make_error("tokenizer.json: " + dec.error());
     im.decoder = std::move(dec.value());
 
+    std::string bad_id;
     auto add_token = [&](tok::AddedToken a) {
-      if (a.id < 0 || a.content.empty() || im.added_by_id.count(a.id)) return;
+      if (a.id > tok::kMaxTokenId && bad_id.empty()) bad_id = a.content.substr(0, 64);
+      if (a.id < 0 || a.id > tok::kMaxTokenId || a.content.empty() || im.added_by_id.count(a.id)) return;
       im.added_by_id.emplace(a.id, im.added.size());
       im.added_by_content.emplace(a.content, a.id);
       im.max_id = std::max(im.max_id, a.id);
       im.added.push_back(std::move(a));
     };
     for (const auto& a : tj.value("added_tokens", json::array())) add_token(parse_added(a));
+    if (!bad_id.empty())
+      return make_error("tokenizer.json: the added token '" + bad_id + "' has an id past " +
+                        std::to_string(tok::kMaxTokenId));
     // Tokens that only tokenizer_config.json declares (id -> flags).
     if (cfg.contains("added_tokens_decoder") && cfg["added_tokens_decoder"].is_object()) {
       for (const auto& [id, a] : cfg["added_tokens_decoder"].items()) {
         json with_id = a;
-        with_id["id"] = std::stoi(id);
+        char* end = nullptr;
+        const long long n = std::strtoll(id.c_str(), &end, 10);
+        if (id.empty() || *end != '\0' || n < 0 || n > tok::kMaxTokenId)
+          return make_error("tokenizer_config.json: added_tokens_decoder has the id '" + id.substr(0, 32) +
+                            "', not an integer from 0 to " + std::to_string(tok::kMaxTokenId));
+        with_id["id"] = int(n);
         add_token(parse_added(with_id));
       }
     }

@@ -345,3 +345,31 @@ TEST_CASE("unsupported types and missing keys are errors naming them", "[config]
     CHECK(r.error().find("config.json") != std::string::npos);
   }
 }
+
+TEST_CASE("values past any real model are errors naming the key, before anything is sized by them", "[config]") {
+  // 1e9 layers had a vector of a billion layers allocated (std::bad_alloc,
+  // an abort) before the weights were checked; 2^31 experts read as a
+  // negative int.
+  struct Case {
+    const char* key;
+    json value;
+    const char* says;
+  };
+  for (const Case& k : {Case{"num_hidden_layers", 1000000000, "more than 4096"},
+                        Case{"num_hidden_layers", 5000000, "more than 4096"},
+                        Case{"vocab_size", int64_t(10000000000), "out of range"},
+                        Case{"hidden_size", int64_t(1000000000000), "out of range"},
+                        Case{"hidden_size", 1 << 20, "more than 131072"},
+                        Case{"num_experts", int64_t(1) << 31, "out of range"},
+                        Case{"num_experts", 100000, "more than 4096"},
+                        Case{"num_attention_heads", json(uint64_t(1) << 63), "out of range"}}) {
+    json c = fixture_config("qwen3_moe");
+    c[k.key] = k.value;
+    INFO(k.key << " = " << k.value.dump());
+    auto r = parse_model_desc(c.dump());
+    REQUIRE_FALSE(r.ok());
+    INFO(r.error());
+    CHECK(r.error().find(k.key) != std::string::npos);
+    CHECK(r.error().find(k.says) != std::string::npos);
+  }
+}

@@ -361,6 +361,20 @@ TEST_CASE("loading reports bad input as errors", "[tokenizer]") {
       "");
   REQUIRE_FALSE(r.ok());
   CHECK(r.error().find("regex") != std::string::npos);
+  // An id far past any vocabulary sized a table by it (a billion entries:
+  // std::bad_alloc, an abort) before anything else was checked.
+  for (const char* id : {"1000000000", "2147483647", "16777216", "99999999999", "-1", "1.5"}) {
+    INFO(id);
+    const auto big = moe::Tokenizer::from_json(
+        std::string(R"({"model":{"type":"BPE","vocab":{"a":0,"zzz":)") + id + R"(},"merges":[]}})", "");
+    REQUIRE_FALSE(big.ok());
+    CHECK(big.error().find("zzz") != std::string::npos);
+  }
+  CHECK(moe::Tokenizer::from_json(R"({"model":{"type":"BPE","vocab":{"a":0,"zzz":16777215},"merges":[]}})", "").ok());
+  const auto added = moe::Tokenizer::from_json(
+      R"({"model":{"type":"BPE","vocab":{"a":0},"merges":[]},"added_tokens":[{"id":1000000000,"content":"<big>"}]})", "");
+  REQUIRE_FALSE(added.ok());
+  CHECK(added.error().find("<big>") != std::string::npos);
 }
 
 TEST_CASE("random text: never crashes, round-trips, streams as decode does", "[tokenizer]") {
