@@ -208,8 +208,12 @@ void WorkerSupervisor::on_exit(uv_process_t* p, int64_t status, int signal) {
 void WorkerSupervisor::exited(int64_t status, int signal) {
   WorkerSupervisor* self = this;
   self->proc_ = nullptr;
-  std::fprintf(stderr, "moe-gateway: moe-worker exited (status %lld, signal %d); restarting in %llu ms\n",
-               static_cast<long long>(status), signal, static_cast<unsigned long long>(self->backoff_ms_));
+  // Killed by a signal, or exited with a status: one or the other.
+  const std::string how = signal != 0 ? std::string("killed by signal ") + std::to_string(signal) + " (" +
+                                            strsignal(signal) + ")"
+                                      : "exited with status " + std::to_string(status);
+  std::fprintf(stderr, "moe-gateway: moe-worker %s; restarting in %llu ms\n", how.c_str(),
+               static_cast<unsigned long long>(self->backoff_ms_));
   // A worker that ran a while earns a fresh backoff; one that dies at once waits longer each time.
   if (uv_now(self->loop_) - self->started_ms_ > 30000) self->backoff_ms_ = self->opts_.restart_min_ms;
   uv_timer_start(self->restart_timer_, &WorkerSupervisor::on_restart_timer, self->backoff_ms_, 0);
