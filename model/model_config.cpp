@@ -1,6 +1,7 @@
 #include "model/model_config.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -183,8 +184,9 @@ Status parse_moe(const ConfigReader& c, ModelDesc* d) {
         if (!c.at("mlp_only_layers").is_array())
           return make_error(c.where() + ": 'mlp_only_layers' is not a list");
         for (const auto& x : c.at("mlp_only_layers")) {
-          if (!x.is_number_integer())
-            return make_error(c.where() + ": 'mlp_only_layers' holds a non-integer");
+          if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() >= d->n_layers)
+            return make_error(c.where() + ": 'mlp_only_layers' holds " + x.dump().substr(0, 32) +
+                              ", not a layer index (0 to num_hidden_layers - 1)");
           mlp_only.push_back(x.get<int>());
         }
       }
@@ -325,6 +327,14 @@ Result<ModelDesc> parse_model_desc(const std::string& config_json_text,
   MOE_TRY(c.opt_bool("tie_word_embeddings", &d.tie_embeddings));
   MOE_TRY(c.opt_int("max_position_embeddings", &d.max_position));
   MOE_TRY(parse_rope(c, &d.rope));
+  // What would turn every output into NaN or noise rather than fail.
+  if (!(d.rms_eps > 0) || !std::isfinite(d.rms_eps))
+    return make_error(c.where() + ": rms_norm_eps must be a positive number");
+  if (!(d.rope.theta > 0) || !std::isfinite(d.rope.theta))
+    return make_error(c.where() + ": rope_theta must be a positive number");
+  if (!(d.rope.factor > 0) || !std::isfinite(d.rope.factor))
+    return make_error(c.where() + ": the rope scaling factor must be a positive number");
+  if (d.max_position < 0) return make_error(c.where() + ": max_position_embeddings must not be negative");
 
   switch (d.arch) {
     case Arch::qwen2:

@@ -373,3 +373,27 @@ TEST_CASE("values past any real model are errors naming the key, before anything
     CHECK(r.error().find(k.says) != std::string::npos);
   }
 }
+
+TEST_CASE("values that would turn every output into noise are errors naming the key", "[config]") {
+  // Each loaded and gave garbage text (an epsilon of -1 takes the square
+  // root of a negative number; a rope base of 0 makes every angle NaN).
+  struct Case {
+    const char* key;
+    json value;
+    const char* says;
+  };
+  for (const Case& k : {Case{"rms_norm_eps", -1, "rms_norm_eps"}, Case{"rms_norm_eps", 0, "rms_norm_eps"},
+                        Case{"rope_theta", 0, "rope_theta"}, Case{"rope_theta", -10000, "rope_theta"},
+                        Case{"rope_scaling", {{"rope_type", "linear"}, {"factor", 0}}, "scaling factor"},
+                        Case{"rope_scaling", {{"rope_type", "linear"}, {"factor", -1}}, "scaling factor"},
+                        Case{"max_position_embeddings", -1, "max_position_embeddings"},
+                        Case{"mlp_only_layers", {-1}, "mlp_only_layers"}}) {
+    json c = fixture_config("qwen3_moe");
+    c[k.key] = k.value;
+    INFO(k.key << " = " << k.value.dump());
+    auto r = parse_model_desc(c.dump());
+    REQUIRE_FALSE(r.ok());
+    INFO(r.error());
+    CHECK(r.error().find(k.says) != std::string::npos);
+  }
+}
