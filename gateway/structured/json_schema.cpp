@@ -149,32 +149,39 @@ class Compiler {
     return n;
   }
 
+  // The names a 'type' lists (one, or a list of 1 to 8), each known; false
+  // (the error set) when it is malformed.
+  bool types_of(const json& t, const std::string& path, std::vector<std::string>* types) {
+    if (t.is_string()) {
+      types->push_back(t.get<std::string>());
+    } else if (t.is_array() && !t.empty() && t.size() <= size_t(kMaxAlternatives)) {
+      for (const json& x : t) {
+        if (!x.is_string()) return fail("'type' at " + path + " must be a string or a list of strings"), false;
+        types->push_back(x.get<std::string>());
+      }
+    } else {
+      return fail("'type' at " + path + " must be a string or a list of 1 to 8 strings"), false;
+    }
+    static const std::set<std::string> known = {"object", "array", "string", "number", "integer", "boolean", "null"};
+    for (const std::string& ty : *types)
+      if (!known.count(ty)) return fail("'type' at " + path + ": unknown type '" + ty + "'"), false;
+    return true;
+  }
+
   // Whether `v` is of the 'type' beside it (1), not (0), or no 'type' is
   // there (1); -1 when the 'type' itself is malformed.
   int has_type(const json& s, const json& v, const std::string& path) {
     const auto t = s.find("type");
     if (t == s.end()) return 1;
     std::vector<std::string> types;
-    if (t->is_string()) types.push_back(t->get<std::string>());
-    else if (t->is_array())
-      for (const json& x : *t)
-        if (x.is_string()) types.push_back(x.get<std::string>());
-    if (types.empty()) {
-      fail("'type' at " + path + " must be a string or a list of strings");
-      return -1;
-    }
-    for (const std::string& ty : types) {
-      const bool integral = v.is_number_integer() || (v.is_number_float() && v.get<double>() == double(int64_t(v.get<double>())));
+    if (!types_of(*t, path, &types)) return -1;
+    const bool integral =
+        v.is_number_integer() || (v.is_number_float() && v.get<double>() == double(int64_t(v.get<double>())));
+    for (const std::string& ty : types)
       if ((ty == "string" && v.is_string()) || (ty == "number" && v.is_number()) || (ty == "integer" && v.is_number() && integral) ||
           (ty == "boolean" && v.is_boolean()) || (ty == "null" && v.is_null()) || (ty == "object" && v.is_object()) ||
           (ty == "array" && v.is_array()))
         return 1;
-      if (ty != "string" && ty != "number" && ty != "integer" && ty != "boolean" && ty != "null" && ty != "object" &&
-          ty != "array") {
-        fail("'type' at " + path + ": unknown type '" + ty + "'");
-        return -1;
-      }
-    }
     return 0;
   }
 
@@ -222,16 +229,7 @@ class Compiler {
       return kAnyNode;
     }
     std::vector<std::string> types;
-    if (t->is_string()) {
-      types.push_back(t->get<std::string>());
-    } else if (t->is_array() && !t->empty() && t->size() <= size_t(kMaxAlternatives)) {
-      for (const json& x : *t) {
-        if (!x.is_string()) return fail("'type' at " + path + " must be a string or a list of strings");
-        types.push_back(x.get<std::string>());
-      }
-    } else {
-      return fail("'type' at " + path + " must be a string or a list of 1 to 8 strings");
-    }
+    if (!types_of(*t, path, &types)) return kAnyNode;
     std::vector<int> options;
     for (const std::string& ty : types) {
       if (ty == "object") {
@@ -244,10 +242,8 @@ class Compiler {
         options.push_back(add(std::move(n)));
       } else if (ty == "boolean") {
         options.push_back(literal_node({"true", "false"}, path));
-      } else if (ty == "null") {
+      } else {  // null (types_of knows no other)
         options.push_back(literal_node({"null"}, path));
-      } else {
-        return fail("'type' at " + path + ": unknown type '" + ty + "'");
       }
     }
     if (options.size() == 1) return options[0];

@@ -68,11 +68,12 @@ std::shared_ptr<const TokenGrammar> GrammarRegistry::grammar(std::shared_ptr<con
   g->vocab_ = vocab_;
   g->registry_ = this;
   g->serial_ = next_serial_++;
+  g->bytes_ = schema_bytes(g->schema());
   grammars_.push_front(g);
-  grammar_bytes_ += schema_bytes(g->schema());
+  grammar_bytes_ += g->bytes_;
   // The least recently used go (requests still holding one keep it; its masks age out of the LRU).
   while (grammars_.size() > 1 && (grammars_.size() > kMaxGrammars || grammar_bytes_ > kGrammarBytes)) {
-    grammar_bytes_ -= schema_bytes(grammars_.back()->schema());
+    grammar_bytes_ -= grammars_.back()->bytes_;
     grammars_.pop_back();
   }
   return g;

@@ -37,6 +37,7 @@ class TokenGrammar {
   std::shared_ptr<const GrammarVocabulary> vocab_;
   GrammarRegistry* registry_ = nullptr;
   uint64_t serial_ = 0;
+  size_t bytes_ = 0;  // schema_bytes(*schema_), counted while the registry keeps it
 };
 
 // What a compiled schema holds in memory, roughly (its nodes, names,

@@ -43,6 +43,15 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
+// The ids 0..n-1 of a paged KV pool's blocks in a random order (block
+// tables over disjoint, shuffled blocks).
+std::vector<int32_t> shuffled_blocks(int n, std::mt19937& rng) {
+  std::vector<int32_t> perm(n);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  return perm;
+}
+
 
 #define REQUIRE_OK(expr)       \
   do {                         \
@@ -801,9 +810,7 @@ void check_qkv_rope_store(int hd, int nh, int nkv, bool with_bias, QkNormCase no
   const int qn_len = norm == QkNormCase::full_width ? nh * hd : hd;
   const int kn_len = norm == QkNormCase::full_width ? nkv * hd : hd;
   const auto qn = round_bf16(randn(qn_len, rng)), kn = round_bf16(randn(kn_len, rng));
-  std::vector<int32_t> perm(pool_blocks);
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng);
+  const std::vector<int32_t> perm = shuffled_blocks(pool_blocks, rng);
   const std::vector<int32_t> tables(perm.begin(), perm.begin() + seqs * max_blocks);
   // Distinct (sequence, position) pairs, so no two tokens share a slot.
   const std::vector<int32_t> seq = {0, 1, 2, 1, 0, 2, 1}, pos = {5, 9, 47, 30, 12, 33, 31};
@@ -944,9 +951,7 @@ TEST_CASE("cuda paged attention (decode and prefill) matches the CPU", "[cuda][a
     INFO("head_dim " << hd);
     const auto kpool = round_bf16(randn(size_t(pool_blocks) * bt * nkv * hd, rng));
     const auto vpool = round_bf16(randn(kpool.size(), rng));
-    std::vector<int32_t> perm(pool_blocks);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng);
+    const std::vector<int32_t> perm = shuffled_blocks(pool_blocks, rng);
     // Three sequences over disjoint, shuffled blocks.
     std::vector<int32_t> tables(perm.begin(), perm.begin() + 3 * max_blocks - 4);
     tables.resize(3 * max_blocks, 0);
@@ -971,9 +976,7 @@ TEST_CASE("cuda decode attention over long contexts, keys split over blocks, mat
     INFO("head_dim " << hd);
     const auto kpool = round_bf16(randn(size_t(pool_blocks) * bt * nkv * hd, rng));
     const auto vpool = round_bf16(randn(kpool.size(), rng));
-    std::vector<int32_t> perm(pool_blocks);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng);
+    const std::vector<int32_t> perm = shuffled_blocks(pool_blocks, rng);
     const std::vector<int32_t> tables(perm.begin(), perm.begin() + seqs * max_blocks);
     // Decode queries of 5,200 keys (10 runs; 4 where 4 is the most),
     // 1,031 (2 runs, the second not a whole tile), 1,023 (one: under two
@@ -999,9 +1002,7 @@ TEST_CASE("cuda paged attention with head_dim 16 and 32 matches the CPU", "[cuda
     const int seqs = 4, max_blocks = (320 + bt - 1) / bt, pool_blocks = seqs * max_blocks + 3;
     const auto kpool = round_bf16(randn(size_t(pool_blocks) * bt * nkv * hd, rng));
     const auto vpool = round_bf16(randn(kpool.size(), rng));
-    std::vector<int32_t> perm(pool_blocks);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng);
+    const std::vector<int32_t> perm = shuffled_blocks(pool_blocks, rng);
     // Four sequences over disjoint, shuffled blocks.
     const std::vector<int32_t> tables(perm.begin(), perm.begin() + seqs * max_blocks);
     // Decode: contexts 1, 301 (every warp over more than one 32-key tile)
@@ -1033,9 +1034,7 @@ TEST_CASE("cuda paged attention over coded rows (int8, fp8) matches the CPU on t
         ks[r] = moe::kv_encode_row(dt, kr.data(), hd, kc.data() + r * hd);
         vs[r] = moe::kv_encode_row(dt, vr.data(), hd, vc.data() + r * hd);
       }
-      std::vector<int32_t> perm(pool_blocks);
-      std::iota(perm.begin(), perm.end(), 0);
-      std::shuffle(perm.begin(), perm.end(), rng);
+      const std::vector<int32_t> perm = shuffled_blocks(pool_blocks, rng);
       const std::vector<int32_t> tables(perm.begin(), perm.begin() + seqs * max_blocks);
       // Decode at contexts 1, 97 and 128; a prefill of 20 queries of sequence 2.
       std::vector<int32_t> seq = {0, 1, 2}, pos = {0, 96, 127};

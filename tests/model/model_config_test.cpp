@@ -28,6 +28,17 @@ json fixture_config(const std::string& fixture) {
   return moe::test::read_json(fixture_dir(fixture) + "/config.json");
 }
 
+// The error the qwen3_moe fixture's config gives with `key` set to `value`
+// (it must give one).
+std::string refusal(const char* key, const json& value) {
+  json c = fixture_config("qwen3_moe");
+  c[key] = value;
+  INFO(key << " = " << value.dump());
+  auto r = parse_model_desc(c.dump());
+  REQUIRE_FALSE(r.ok());
+  return r.error();
+}
+
 std::vector<int64_t> shape_of(const Checkpoint& ck, const std::string& name) {
   const TensorView* t = ck.find(name);
   INFO("tensor " << name);
@@ -363,14 +374,10 @@ TEST_CASE("values past any real model are errors naming the key, before anything
                         Case{"num_experts", int64_t(1) << 31, "out of range"},
                         Case{"num_experts", 100000, "more than 4096"},
                         Case{"num_attention_heads", json(uint64_t(1) << 63), "out of range"}}) {
-    json c = fixture_config("qwen3_moe");
-    c[k.key] = k.value;
-    INFO(k.key << " = " << k.value.dump());
-    auto r = parse_model_desc(c.dump());
-    REQUIRE_FALSE(r.ok());
-    INFO(r.error());
-    CHECK(r.error().find(k.key) != std::string::npos);
-    CHECK(r.error().find(k.says) != std::string::npos);
+    const std::string error = refusal(k.key, k.value);
+    INFO(k.key << " = " << k.value.dump() << ": " << error);
+    CHECK(error.find(k.key) != std::string::npos);
+    CHECK(error.find(k.says) != std::string::npos);
   }
 }
 
@@ -388,12 +395,8 @@ TEST_CASE("values that would turn every output into noise are errors naming the 
                         Case{"rope_scaling", {{"rope_type", "linear"}, {"factor", -1}}, "scaling factor"},
                         Case{"max_position_embeddings", -1, "max_position_embeddings"},
                         Case{"mlp_only_layers", {-1}, "mlp_only_layers"}}) {
-    json c = fixture_config("qwen3_moe");
-    c[k.key] = k.value;
-    INFO(k.key << " = " << k.value.dump());
-    auto r = parse_model_desc(c.dump());
-    REQUIRE_FALSE(r.ok());
-    INFO(r.error());
-    CHECK(r.error().find(k.says) != std::string::npos);
+    const std::string error = refusal(k.key, k.value);
+    INFO(k.key << " = " << k.value.dump() << ": " << error);
+    CHECK(error.find(k.says) != std::string::npos);
   }
 }
