@@ -98,6 +98,8 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     return make_error("max_step_tokens must be in [1, 8192]");
   if (opts.fuse_max_tokens < 0 || opts.fuse_max_tokens > cuda::kGemvMaxTokens)
     return make_error("fuse_max_tokens must be in [0, 8]");
+  if (opts.attention_split_keys < 32 || opts.attention_split_keys % 32 != 0)
+    return make_error("attention_split_keys must be a positive multiple of 32");
 
   std::unique_ptr<CudaEngine> eng(new CudaEngine());
   eng->impl_ = std::make_unique<Impl>();

@@ -19,6 +19,8 @@
 //                    [--stream-ahead on|off] (layer-ahead staging of guessed experts in streamed
 //                    passes of one token) [--guess-recall P] (with replayed routing: guesses from the
 //                    trace's next layer, each kept with chance P, instead of the seeded router's)
+//                    [--attention-split-keys N] (decode attention: a query of 2N+ keys split over
+//                    blocks of N+ keys each, N a multiple of 32; default the engine's)
 //                    [--steps N] [--prompt N] [--policy P] [--prefetch on|off]
 //                    [--dense-weights auto|bf16|int8|int4]
 //                    [--budget-dense-weights auto|bf16|int8|int4] [--json PATH]
@@ -71,6 +73,7 @@ struct Options {
   int admit_per_pass = 0;                 // 0: the engine's default
   bool stream_ahead = false;              // --stream-ahead on: layer-ahead staging in streamed passes
   double guess_recall = -1;               // --guess-recall P: replayed routing's guesses (< 0: the router's)
+  int split_keys = 0;                     // --attention-split-keys N (0: the engine's default)
   int profile_steps = 0;                  // decode steps a batch under the profiler (0: none)
   std::string json;
   // --omit: sets of kernels left out, one engine each ({"", 0}: none).
@@ -249,7 +252,7 @@ int usage() {
                "                        [--routing router|uniform|replay[:FILE][,...]] [--host-experts auto|on|off]\n"
                "                        [--misses stream|copy] [--threads N] [--skip-resident]\n"
                "                        [--budget-batches 1[,8...]] [--admit-per-pass N]\n"
-               "                        [--stream-ahead on|off] [--guess-recall P]\n"
+               "                        [--stream-ahead on|off] [--guess-recall P] [--attention-split-keys N]\n"
                "                        [--json PATH] [--profile-steps N] [--omit KERNEL[,KERNEL...][;...]]\n");
   return 2;
 }
@@ -301,6 +304,12 @@ int main(int argc, char** argv) {
         return usage();
       }
       o.stream_ahead = v == "on";
+    } else if (a == "--attention-split-keys") {
+      o.split_keys = std::atoi(val().c_str());
+      if (o.split_keys < 32 || o.split_keys % 32 != 0) {
+        std::fprintf(stderr, "moe-bench-engine: --attention-split-keys takes a positive multiple of 32\n");
+        return usage();
+      }
     } else if (a == "--guess-recall") {
       const std::string v = val();
       char* end = nullptr;
@@ -420,6 +429,7 @@ int main(int argc, char** argv) {
         eo.host_threads = o.threads;
         if (o.admit_per_pass > 0) eo.stream_admit_per_pass = o.admit_per_pass;
         eo.stream_ahead = o.stream_ahead;
+        if (o.split_keys > 0) eo.attention_split_keys = o.split_keys;
         eo.bench_guess_recall = o.guess_recall;
         if (o.guess_recall >= 0 && (routing.rfind("replay", 0) != 0 || !o.stream_ahead)) {
           std::fprintf(stderr, "moe-bench-engine: --guess-recall draws guesses from a replayed trace for "

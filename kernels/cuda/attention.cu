@@ -81,15 +81,13 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int kvh = h / (a.n_heads / kv.n_kv);
   const int n_keys = a.positions[t] + 1;
-  // This block's keys [k_begin, k_end): the query's keys cut into `splits`
-  // runs of whole 32-key tiles, each at least kAttentionSplitKeys long
-  // (every run holds keys: (splits - 1) runs of >= 512 rounded up by < 32
-  // stay short of n_keys for splits <= 16).
-  const int splits = min(a.max_splits, max(1, n_keys / kAttentionSplitKeys));
+  // This block's keys [k_begin, k_end): the query's 32-key tiles dealt out
+  // evenly to `splits` runs, each at least split_keys long (split_keys a
+  // multiple of 32, so every run holds floor(tiles / splits) >= 1 tiles).
+  const int splits = min(a.max_splits, max(1, n_keys / a.split_keys));
   if (split >= splits) return;  // a short query's unused blocks
-  const int run = (n_keys + splits - 1) / splits;
-  const int chunk = (run + 31) / 32 * 32;
-  const int k_begin = split * chunk, k_end = min(n_keys, k_begin + chunk);
+  const int tiles = (n_keys + 31) / 32;
+  const int k_begin = split * tiles / splits * 32, k_end = min(n_keys, (split + 1) * tiles / splits * 32);
   const __nv_bfloat16* q = a.q + (size_t(t) * a.n_heads + h) * HD;
   for (int i = threadIdx.x; i < HD; i += kThreads) qs[i] = __bfloat162float(q[i]) * a.scale;
   __syncthreads();
@@ -457,6 +455,7 @@ Status launch_attention(const AttentionArgs& a, const PagedKvPool& kv, cudaStrea
   MOE_CUDA_REQUIRE(a.max_splits >= 1 && a.max_splits <= kAttentionMaxSplits &&
                        (a.max_splits == 1 || (a.partials && a.split_counts)),
                    "max_splits in [1, 16], with partials and split_counts above 1");
+  MOE_CUDA_REQUIRE(a.split_keys >= 32 && a.split_keys % 32 == 0, "split_keys a positive multiple of 32");
   const dim3 grid(a.tokens, a.n_heads, a.max_splits);
   switch (kv.head_dim) {
     case 16: MOE_CUDA_TRY(detail::launch_pdl(attention_kernel<16, C>, dim3(grid), dim3(kThreads), 0, stream, a, kv)); break;

@@ -70,26 +70,30 @@ struct AttentionArgs {
   int shortest_run = 0;
   AttentionWalk walk = AttentionWalk::automatic;
   // A block per query (decode): up to `max_splits` blocks a (token, head),
-  // each over a run of at least kAttentionSplitKeys keys, their softmax
+  // each over a run of at least `split_keys` keys (a multiple of 32), their softmax
   // states into `partials` ([tokens, n_heads, max_splits, head_dim + 2] f32)
   // and merged, in split order, by the last block of the (token, head) to
   // finish (`split_counts`: [tokens, n_heads], zero before the first call;
   // each merge leaves its count at zero again; a grid that dies mid-way
   // leaves it short, but that error is sticky). A query of fewer than
-  // 2 x kAttentionSplitKeys keys, or max_splits 1, takes one block and
-  // writes out directly.
+  // 2 x split_keys keys, or max_splits 1, takes one block and writes out
+  // directly.
   int max_splits = 1;
+  int split_keys = 512;
   float* partials = nullptr;
   uint32_t* split_counts = nullptr;
 };
 
-inline constexpr int kAttentionSplitKeys = 512;
+inline constexpr int kAttentionSplitKeys = 512;  // the engine's default split_keys
 inline constexpr int kAttentionMaxSplits = 16;
 
 // The splits a pass whose longest query has `keys` keys is launched with:
 // a function of the context's size class only (a decode graph is captured
-// per class): 1 below 1,024 keys (where the kernel would not split), else 16.
-inline int attention_splits_for(int keys) { return keys < 2 * kAttentionSplitKeys ? 1 : kAttentionMaxSplits; }
+// per class): 1 below 2 x split_keys keys (where the kernel would not
+// split), else 16.
+inline int attention_splits_for(int keys, int split_keys) {
+  return keys < 2 * split_keys ? 1 : kAttentionMaxSplits;
+}
 inline size_t attention_partials_floats(int tokens, int n_heads, int max_splits, int head_dim) {
   return max_splits > 1 ? size_t(tokens) * n_heads * max_splits * (head_dim + 2) : 0;
 }

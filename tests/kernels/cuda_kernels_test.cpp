@@ -908,17 +908,20 @@ double attention_error(const AttentionShape& sh, moe::cpu::PagedKv cpu, const mo
   double worst = 0;
   // A block per query, the same with long queries' keys split over up to
   // 16 blocks (twice: the merge must leave its counts ready for the next
-  // call) and over up to 4, and query tiles.
+  // call) and over up to 4, and query tiles; then split into runs of at
+  // least 32 and 96 keys (short queries split too, runs of uneven tiles).
   const int splits = moe::cuda::kAttentionMaxSplits;
   Dev<float> dparts(std::max<size_t>(1, moe::cuda::attention_partials_floats(tokens, nh, splits, hd)));
   Dev<uint32_t> dcounts(std::vector<uint32_t>(size_t(tokens) * nh, 0u));
-  for (const int variant : {0, 1, 2, 3, 4}) {
+  for (const int variant : {0, 1, 2, 3, 4, 5, 6}) {
     const auto walk = variant == 4 ? moe::cuda::AttentionWalk::query_tiles : moe::cuda::AttentionWalk::per_query;
     if (walk == moe::cuda::AttentionWalk::query_tiles && !moe::cuda::attention_query_tiles_supported(hd)) continue;
-    INFO((variant == 0 ? "a block a query" : variant < 4 ? "a block a query, keys split" : "query tiles")
-         << ", splits up to " << (variant == 3 ? 4 : variant == 0 || variant == 4 ? 1 : splits));
+    a.split_keys = variant == 5 ? 32 : variant == 6 ? 96 : moe::cuda::kAttentionSplitKeys;
+    INFO((variant == 0 ? "a block a query" : variant != 4 ? "a block a query, keys split" : "query tiles")
+         << ", splits up to " << (variant == 3 ? 4 : variant == 0 || variant == 4 ? 1 : splits) << ", runs of "
+         << a.split_keys << "+ keys");
     a.walk = walk;
-    a.max_splits = variant == 1 || variant == 2 ? splits : variant == 3 ? 4 : 1;
+    a.max_splits = variant == 3 ? 4 : variant == 0 || variant == 4 ? 1 : splits;
     a.partials = a.max_splits > 1 ? dparts.p : nullptr;
     a.split_counts = a.max_splits > 1 ? dcounts.p : nullptr;
     dout.put(std::vector<bf16>(q.size(), __float2bfloat16(NAN)));  // every output must be written
