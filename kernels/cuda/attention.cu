@@ -269,176 +269,254 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionArgs a, Pa
   }
 }
 
-// ---- Query tiles (prompts): a block per (kQueryTile tokens, head).
-// Per 32-key tile the block stages K and V as floats in shared memory (coded
-// rows decoded and scaled there), then each query's 8 threads score 4 keys
-// apiece (float4 dots over the head) and keep its online softmax state, and
-// each thread accumulates 4 * HD / 32 of its query's output dims. A tile of
-// several sequences' tokens is walked one run of a sequence at a time, the
-// other queries masked; a run reads keys up to its last position.
-constexpr int kQueryTile = 16;
-constexpr int kKeyTile = 32;
-constexpr int kTileThreads = kQueryTile * 8;
+// ---- Query tiles (prompts) on tensor cores: a block of four warps, each
+// warp 16 consecutive tokens of one head, m16n8k16 bf16 MMAs with f32
+// accumulators. The block's warps share a KV head: four heads of a query
+// group over the same 16 tokens where the group has 4k heads, two heads over
+// 32 tokens where it has 2k, else one head over 64 tokens. Per 64-key tile
+// the block stages K and V rows as bf16 in shared memory (coded rows as
+// their codes, which bf16 holds exactly, their scales beside them); each
+// warp scores its 16 x 64 block (its queries held as A fragments, K rows
+// by ldmatrix), keeps the online softmax of its rows in registers (a lane
+// holds two rows, four lanes share a row), and multiplies the
+// probabilities, rounded to bf16, by V (ldmatrix.trans). A K scale
+// multiplies its key's scores, a V scale its key's probabilities before the
+// multiply (the softmax sum keeps the plain ones). A tile of several
+// sequences' tokens is walked one run of a sequence at a time, the rows of
+// other runs masked; a run stages keys up to its last position, and a warp
+// skips the key tiles past its own rows' positions.
+constexpr int kQueryTile = 16;                       // tokens a warp
+constexpr int kPromptWarps = 4;
+constexpr int kPromptThreads = kPromptWarps * 32;
+constexpr int kPromptKeys = 64;                      // keys a staged tile
+constexpr int kPromptRowsMax = kQueryTile * kPromptWarps;
 
-// Key row r of the tile (key j0 + r of the run's sequence) into ks/vs, HD/8
-// pieces of 8 values a row; rows past `keys` become zeros.
+template <int HD>
+struct PromptTile {
+  // Rows padded by 16 bytes: the 8 rows one ldmatrix reads fall in distinct banks.
+  __nv_bfloat16 k[kPromptKeys][HD + 8];
+  __nv_bfloat16 v[kPromptKeys][HD + 8];
+  float kscale[kPromptKeys], vscale[kPromptKeys];
+};
+
+// Eight one-byte codes as eight bf16 values (exact: int8, and fp8 e4m3's
+// 3-bit mantissa, fit bf16's 7).
+template <KvDtype C>
+__device__ __forceinline__ uint4 codes_as_bf16(uint2 w) {
+  uint32_t out[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t word = (i < 2 ? w.x : w.y) >> (16 * (i % 2));
+    out[i] = detail::bf16x2_bits(decode_code<C>(word & 0xffu), decode_code<C>((word >> 8) & 0xffu));
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// Keys j0 .. j0 + 63 of the run's sequence into `s`; rows past `keys` become
+// zeros (their scores are masked; zero values keep the products finite).
 template <int HD, KvDtype C>
-__device__ __forceinline__ void stage_kv_tile(const PagedKvPool& kv, const int32_t* table, int kvh, int j0, int keys,
-                                              float (*ks)[HD + 4], float (*vs)[HD]) {
+__device__ __forceinline__ void stage_prompt_tile(const PagedKvPool& kv, const int32_t* table, int kvh, int j0,
+                                                  int keys, PromptTile<HD>& s) {
   constexpr int kPieces = HD / 8;
   const int64_t row_stride = int64_t(kv.n_kv) * HD;
   const int64_t bstride = kv.block_elems(), sstride = kv.block_scales();
-  for (int i = threadIdx.x; i < kKeyTile * kPieces; i += kTileThreads) {
+  for (int i = threadIdx.x; i < kPromptKeys * kPieces; i += kPromptThreads) {
     const int r = i / kPieces, c = i % kPieces, j = j0 + r;
-    float kf[8], vf[8];
+    uint4 kw = make_uint4(0, 0, 0, 0), vw = kw;
     if (j < keys) {
       const int64_t blk = table[j / kv.block_tokens], in_blk = j % kv.block_tokens;
       const int64_t elem = blk * bstride + in_blk * row_stride + int64_t(kvh) * HD + c * 8;
       if constexpr (C == KvDtype::bf16) {
-        detail::load_row_part<8>(kv.k + elem, kf);
-        detail::load_row_part<8>(kv.v + elem, vf);
+        kw = *reinterpret_cast<const uint4*>(kv.k + elem);
+        vw = *reinterpret_cast<const uint4*>(kv.v + elem);
       } else {
-        load_code_part<8, C>(kv.k_codes + elem, kf);
-        load_code_part<8, C>(kv.v_codes + elem, vf);
-        const int64_t row = blk * sstride + in_blk * kv.n_kv + kvh;
-        const float kscale = __ldg(kv.k_scales + row), vscale = __ldg(kv.v_scales + row);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) kf[e] *= kscale, vf[e] *= vscale;
+        kw = codes_as_bf16<C>(*reinterpret_cast<const uint2*>(kv.k_codes + elem));
+        vw = codes_as_bf16<C>(*reinterpret_cast<const uint2*>(kv.v_codes + elem));
       }
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) kf[e] = vf[e] = 0.f;
     }
-    float4* kd = reinterpret_cast<float4*>(&ks[r][c * 8]);
-    float4* vd = reinterpret_cast<float4*>(&vs[r][c * 8]);
-    kd[0] = make_float4(kf[0], kf[1], kf[2], kf[3]);
-    kd[1] = make_float4(kf[4], kf[5], kf[6], kf[7]);
-    vd[0] = make_float4(vf[0], vf[1], vf[2], vf[3]);
-    vd[1] = make_float4(vf[4], vf[5], vf[6], vf[7]);
+    *reinterpret_cast<uint4*>(&s.k[r][c * 8]) = kw;
+    *reinterpret_cast<uint4*>(&s.v[r][c * 8]) = vw;
+  }
+  if constexpr (C != KvDtype::bf16) {
+    for (int r = threadIdx.x; r < kPromptKeys; r += kPromptThreads) {
+      const int j = j0 + r;
+      float ks = 0.f, vs = 0.f;
+      if (j < keys) {
+        const int64_t blk = table[j / kv.block_tokens], in_blk = j % kv.block_tokens;
+        const int64_t row = blk * sstride + in_blk * kv.n_kv + kvh;
+        ks = __ldg(kv.k_scales + row);
+        vs = __ldg(kv.v_scales + row);
+      }
+      s.kscale[r] = ks;
+      s.vscale[r] = vs;
+    }
   }
 }
 
+// heads_per_block: 4, 2 or 1, dividing the query group; the block's tokens
+// are 16 x (4 / heads_per_block).
 template <int HD, KvDtype C>
-__global__ void __launch_bounds__(kTileThreads) attention_tiles_kernel(AttentionArgs a, PagedKvPool kv) {
+__global__ void __launch_bounds__(kPromptThreads)
+    attention_tiles_kernel(AttentionArgs a, PagedKvPool kv, int heads_per_block) {
   detail::allow_next_grid();
   detail::wait_prior_grid();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   static_assert(HD == 32 || HD == 64 || HD == 128, "query tiles take head_dim 32, 64 or 128");
-  constexpr int kDims = HD / 8;   // output dims a thread: 4 at sub * 4 + 32 u
-  constexpr int kKeys = kKeyTile / 8;  // keys a thread scores: sub + 8 m
-  // Rows padded by 4 floats: the 8 key rows a query's lanes read at once
-  // (and the 4 query rows of a warp) fall in distinct banks.
-  __shared__ __align__(16) float qs[kQueryTile][HD + 4];
-  __shared__ __align__(16) float ks[kKeyTile][HD + 4];
-  __shared__ __align__(16) float vs[kKeyTile][HD];
-  __shared__ float ps[kQueryTile][kKeyTile + 1];
-  __shared__ int32_t qseq[kQueryTile], qpos[kQueryTile];
-  const int t0 = blockIdx.x * kQueryTile, h = blockIdx.y;
-  const int kvh = h / (a.n_heads / kv.n_kv);
-  const int qi = threadIdx.x >> 3, sub = threadIdx.x & 7;
-  for (int i = threadIdx.x; i < kQueryTile * HD; i += kTileThreads) {
-    const int r = i / HD, d = i % HD, t = t0 + r;
-    qs[r][d] = t < a.tokens ? __bfloat162float(a.q[(size_t(t) * a.n_heads + h) * HD + d]) * a.scale : 0.f;
+  constexpr bool kCoded = C != KvDtype::bf16;
+  constexpr int kChunks = HD / 16;             // k steps of the scores
+  constexpr int kDimTiles = HD / 8;            // n tiles of the output
+  constexpr int kKeyTiles = kPromptKeys / 8;   // n tiles of the scores
+  __shared__ __align__(16) PromptTile<HD> st;
+  __shared__ int32_t qseq[kPromptRowsMax], qpos[kPromptRowsMax];
+  const int hb = heads_per_block, rows = kQueryTile * (kPromptWarps / hb);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int h = blockIdx.y * hb + warp % hb;
+  const int kvh = blockIdx.y * hb / (a.n_heads / kv.n_kv);
+  const int r0 = kQueryTile * (warp / hb);  // the warp's first row of the block's
+  const int t0 = blockIdx.x * rows;
+  for (int i = threadIdx.x; i < rows; i += kPromptThreads) {
+    const int t = t0 + i;
+    qseq[i] = t < a.tokens ? a.seq_of_token[t] : -1;
+    qpos[i] = t < a.tokens ? a.positions[t] : -1;
   }
-  if (threadIdx.x < kQueryTile) {
-    const int t = t0 + threadIdx.x;
-    qseq[threadIdx.x] = t < a.tokens ? a.seq_of_token[t] : -1;
-    qpos[threadIdx.x] = t < a.tokens ? a.positions[t] : -1;
+  // The warp's queries as A fragments: rows g and g + 8, dims 16 kc + 2c (+ 8).
+  uint32_t qa[kChunks][4];
+  {
+    const int ta = t0 + r0 + g, tb = ta + 8;
+    const __nv_bfloat16* pa = a.q + (size_t(ta) * a.n_heads + h) * HD + 2 * c;
+    const __nv_bfloat16* pb = a.q + (size_t(tb) * a.n_heads + h) * HD + 2 * c;
+#pragma unroll
+    for (int kc = 0; kc < kChunks; ++kc) {
+      qa[kc][0] = ta < a.tokens ? *reinterpret_cast<const uint32_t*>(pa + 16 * kc) : 0u;
+      qa[kc][1] = tb < a.tokens ? *reinterpret_cast<const uint32_t*>(pb + 16 * kc) : 0u;
+      qa[kc][2] = ta < a.tokens ? *reinterpret_cast<const uint32_t*>(pa + 16 * kc + 8) : 0u;
+      qa[kc][3] = tb < a.tokens ? *reinterpret_cast<const uint32_t*>(pb + 16 * kc + 8) : 0u;
+    }
   }
   __syncthreads();
-  const int my_pos = qpos[qi];
-  float m = -INFINITY, l = 0.f;
-  float o[kDims];
+  const float scale_log2 = a.scale * 1.4426950408889634f;  // scores in log2 units: exp2 below
+  const int my_pos[2] = {qpos[r0 + g], qpos[r0 + g + 8]};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // l: this lane's part of its rows' sums
+  float o[kDimTiles][4];
 #pragma unroll
-  for (int i = 0; i < kDims; ++i) o[i] = 0.f;
-  for (int run = 0; run < kQueryTile && qseq[run] >= 0;) {
-    // The run: tokens [run, end) of one sequence; its keys reach its last position.
+  for (int dt = 0; dt < kDimTiles; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  for (int run = 0; run < rows && qseq[run] >= 0;) {
+    // The run: rows [run, end) of one sequence; its keys reach its last position.
     const int seq = qseq[run];
     int end = run, last = -1;
-    while (end < kQueryTile && qseq[end] == seq) last = max(last, qpos[end++]);
+    while (end < rows && qseq[end] == seq) last = max(last, qpos[end++]);
     const int keys = last + 1;
-    const bool active = qi >= run && qi < end;
+    const bool active[2] = {r0 + g >= run && r0 + g < end, r0 + g + 8 >= run && r0 + g + 8 < end};
+    int reach = -1;  // the last key any of the warp's rows of this run sees
+    for (int i = max(run, r0); i < min(end, r0 + kQueryTile); ++i) reach = max(reach, qpos[i]);
     const int32_t* table = kv.block_tables + size_t(seq) * kv.max_blocks;
-    for (int j0 = 0; j0 < keys; j0 += kKeyTile) {
-      stage_kv_tile<HD, C>(kv, table, kvh, j0, keys, ks, vs);
+    for (int j0 = 0; j0 < keys; j0 += kPromptKeys) {
+      __syncthreads();  // the last tile's readers are done with it
+      stage_prompt_tile<HD, C>(kv, table, kvh, j0, keys, st);
       __syncthreads();
-      float s[kKeys];
+      if (reach < j0) continue;
+      float s[kKeyTiles][4];
 #pragma unroll
-      for (int u = 0; u < kKeys; ++u) s[u] = 0.f;
-#pragma unroll 4
-      for (int d = 0; d < HD; d += 4) {
-        const float4 q4 = *reinterpret_cast<const float4*>(&qs[qi][d]);
+      for (int nt = 0; nt < kKeyTiles; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
-        for (int u = 0; u < kKeys; ++u) {
-          const float4 k4 = *reinterpret_cast<const float4*>(&ks[sub + 8 * u][d]);
-          s[u] = fmaf(q4.x, k4.x, fmaf(q4.y, k4.y, fmaf(q4.z, k4.z, fmaf(q4.w, k4.w, s[u]))));
+      for (int kc = 0; kc < kChunks; ++kc) {
+#pragma unroll
+        for (int nt = 0; nt < kKeyTiles; nt += 2) {
+          // Matrices: keys of n tiles nt and nt + 1, dims 16 kc and 16 kc + 8.
+          uint32_t b[4];
+          detail::ldmatrix_x4(b, &st.k[nt * 8 + (lane >> 4) * 8 + (lane & 7)][16 * kc + ((lane >> 3) & 1) * 8]);
+          detail::mma_bf16_16816(s[nt], qa[kc][0], qa[kc][1], qa[kc][2], qa[kc][3], b[0], b[1]);
+          detail::mma_bf16_16816(s[nt + 1], qa[kc][0], qa[kc][1], qa[kc][2], qa[kc][3], b[2], b[3]);
         }
       }
-      float mx = -INFINITY;
+      // s[nt][e]: row g + 8 (e / 2), key j0 + 8 nt + 2c + e % 2.
+      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int u = 0; u < kKeys; ++u) {
-        const int j = j0 + sub + 8 * u;
-        if (!active || j > my_pos) s[u] = -INFINITY;
-        mx = fmaxf(mx, s[u]);
-      }
-      // The query's 8 lanes are lanes 8g..8g+7 of its warp.
+      for (int nt = 0; nt < kKeyTiles; ++nt) {
 #pragma unroll
-      for (int off = 1; off < 8; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-      const float m_new = fmaxf(m, mx);
-      const float corr = m_new == -INFINITY ? 1.f : __expf(m - m_new);  // 0 on the first keys (m = -inf)
-      float sum = 0.f;
-#pragma unroll
-      for (int u = 0; u < kKeys; ++u) {
-        const float p = s[u] == -INFINITY ? 0.f : __expf(s[u] - m_new);
-        ps[qi][sub + 8 * u] = p;
-        sum += p;
-      }
-#pragma unroll
-      for (int off = 1; off < 8; off <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      l = l * corr + sum;
-      m = m_new;
-#pragma unroll
-      for (int i = 0; i < kDims; ++i) o[i] *= corr;
-      __syncthreads();
-      if (active) {
-        const int n_valid = min(kKeyTile, min(keys, my_pos + 1) - j0);
-        for (int j = 0; j < n_valid; ++j) {
-          const float p = ps[qi][j];
-#pragma unroll
-          for (int u = 0; u < kDims / 4; ++u) {
-            const float4 v4 = *reinterpret_cast<const float4*>(&vs[j][sub * 4 + 32 * u]);
-            o[4 * u] = fmaf(p, v4.x, o[4 * u]);
-            o[4 * u + 1] = fmaf(p, v4.y, o[4 * u + 1]);
-            o[4 * u + 2] = fmaf(p, v4.z, o[4 * u + 2]);
-            o[4 * u + 3] = fmaf(p, v4.w, o[4 * u + 3]);
-          }
+        for (int e = 0; e < 4; ++e) {
+          const int row = e >> 1, jj = nt * 8 + 2 * c + (e & 1);
+          float v = s[nt][e];
+          if constexpr (kCoded) v *= st.kscale[jj];
+          v = active[row] && j0 + jj <= my_pos[row] ? v * scale_log2 : -INFINITY;
+          s[nt][e] = v;
+          mx[row] = fmaxf(mx[row], v);
         }
       }
-      __syncthreads();  // ks, vs and ps are restaged next
+      float corr[2];
+#pragma unroll
+      for (int row = 0; row < 2; ++row) {
+        mx[row] = fmaxf(mx[row], __shfl_xor_sync(0xffffffffu, mx[row], 1));
+        mx[row] = fmaxf(mx[row], __shfl_xor_sync(0xffffffffu, mx[row], 2));
+        const float m_new = fmaxf(m[row], mx[row]);
+        corr[row] = m_new == -INFINITY ? 1.f : exp2f(m[row] - m_new);  // 0 on a row's first keys
+        m[row] = m_new;
+        l[row] *= corr[row];
+      }
+#pragma unroll
+      for (int nt = 0; nt < kKeyTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = e >> 1;
+          const float p = s[nt][e] == -INFINITY ? 0.f : exp2f(s[nt][e] - m[row]);
+          l[row] += p;
+          s[nt][e] = kCoded ? p * st.vscale[nt * 8 + 2 * c + (e & 1)] : p;
+        }
+      }
+#pragma unroll
+      for (int dt = 0; dt < kDimTiles; ++dt) {
+        o[dt][0] *= corr[0], o[dt][1] *= corr[0];
+        o[dt][2] *= corr[1], o[dt][3] *= corr[1];
+      }
+#pragma unroll
+      for (int kc = 0; kc < kPromptKeys / 16; ++kc) {
+        if (j0 + 16 * kc > reach) break;  // masked keys: zero probabilities
+        // The probabilities of keys 16 kc .. 16 kc + 15 as an A fragment:
+        // the scores' D layout of n tiles 2 kc and 2 kc + 1 is A's layout.
+        const uint32_t p0 = detail::bf16x2_bits(s[2 * kc][0], s[2 * kc][1]);
+        const uint32_t p1 = detail::bf16x2_bits(s[2 * kc][2], s[2 * kc][3]);
+        const uint32_t p2 = detail::bf16x2_bits(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+        const uint32_t p3 = detail::bf16x2_bits(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+#pragma unroll
+        for (int dt = 0; dt < kDimTiles; dt += 2) {
+          // Matrices: keys 16 kc and 16 kc + 8, dims of n tiles dt and dt + 1.
+          uint32_t b[4];
+          detail::ldmatrix_x4_trans(b, &st.v[16 * kc + ((lane >> 3) & 1) * 8 + (lane & 7)][8 * dt + (lane >> 4) * 8]);
+          detail::mma_bf16_16816(o[dt], p0, p1, p2, p3, b[0], b[1]);
+          detail::mma_bf16_16816(o[dt + 1], p0, p1, p2, p3, b[2], b[3]);
+        }
+      }
     }
     run = end;
   }
-  const int t = t0 + qi;
-  if (t >= a.tokens) return;
-  const float inv = 1.f / l;  // l > 0: key 0 is every query's
-  __nv_bfloat16* out = a.out + (size_t(t) * a.n_heads + h) * HD;
 #pragma unroll
-  for (int u = 0; u < kDims / 4; ++u) {
-    __nv_bfloat162 lo = __floats2bfloat162_rn(o[4 * u] * inv, o[4 * u + 1] * inv);
-    __nv_bfloat162 hi = __floats2bfloat162_rn(o[4 * u + 2] * inv, o[4 * u + 3] * inv);
-    uint2 w;
-    memcpy(&w.x, &lo, 4);
-    memcpy(&w.y, &hi, 4);
-    *reinterpret_cast<uint2*>(out + sub * 4 + 32 * u) = w;
+  for (int row = 0; row < 2; ++row) {
+    l[row] += __shfl_xor_sync(0xffffffffu, l[row], 1);
+    l[row] += __shfl_xor_sync(0xffffffffu, l[row], 2);
+    const int t = t0 + r0 + g + 8 * row;
+    if (t >= a.tokens) continue;
+    const float inv = 1.f / l[row];  // > 0: key 0 is every query's
+    __nv_bfloat16* out = a.out + (size_t(t) * a.n_heads + h) * HD + 2 * c;
+#pragma unroll
+    for (int dt = 0; dt < kDimTiles; ++dt)
+      *reinterpret_cast<uint32_t*>(out + 8 * dt) = detail::bf16x2_bits(o[dt][2 * row] * inv, o[dt][2 * row + 1] * inv);
   }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // tensor-core bf16 needs sm_80; builds target 80 and up
+#endif
 }
 
 template <KvDtype C>
 Status launch_attention_tiles(const AttentionArgs& a, const PagedKvPool& kv, cudaStream_t stream) {
-  const dim3 grid((a.tokens + kQueryTile - 1) / kQueryTile, a.n_heads);
+  const int group = a.n_heads / kv.n_kv;
+  const int hb = group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
+  const int rows = kQueryTile * (kPromptWarps / hb);
+  const dim3 grid((a.tokens + rows - 1) / rows, a.n_heads / hb), block(kPromptThreads);
   switch (kv.head_dim) {
-    case 32: MOE_CUDA_TRY(detail::launch_pdl(attention_tiles_kernel<32, C>, grid, dim3(kTileThreads), 0, stream, a, kv)); break;
-    case 64: MOE_CUDA_TRY(detail::launch_pdl(attention_tiles_kernel<64, C>, grid, dim3(kTileThreads), 0, stream, a, kv)); break;
-    case 128: MOE_CUDA_TRY(detail::launch_pdl(attention_tiles_kernel<128, C>, grid, dim3(kTileThreads), 0, stream, a, kv)); break;
+    case 32: MOE_CUDA_TRY(detail::launch_pdl(attention_tiles_kernel<32, C>, grid, block, 0, stream, a, kv, hb)); break;
+    case 64: MOE_CUDA_TRY(detail::launch_pdl(attention_tiles_kernel<64, C>, grid, block, 0, stream, a, kv, hb)); break;
+    case 128: MOE_CUDA_TRY(detail::launch_pdl(attention_tiles_kernel<128, C>, grid, block, 0, stream, a, kv, hb)); break;
     default:
       return make_error("paged_attention: query tiles take head_dim 32, 64 or 128, not " + std::to_string(kv.head_dim));
   }

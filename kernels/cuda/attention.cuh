@@ -48,9 +48,10 @@ struct PagedKvPool {
 
 // How the kernel walks the queries. per_query: a block per (token, head),
 // its warps splitting the keys (decode: one query a sequence). query_tiles:
-// a block per (16 consecutive tokens, head) that stages each 32-key tile of
-// K and V in shared memory once for all 16 (a prompt: the keys a block reads
-// serve 16 queries instead of one). Both are exact for any layout of
+// on tensor cores (sm_80+), a warp per (16 consecutive tokens, head) and a
+// block of four warps sharing a KV head, staging each 64-key tile of K and V
+// in shared memory once for all its queries (a prompt: the keys a block
+// reads serve 64 queries instead of one). Both are exact for any layout of
 // tokens; tiles of many sequences' tokens walk them one run at a time, each
 // over its whole context, which is slow for decode tokens (a pass of one
 // prompt and some decodes keeps per_query: not split between the walks).
@@ -84,7 +85,8 @@ struct AttentionArgs {
   uint32_t* split_counts = nullptr;
 };
 
-inline constexpr int kAttentionSplitKeys = 512;  // the engine's default split_keys
+inline constexpr int kAttentionSplitKeys = 512;
+inline constexpr int kAttentionSplitKeysFine = 128;
 inline constexpr int kAttentionMaxSplits = 16;
 
 // The splits a pass whose longest query has `keys` keys is launched with:
@@ -93,6 +95,14 @@ inline constexpr int kAttentionMaxSplits = 16;
 // split), else 16.
 inline int attention_splits_for(int keys, int split_keys) {
   return keys < 2 * split_keys ? 1 : kAttentionMaxSplits;
+}
+// The split size for a decode pass of `pairs` (token, head) pairs on a
+// device of `sms` multiprocessors: runs of 128+ keys where the pairs alone
+// leave SMs idle (one token of 32 heads at 512 keys: 4 blocks a query, 274
+// -> 338 tok/s on an H100), else 512+ (8 tokens at 2,048 keys: 16 runs of
+// 128 cost 11 % against 4 of 512). docs/cuda-worker.md.
+inline int attention_split_keys_for(int pairs, int sms) {
+  return pairs <= sms ? kAttentionSplitKeysFine : kAttentionSplitKeys;
 }
 inline size_t attention_partials_floats(int tokens, int n_heads, int max_splits, int head_dim) {
   return max_splits > 1 ? size_t(tokens) * n_heads * max_splits * (head_dim + 2) : 0;

@@ -496,17 +496,6 @@ __device__ __forceinline__ uint32_t i8pair_to_bf16x2(uint32_t word, int half) {
   return u;
 }
 
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                               uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#endif
-}
-
 template <int T>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     gemv_i8_mma_kernel(const int8_t* __restrict__ w, const __nv_bfloat16* __restrict__ x, float* y, int n_out,
@@ -558,7 +547,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
       const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        mma_bf16_16816(acc, i8pair_to_bf16x2(ra[j], 0), i8pair_to_bf16x2(rb[j], 0), i8pair_to_bf16x2(ra[j], 1),
+        detail::mma_bf16_16816(acc, i8pair_to_bf16x2(ra[j], 0), i8pair_to_bf16x2(rb[j], 0), i8pair_to_bf16x2(ra[j], 1),
                        i8pair_to_bf16x2(rb[j], 1), xw[2 * j], xw[2 * j + 1]);
     }
   }

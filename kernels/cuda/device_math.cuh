@@ -97,4 +97,50 @@ __device__ __forceinline__ void q4_word_to_floats(uint32_t word, float (&f)[8]) 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
 __device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + __expf(-v)); }
 
+// One m16n8k16 tensor-core step, bf16 inputs and f32 accumulators (sm_80+;
+// a no-op where the instruction does not exist). Fragment layouts, g = lane
+// / 4 and c = lane % 4: a0..a3 hold A's (row g, cols 2c..2c+1), (g + 8,
+// 2c), (g, 2c + 8), (g + 8, 2c + 8); b0, b1 hold B's (rows 2c..2c+1, col
+// g) and (2c + 8, g); d0..d3 hold D's (g, 2c..2c+1) and (g + 8, 2c..2c+1).
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// Four 8x8 matrices of 16-bit values from shared memory: lane i gives the
+// address of row i % 8 of matrix i / 8 (16 contiguous bytes); r[m] gets
+// matrix m's (row lane / 4, cols 2 (lane % 4)..+1), or with trans its
+// (rows 2 (lane % 4)..+1, col lane / 4): B fragments of mma_bf16_16816
+// from rows of N values (trans: rows of K values). sm_75+.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  const uint32_t a = uint32_t(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+#endif
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  const uint32_t a = uint32_t(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+#endif
+}
+
+// Two floats as a bf16 pair in one word (a in the low half: the lower index).
+__device__ __forceinline__ uint32_t bf16x2_bits(float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return u;
+}
+
 }  // namespace moe::cuda::detail

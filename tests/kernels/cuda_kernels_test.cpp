@@ -970,6 +970,36 @@ TEST_CASE("cuda paged attention (decode and prefill) matches the CPU", "[cuda][a
   }
 }
 
+TEST_CASE("cuda prompt attention on tensor cores matches the CPU for every query-group size", "[cuda][attention]") {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(31);
+  struct Shape {
+    int hd, nh, nkv;
+  };
+  // Groups of 1 (a block's four warps over 64 tokens of one head), 3 (the
+  // same, heads not a power of two), 2 (32 tokens of two heads), 4 and 8
+  // (16 tokens of four heads); each head size the tiles take.
+  for (const Shape sh : {Shape{128, 4, 4}, Shape{128, 6, 2}, Shape{64, 4, 2}, Shape{128, 8, 2}, Shape{128, 16, 2},
+                         Shape{32, 8, 8}}) {
+    const int hd = sh.hd, nh = sh.nh, nkv = sh.nkv, bt = 16, seqs = 3, max_blocks = 40;
+    const int pool_blocks = seqs * max_blocks + 3;
+    INFO("head_dim " << hd << ", heads " << nh << "/" << nkv);
+    const auto kpool = round_bf16(randn(size_t(pool_blocks) * bt * nkv * hd, rng));
+    const auto vpool = round_bf16(randn(kpool.size(), rng, 1.5f));
+    const std::vector<int32_t> perm = shuffled_blocks(pool_blocks, rng);
+    const std::vector<int32_t> tables(perm.begin(), perm.begin() + seqs * max_blocks);
+    // A 300-token prompt from position 0 (causal tiles of 64 keys, a ragged
+    // last one), a 41-token chunk continuing a 500-token context, and 17
+    // tokens of a third prompt: runs that start and end inside a block's rows.
+    std::vector<int32_t> seq, pos;
+    for (int i = 0; i < 300; ++i) seq.push_back(0), pos.push_back(i);
+    for (int i = 0; i < 41; ++i) seq.push_back(1), pos.push_back(500 + i);
+    for (int i = 0; i < 17; ++i) seq.push_back(2), pos.push_back(i);
+    CHECK(paged_attention_error(AttentionShape{hd, nh, nkv, bt, max_blocks}, kpool, vpool, tables, seq, pos, rng) <
+          8e-3);
+  }
+}
+
 TEST_CASE("cuda decode attention over long contexts, keys split over blocks, matches the CPU", "[cuda][attention]") {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(29);
