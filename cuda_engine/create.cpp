@@ -98,8 +98,8 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
     return make_error("max_step_tokens must be in [1, 8192]");
   if (opts.fuse_max_tokens < 0 || opts.fuse_max_tokens > cuda::kGemvMaxTokens)
     return make_error("fuse_max_tokens must be in [0, 8]");
-  if (opts.attention_split_keys < 32 || opts.attention_split_keys % 32 != 0)
-    return make_error("attention_split_keys must be a positive multiple of 32");
+  if (opts.attention_split_keys != 0 && (opts.attention_split_keys < 32 || opts.attention_split_keys % 32 != 0))
+    return make_error("attention_split_keys must be 0 (by the pass) or a positive multiple of 32");
 
   std::unique_ptr<CudaEngine> eng(new CudaEngine());
   eng->impl_ = std::make_unique<Impl>();
@@ -167,6 +167,7 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   }
   MOE_CUDA_TRY(cudaSetDevice(dev_index));  // the context, now (this thread's device from here on)
   MOE_CUDA_TRY(cudaFree(nullptr));
+  MOE_CUDA_TRY(cudaDeviceGetAttribute(&m.sm_count, cudaDevAttrMultiProcessorCount, dev_index));
   MOE_CUDA_TRY(cudaStreamCreateWithFlags(&m.st, cudaStreamNonBlocking));
   MOE_CUDA_TRY(cudaEventCreateWithFlags(&m.routes_ready, cudaEventDisableTiming));
   {

@@ -383,6 +383,8 @@ struct CudaEngine::Impl {
   // The pass's decode attention splits (cuda::attention_splits_for its
   // longest query): decode graphs are kept per class as well.
   int pass_attn_splits = 1;
+  int pass_split_keys = cuda::kAttentionSplitKeys;  // and the run of keys a split takes at least
+  int sm_count = 1;  // the device's multiprocessors
   // Where a pass's inputs sit in the pack (a function of its sizes only, so
   // that a captured graph's pointers stay valid for every pass of that size).
   struct PassPack {

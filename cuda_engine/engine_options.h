@@ -191,9 +191,11 @@ struct CudaEngineOptions {
   double bench_guess_recall = -1;
   // Decode attention: a query of at least 2 x this many keys is split over
   // several blocks, each taking a run of at least this many (a multiple of
-  // 32; kernels/cuda/attention.cuh). Outputs do not depend on it beyond
-  // float rounding of the merge.
-  int attention_split_keys = 512;
+  // 32; kernels/cuda/attention.cuh). 0: by the pass's size
+  // (cuda::attention_split_keys_for: 128 where its (token, head) pairs leave
+  // SMs idle, else 512). Outputs do not depend on it beyond float rounding
+  // of the merge.
+  int attention_split_keys = 0;
   // Benchmarks only, outputs meaningless: kernels left out of every pass, so
   // that a step's time without one tells that kernel's share of the step as
   // it runs among the others (moe-bench-engine --omit). Bits of OmitKernel.

@@ -237,7 +237,7 @@ Status CudaEngine::Impl::attention_gqa(const DevLayer& L, int n, const int32_t* 
   aa.shortest_run = pass_shortest_run;  // prompts' passes walk their queries in tiles
   if (n <= cuda::kGemvMaxTokens && pass_attn_splits > 1) {
     aa.max_splits = pass_attn_splits;  // long contexts: each query's keys over several blocks
-    aa.split_keys = opts.attention_split_keys;
+    aa.split_keys = pass_split_keys;
     aa.partials = attn_partials;
     aa.split_counts = attn_split_counts;
   }

@@ -145,7 +145,10 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
     if (n <= cuda::kGemvMaxTokens && m.attn_partials) {
       int keys = 0;
       for (int i = 0; i < n; ++i) keys = std::max(keys, pos[i] + 1);
-      m.pass_attn_splits = cuda::attention_splits_for(keys, m.opts.attention_split_keys);
+      m.pass_split_keys = m.opts.attention_split_keys > 0
+                              ? m.opts.attention_split_keys
+                              : cuda::attention_split_keys_for(n * m.d.n_heads, m.sm_count);
+      m.pass_attn_splits = cuda::attention_splits_for(keys, m.pass_split_keys);
     }
     m.streaming = m.stream_pass(n);
     if (m.streaming)
