@@ -2,14 +2,11 @@
 // and cut each expert's list into BM-row tiles; (2) gate/up GEMM with the
 // SiLU product in the epilogue -> h [pairs, inter] bf16; (3) down GEMM scaled
 // by the routing weight -> partial [pairs, hidden] f32; (4) sum each token's
-// pairs into out. Tiles: BM pairs x 64 output rows x 64 inputs, 4 warps of
-// 32 x (64 or 16) on bf16 wmma with f32 accumulators. BM is 64, or 32 when
-// the experts get few pairs each (a prompt spread evenly over 128 experts
-// gives each ~32 of 4,096: a 64-row tile would be half empty). The next
-// k-step's activations and codes are loaded into registers while the
-// current one's MMAs run (one shared-memory stage, two barriers a step).
-#include <mma.h>
-
+// pairs into out. Tiles: BM pairs x BN outputs, four warps side by side,
+// m16n8k16 bf16 MMAs with f32 accumulators, the INT4 weights dequantised in
+// registers (grouped_gemm_kernel below). BM is 64, or 32 when the experts
+// get few pairs each (a prompt spread evenly over 128 experts gives each ~32
+// of 4,096: a 64-row tile would be half empty).
 #include <type_traits>
 
 #include "kernels/cuda/cuda_check.cuh"
@@ -20,12 +17,8 @@
 namespace moe::cuda {
 namespace {
 
-using namespace nvcuda;
-
-constexpr int BN = 64, BK = 64;
-constexpr int kThreads = 128;
-constexpr int LDS = BK + 8;   // bf16 tile row stride (pad: fewer bank conflicts)
-constexpr int LDC = BN + 4;   // f32 epilogue row stride
+constexpr int kWarps = 4, kThreads = kWarps * 32;
+constexpr int kStages = 4;  // 32-input chunks of K in flight
 
 struct Workspace {
   int32_t* sorted;       // [pairs]: pair indices grouped by expert
@@ -109,153 +102,175 @@ struct GemmParams {
   Workspace w;
 };
 
-// One k-step's global data, held in registers: each thread's 16-byte pieces
-// of the BM x 64 activations, and one 32-input run of codes of weight row
-// threadIdx.x / 2 (inputs (threadIdx.x % 2) * 32 ...) of each matrix with
-// its group's scale and bias (zero past the matrix's rows: its weights
-// dequantise to zero).
+// 16 bytes global -> shared without passing through registers (sm_80+);
+// src_bytes 0 fills the 16 with zeros and reads nothing. kBytes 4 (scales)
+// goes through L1, 16 straight from L2.
+template <int kBytes>
+__device__ __forceinline__ void cp_async(void* dst, const void* src, int src_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
+  if constexpr (kBytes == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(d), "l"(src), "n"(kBytes), "r"(src_bytes));
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;");
+#endif
+}
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending));
+#endif
+}
+
+// The tile's shape: BM pairs x BN outputs of each of MATS matrices, four
+// warps side by side along the outputs, each over all BM rows and NT
+// 8-output n tiles (16 accumulator fragments a warp: 64 registers).
 template <int BM, int MATS>
-struct Stage {
-  static constexpr int kA = BM * (BK / 8) / kThreads;
-  uint4 a[kA];
-  uint4 codes[MATS];
-  float2 sb[MATS];
-
-  __device__ __forceinline__ void load(const GemmParams& p, const int32_t* rows, const uint8_t* blob, int n0,
-                                       int k0, int K) {
-#pragma unroll
-    for (int i = 0; i < kA; ++i) {
-      const int idx = threadIdx.x + i * kThreads, r = idx >> 3, c = idx & 7;
-      const int pair = rows[r];
-      a[i] = make_uint4(0, 0, 0, 0);
-      if (pair >= 0) {
-        const size_t arow = MATS == 2 ? size_t(pair / p.top_k) : size_t(pair);
-        a[i] = *reinterpret_cast<const uint4*>(p.a + arow * K + k0 + c * 8);
-      }
-    }
-    const int n = n0 + (threadIdx.x >> 1), kb = k0 + (threadIdx.x & 1) * 32;
-#pragma unroll
-    for (int m = 0; m < MATS; ++m) {
-      const Q4MatrixLayout& L = m == 0 ? p.m0 : p.m1;
-      codes[m] = make_uint4(0, 0, 0, 0);
-      sb[m] = make_float2(0.f, 0.f);
-      if (n < L.rows) {
-        codes[m] = __ldg(reinterpret_cast<const uint4*>(blob + L.codes_offset + size_t(n) * (L.cols / 2) + kb / 2));
-        sb[m] = __half22float2(
-            reinterpret_cast<const half2*>(blob + L.params_offset)[size_t(n) * (L.cols / L.group) + kb / L.group]);
-      }
-    }
-  }
-
-  // The activations into As [BM][LDS]; each matrix's run dequantised to
-  // bf16 into its Bs [BN][LDS] (row threadIdx.x / 2).
-  __device__ __forceinline__ void store(__nv_bfloat16* As, __nv_bfloat16* Bs) const {
-#pragma unroll
-    for (int i = 0; i < kA; ++i) {
-      const int idx = threadIdx.x + i * kThreads, r = idx >> 3, c = idx & 7;
-      *reinterpret_cast<uint4*>(As + r * LDS + c * 8) = a[i];
-    }
-    const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
-#pragma unroll
-    for (int m = 0; m < MATS; ++m) {
-      const uint32_t ws[4] = {codes[m].x, codes[m].y, codes[m].z, codes[m].w};
-      uint4* d = reinterpret_cast<uint4*>(Bs + m * BN * LDS + r * LDS + half * 32);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        float f[8];
-        detail::q4_word_to_floats(ws[q], f);
-        __nv_bfloat162 b[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          b[e] = __floats2bfloat162_rn(fmaf(f[2 * e], sb[m].x, sb[m].y), fmaf(f[2 * e + 1], sb[m].x, sb[m].y));
-        uint4 u;
-        memcpy(&u, b, 16);
-        d[q] = u;
-      }
-    }
-  }
+struct TileShape {
+  static constexpr int kMTiles = BM / 16;
+  static constexpr int kNT = 16 / (kMTiles * MATS);
+  static constexpr int kBN = kWarps * kNT * 8;
+  static constexpr int kRows = kBN * MATS;  // weight rows a block reads
 };
 
-// grid: (ceil(N / BN), max_tiles). Warps: WM x WN of 32 x BN/WN outputs.
-// Blocks an SM: 3 for the 64-row gate/up tile (64 accumulators and the next
-// step's loads: ~170 registers uncapped, which would leave 2), else 5.
+// One 32-input chunk of K, staged: the tile's activations (BM rows of 4
+// 16-byte pieces), each weight row's 16 bytes of codes, and each row's
+// (scale, bias) for the chunk's group.
+template <int BM, int MATS>
+struct ChunkStage {
+  uint4 a[BM][4];
+  uint32_t codes[TileShape<BM, MATS>::kRows][4];
+  uint32_t sb[TileShape<BM, MATS>::kRows];
+};
+
+// Grouped GEMM on m16n8k16 MMAs, the weights dequantised in registers.
+// Inputs walk K in 32-input chunks, kStages chunks in flight (cp.async into
+// shared memory, one barrier a chunk). Within a chunk, the MMA's k positions
+// are a permutation of the inputs that both operands share: lane (g, c)
+// takes inputs 8c..8c+7 of the chunk, its k positions {2c, 2c+1, 2c+8,
+// 2c+9} of the first step holding inputs 8c+0..3 and of the second 8c+4..7.
+// So one 32-bit code word (8 nibbles) is a lane's B fragments for both steps
+// of an n tile, and one 16-byte piece of an activation row its A fragments
+// for both steps of that row: no ldmatrix, no dequantised tile in shared
+// memory.
 template <int BM, bool GATE_UP>
-__global__ void __launch_bounds__(kThreads, (BM == 64 && GATE_UP) ? 3 : 5) grouped_gemm_kernel(GemmParams p) {
+__global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(GemmParams p) {
   detail::allow_next_grid();
   detail::wait_prior_grid();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int kMats = GATE_UP ? 2 : 1;
-  constexpr int WN = BM == 64 ? 2 : 4, FM = 2, FN = BN / WN / 16;
-  static_assert(BM / (kThreads / 32 / WN) == 32, "a warp owns 32 rows");
-  constexpr size_t kMainBytes = size_t(BM + kMats * BN) * LDS * 2;
-  constexpr size_t kEpiBytes = size_t(BM) * LDC * 4 * kMats;
-  __shared__ __align__(128) uint8_t smem[kMainBytes > kEpiBytes ? kMainBytes : kEpiBytes];
+  using S = TileShape<BM, kMats>;
+  constexpr int kMT = S::kMTiles, kNT = S::kNT, kBN = S::kBN, kRows = S::kRows;
+  __shared__ __align__(16) ChunkStage<BM, kMats> st[kStages];
   __shared__ int32_t rows[BM];
   const int tile = blockIdx.y;
   if (tile >= *p.w.n_tiles) return;
   const int e = p.w.tile_expert[tile], m0 = p.w.tile_m0[tile];
   const int base = p.w.offsets[e], count = p.w.offsets[e + 1] - base;
   const uint8_t* blob = p.blobs[e];
-  const int n0 = blockIdx.x * BN;
-  const int K = p.m0.cols, N = p.m0.rows;
-  for (int r = threadIdx.x; r < BM; r += kThreads)
-    rows[r] = m0 + r < count ? p.w.sorted[base + m0 + r] : -1;
-  __nv_bfloat16* As = reinterpret_cast<__nv_bfloat16*>(smem);
-  __nv_bfloat16* Bs = As + BM * LDS;
-  const int warp = threadIdx.x >> 5, wm = warp / WN, wn = warp % WN;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kMats][FM][FN];
-#pragma unroll
-  for (int t = 0; t < kMats; ++t)
-#pragma unroll
-    for (int i = 0; i < FM; ++i)
-#pragma unroll
-      for (int j = 0; j < FN; ++j) wmma::fill_fragment(acc[t][i][j], 0.f);
+  const int n0 = blockIdx.x * kBN;
+  const int K = p.m0.cols, N = p.m0.rows, chunks = K / 32;
+  for (int r = threadIdx.x; r < BM; r += kThreads) rows[r] = m0 + r < count ? p.w.sorted[base + m0 + r] : -1;
   __syncthreads();
 
-  Stage<BM, kMats> stage;
-  stage.load(p, rows, blob, n0, 0, K);
-  for (int k0 = 0; k0 < K; k0 += BK) {
-    stage.store(As, Bs);
-    __syncthreads();
-    if (k0 + BK < K) stage.load(p, rows, blob, n0, k0 + BK, K);  // in flight during the MMAs
+  // Chunk j into stage s: activations, codes and (scale, bias); rows past
+  // the matrix or the tile read nothing and stage zeros.
+  auto load_chunk = [&](int j, int s) {
+    ChunkStage<BM, kMats>& cs = st[s];
+    for (int i = threadIdx.x; i < BM * 4; i += kThreads) {
+      const int r = i >> 2, piece = i & 3, pair = rows[r];
+      const size_t arow = pair < 0 ? 0 : GATE_UP ? size_t(pair / p.top_k) : size_t(pair);
+      cp_async<16>(&cs.a[r][piece], p.a + arow * K + 32 * j + 8 * piece, pair < 0 ? 0 : 16);
+    }
+    for (int i = threadIdx.x; i < kRows; i += kThreads) {
+      const int m = i / kBN, n = n0 + i % kBN;
+      const Q4MatrixLayout& L = m == 0 ? p.m0 : p.m1;
+      const bool in = n < L.rows;
+      const size_t row = in ? size_t(n) : 0;
+      cp_async<16>(&cs.codes[i][0], blob + L.codes_offset + row * (L.cols / 2) + 16 * j, in ? 16 : 0);
+      cp_async<4>(&cs.sb[i], blob + L.params_offset + (row * (L.cols / L.group) + 32 * j / L.group) * 4, in ? 4 : 0);
+    }
+  };
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  float acc[kMats][kMT][kNT][4];
 #pragma unroll
-    for (int kk = 0; kk < BK; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[FM];
+  for (int m = 0; m < kMats; ++m)
 #pragma unroll
-      for (int i = 0; i < FM; ++i) wmma::load_matrix_sync(fa[i], As + (wm * 32 + i * 16) * LDS + kk, LDS);
+    for (int i = 0; i < kMT; ++i)
 #pragma unroll
-      for (int t = 0; t < kMats; ++t) {
+      for (int t = 0; t < kNT; ++t) acc[m][i][t][0] = acc[m][i][t][1] = acc[m][i][t][2] = acc[m][i][t][3] = 0.f;
+
 #pragma unroll
-        for (int j = 0; j < FN; ++j) {
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
-          wmma::load_matrix_sync(fb, Bs + t * BN * LDS + (wn * (BN / WN) + j * 16) * LDS + kk, LDS);
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < chunks) load_chunk(s, s);
+    cp_async_commit();
+  }
+  for (int j = 0; j < chunks; ++j) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // chunk j has landed for every thread; stage (j - 1) is free
+    if (j + kStages - 1 < chunks) load_chunk(j + kStages - 1, (j + kStages - 1) % kStages);
+    cp_async_commit();
+    const ChunkStage<BM, kMats>& cs = st[j % kStages];
+    // B fragments: this lane's 8 inputs of row g of each n tile, dequantised.
+    uint32_t b[kMats][kNT][4];
 #pragma unroll
-          for (int i = 0; i < FM; ++i) wmma::mma_sync(acc[t][i][j], fa[i], fb, acc[t][i][j]);
+    for (int m = 0; m < kMats; ++m)
+#pragma unroll
+      for (int t = 0; t < kNT; ++t) {
+        const int r = m * kBN + warp * kNT * 8 + t * 8 + g;
+        float f[8];
+        detail::q4_word_to_floats(cs.codes[r][c], f);
+        const float2 sb = __half22float2(detail::as_half2(cs.sb[r]));
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          b[m][t][q] = detail::bf16x2_bits(fmaf(f[2 * q], sb.x, sb.y), fmaf(f[2 * q + 1], sb.x, sb.y));
+      }
+#pragma unroll
+    for (int i = 0; i < kMT; ++i) {
+      const uint4 lo = cs.a[i * 16 + g][c], hi = cs.a[i * 16 + g + 8][c];
+#pragma unroll
+      for (int m = 0; m < kMats; ++m)
+#pragma unroll
+        for (int t = 0; t < kNT; ++t) {
+          detail::mma_bf16_16816(acc[m][i][t], lo.x, hi.x, lo.y, hi.y, b[m][t][0], b[m][t][1]);
+          detail::mma_bf16_16816(acc[m][i][t], lo.z, hi.z, lo.w, hi.w, b[m][t][2], b[m][t][3]);
+        }
+    }
+  }
+  cp_async_wait<0>();
+
+  // acc[m][i][t][q]: row i * 16 + g + 8 (q / 2), output n0 + warp's + 8 t + 2c + q % 2.
+#pragma unroll
+  for (int i = 0; i < kMT; ++i)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int pair = rows[i * 16 + g + 8 * half];
+      if (pair < 0) continue;
+#pragma unroll
+      for (int t = 0; t < kNT; ++t) {
+        const int n = n0 + warp * kNT * 8 + t * 8 + 2 * c;
+        if (n >= N) continue;  // N is even: n + 1 < N too
+        const float v0 = acc[0][i][t][2 * half], v1 = acc[0][i][t][2 * half + 1];
+        if constexpr (GATE_UP) {
+          const float u0 = acc[kMats - 1][i][t][2 * half], u1 = acc[kMats - 1][i][t][2 * half + 1];
+          *reinterpret_cast<uint32_t*>(p.w.h + size_t(pair) * N + n) =
+              detail::bf16x2_bits(detail::silu(v0) * u0, detail::silu(v1) * u1);
+        } else {
+          const float w = p.route_weights[pair];
+          *reinterpret_cast<float2*>(p.w.partial + size_t(pair) * N + n) = make_float2(w * v0, w * v1);
         }
       }
     }
-    __syncthreads();
-  }
-  float* Cs = reinterpret_cast<float*>(smem);
-#pragma unroll
-  for (int t = 0; t < kMats; ++t)
-#pragma unroll
-    for (int i = 0; i < FM; ++i)
-#pragma unroll
-      for (int j = 0; j < FN; ++j)
-        wmma::store_matrix_sync(Cs + t * BM * LDC + (wm * 32 + i * 16) * LDC + wn * (BN / WN) + j * 16,
-                                acc[t][i][j], LDC, wmma::mem_row_major);
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < BM * BN; idx += kThreads) {
-    const int r = idx / BN, c = idx % BN;
-    const int pair = rows[r], n = n0 + c;
-    if (pair < 0 || n >= N) continue;
-    if constexpr (GATE_UP) {
-      const float g = Cs[r * LDC + c], u = Cs[BM * LDC + r * LDC + c];
-      p.w.h[size_t(pair) * N + n] = __float2bfloat16(detail::silu(g) * u);
-    } else {
-      p.w.partial[size_t(pair) * N + n] = p.route_weights[pair] * Cs[r * LDC + c];
-    }
-  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // tensor-core bf16 needs sm_80; builds target 80 and up
+#endif
 }
 
 __global__ void combine_kernel(const float* partial, const int32_t* ids, int n_experts, int top_k, int hidden,
@@ -276,7 +291,7 @@ __global__ void combine_kernel(const float* partial, const int32_t* ids, int n_e
 }  // namespace
 
 bool q4_grouped_supported(const ExpertLayout& L) {
-  return L.hidden % BK == 0 && L.inter % BK == 0 && L.gate.group % 32 == 0 && L.up.group % 32 == 0 &&
+  return L.hidden % 64 == 0 && L.inter % 64 == 0 && L.gate.group % 32 == 0 && L.up.group % 32 == 0 &&
          L.down.group % 32 == 0;
 }
 
@@ -305,7 +320,8 @@ Status q4_grouped_moe(const Q4ExpertArgs& a, const __nv_bfloat16* x, float* out,
   const int mt = max_tiles(pairs, a.n_experts, bm);
   auto gemm = [&](auto rows, auto gate_up, int n_out) {
     auto kern = grouped_gemm_kernel<decltype(rows)::value, decltype(gate_up)::value>;
-    return detail::launch_pdl(kern, dim3((n_out + BN - 1) / BN, mt), dim3(kThreads), 0, stream, p);
+    constexpr int bn = TileShape<decltype(rows)::value, decltype(gate_up)::value ? 2 : 1>::kBN;
+    return detail::launch_pdl(kern, dim3((n_out + bn - 1) / bn, mt), dim3(kThreads), 0, stream, p);
   };
   using Rows32 = std::integral_constant<int, 32>;
   using Rows64 = std::integral_constant<int, 64>;

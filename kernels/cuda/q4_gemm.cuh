@@ -1,9 +1,9 @@
 #pragma once
 // Grouped INT4 expert GEMM for batches and prefill: every expert processes
-// all the tokens routed to it in one pass, on tensor cores (a 64-row weight
-// tile is dequantised to bf16 in shared memory, tokens are gathered by
-// index). The CPU twin: per token, q4_matvec of gate/up/down (model/int4.h)
-// and silu_mul.
+// all the tokens routed to it in one pass, on tensor cores (the INT4 codes
+// are staged in shared memory and dequantised to bf16 in registers, tokens
+// are gathered by index). The CPU twin: per token, q4_matvec of gate/up/down
+// (model/int4.h) and silu_mul.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
