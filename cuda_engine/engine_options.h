@@ -161,7 +161,7 @@ struct CudaEngineOptions {
   // each layer's routes and copies the misses into islands first (with
   // prefetch of predicted experts, and the host split above).
   MissMode misses = MissMode::stream;
-  int stream_admit_per_pass = 8;
+  int stream_admit_per_pass = 64;  // 8 converged slowly: docs/cuda-worker.md ("Admissions a pass")
   int host_threads = 0;
   double host_link_us = 0;    // one expert over the link, µs; 0: measured at start (tests force a split with it)
   double host_expert_us = 0;  // one expert on the host's cores (streamed passes), µs; 0: measured at start
