@@ -542,9 +542,13 @@ void OpenAiApi::start_completion(CompletionJob& job) {
   const char* endpoint = kind == ApiKind::chat ? kChat : kCompletions;
   if (auto* err = std::get_if<ApiError>(&parsed)) return reply_error(ex, endpoint, *err);
   if (!scheduler_->ready()) {
+    // A worker (re)starting, or one that keeps failing before it is ready.
+    const std::string failing = scheduler_->failing();
     HttpResponse r = api_error_response(
-        ApiError{503, "The engine is not ready yet; retry shortly.", "server_error", "", "engine_not_ready"});
-    r.headers.emplace_back("Retry-After", "1");  // a worker (re)starting: seconds
+        failing.empty()
+            ? ApiError{503, "The engine is not ready yet; retry shortly.", "server_error", "", "engine_not_ready"}
+            : ApiError{503, failing, "server_error", "", "engine_failing"});
+    r.headers.emplace_back("Retry-After", failing.empty() ? "1" : "5");  // seconds
     return reply(ex, endpoint, std::move(r));
   }
   // Priority: the key's, or the body's where the operator allows it (never
@@ -691,10 +695,13 @@ void OpenAiApi::health(const std::shared_ptr<HttpExchange>& ex) {
   const std::string backend = scheduler_->backend();
   json redis = nullptr;  // no --redis
   if (opts_.redis_connected) redis = opts_.redis_connected() ? "connected" : "connecting";
-  r.body = json_text(json{{"status", ready ? "ok" : "starting"},
-                          {"degraded", s.degraded},
-                          {"backend", backend.empty() ? json(nullptr) : json(backend)},
-                          {"redis", redis}});
+  const std::string failing = ready ? "" : scheduler_->failing();
+  json body{{"status", ready ? "ok" : failing.empty() ? "starting" : "failing"},
+            {"degraded", s.degraded},
+            {"backend", backend.empty() ? json(nullptr) : json(backend)},
+            {"redis", redis}};
+  if (!failing.empty()) body["error"] = failing;
+  r.body = json_text(body);
   reply(ex, kHealth, std::move(r));
 }
 

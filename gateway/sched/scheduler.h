@@ -152,6 +152,10 @@ class Scheduler {
   virtual int kv_capacity() const { return 0; }
   // The backend of the worker that serves now ("cpu", "cuda"; "" while none).
   virtual std::string backend() const { return ""; }
+  // Non-empty while no worker is ready and none is expected to be (the
+  // gateway's own worker keeps failing before it is ready): why, in a
+  // sentence. What waited for a worker has ended with it.
+  virtual std::string failing() const { return ""; }
   // The overload rule's view for a request of `priority`.
   virtual OverloadView overload(int /*priority*/) const { return {}; }
   // What the /experts page shows (gateway/observe/expert_view.h); null

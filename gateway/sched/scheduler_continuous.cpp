@@ -56,6 +56,36 @@ ContinuousScheduler::~ContinuousScheduler() {
   supervisor_.reset();
 }
 
+void ContinuousScheduler::own_supervisor(std::unique_ptr<WorkerSupervisor> s) {
+  supervisor_ = std::move(s);
+  // The planner ends what waits for it, on the next loop turn (the worker's
+  // connection may be seen to close after its exit).
+  if (supervisor_) supervisor_->on_failing([this] { request_kick(); });
+}
+
+std::string ContinuousScheduler::failing() const {
+  if (!supervisor_ || !supervisor_->failing() || ready()) return "";
+  return supervisor_->failing_reason();
+}
+
+void ContinuousScheduler::end_waiting(const std::string& why) {
+  std::vector<SequenceUpdate> ended;
+  auto end = [&](const SequenceState& s) {
+    ended.push_back({s.id, {}, true, FinishReason::error, why});
+    moved_.erase(s.id);
+    owner_.erase(s.id);
+    prediction_done(s.id);
+  };
+  for (const SequenceState& s : queued_) end(s);
+  queued_.clear();
+  for (Worker& w : workers_)
+    if (!w.link->ready())
+      for (const SequenceState& s : w.policy.take_all()) end(s);
+  if (ended.empty()) return;
+  std::fprintf(stderr, "moe-gateway: %zu sequence(s) waiting for a worker ended: %s\n", ended.size(), why.c_str());
+  dispatch(ended);
+}
+
 bool ContinuousScheduler::serving(size_t w) const {
   if (!workers_[w].link->ready()) return false;
   if (!workers_[w].fallback) return true;
@@ -321,6 +351,7 @@ void ContinuousScheduler::requeue(std::vector<SequenceState> seqs) {
 
 void ContinuousScheduler::on_ready(size_t w, const pr::Hello& h) {
   Worker& wk = workers_[w];
+  if (supervisor_ && supervisor_->socket_path() == wk.link->socket_path()) supervisor_->note_ready();
   expert_view_.set_worker(w, wk.name, h.experts);
   std::fprintf(stderr, "moe-gateway: worker %s ready (%s, %s, %u KV blocks of %u tokens, context %u)%s\n",
                wk.link->socket_path().c_str(), h.model_id.c_str(), h.backend.c_str(), h.kv_blocks_total,
@@ -607,6 +638,7 @@ void ContinuousScheduler::assign_queued() {
 }
 
 void ContinuousScheduler::kick() {
+  if (const std::string why = failing(); !why.empty()) return end_waiting(why);
   // A main worker is ready again while the fallback holds sequences: they are
   // released there and recomputed on the main workers, as after a lost worker.
   bool main_ready = false;

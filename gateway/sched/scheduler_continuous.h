@@ -75,7 +75,7 @@ class ContinuousScheduler final : public Scheduler {
   ~ContinuousScheduler() override;
 
   // Keeps the supervisor of the worker it serves from alive as long as itself.
-  void own_supervisor(std::unique_ptr<WorkerSupervisor> s) { supervisor_ = std::move(s); }
+  void own_supervisor(std::unique_ptr<WorkerSupervisor> s);
   WorkerSupervisor* supervisor() const { return supervisor_.get(); }
 
   uint64_t submit(SequenceRequest req, SequenceObserver* obs) override;
@@ -85,6 +85,7 @@ class ContinuousScheduler final : public Scheduler {
   int max_context() const override;
   int kv_capacity() const override;
   std::string backend() const override;
+  std::string failing() const override;
   OverloadView overload(int priority) const override;
   ExpertView* expert_view() override { return &expert_view_; }
 
@@ -144,6 +145,7 @@ class ContinuousScheduler final : public Scheduler {
   void finish_step(size_t w, const std::vector<ChunkResult>& results);
   void dispatch(std::vector<SequenceUpdate>& updates);
   void requeue(std::vector<SequenceState> seqs);  // at the front of the shared queue, in order
+  void end_waiting(const std::string& why);  // every sequence waiting for a worker ends with `why`
   bool serving(size_t w) const;  // ready, and allowed to take sequences now
   void send_releases(size_t w, std::vector<uint64_t> ids);
   void send_warm_hints(WorkerLink* link, uint64_t seq_id);

@@ -214,6 +214,7 @@ void WorkerSupervisor::exited(int64_t status, int signal) {
                                       : "exited with status " + std::to_string(status);
   std::fprintf(stderr, "moe-gateway: moe-worker %s; restarting in %llu ms\n", how.c_str(),
                static_cast<unsigned long long>(self->backoff_ms_));
+  self->count_failure(how);
   // A worker that ran a while earns a fresh backoff; one that dies at once waits longer each time.
   if (uv_now(self->loop_) - self->started_ms_ > 30000) self->backoff_ms_ = self->opts_.restart_min_ms;
   uv_timer_start(self->restart_timer_, &WorkerSupervisor::on_restart_timer, self->backoff_ms_, 0);
@@ -231,9 +232,24 @@ void WorkerSupervisor::restart() {
   ++self->restarts_;
   if (auto st = self->spawn(); !st.ok()) {
     std::fprintf(stderr, "moe-gateway: %s\n", st.error().c_str());
+    self->count_failure(st.error());
     uv_timer_start(self->restart_timer_, &WorkerSupervisor::on_restart_timer, self->backoff_ms_, 0);
     self->backoff_ms_ = std::min(self->opts_.restart_max_ms, self->backoff_ms_ * 2);
   }
+}
+
+void WorkerSupervisor::count_failure(std::string what) {
+  last_failure_ = std::move(what);
+  if (++failed_starts_ != opts_.failing_after) return;
+  std::fprintf(stderr, "moe-gateway: the worker is failing: %s\n", failing_reason().c_str());
+  if (on_failing_) on_failing_();
+}
+
+std::string WorkerSupervisor::failing_reason() const {
+  if (!failing()) return "";
+  return "The worker failed " + std::to_string(failed_starts_) + " times in a row before it was ready (last: " +
+         last_failure_ + "); the server keeps restarting it, at most " +
+         std::to_string((opts_.restart_max_ms + 999) / 1000) + " s apart. Its log says why.";
 }
 
 }  // namespace moe::gw

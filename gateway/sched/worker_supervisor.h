@@ -12,6 +12,7 @@
 // still there) before it makes its own.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,6 +32,12 @@ struct SupervisorOptions {
   // The socket's file name in the private directory; its stem is the name
   // the worker goes by in Redis.
   std::string socket_name = "worker.sock";
+  // Exits in a row before a child was ready (a checkpoint broken since the
+  // start, a setting only the worker refuses) after which the worker counts
+  // as failing: what waits for it ends with the reason, instead of waiting
+  // for a restart that does not come. Restarts go on (a fixed checkpoint
+  // serves again); the count starts over once a child is ready.
+  int failing_after = 3;
 };
 
 // The moe-worker to start: `explicit_path` when set, else next to the
@@ -51,6 +58,14 @@ class WorkerSupervisor {
   const std::string& folder() const { return dir_; }
   int child_pid() const;              // 0 while none runs
   uint64_t restarts() const { return restarts_; }
+  // The scheduler says a child answered its hello: the exits count anew.
+  void note_ready() { failed_starts_ = 0; }
+  // failing_after exits (or failed spawns) in a row since a child was last ready.
+  bool failing() const { return failed_starts_ >= opts_.failing_after; }
+  // Why, in a sentence for a client and /health (empty while not failing).
+  std::string failing_reason() const;
+  // Called once each time the worker starts failing.
+  void on_failing(std::function<void()> f) { on_failing_ = std::move(f); }
   // SIGKILLs the running child (it stopped answering); it is restarted as
   // after any exit.
   void kill_child(const char* why);
@@ -66,6 +81,7 @@ class WorkerSupervisor {
   static void on_restart_timer(uv_timer_t* t);
   void exited(int64_t status, int signal);
   void restart();
+  void count_failure(std::string what);
 
   uv_loop_t* loop_;
   SupervisorOptions opts_;
@@ -75,6 +91,9 @@ class WorkerSupervisor {
   uint64_t backoff_ms_ = 0;
   uint64_t started_ms_ = 0;
   uint64_t restarts_ = 0;
+  int failed_starts_ = 0;
+  std::string last_failure_;
+  std::function<void()> on_failing_;
   int lock_fd_ = -1;  // gateway.pid, locked while this supervisor lives
 };
 
