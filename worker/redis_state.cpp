@@ -89,10 +89,15 @@ bool WorkerRedisState::ensure_connected(Conn& c) {
       auth.push_back(endpoint_.password);
       Reply r = c.cmd(auth);
       if (!r || r->type != REDIS_REPLY_STATUS) {
-        if (!c.auth_logged)
+        // No reply at all is a Redis that did not answer in time (frozen,
+        // overloaded), not a refusal: said as such, once until it answers.
+        if (!r && !c.down_logged)
+          std::fprintf(stderr, "moe-worker: Redis at %s did not answer AUTH within %d ms (retrying)\n",
+                       endpoint_.where().c_str(), opts_.timeout_ms);
+        else if (r && !c.auth_logged)
           std::fprintf(stderr, "moe-worker: Redis at %s refused the credentials: %s (retrying)\n",
-                       endpoint_.where().c_str(), r ? reply_text(r.get()).c_str() : "no answer");
-        c.auth_logged = true;
+                       endpoint_.where().c_str(), reply_text(r.get()).c_str());
+        if (r) c.auth_logged = true;
         c.down_logged = true;
         refused = true;
       }

@@ -181,11 +181,20 @@ def main():
                        f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
             time.sleep(0.5)
             s.close()
+            # A worker that starts meanwhile: its AUTH gets no answer, which is not a refusal.
+            c.start_worker("w2", redis=False, extra=["--redis", f"redis://127.0.0.1:{c.redis_port}",
+                                                     "--redis-password-file", pw_file])
             # The gateway gives up on the frozen Redis after 3 s and answers from memory: to nobody.
             time.sleep(4.0)
         finally:
             c.procs["redis"].send_signal(signal.SIGCONT)
         time.sleep(0.5)
+        check("did not answer AUTH" in c.log("w2") and "refused the credentials" not in c.log("w2"),
+              "frozen Redis: a worker says it did not answer, not that it refused the credentials")
+        check(h.wait_for(lambda: "connected and logged in" in c.log("w2"), 10),
+              "frozen Redis: the worker logs in once Redis answers again")
+        c.procs["w2"].terminate()
+        c.procs["w2"].wait()
         check(metric(c.http_port, "moe_gateway_prompt_tokens_total") == tokens0,
               "gone while loading: nothing was run for it")
         check(metric(c.http_port, "moe_gateway_generations") == 0, "gone while loading: no generation left behind")
