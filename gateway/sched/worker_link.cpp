@@ -15,6 +15,9 @@ namespace pr = moe::protocol;
 
 namespace {
 
+// How long a worker may stay unreachable before the gateway says so.
+constexpr uint64_t kUnreachableSayMs = 10000;
+
 // A handle whose owner may be gone by the time libuv calls back: the owner
 // clears `data` and closes it; the close callback frees it.
 template <typename H>
@@ -118,6 +121,18 @@ void WorkerLink::drop(const std::string& reason, bool unresponsive) {
   state_ = State::idle;
   uv_timer_stop(timer_);
   schedule_retry();
+  if (!was_ready && !unreachable_said_) {
+    // Never reached (a wrong --worker path, a worker that is not running):
+    // said once the streak is long, with what the last try met.
+    const uint64_t now = now_ms();
+    if (unreachable_since_ms_ == 0) unreachable_since_ms_ = now;
+    if (now - unreachable_since_ms_ >= kUnreachableSayMs) {
+      std::fprintf(stderr, "moe-gateway: worker %s not reachable for %llu s (%s); still trying\n",
+                   opts_.socket_path.c_str(), static_cast<unsigned long long>((now - unreachable_since_ms_) / 1000),
+                   reason.c_str());
+      unreachable_said_ = true;
+    }
+  }
   if (was_ready) {
     std::fprintf(stderr, "moe-gateway: worker %s down: %s\n", opts_.socket_path.c_str(), reason.c_str());
     if (cb_.on_down) cb_.on_down(reason, unresponsive);  // may destroy nothing: the link outlives its callbacks
@@ -232,6 +247,8 @@ void WorkerLink::handle(const pr::Frame& f) {
       refused_.clear();
       hello_ = std::move(h.value());
       state_ = State::ready;
+      unreachable_since_ms_ = 0;
+      unreachable_said_ = false;
       retry_ms_ = opts_.retry_min_ms;
       if (cb_.on_ready) cb_.on_ready(hello_);
       return;

@@ -114,6 +114,11 @@ class WorkerLink {
   uint64_t ping_outstanding_since_ms_ = 0;  // 0: none
   uint64_t last_ping_ms_ = 0;
   std::string refused_;  // why the last hello was refused (logged once)
+  // A worker never reached: when the streak of failed connections began (0:
+  // none), and whether it was said (after kUnreachableSayMs: a worker loading
+  // its model is not yet listening, and says so itself).
+  uint64_t unreachable_since_ms_ = 0;
+  bool unreachable_said_ = false;
 };
 
 }  // namespace moe::gw

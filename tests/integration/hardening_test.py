@@ -144,6 +144,12 @@ def main():
         check(c.procs["wrong"].poll() is None, "AUTH: a gateway with wrong credentials keeps running")
         c.procs["wrong"].terminate()
         c.procs["wrong"].wait()
+        # A --worker path where nothing listens: said after 10 s, not retried in silence.
+        c.start_gateway([os.path.join(c.dir, "no-such-worker.sock")], redis=False, name="nowhere", wait=False)
+        check(h.wait_for(lambda: "no-such-worker.sock not reachable for" in c.log("nowhere"), 25),
+              "a worker path where nothing listens is said in the log")
+        c.procs["nowhere"].terminate()
+        c.procs["nowhere"].wait()
         c.http_port = port_ok
 
         # ---- 2. untrusted bytes from Redis
