@@ -196,6 +196,9 @@ Status parse_moe(const ConfigReader& c, ModelDesc* d) {
             std::find(mlp_only.begin(), mlp_only.end(), l) == mlp_only.end();
       if (d->arch == Arch::qwen2_moe) {
         MOE_TRY(c.need_int("shared_expert_intermediate_size", &m.shared_intermediate));
+        if (m.shared_intermediate < 0)  // 0: no shared expert; below that it would be dropped in silence
+          return make_error(c.where() + ": shared_expert_intermediate_size is " +
+                            std::to_string(m.shared_intermediate) + ", not a width");
         m.shared_expert_gate = m.shared_intermediate > 0;
       }
       break;
@@ -210,6 +213,9 @@ Status parse_moe(const ConfigReader& c, ModelDesc* d) {
     case Arch::deepseek_v2: {
       MOE_TRY(c.need_int("moe_intermediate_size", &m.expert_intermediate));
       MOE_TRY(c.opt_int("n_shared_experts", &m.n_shared_experts));
+      if (m.n_shared_experts < 0)
+        return make_error(c.where() + ": n_shared_experts is " + std::to_string(m.n_shared_experts) +
+                          ", not a count");
       m.shared_intermediate = m.n_shared_experts * m.expert_intermediate;
       MOE_TRY(c.opt_float("routed_scaling_factor", &m.routed_scaling));
       MOE_TRY(c.opt_string("topk_method", &m.topk_method));
@@ -323,6 +329,9 @@ Result<ModelDesc> parse_model_desc(const std::string& config_json_text,
     d.head_dim = d.hidden_size / d.n_heads;
   }
   MOE_TRY(c.opt_int("intermediate_size", &d.intermediate_size));
+  if (d.intermediate_size < 0)  // unused where every layer is MoE, but a sign of a corrupt file
+    return make_error(c.where() + ": intermediate_size is " + std::to_string(d.intermediate_size) +
+                      ", not a width");
   MOE_TRY(c.opt_float("rms_norm_eps", &d.rms_eps));
   MOE_TRY(c.opt_bool("tie_word_embeddings", &d.tie_embeddings));
   MOE_TRY(c.opt_int("max_position_embeddings", &d.max_position));

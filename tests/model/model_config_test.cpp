@@ -394,9 +394,28 @@ TEST_CASE("values that would turn every output into noise are errors naming the 
                         Case{"rope_scaling", {{"rope_type", "linear"}, {"factor", 0}}, "scaling factor"},
                         Case{"rope_scaling", {{"rope_type", "linear"}, {"factor", -1}}, "scaling factor"},
                         Case{"max_position_embeddings", -1, "max_position_embeddings"},
-                        Case{"mlp_only_layers", {-1}, "mlp_only_layers"}}) {
+                        Case{"mlp_only_layers", {-1}, "mlp_only_layers"},
+                        Case{"intermediate_size", -1, "intermediate_size"}}) {
     const std::string error = refusal(k.key, k.value);
     INFO(k.key << " = " << k.value.dump() << ": " << error);
     CHECK(error.find(k.says) != std::string::npos);
   }
+}
+
+TEST_CASE("model config: a negative shared expert width or count is an error, not a model without one",
+          "[model][config]") {
+  // Both loaded: the shared expert was dropped in silence (its width < 0 read
+  // as "none"), or sized negative (DeepSeek-V2's count).
+  json q2 = fixture_config("qwen2_moe");
+  q2["shared_expert_intermediate_size"] = -64;
+  auto r = parse_model_desc(q2.dump());
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.error().find("shared_expert_intermediate_size") != std::string::npos);
+  json ds = fixture_config("deepseek_v2");
+  ds["n_shared_experts"] = -2;
+  r = parse_model_desc(ds.dump());
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.error().find("n_shared_experts") != std::string::npos);
+  q2["shared_expert_intermediate_size"] = 0;  // no shared expert: still a model
+  CHECK(parse_model_desc(q2.dump()).ok());
 }
