@@ -257,6 +257,7 @@ void Generation::token(Choice& c, const TokenEvent& ev) {
     } else {
       if (!hold(logprob_entry_bytes(req_.sampling.top_logprobs))) return;
       add_logprobs(ev, c.text_chars, c.logprobs);
+      c.logprob_offsets.push_back(c.text_chars);
     }
   }
   std::string piece = stop_id ? std::string() : c.decoder->push(ev.token);
@@ -274,11 +275,25 @@ void Generation::token(Choice& c, const TokenEvent& ev) {
   if (!req_.stream || (ctx_.on_complete && c.index == 0)) c.text += answer;
   if (step.stopped) {
     ctx_.scheduler->cancel(c.seq);
+    if (!req_.stream) drop_stop_logprobs(c);
     if (req_.stream && lp) send_chunk(c, answer, lp, nullptr, false);
     finish_choice(c, "stop", req_.stream && lp ? std::string() : answer);
     return;
   }
   if (req_.stream && (!answer.empty() || lp)) send_chunk(c, answer, lp, nullptr, false);
+}
+
+void Generation::drop_stop_logprobs(Choice& c) const {
+  // The tokens that made the matched stop string: their text starts at or
+  // after the end of the text the response keeps (a token that straddles
+  // the cut shows in part, and keeps its entry).
+  size_t drop = 0;
+  while (drop < c.logprob_offsets.size() && c.logprob_offsets[c.logprob_offsets.size() - 1 - drop] >= c.text_chars)
+    ++drop;
+  if (drop == 0 || c.logprobs.is_null()) return;
+  for (auto& [key, list] : c.logprobs.items())
+    if (list.is_array() && list.size() >= drop) list.erase(list.end() - std::ptrdiff_t(drop), list.end());
+  c.logprob_offsets.resize(c.logprob_offsets.size() - drop);
 }
 
 std::string Generation::route_text(Choice& c, const std::string& text, bool last, const json* logprobs, bool* sent) {

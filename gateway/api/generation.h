@@ -92,6 +92,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
     uint64_t last_token_ns = 0;
     std::string finish_reason;
     nlohmann::json logprobs;      // accumulated for a whole response
+    std::vector<size_t> logprob_offsets;  // each entry's text_offset (chat's too), to cut a stop string's
     int cached_prompt_tokens = 0;  // of its prompt, what the worker's prefix cache served
     double logprob_sum = 0;       // best_of: log probabilities of the generated tokens (stop ids aside)
     int logprob_count = 0;
@@ -129,6 +130,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
                   bool with_role);
   // A chat chunk of reasoning: delta {"reasoning_content": text}.
   void send_reasoning_chunk(const Choice& c, const std::string& text, const nlohmann::json* logprobs);
+  // A whole response cut by a stop string: its tokens' logprobs go with it.
+  void drop_stop_logprobs(Choice& c) const;
   // Text the matcher let through, split into reasoning (sent or kept) and
   // the answer it returns; `last` at the end of the output.
   // `logprobs` (a stream's, of this token) go with the reasoning chunk when

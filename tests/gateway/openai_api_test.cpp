@@ -297,6 +297,27 @@ TEST_CASE("api: logprobs in the chat and completions shapes", "[gateway][api]") 
   CHECK(w["choices"][0]["logprobs"]["text_offset"] == json::array({0, 0, 1, 2}));
 }
 
+TEST_CASE("api: a stop string's tokens leave a whole response's logprobs with its text", "[gateway][api]") {
+  TestGateway gw;
+  // One byte a token: "ab" is kept; "END" is the stop string, "z" after it
+  // never shows. (A token that straddles the cut shows in part and keeps its
+  // entry: the byte codec here has none.)
+  gw.scheduler().set_script(spell("abENDz"));
+  json k = json::parse(post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", "p"}, {"logprobs", 1},
+                                                     {"stop", "END"}}).body);
+  CHECK(k["choices"][0]["text"] == "ab");
+  CHECK(k["choices"][0]["finish_reason"] == "stop");
+  CHECK(k["choices"][0]["logprobs"]["tokens"] == json::array({"a", "b"}));
+  CHECK(k["choices"][0]["logprobs"]["text_offset"] == json::array({0, 1}));
+  CHECK(k["choices"][0]["logprobs"]["token_logprobs"].size() == 2);
+  CHECK(k["choices"][0]["logprobs"]["top_logprobs"].size() == 2);
+  gw.scheduler().set_script(spell("abENDz"));
+  json c = json::parse(post(gw, "/v1/chat/completions", chat("x", {{"logprobs", true}, {"stop", "END"}})).body);
+  CHECK(c["choices"][0]["message"]["content"] == "ab");
+  REQUIRE(c["choices"][0]["logprobs"]["content"].size() == 2);
+  CHECK(c["choices"][0]["logprobs"]["content"][1]["token"] == "b");
+}
+
 TEST_CASE("api: validation errors have OpenAI's shape and status", "[gateway][api][errors]") {
   TestGateway gw;
   int port = gw.port();
