@@ -141,6 +141,9 @@ class OpenAiApi final : public HttpHandler {
   // Parses on the thread pool (off_loop), then start_completion; limits
   // that changed meanwhile parse it again, twice at most.
   void parse_then_start(std::shared_ptr<CompletionJob> job, int attempt);
+  // A parsed body's tree, let go on the thread pool (from kFreeOffLoopBytes of body).
+  void free_off_loop(nlohmann::json tree);
+  static constexpr size_t kFreeOffLoopBytes = 256 * 1024;
   // run_completion's second half, on the loop once the request is parsed.
   void start_completion(CompletionJob& job);
   void reply_error(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint, const ApiError& e);
