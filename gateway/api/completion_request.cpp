@@ -36,6 +36,16 @@ std::optional<ApiError> read_int(const json& body, const char* key, std::optiona
   return std::nullopt;
 }
 
+// A seed names one stream of draws: one past int64 is refused, not clamped
+// (every such seed would have drawn the same tokens).
+std::optional<ApiError> read_seed(const json& body, std::optional<int64_t>* out) {
+  const json* v = member(body, "seed");
+  if (v && v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+    return invalid_param("seed", "'seed' must be an integer from -9223372036854775808 to 9223372036854775807.",
+                         "invalid_value");
+  return read_int(body, "seed", out);
+}
+
 std::optional<ApiError> read_number(const json& body, const char* key, std::optional<double>* out) {
   const json* v = member(body, key);
   if (!v) return std::nullopt;
@@ -502,7 +512,7 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
   std::optional<bool> stream, chat_logprobs, echo;
   std::optional<ApiError> err;
   if ((err = read_int(body, "max_tokens", &max_tokens)) || (err = read_int(body, "top_k", &top_k)) ||
-      (err = read_int(body, "n", &n)) || (err = read_int(body, "seed", &seed)) ||
+      (err = read_int(body, "n", &n)) || (err = read_seed(body, &seed)) ||
       (err = read_number(body, "temperature", &temperature)) || (err = read_number(body, "top_p", &top_p)) ||
       (err = read_bool(body, "stream", &stream))) {
     return *err;

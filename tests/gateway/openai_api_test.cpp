@@ -572,6 +572,26 @@ TEST_CASE("api: min_tokens holds stop strings back until that many tokens came",
   CHECK(run(4) == "a.b.cd");
 }
 
+TEST_CASE("api: a seed past int64 is refused, not clamped onto another seed's draws", "[gateway][api]") {
+  TestGateway gw;
+  // 2^63 and 2^64 - 1 were both read as 2^63 - 1: three seeds, one stream of draws.
+  for (const char* seed : {"9223372036854775808", "18446744073709551615"}) {
+    INFO(seed);
+    auto r = http(gw.port(), "POST", "/v1/completions",
+                  std::string(R"({"model":"demo-moe","prompt":"x","max_tokens":1,"seed":)") + seed + "}");
+    CHECK(r.status == 400);
+    const json e = json::parse(r.body)["error"];
+    CHECK(e["param"] == "seed");
+    CHECK(e["code"] == "invalid_value");
+  }
+  // The ends of the range are seeds like any other.
+  for (const char* seed : {"9223372036854775807", "-9223372036854775808"}) {
+    auto r = http(gw.port(), "POST", "/v1/completions",
+                  std::string(R"({"model":"demo-moe","prompt":"x","max_tokens":1,"seed":)") + seed + "}");
+    CHECK(r.status == 200);
+  }
+}
+
 TEST_CASE("api: completions echo the prompt; best_of returns the n likeliest of its candidates", "[gateway][api]") {
   TestGateway gw;
   // Choice i (seed 100 + i): candidates 1 and 3 speak in capitals (log probability -2 a token), the others not (-0.5).
