@@ -482,7 +482,7 @@ __global__ void __launch_bounds__(kPromptThreads)
         for (int dt = 0; dt < kDimTiles; dt += 2) {
           // Matrices: keys 16 kc and 16 kc + 8, dims of n tiles dt and dt + 1.
           uint32_t b[4];
-          detail::ldmatrix_x4_trans(b, &st.v[16 * kc + ((lane >> 3) & 1) * 8 + (lane & 7)][8 * dt + (lane >> 4) * 8]);
+          detail::ldmatrix_x4<true>(b, &st.v[16 * kc + ((lane >> 3) & 1) * 8 + (lane & 7)][8 * dt + (lane >> 4) * 8]);
           detail::mma_bf16_16816(o[dt], p0, p1, p2, p3, b[0], b[1]);
           detail::mma_bf16_16816(o[dt + 1], p0, p1, p2, p3, b[2], b[3]);
         }

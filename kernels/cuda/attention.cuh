@@ -59,6 +59,12 @@ struct PagedKvPool {
 // (and head_dim is 32, 64 or 128), else per_query.
 enum class AttentionWalk { automatic, per_query, query_tiles };
 
+// Decode attention's split runs: at least this many keys each (512, or 128
+// where a pass leaves SMs idle: attention_split_keys_for), up to this many a query.
+inline constexpr int kAttentionSplitKeys = 512;
+inline constexpr int kAttentionSplitKeysFine = 128;
+inline constexpr int kAttentionMaxSplits = 16;
+
 struct AttentionArgs {
   const __nv_bfloat16* q = nullptr;      // [tokens, n_heads, head_dim]
   const int32_t* seq_of_token = nullptr;  // [tokens]: row of block_tables
@@ -80,14 +86,10 @@ struct AttentionArgs {
   // 2 x split_keys keys, or max_splits 1, takes one block and writes out
   // directly.
   int max_splits = 1;
-  int split_keys = 512;
+  int split_keys = kAttentionSplitKeys;
   float* partials = nullptr;
   uint32_t* split_counts = nullptr;
 };
-
-inline constexpr int kAttentionSplitKeys = 512;
-inline constexpr int kAttentionSplitKeysFine = 128;
-inline constexpr int kAttentionMaxSplits = 16;
 
 // The splits a pass whose longest query has `keys` keys is launched with:
 // a function of the context's size class only (a decode graph is captured
