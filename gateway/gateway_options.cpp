@@ -38,6 +38,7 @@ struct Numeric {
 const std::vector<Numeric>& numeric_options() {
   static const std::vector<Numeric> table = {
       {"--port", 0, 65535, [](GatewayOptions& o, uint64_t v) { o.port = int(v); }},
+      {"--worker-wait-s", 0, kDayMs / 1000, [](GatewayOptions& o, uint64_t v) { o.worker_wait_s = v; }},
       {"--max-body-bytes", 1, kU32, [](GatewayOptions& o, uint64_t v) { o.max_body_bytes = v; }},
       {"--request-timeout-ms", 1, kDayMs, [](GatewayOptions& o, uint64_t v) { o.request_timeout_ms = v; }},
       {"--keepalive-timeout-ms", 1, kDayMs, [](GatewayOptions& o, uint64_t v) { o.keepalive_timeout_ms = v; }},
@@ -108,6 +109,13 @@ std::string gateway_usage() {
          "                            Its backend is auto: the GPU when the worker was built with\n"
          "                            CUDA and one is visible, else the CPU (/health says which);\n"
          "                            it shares the gateway's --redis unless these name one\n"
+         "  --worker-wait-s N         once no worker, the fallback included, has been ready for\n"
+         "                            N s (all lost, or none reached since the start), what waits\n"
+         "                            for one ends with an error saying why (a stream: an error\n"
+         "                            event, then [DONE]), new requests get 503 engine_failing\n"
+         "                            with Retry-After and /health says 'failing', until one is\n"
+         "                            ready again (default 120: room for a large model's load,\n"
+         "                            43 s for a 61 GB checkpoint; 0: wait for ever)\n"
          "  --host ADDR               address to listen on (default 127.0.0.1)\n"
          "  --port N                  TCP port (default 8080; 0 picks a free one)\n"
          "\n"

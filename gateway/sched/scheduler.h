@@ -153,8 +153,9 @@ class Scheduler {
   // The backend of the worker that serves now ("cpu", "cuda"; "" while none).
   virtual std::string backend() const { return ""; }
   // Non-empty while no worker is ready and none is expected to be (the
-  // gateway's own worker keeps failing before it is ready): why, in a
-  // sentence. What waited for a worker has ended with it.
+  // gateway's own worker keeps failing before it is ready, or no worker has
+  // been ready for --worker-wait-s): why, in a sentence. What waited for a
+  // worker has ended with it.
   virtual std::string failing() const { return ""; }
   // The overload rule's view for a request of `priority`.
   virtual OverloadView overload(int /*priority*/) const { return {}; }

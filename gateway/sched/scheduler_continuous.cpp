@@ -35,6 +35,11 @@ ContinuousScheduler::ContinuousScheduler(uv_loop_t* loop, std::vector<std::strin
     w.thermal = ThermalGovernor(opts_.thermal);
     w.link->start();
   }
+  wait_timer_ = new uv_timer_t;
+  uv_timer_init(loop_, wait_timer_);
+  wait_timer_->data = this;
+  uv_update_time(loop_);  // the loop may not have run since the gateway loaded its model
+  none_ready();           // none is yet: a worker never reached counts from the start
   if (opts_.stats_interval_ms > 0) {
     stats_timer_ = new uv_timer_t;
     uv_timer_init(loop_, stats_timer_);
@@ -52,6 +57,8 @@ ContinuousScheduler::~ContinuousScheduler() {
     stats_timer_->data = nullptr;
     uv_close(reinterpret_cast<uv_handle_t*>(stats_timer_), [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
   }
+  wait_timer_->data = nullptr;
+  uv_close(reinterpret_cast<uv_handle_t*>(wait_timer_), [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
   workers_.clear();
   supervisor_.reset();
 }
@@ -64,8 +71,42 @@ void ContinuousScheduler::own_supervisor(std::unique_ptr<WorkerSupervisor> s) {
 }
 
 std::string ContinuousScheduler::failing() const {
-  if (!supervisor_ || !supervisor_->failing() || ready()) return "";
-  return supervisor_->failing_reason();
+  if (ready()) return "";
+  if (supervisor_ && supervisor_->failing()) return supervisor_->failing_reason();
+  return no_worker_reason();
+}
+
+void ContinuousScheduler::none_ready() {
+  if (none_ready_since_ms_ != 0) return;
+  none_ready_since_ms_ = std::max<uint64_t>(uv_now(loop_), 1);
+  if (opts_.worker_wait_ms == 0) return;
+  uv_timer_start(wait_timer_, [](uv_timer_t* t) {
+    if (auto* self = static_cast<ContinuousScheduler*>(t->data))
+      last_resort("a wait for a worker", [self] { self->none_ready_too_long(); });
+  }, opts_.worker_wait_ms, 0);
+}
+
+void ContinuousScheduler::none_ready_too_long() {
+  const std::string why = no_worker_reason();
+  if (why.empty()) return;  // a worker is ready again
+  std::fprintf(stderr, "moe-gateway: failing (what waits ends, new requests get 503): %s\n", why.c_str());
+  // The planner ends what waits (failing() now says why), as for a worker of
+  // its own that cannot start.
+  request_kick();
+}
+
+std::string ContinuousScheduler::no_worker_reason() const {
+  if (opts_.worker_wait_ms == 0 || none_ready_since_ms_ == 0) return "";
+  const uint64_t waited_ms = uv_now(loop_) - none_ready_since_ms_;
+  if (waited_ms < opts_.worker_wait_ms) return "";
+  std::string each;
+  for (const Worker& w : workers_) {
+    const std::string& why = w.link->last_failure();
+    each += (each.empty() ? "" : "; ") + std::string(w.fallback ? "fallback worker " : "worker ") +
+            w.link->socket_path() + ": " + (why.empty() ? "no answer yet" : why);
+  }
+  return "No worker has been ready for " + std::to_string(waited_ms / 1000) + " s (" + each +
+         "); the server keeps trying to reach the workers and serves again once one is ready.";
 }
 
 void ContinuousScheduler::end_waiting(const std::string& why) {
@@ -352,6 +393,8 @@ void ContinuousScheduler::requeue(std::vector<SequenceState> seqs) {
 void ContinuousScheduler::on_ready(size_t w, const pr::Hello& h) {
   Worker& wk = workers_[w];
   if (supervisor_ && supervisor_->socket_path() == wk.link->socket_path()) supervisor_->note_ready();
+  none_ready_since_ms_ = 0;
+  uv_timer_stop(wait_timer_);
   expert_view_.set_worker(w, wk.name, h.experts);
   std::fprintf(stderr, "moe-gateway: worker %s ready (%s, %s, %u KV blocks of %u tokens, context %u)%s\n",
                wk.link->socket_path().c_str(), h.model_id.c_str(), h.backend.c_str(), h.kv_blocks_total,
@@ -390,6 +433,7 @@ void ContinuousScheduler::on_down(size_t w, bool unresponsive) {
   if (wk.fallback)
     for (SequenceState& s : held) s.req.on_fallback = false;
   requeue(std::move(held));
+  if (!ready()) none_ready();
   request_kick();
 }
 

@@ -67,6 +67,12 @@ struct ContinuousSchedulerOptions {
   uint64_t stats_interval_ms = 1000;
   ThermalLimits thermal;
   uint64_t priority_max_wait_ms = 30'000;  // PolicyLimits
+  // How long no worker may be ready (all lost, or none reached since the
+  // start) before the gateway counts as failing: what waits for a worker
+  // ends with the reason, new requests are refused, as when its own worker
+  // cannot start. Workers started elsewhere have no exits to count; this
+  // bounds their absence. 0: wait for ever.
+  uint64_t worker_wait_ms = 120'000;
 };
 
 class ContinuousScheduler final : public Scheduler {
@@ -146,6 +152,13 @@ class ContinuousScheduler final : public Scheduler {
   void dispatch(std::vector<SequenceUpdate>& updates);
   void requeue(std::vector<SequenceState> seqs);  // at the front of the shared queue, in order
   void end_waiting(const std::string& why);  // every sequence waiting for a worker ends with `why`
+  // The last ready worker is gone (or none was ever ready): the clock of
+  // worker_wait_ms starts.
+  void none_ready();
+  void none_ready_too_long();  // the wait timer
+  // Why no worker has been ready for worker_wait_ms or longer, in a
+  // sentence naming each worker's last failure; empty before the bound.
+  std::string no_worker_reason() const;
   bool serving(size_t w) const;  // ready, and allowed to take sequences now
   void send_releases(size_t w, std::vector<uint64_t> ids);
   void send_warm_hints(WorkerLink* link, uint64_t seq_id);
@@ -162,6 +175,8 @@ class ContinuousScheduler final : public Scheduler {
   uint64_t next_seq_id_ = 1;  // 0 is reserved by the protocol
   uv_timer_t* kick_timer_ = nullptr;
   uv_timer_t* stats_timer_ = nullptr;
+  uv_timer_t* wait_timer_ = nullptr;  // fires worker_wait_ms after none_ready()
+  uint64_t none_ready_since_ms_ = 0;  // 0: some worker is ready
   struct Predicted {
     ExpertPrediction prediction;
     std::vector<float> usage;  // [layer * n_experts + expert]: tokens the worker reported

@@ -32,6 +32,7 @@ Result<std::unique_ptr<Scheduler>> make_scheduler(uv_loop_t* loop, const Gateway
   so.stats_interval_ms = opts.stats_interval_ms;
   so.thermal.hot_c = opts.thermal_hot_c;
   so.priority_max_wait_ms = opts.priority_max_wait_ms;
+  so.worker_wait_ms = opts.worker_wait_s * 1000;
   std::vector<std::string> sockets;
   for (const std::string& w : opts.workers) {
     if (w.rfind("unix:", 0) != 0) return make_error("--worker needs unix:PATH, got '" + w + "'");

@@ -116,6 +116,7 @@ void WorkerLink::connected(int status) {
 
 void WorkerLink::drop(const std::string& reason, bool unresponsive) {
   const bool was_ready = state_ == State::ready;
+  last_failure_ = reason;
   close_and_free(pipe_);
   pipe_ = nullptr;
   state_ = State::idle;

@@ -77,6 +77,9 @@ class WorkerLink {
   const std::string& socket_path() const { return opts_.socket_path; }
   // Why its last hello was refused (check_vocabulary); empty once one is taken.
   const std::string& refused() const { return refused_; }
+  // Why its last connection, or try to connect, ended ("connect: connection
+  // refused", "the worker closed the connection"); empty before the first.
+  const std::string& last_failure() const { return last_failure_; }
 
   // Sends a message; its request id is returned. Fails when not ready.
   Result<uint64_t> send(const protocol::Message& m);
@@ -114,6 +117,7 @@ class WorkerLink {
   uint64_t ping_outstanding_since_ms_ = 0;  // 0: none
   uint64_t last_ping_ms_ = 0;
   std::string refused_;  // why the last hello was refused (logged once)
+  std::string last_failure_;
   // A worker never reached: when the streak of failed connections began (0:
   // none), and whether it was said (after kUnreachableSayMs: a worker loading
   // its model is not yet listening, and says so itself).

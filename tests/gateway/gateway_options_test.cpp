@@ -39,6 +39,23 @@ TEST_CASE("options: errors name the option", "[gateway][options]") {
   REQUIRE_FALSE(no_value.ok());
 }
 
+TEST_CASE("options: --worker-wait-s, its default, 0 and its errors", "[gateway][options]") {
+  auto d = parse_gateway_args({"--model", "m"});
+  REQUIRE(d.ok());
+  CHECK(d->options.worker_wait_s == 120);  // room for a large model's load (43 s for 61 GB)
+  auto never = parse_gateway_args({"--model", "m", "--worker-wait-s", "0"});
+  REQUIRE(never.ok());
+  CHECK(never->options.worker_wait_s == 0);  // wait for ever
+  auto r = parse_gateway_args({"--model", "m", "--worker-wait-s=2"});
+  REQUIRE(r.ok());
+  CHECK(r->options.worker_wait_s == 2);
+  for (const char* bad : {"-1", "1.5", "86401", "soon"}) {
+    auto e = parse_gateway_args({"--model", "m", "--worker-wait-s", bad});
+    REQUIRE_FALSE(e.ok());
+    CHECK(e.error().find("--worker-wait-s") != std::string::npos);
+  }
+}
+
 TEST_CASE("options: --help and --version need no model", "[gateway][options]") {
   auto h = parse_gateway_args({"--help"});
   REQUIRE(h.ok());

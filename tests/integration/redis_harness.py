@@ -187,6 +187,7 @@ class Stream:
         self.events = 0
         self.finish = None
         self.error = None
+        self.done = False  # [DONE] came
         self.times = []
         self.headers = {}
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -228,6 +229,7 @@ class Stream:
                             continue
                         data = line[6:]
                         if data == b"[DONE]":
+                            self.done = True
                             return
                         obj = json.loads(data)
                         if "error" in obj:
