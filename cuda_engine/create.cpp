@@ -422,6 +422,7 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::create(std::shared_ptr<ModelFile
   m.kv_floor = m.kv_blocks;
   m.kv_trade = opts.kv_trade && !m.all_resident && m.map;
   m.kv_reachable = m.kv_trade ? std::min<int64_t>(m.plan.kv_blocks_reachable(m.n_experts), INT32_MAX / 2) : m.kv_blocks;
+  MOE_TRY(m.setup_fused());
   MOE_TRY(m.arena->synchronize());
   MOE_CUDA_TRY(cudaStreamSynchronize(m.st));
   if (m.meter) (void)eng->device_memory();  // the peak starts at the ready state
@@ -446,6 +447,91 @@ size_t CudaEngine::Impl::kv_part_bytes() const {
 size_t CudaEngine::Impl::kv_block_bytes() const { return size_t(mla ? 1 : 2) * d.n_layers * kv_part_bytes(); }
 
 CudaEngine::~CudaEngine() = default;
+
+Status CudaEngine::Impl::setup_fused() {
+  // Why the fused pass cannot serve this engine, or "" (then it is set up).
+  auto why_not = [&]() -> std::string {
+    if (!opts.fused_decode) return "off";
+    if (mla) return "off: latent attention";
+    if (n_moe_layers != d.n_layers) return "off: a layer without routed experts";
+    if (!fused_layers) return "off: no workspace for it";
+    if (!all_resident) return "off: under a budget (it serves passes with every expert resident)";
+    if (opts.bench_omit) return "off: kernels left out (benchmark)";
+    if (kv_dtype != KvDtype::bf16) return "off: KV rows not in bf16";
+    if (dense == DenseDtype::int4) return "off: INT4 dense weights";
+    const bool int8 = layers[0].qkv_w.q != nullptr;
+    for (const DevLayer& L : layers) {
+      if (L.mlp_gu_w) return "off: a shared expert";
+      if (!L.router_w || L.router_row >= 0) return "off: the router's rows are not a matrix of their own";
+      for (const DenseW* w : {&L.qkv_w, &L.o_w, &L.router_w})
+        if (w->q4 || (w->q != nullptr) != int8 || (!w->q && !w->w)) return "off: dense matrices of mixed dtypes";
+    }
+    return {};
+  };
+  fused_why = why_not();
+  if (!fused_why.empty()) return {};
+  fused.n_layers = d.n_layers;
+  fused.hidden = hidden;
+  fused.n_heads = d.n_heads;
+  fused.n_kv = d.n_kv_heads;
+  fused.head_dim = d.head_dim;
+  fused.n_experts = n_experts;
+  fused.top_k = top_k;
+  fused.int8 = layers[0].qkv_w.q != nullptr;
+  fused.eps = d.rms_eps;
+  fused.qk_norm_full_width = d.qk_norm == QkNorm::whole;
+  fused.renormalize = d.moe.norm_topk_prob;
+  fused.routed_scaling = d.moe.routed_scaling;
+  fused.inv_freq = inv_freq;
+  fused.attention_factor = attention_factor;
+  fused.softmax_scale = softmax_scale;
+  fused.layout = layout;
+  fused.block_tokens = kBlockTokens;
+  fused.forced = opts.uniform_routing_seed != 0 || trace_dev;
+  fused.route.seed = opts.uniform_routing_seed;
+  fused.route.trace = trace_dev;
+  fused.route.trace_tokens = trace_tokens;
+  fused.route.trace_layers = n_moe_layers;
+  fused.x = x;
+  fused.qkv = qkv;
+  fused.logits = router_logits;
+  int device = 0;
+  MOE_CUDA_TRY(cudaGetDevice(&device));
+  fused_why = cuda::fused_decode_unsupported(fused, device);
+  if (!fused_why.empty()) {
+    fused_why = "off: " + fused_why;
+    std::fprintf(stderr, "moe-worker: decode passes of one token run as a chain of kernels (the fused pass is %s)\n",
+                 fused_why.c_str());
+    return {};
+  }
+  std::vector<cuda::FusedLayer> fl(size_t(d.n_layers));
+  auto matrix = [](const DenseW& w) { return cuda::FusedMatrix{w.w, w.q, w.scale}; };
+  for (int l = 0; l < d.n_layers; ++l) {
+    const DevLayer& L = layers[size_t(l)];
+    cuda::FusedLayer& f = fl[size_t(l)];
+    f.in_norm = L.in_norm;
+    f.post_norm = L.post_norm;
+    f.qkv_b = L.qkv_b;
+    f.q_norm = L.q_norm;
+    f.k_norm = L.k_norm;
+    f.qkv = matrix(L.qkv_w);
+    f.o = matrix(L.o_w);
+    f.router = matrix(L.router_w);
+    f.k_pool = L.k_pool;
+    f.v_pool = L.v_pool;
+    f.kv_block_stride = L.kv_block_stride;
+    f.blobs = blob_tables + size_t(L.moe_index) * n_experts;
+    f.ids = route_ids + size_t(L.moe_index) * top_k;  // a pass of one token: layer ml's ids at ml * top_k
+  }
+  MOE_CUDA_TRY(cudaMemcpy(fused_layers, fl.data(), fl.size() * sizeof(cuda::FusedLayer), cudaMemcpyHostToDevice));
+  MOE_CUDA_TRY(cudaMemset(fused.counts, 0, size_t(d.n_kv_heads) * sizeof(uint32_t)));
+  fused.layers = fused_layers;
+  fused_blocks = cuda::fused_decode_blocks(device);
+  fused_ok = fused_blocks > 0;
+  if (!fused_ok) fused_why = "off: the device's multiprocessors could not be counted";
+  else std::fprintf(stderr, "moe-worker: decode passes of one token run every layer in one launch (%d blocks)\n", fused_blocks);
+  return {};
+}
 
 Status CudaEngine::Impl::start_staging() {
   // What the kernels need; without it the passes run as before, said once.

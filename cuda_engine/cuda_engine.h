@@ -44,6 +44,14 @@ struct CudaExpertStats {
   uint64_t bytes_streamed = 0;       // expert bytes kernels read from host memory (streamed misses)
   uint64_t host_share_served = 0;    // (token, expert) misses of streamed passes the host's cores took rows of
   ShareTimes share_times;            // those passes' shared layers: the host's time, the GPU's waits
+  // The fused decode pass (CudaEngineOptions::fused_decode): "on", or why
+  // it is off ("off" where the option is), and the passes it ran.
+  std::string fused_decode = "off";
+  uint64_t fused_passes = 0;
+  // With bench_fused_stamps, the last fused pass: per phase (q|k|v,
+  // attention, o, router, gate|up, down) the µs a layer block 0 worked, then
+  // the µs it spent in the barrier after (waiting for the slowest block).
+  std::vector<double> fused_phase_us;
   uint64_t experts_staged = 0;       // guessed experts copied a layer ahead (stream_ahead); each also
                                      // counts in bytes_streamed when a pass used it
 };

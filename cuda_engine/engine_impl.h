@@ -53,6 +53,7 @@
 #include "kernels/cuda/dense_matmul.cuh"
 #include "kernels/cuda/embedding.cuh"
 #include "kernels/cuda/expert_stage.cuh"
+#include "kernels/cuda/fused_decode.cuh"
 #include "kernels/cuda/host_share.cuh"
 #include "kernels/cuda/mla.cuh"
 #include "kernels/cuda/norm.cuh"
@@ -376,6 +377,17 @@ struct CudaEngine::Impl {
   };
   std::map<int, Graph> graphs;
 
+  // ---- The fused decode pass (kernels/cuda/fused_decode.cuh): resident
+  // decode passes of one token, every layer in one launch.
+  bool fused_ok = false;                  // set up at start; else fused_why says why not
+  std::string fused_why = "off";
+  bool pass_fused = false;                // this pass
+  uint64_t fused_passes = 0;
+  int fused_blocks = 0;
+  cuda::FusedDecodeArgs fused{};          // everything but the pass's own pointers
+  cuda::FusedLayer* fused_layers = nullptr;  // workspace [n_layers]
+  Status setup_fused();                   // create.cpp, once the KV pool and the expert tables exist
+
   // The pass in flight's shortest run of one sequence's tokens (its pieces):
   // where every run is a prompt's, the attention walks the queries in tiles
   // (cuda::AttentionArgs::shortest_run).
@@ -448,6 +460,7 @@ struct CudaEngine::Impl {
   void carve_workspace(Carver& c);
   Status expert_source(ExpertHostSource& src);
   Status forward(const PassPack& pk, int n, int s);
+  Status fused_pass(const PassPack& pk);  // the layers of a resident decode pass of one token, in one launch
   // A layer's attention after its first projection (qkv): RoPE and the KV
   // store, attention, into `attn` (before o_proj).
   Status attention_gqa(const DevLayer& L, int n, const int32_t* positions, const int32_t* seq_of_token,

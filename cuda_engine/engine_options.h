@@ -127,6 +127,15 @@ struct CudaEngineOptions {
   // layer's state (router), or the learned layer-to-layer table (transition).
   PrefetchGuess prefetch_guess = PrefetchGuess::router;
   bool graphs = true;           // resident mode: replay decode steps as CUDA graphs
+  // Resident mode: a decode pass of one token runs every layer in one
+  // persistent launch (kernels/cuda/fused_decode.cuh, docs/fused-decode.md)
+  // where the model's shapes allow (CudaExpertStats::fused_decode says why
+  // not); off: the chain of a launch per kernel. Off by default: measured
+  // slower than the chain so far (docs/fused-decode.md, "Measured").
+  bool fused_decode = false;
+  // Benchmarks: the fused pass stamps block 0's clock at each phase's
+  // barrier (CudaExpertStats::fused_phase_us).
+  bool bench_fused_stamps = false;
   int fuse_max_tokens = 4;      // up to this many tokens RMSNorm / SiLU are folded into the GEMVs (0..8)
   int q4_group = 64;            // quantising a checkpoint whose experts are not INT4 yet
   // Non-expert matrices: bf16, int8 (one scale per row), int4 (groups of 64

@@ -213,6 +213,21 @@ CudaExpertStats CudaEngine::expert_stats() const {
   if (m.share) s.share_times = m.share->times();
   s.experts_staged = m.experts_staged;
   s.bytes_streamed = m.bytes_streamed;
+  s.fused_decode = m.fused_ok ? "on" : m.fused_why;
+  s.fused_passes = m.fused_passes;
+  if (m.fused.stamps && m.fused_passes > 0) {
+    const int P = cuda::kFusedPhases, n = m.d.n_layers;
+    std::vector<uint64_t> t(1 + size_t(n) * P * 2);
+    if (cudaMemcpy(t.data(), m.fused.stamps, t.size() * 8, cudaMemcpyDeviceToHost) == cudaSuccess) {
+      s.fused_phase_us.assign(size_t(2 * P), 0.0);
+      for (int l = 0; l < n; ++l)
+        for (int p = 0; p < P; ++p) {
+          const size_t at = 1 + (size_t(l) * P + p) * 2;
+          s.fused_phase_us[size_t(2 * p)] += double(t[at] - t[at - 1]) / 1e3 / n;
+          s.fused_phase_us[size_t(2 * p + 1)] += double(t[at + 1] - t[at]) / 1e3 / n;
+        }
+    }
+  }
   return s;
 }
 

@@ -306,6 +306,16 @@ Status CudaEngine::Impl::attention_mla(const DevLayer& L, int n, const int32_t* 
   return cuda::head_gemv(uv, st);
 }
 
+Status CudaEngine::Impl::fused_pass(const PassPack& pk) {
+  cuda::FusedDecodeArgs a = fused;
+  a.position = reinterpret_cast<const int32_t*>(pack_dev + pk.positions);
+  a.block_table = reinterpret_cast<const int32_t*>(pack_dev + pk.tables);  // the pass's one piece
+  a.route.positions = a.position;
+  a.route.seq_of_token = reinterpret_cast<const int32_t*>(pack_dev + pk.routing_seq);
+  advanced();
+  return cuda::fused_decode(a, fused_blocks, st);
+}
+
 Status CudaEngine::Impl::forward(const PassPack& pk, int n, int s) {
   const Status f = forward_layers(pk, n, s);
   if (!staging) return f;
@@ -327,41 +337,45 @@ Status CudaEngine::Impl::forward_layers(const PassPack& pk, int n, int s) {
   const auto* tables = reinterpret_cast<const int32_t*>(pack_dev + pk.tables);
   const float eps = d.rms_eps;
   MOE_TRY(cuda::embedding_gather(embed, vocab, hidden, tokens, n, x, st));
-  for (const DevLayer& L : layers) {
-    advanced();
-    if (omit(kOmitQkv)) {
-    } else if (fuse) {
-      MOE_TRY(gemv_rmsnorm(L.qkv_w, x, L.in_norm, nullptr, qkv, n));
-    } else {
-      MOE_TRY(cuda::rmsnorm(x, L.in_norm, xn, n, hidden, eps, st));
-      MOE_TRY(project(L.qkv_w, xn, qkv, n, false));
-    }
-    if (!omit(kOmitAttention))
-      MOE_TRY(mla ? attention_mla(L, n, positions, seq_of_token, tables)
-                  : attention_gqa(L, n, positions, seq_of_token, tables));
-    if (!omit(kOmitO)) MOE_TRY(project(L.o_w, attn, x, n, true));
-    // The normed state xn and the first projection after attention: the
-    // shared expert's / dense MLP's gate|up (with the router's rows when the
-    // layer has both), or the router alone. Small batches norm inside the GEMV.
-    bool logits_ready = false;
-    if (fuse && (L.mlp_gu_w || L.moe_index >= 0)) {
-      const DenseW& w = L.mlp_gu_w ? L.mlp_gu_w : L.router_w;
-      if (!omit(kOmitPost)) MOE_TRY(gemv_rmsnorm(w, x, L.post_norm, xn, L.mlp_gu_w ? gu : router_logits, n));
-      logits_ready = true;
-    } else {
-      MOE_TRY(cuda::rmsnorm(x, L.post_norm, xn, n, hidden, eps, st));
-      if (L.mlp_gu_w) {
-        MOE_TRY(project(L.mlp_gu_w, xn, gu, n, false));
-        logits_ready = L.router_row >= 0;
+  if (pass_fused) {
+    MOE_TRY(fused_pass(pk));
+  } else {
+    for (const DevLayer& L : layers) {
+      advanced();
+      if (omit(kOmitQkv)) {
+      } else if (fuse) {
+        MOE_TRY(gemv_rmsnorm(L.qkv_w, x, L.in_norm, nullptr, qkv, n));
+      } else {
+        MOE_TRY(cuda::rmsnorm(x, L.in_norm, xn, n, hidden, eps, st));
+        MOE_TRY(project(L.qkv_w, xn, qkv, n, false));
       }
-    }
-    if (L.moe_index >= 0) {
-      // The shared expert runs between the router and the routed experts:
-      // under a budget it overlaps the host's wait for the routes and the
-      // misses' copies.
-      MOE_TRY(moe_layer(L, n, logits_ready, positions, routing_seq, fuse));
-    } else if (L.mlp_gu_w) {
-      MOE_TRY(mlp(L, n, fuse));
+      if (!omit(kOmitAttention))
+        MOE_TRY(mla ? attention_mla(L, n, positions, seq_of_token, tables)
+                    : attention_gqa(L, n, positions, seq_of_token, tables));
+      if (!omit(kOmitO)) MOE_TRY(project(L.o_w, attn, x, n, true));
+      // The normed state xn and the first projection after attention: the
+      // shared expert's / dense MLP's gate|up (with the router's rows when the
+      // layer has both), or the router alone. Small batches norm inside the GEMV.
+      bool logits_ready = false;
+      if (fuse && (L.mlp_gu_w || L.moe_index >= 0)) {
+        const DenseW& w = L.mlp_gu_w ? L.mlp_gu_w : L.router_w;
+        if (!omit(kOmitPost)) MOE_TRY(gemv_rmsnorm(w, x, L.post_norm, xn, L.mlp_gu_w ? gu : router_logits, n));
+        logits_ready = true;
+      } else {
+        MOE_TRY(cuda::rmsnorm(x, L.post_norm, xn, n, hidden, eps, st));
+        if (L.mlp_gu_w) {
+          MOE_TRY(project(L.mlp_gu_w, xn, gu, n, false));
+          logits_ready = L.router_row >= 0;
+        }
+      }
+      if (L.moe_index >= 0) {
+        // The shared expert runs between the router and the routed experts:
+        // under a budget it overlaps the host's wait for the routes and the
+        // misses' copies.
+        MOE_TRY(moe_layer(L, n, logits_ready, positions, routing_seq, fuse));
+      } else if (L.mlp_gu_w) {
+        MOE_TRY(mlp(L, n, fuse));
+      }
     }
   }
   if (s == 0) return {};

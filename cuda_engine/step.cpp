@@ -150,6 +150,9 @@ Result<std::vector<SeqOutput>> CudaEngine::step(std::span<const SeqInput> inputs
                               : cuda::attention_split_keys_for(n * m.d.n_heads, m.sm_count);
       m.pass_attn_splits = cuda::attention_splits_for(keys, m.pass_split_keys);
     }
+    // Resident decode of one token: every layer in one launch.
+    m.pass_fused = m.fused_ok && pure_decode && n == 1 && m.all_resident;
+    if (m.pass_fused) ++m.fused_passes;
     m.streaming = m.stream_pass(n);
     if (m.streaming)
       MOE_TRY(m.prepare_streamed_pass());

@@ -344,6 +344,20 @@ void CudaEngine::Impl::carve_workspace(Carver& c) {
                                                                   cuda::kAttentionMaxSplits, d.head_dim));
     attn_split_counts = c.take<uint32_t>(size_t(cuda::kGemvMaxTokens) * d.n_heads);
   }
+  // The fused decode pass's room whether or not it runs, so that the plan
+  // (and the islands a budget leaves) does not depend on the option.
+  if (!mla && n_moe_layers > 0 && n_moe_layers == d.n_layers) {
+    const int blocks = std::max(1, sm_count);
+    fused_layers = c.take<cuda::FusedLayer>(size_t(d.n_layers));
+    fused.attn = c.take<float>(size_t(q_width));
+    fused.max_splits = cuda::fused_decode_max_splits(max_context, d.n_kv_heads, blocks);
+    fused.partials = c.take<float>(cuda::fused_decode_partials_floats(max_context, d.n_kv_heads, d.n_heads,
+                                                                     d.head_dim, blocks));
+    fused.counts = c.take<uint32_t>(size_t(d.n_kv_heads));
+    fused.barrier = c.take<uint32_t>(1);
+    fused.h = c.take<float>(size_t(top_k) * layout.inter);
+    if (opts.bench_fused_stamps) fused.stamps = c.take<uint64_t>(1 + size_t(d.n_layers) * cuda::kFusedPhases * 2);
+  }
   pack_dev = c.take<uint8_t>(pack_bytes);
   trace_dev = trace_host.empty() ? nullptr : c.take<int16_t>(trace_host.size());
   dequant = dense != DenseDtype::bf16 ? c.take<bf16>(dequant_elems) : nullptr;

@@ -54,7 +54,8 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
                                           "--max-step-tokens", "--expert-policy", "--prefetch", "--dense-weights",
                                           "--host-experts", "--misses", "--routing", "--prefix-cache",
                                           "--warm-profile", "--save-profile", "--save-profile-every-s", "--kv-dtype",
-                                          "--kv-trade", "--kv-give-back-s", "--prefetch-guess", "--device"};
+                                          "--kv-trade", "--kv-give-back-s", "--prefetch-guess", "--device",
+                                          "--fused-decode"};
     bool known = false;
     for (const char* k : kValued) known = known || name == k;
     if (!known) return make_error("unknown option '" + a + "' (see --help)");
@@ -136,6 +137,10 @@ Result<WorkerCommandLine> parse_worker_args(const std::vector<std::string>& args
     } else if (name == "--prefetch") {
       if (value != "on" && value != "off") return make_error("option --prefetch takes on or off, got '" + value + "'");
       o.cuda.prefetch = value == "on";
+    } else if (name == "--fused-decode") {
+      if (value != "on" && value != "off")
+        return make_error("option --fused-decode takes on or off, got '" + value + "'");
+      o.cuda.fused_decode = value == "on";
     } else if (name == "--prefix-cache") {
       if (value != "on" && value != "off")
         return make_error("option --prefix-cache takes on or off, got '" + value + "'");
@@ -197,6 +202,9 @@ std::string worker_usage() {
          "  --max-step-tokens N     tokens per forward pass; larger steps run as several (cuda, default 512)\n"
          "  --expert-policy P       expert eviction under a budget: lru, lfu or ours (cuda, default ours)\n"
          "  --prefetch on|off       copy the next layer's predicted experts ahead (cuda, default on)\n"
+         "  --fused-decode on|off   with every expert resident, a decode pass of one token runs all layers\n"
+         "                          in one launch where the model allows (cuda, default off: slower than\n"
+         "                          the chain of kernels so far, docs/fused-decode.md)\n"
          "  --prefetch-guess G      what predicts them in decode: router (the next layer's router on this\n"
          "                          layer's state, default) or transition (a table learned from the layers'\n"
          "                          routing); copy mode (cuda)\n"

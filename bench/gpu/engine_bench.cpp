@@ -21,6 +21,8 @@
 //                    trace's next layer, each kept with chance P, instead of the seeded router's)
 //                    [--attention-split-keys N] (decode attention: a query of 2N+ keys split over
 //                    blocks of N+ keys each, N a multiple of 32; default the engine's)
+//                    [--fused-decode on|off] (resident decode of one token in one launch; default off)
+//                    [--fused-stamps] (the fused pass's time by phase, block 0's clock)
 //                    [--steps N] [--prompt N] [--policy P] [--prefetch on|off]
 //                    [--dense-weights auto|bf16|int8|int4]
 //                    [--budget-dense-weights auto|bf16|int8|int4] [--json PATH]
@@ -74,6 +76,8 @@ struct Options {
   bool stream_ahead = false;              // --stream-ahead on: layer-ahead staging in streamed passes
   double guess_recall = -1;               // --guess-recall P: replayed routing's guesses (< 0: the router's)
   int split_keys = 0;                     // --attention-split-keys N (0: the engine's default)
+  bool fused_decode = false;              // --fused-decode on: resident decode of one token in one launch
+  bool fused_stamps = false;              // --fused-stamps: where the fused pass's time goes, by phase
   int profile_steps = 0;                  // decode steps a batch under the profiler (0: none)
   std::string json;
   // --omit: sets of kernels left out, one engine each ({"", 0}: none).
@@ -141,6 +145,7 @@ SeqInput greedy(uint64_t id, std::vector<int32_t> toks, int start) {
 struct Row {
   std::string shape, mode, phase, dense = "bf16", routing = "router";
   std::string omit;  // --omit: the kernels left out (a diagnosis, not a result)
+  std::string fused;  // decode b1: the engine's fused decode state ("on", or why off)
   int batch = 0;
   double tok_s = 0, peak_mib = 0, hit_rate = 1, pcie_mb_per_token = 0, host_experts_per_token = 0;
   double staged_per_token = 0;  // experts copied a layer ahead (--stream-ahead on)
@@ -253,6 +258,7 @@ int usage() {
                "                        [--misses stream|copy] [--threads N] [--skip-resident]\n"
                "                        [--budget-batches 1[,8...]] [--admit-per-pass N]\n"
                "                        [--stream-ahead on|off] [--guess-recall P] [--attention-split-keys N]\n"
+               "                        [--fused-decode on|off] [--fused-stamps]\n"
                "                        [--json PATH] [--profile-steps N] [--omit KERNEL[,KERNEL...][;...]]\n");
   return 2;
 }
@@ -304,6 +310,15 @@ int main(int argc, char** argv) {
         return usage();
       }
       o.stream_ahead = v == "on";
+    } else if (a == "--fused-decode") {
+      const std::string v = val();
+      if (v != "on" && v != "off") {
+        std::fprintf(stderr, "moe-bench-engine: --fused-decode takes on or off\n");
+        return usage();
+      }
+      o.fused_decode = v == "on";
+    } else if (a == "--fused-stamps") {
+      o.fused_stamps = true;
     } else if (a == "--attention-split-keys") {
       o.split_keys = std::atoi(val().c_str());
       if (o.split_keys < 32 || o.split_keys % 32 != 0) {
@@ -430,6 +445,8 @@ int main(int argc, char** argv) {
         if (o.admit_per_pass > 0) eo.stream_admit_per_pass = o.admit_per_pass;
         eo.stream_ahead = o.stream_ahead;
         if (o.split_keys > 0) eo.attention_split_keys = o.split_keys;
+        eo.fused_decode = o.fused_decode;
+        eo.bench_fused_stamps = o.fused_stamps;
         eo.bench_guess_recall = o.guess_recall;
         if (o.guess_recall >= 0 && (routing.rfind("replay", 0) != 0 || !o.stream_ahead)) {
           std::fprintf(stderr, "moe-bench-engine: --guess-recall draws guesses from a replayed trace for "
@@ -446,9 +463,10 @@ int main(int argc, char** argv) {
         const std::string mode = gib == 0 ? std::string("resident") : "budget-" + std::to_string(int(gib)) + "GiB";
         const std::string dense = (*e)->expert_stats().dense_weights +
                                   ((*e)->expert_stats().host_embedding ? ", embedding on host" : "");
-        std::printf("  %s, %s routing: engine ready in %.1f s, %lld islands, dense weights %s\n", mode.c_str(),
-                    routing.c_str(), std::chrono::duration<double>(Clock::now() - t1).count(),
-                    (long long)(*e)->plan().n_islands, dense.c_str());
+        std::printf("  %s, %s routing: engine ready in %.1f s, %lld islands, dense weights %s, fused decode %s\n",
+                    mode.c_str(), routing.c_str(), std::chrono::duration<double>(Clock::now() - t1).count(),
+                    (long long)(*e)->plan().n_islands, dense.c_str(), (*e)->expert_stats().fused_decode.c_str());
+        const std::string fused_state = (*e)->expert_stats().fused_decode;
         std::fflush(stdout);
         auto keep = [&](Row r) {
           r.shape = s.name;
@@ -456,12 +474,22 @@ int main(int argc, char** argv) {
           r.dense = dense;
           r.routing = routing;
           r.omit = omit_name;
+          r.fused = r.phase == "decode" && r.batch == 1 ? fused_state : "";
           r.peak_mib = used_mib();
           if (!r.omit.empty()) std::printf("    without %s:", r.omit.c_str());
           std::printf("    %s b%d: %.1f tok/s, hit %.3f, %.1f MB/token over PCIe, %.2f experts/token on the host, "
                       "%.0f MiB\n",
                       r.phase.c_str(), r.batch, r.tok_s, r.hit_rate, r.pcie_mb_per_token, r.host_experts_per_token,
                       r.peak_mib);
+          if (r.phase == "decode" && r.batch == 1 && o.fused_stamps) {
+            const std::vector<double> us = (*e)->expert_stats().fused_phase_us;
+            const char* names[] = {"q|k|v", "attention", "o", "router", "gate|up", "down"};
+            if (us.size() == 12) {
+              std::printf("      fused pass, block 0, us a layer (work + barrier):");
+              for (int p = 0; p < 6; ++p) std::printf(" %s %.1f + %.1f;", names[p], us[size_t(2 * p)], us[size_t(2 * p + 1)]);
+              std::printf("\n");
+            }
+          }
           if (r.staged_per_token > 0)
             std::printf("      staged a layer ahead: %.2f experts a token\n", r.staged_per_token);
           if (r.share_host_us > 0)
@@ -504,6 +532,7 @@ int main(int argc, char** argv) {
                    {"pcie_mb_per_token", r.pcie_mb_per_token}, {"host_experts_per_token", r.host_experts_per_token}, {"staged_per_token", r.staged_per_token},
                    {"peak_gpu_mib", r.peak_mib}});
       if (!r.omit.empty()) j.back()["omit"] = r.omit;
+      if (!r.fused.empty()) j.back()["fused_decode"] = r.fused;
     }
     std::ofstream(o.json) << j.dump(1) << "\n";
   }

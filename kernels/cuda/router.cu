@@ -3,6 +3,7 @@
 #include "kernels/cuda/cuda_check.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/route_select.cuh"
 #include "kernels/cuda/router.cuh"
 
 namespace moe::cuda {
@@ -10,30 +11,9 @@ namespace {
 
 constexpr int kWarps = 4;
 
-__host__ __device__ __forceinline__ uint64_t mix64(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-// Token t's k distinct experts drawn from a hash of (seed, layer, position,
-// sequence); a drawn expert already taken moves to the next free index
-// (k <= n, so one is always free).
-__device__ void draw_uniform(int32_t* row, int n, int k, int32_t position, int32_t seq, int layer, uint64_t seed) {
-  uint64_t h = mix64(seed ^ mix64(uint64_t(layer) << 40 ^ uint64_t(uint32_t(position)) << 8 ^ uint64_t(uint32_t(seq))));
-  for (int j = 0; j < k; ++j) {
-    h = mix64(h);
-    int e = int(h % uint64_t(n));
-    for (bool taken = true; taken;) {
-      taken = false;
-      for (int i = 0; i < j; ++i)
-        if (row[i] == e) taken = true;
-      if (taken) e = (e + 1) % n;
-    }
-    row[j] = e;
-  }
-}
+using detail::draw_uniform;
+using detail::mix64;
+using detail::replay_row_of;
 
 __global__ void router_kernel(const float* logits, int stride, int tokens, int n, int k, bool renorm,
                               float scale, int32_t* ids, float* weights, SharePublishArgs publish) {
@@ -44,54 +24,8 @@ __global__ void router_kernel(const float* logits, int stride, int tokens, int n
   const int t = blockIdx.x * kWarps + warp;
   if (t >= tokens) return;
   float* p = sh + warp * n;
-  const float* row = logits + size_t(t) * stride;
-  float mx = -INFINITY;
-  for (int i = lane; i < n; i += 32) mx = fmaxf(mx, row[i]);
-  mx = detail::warp_max(mx);
-  float sum = 0.f;
-  for (int i = lane; i < n; i += 32) {
-    p[i] = __expf(row[i] - mx);
-    sum += p[i];
-  }
-  const float inv = 1.f / detail::warp_sum(sum);
-  __syncwarp();
-  float picked = 0.f;
-  for (int j = 0; j < k; ++j) {
-    float best = -1.f;
-    int bi = n;
-    for (int i = lane; i < n; i += 32)
-      if (p[i] > best) {  // ascending i: the lowest index wins ties within a lane
-        best = p[i];
-        bi = i;
-      }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (ob > best || (ob == best && oi < bi)) {
-        best = ob;
-        bi = oi;
-      }
-    }
-    if (lane == 0) {
-      ids[size_t(t) * k + j] = bi;
-      weights[size_t(t) * k + j] = best * inv;
-      p[bi] = -2.f;  // taken
-    }
-    picked += best * inv;
-    __syncwarp();
-  }
-  if (lane < k) {
-    float w = weights[size_t(t) * k + lane];
-    if (renorm) w /= picked;
-    weights[size_t(t) * k + lane] = w * scale;
-  }
-  // k > 32 (no known model): lanes stride over the rest.
-  for (int j = lane + 32; j < k; j += 32) {
-    float w = weights[size_t(t) * k + j];
-    if (renorm) w /= picked;
-    weights[size_t(t) * k + j] = w * scale;
-  }
+  detail::select_top_k_warp(logits + size_t(t) * stride, n, k, renorm, scale, p, ids + size_t(t) * k,
+                            weights + size_t(t) * k);
   if (publish.slot) {
     __syncwarp();  // the ids and weights above, written by other lanes
     share_publish_warp(publish, lane);
@@ -100,11 +34,6 @@ __global__ void router_kernel(const float* logits, int stride, int tokens, int n
 
 // One thread per token. With a share to post the grid is one warp (at most
 // kShareMaxTokens tokens), which then posts it from the drawn ids.
-__host__ __device__ int replay_row_of(int32_t seq, int32_t position, int trace_tokens) {
-  const uint64_t offset = mix64(0x7e91ace5ull ^ uint64_t(uint32_t(seq))) % uint64_t(trace_tokens);
-  return int((offset + uint64_t(uint32_t(position))) % uint64_t(trace_tokens));
-}
-
 __global__ void force_experts_kernel(ForcedRouting route, int32_t* ids, int tokens, int n, int k,
                                      SharePublishArgs publish) {
   detail::allow_next_grid();

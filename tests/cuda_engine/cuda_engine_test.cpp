@@ -209,7 +209,11 @@ struct Resident {
 
 Resident resident(const std::string& path) {
   Resident r;
-  r.engine = cuda_engine(path);
+  // The chain of kernels: the budgets' passes run it too, so outputs match
+  // bit for bit (the fused pass sums in another order).
+  CudaEngineOptions chain;
+  chain.fused_decode = false;
+  r.engine = cuda_engine(path, chain);
   r.plan = r.engine->plan();
   r.E = r.engine->desc().moe.n_experts;
   r.total = int64_t(r.engine->desc().n_moe_layers()) * r.E;
@@ -536,6 +540,121 @@ TEST_CASE("cuda engine: INT8 dense weights stay close to the CPU engine", "[cuda
       // per output above hold every disagreement to the tolerance.
       CHECK(cmp.agree >= cmp.tokens * 85 / 100);
     }
+  }
+}
+
+// The fused decode pass (kernels/cuda/fused_decode.cuh) serves resident
+// decode passes of one token: one sequence at a time here, its prompt
+// prefilled by the chain, every decode step fused. Held to the CPU engine
+// as the chain is, and to the chain itself (different summation orders, the
+// same experts where the router agrees); a prompt of 300 tokens makes
+// attention split its keys over blocks and merge them, one of 5 does not.
+// Forced (uniform) routing must pick the very experts the chain picks.
+struct FusedRun {
+  Compare cpu, chain;
+  uint64_t fused_passes = 0;
+};
+
+FusedRun fused_against(CpuEngine& cpu, CudaEngine& fused, CudaEngine& chain, int prompt_len, int steps,
+                       double tol = kLogprobTol, bool same_experts = false) {
+  FusedRun r;
+  const int V = cpu.desc().vocab_size;
+  const uint64_t before = fused.expert_stats().fused_passes;
+  std::vector<SeqInput> step = {input(1, prompt(prompt_len, V, uint32_t(300 + prompt_len)), 0)};
+  int pos = prompt_len;
+  bool flip_cpu = false, flip_chain = false;
+  for (int s = 0; s <= steps; ++s) {
+    auto c = cpu.step(step);
+    auto f = fused.step(step);
+    auto k = chain.step(step);
+    REQUIRE(c.ok());
+    INFO((f.ok() ? std::string() : f.error()));
+    REQUIRE(f.ok());
+    REQUIRE(k.ok());
+    const SeqOutput &co = (*c)[0], &fo = (*f)[0], &ko = (*k)[0];
+    if (co.expert_counts != fo.expert_counts) flip_cpu = true;
+    if (ko.expert_counts != fo.expert_counts) flip_chain = true;
+    if (same_experts) CHECK(ko.expert_counts == fo.expert_counts);
+    compare_outputs(co, fo, flip_cpu, r.cpu, tol);
+    compare_outputs(ko, fo, flip_chain, r.chain, tol);
+    step = {input(1, {co.token}, pos++)};
+  }
+  cpu.release(1);
+  fused.release(1);
+  chain.release(1);
+  r.fused_passes = fused.expert_stats().fused_passes - before;
+  return r;
+}
+
+TEST_CASE("cuda engine: the fused decode pass gives the chain's and the CPU engine's outputs", "[cuda][engine][fused]") {
+  SKIP_WITHOUT_GPU();
+  for (const std::string name : {"qwen3_moe", "mixtral", "olmoe", "demo-moe"}) {
+    for (const std::string dense : {"bf16", "int8"}) {
+      SECTION(name + " " + dense) {
+        const std::string path = packed(name);
+        auto cpu = cpu_engine(path);
+        CudaEngineOptions o, off;
+        o.dense_weights = off.dense_weights = parse_choice<DenseWeights>(dense).value();
+        o.fused_decode = true;
+        off.fused_decode = false;
+        auto fused = cuda_engine(path, o);
+        auto chain = cuda_engine(path, off);
+        REQUIRE(fused->expert_stats().fused_decode == "on");
+        REQUIRE(chain->expert_stats().fused_decode == "off");
+        const double tol = dense == "int8" ? kInt8LogprobTol : kLogprobTol;
+        for (const int len : {5, 300}) {
+          const FusedRun r = fused_against(*cpu, *fused, *chain, len, 12, tol);
+          std::printf("fused decode, %-10s %s, prompt %3d: vs cpu %d/%d same token, max |dlogprob| %.4f; vs the "
+                      "chain %d/%d, max %.4f (%d after a routing flip)\n",
+                      name.c_str(), dense.c_str(), len, r.cpu.agree, r.cpu.tokens, r.cpu.max_lp_diff, r.chain.agree,
+                      r.chain.tokens, r.chain.max_lp_diff, r.chain.flipped);
+          CHECK(r.fused_passes == 12);  // every decode step, not the prompt
+          CHECK(r.chain.agree >= r.chain.tokens - 1);
+          // INT8 weights on these random fixtures leave many near ties with
+          // the CPU (compare_outputs holds each disagreement to one); the
+          // chain meets the same.
+          if (dense == "bf16") CHECK(r.cpu.agree >= r.cpu.tokens * 85 / 100);
+        }
+      }
+    }
+  }
+  SECTION("forced uniform routing picks the chain's experts") {
+    const std::string path = packed("demo-moe");
+    auto cpu = cpu_engine(path);
+    CudaEngineOptions o, off;
+    o.uniform_routing_seed = off.uniform_routing_seed = 0x5eed;
+    o.fused_decode = true;
+    off.fused_decode = false;
+    auto fused = cuda_engine(path, o);
+    auto chain = cuda_engine(path, off);
+    // The CPU engine routes by its router: only the chain is compared here.
+    FusedRun r;
+    const int V = cpu->desc().vocab_size;
+    std::vector<SeqInput> step = {input(1, prompt(40, V, 41), 0)};
+    int pos = 40;
+    for (int s = 0; s <= 10; ++s) {
+      auto f = fused->step(step);
+      auto k = chain->step(step);
+      REQUIRE((f.ok() && k.ok()));
+      CHECK((*f)[0].expert_counts == (*k)[0].expert_counts);
+      compare_outputs((*k)[0], (*f)[0], false, r.chain);
+      step = {input(1, {(*k)[0].token}, pos++)};
+    }
+    CHECK(fused->expert_stats().fused_passes == 10);
+  }
+  SECTION("shapes it does not serve say why and run the chain") {
+    CudaEngineOptions on;
+    on.fused_decode = true;
+    auto shared = cuda_engine(packed("qwen2_moe"), on);
+    CHECK(shared->expert_stats().fused_decode == "off: a shared expert");
+    auto dense_layers = cuda_engine(packed("qwen2_dense"), on);
+    CHECK(dense_layers->expert_stats().fused_decode == "off: a layer without routed experts");
+    auto latent = cuda_engine(packed("deepseek_v2"), on);
+    CHECK(latent->expert_stats().fused_decode == "off: latent attention");
+    CudaEngineOptions coded = on;
+    coded.kv_dtype = KvDtypeChoice::int8;
+    auto kv8 = cuda_engine(packed("qwen3_moe"), coded);
+    CHECK(kv8->expert_stats().fused_decode == "off: KV rows not in bf16");
   }
 }
 

@@ -539,6 +539,7 @@ TEST_CASE("moe-worker refuses bad command lines clearly", "[worker]") {
   CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --dense-weights int2") == 2);
   CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --kv-dtype int4") == 2);
   CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --kv-trade sometimes") == 2);
+  CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --fused-decode yes") == 2);
   CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --kv-give-back-s -1") == 2);
   CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --warm-profile") == 2);
   CHECK(run("--model " + kFixture + " --socket /tmp/x.sock --save-profile-every-s 0") == 2);
