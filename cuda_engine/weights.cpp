@@ -344,9 +344,9 @@ void CudaEngine::Impl::carve_workspace(Carver& c) {
                                                                   cuda::kAttentionMaxSplits, d.head_dim));
     attn_split_counts = c.take<uint32_t>(size_t(cuda::kGemvMaxTokens) * d.n_heads);
   }
-  // The fused decode pass's room whether or not it runs, so that the plan
-  // (and the islands a budget leaves) does not depend on the option.
-  if (!mla && n_moe_layers > 0 && n_moe_layers == d.n_layers) {
+  // The fused decode pass's room (~2 MiB at the Qwen3-30B shape and 32 K
+  // keys), only where it is asked for: off, it costs no island.
+  if (opts.fused_decode && !mla && n_moe_layers > 0 && n_moe_layers == d.n_layers) {
     const int blocks = std::max(1, sm_count);
     fused_layers = c.take<cuda::FusedLayer>(size_t(d.n_layers));
     fused.attn = c.take<float>(size_t(q_width));
