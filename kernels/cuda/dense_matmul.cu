@@ -80,16 +80,7 @@ __device__ void rms_inverse(const GemvIn& in, int k, float* inv) {
   }
 }
 
-// Eight bf16 values (16 bytes) as floats.
-__device__ __forceinline__ void bf16x8_to_float(const uint4& u, float (&f)[8]) {
-  const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const float2 p = __bfloat1622float2(b[e]);
-    f[2 * e] = p.x;
-    f[2 * e + 1] = p.y;
-  }
-}
+using detail::bf16x8_to_float;
 
 // Inputs i0..i0+7 of token t as bf16 (the values every weight type sees):
 // 16 bytes, and in v the same values as floats.
@@ -172,16 +163,10 @@ struct WeightRun<__nv_bfloat16> {
 template <>
 struct WeightRun<int8_t> {
   static constexpr int kChunks = 2;
-  // Chunk h is bytes [8h, 8h + 8). Each signed byte q, biased to q + 128,
-  // becomes the low mantissa byte of 2^23 (0x4B000000); subtracting
-  // 2^23 + 128 leaves q exactly.
+  // Chunk h is bytes [8h, 8h + 8).
   __device__ __forceinline__ static void unpack(const uint4& v, int h, float (&f)[8]) {
-    const uint32_t words[2] = {(h ? v.z : v.x) ^ 0x80808080u, (h ? v.w : v.y) ^ 0x80808080u};
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        f[4 * j + e] = __uint_as_float(__byte_perm(words[j], 0x4B000000u, 0x7440u + e)) - 8388736.f;
+    detail::i8x4_to_floats(h ? v.z : v.x, f);
+    detail::i8x4_to_floats(h ? v.w : v.y, f + 4);
   }
 };
 

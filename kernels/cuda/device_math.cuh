@@ -94,6 +94,26 @@ __device__ __forceinline__ void q4_word_to_floats(uint32_t word, float (&f)[8]) 
   }
 }
 
+// Four signed bytes of `word` as floats, in byte order: each byte biased to
+// q + 128 becomes the low mantissa byte of 2^23 (0x4B000000), and 2^23 + 128
+// is subtracted, leaving q exactly (a byte permute and an add a value).
+__device__ __forceinline__ void i8x4_to_floats(uint32_t word, float* f) {
+  const uint32_t biased = word ^ 0x80808080u;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) f[e] = __uint_as_float(__byte_perm(biased, 0x4B000000u, 0x7440u + e)) - 8388736.f;
+}
+
+// Eight bf16 values (16 bytes) as floats.
+__device__ __forceinline__ void bf16x8_to_float(const uint4& u, float (&f)[8]) {
+  const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 p = __bfloat1622float2(b[e]);
+    f[2 * e] = p.x;
+    f[2 * e + 1] = p.y;
+  }
+}
+
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
 __device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + __expf(-v)); }
 

@@ -128,25 +128,16 @@ __device__ void stage_plain(const float* x, int n, float* xs) {
   __syncthreads();
 }
 
-// Sixteen INT8 values (biased bytes into 2^23's mantissa, as dense_matmul's
-// GEMVs unpack them) or eight bf16 values, as floats.
+// Sixteen INT8 values or eight bf16 values (16 bytes) as floats.
 template <bool I8>
 __device__ __forceinline__ void unpack_run(const uint4& v, float (&f)[I8 ? 16 : 8]) {
   if constexpr (I8) {
-    const uint32_t w[4] = {v.x ^ 0x80808080u, v.y ^ 0x80808080u, v.z ^ 0x80808080u, v.w ^ 0x80808080u};
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        f[4 * j + e] = __uint_as_float(__byte_perm(w[j], 0x4B000000u, 0x7440u + e)) - 8388736.f;
+    detail::i8x4_to_floats(v.x, f);
+    detail::i8x4_to_floats(v.y, f + 4);
+    detail::i8x4_to_floats(v.z, f + 8);
+    detail::i8x4_to_floats(v.w, f + 12);
   } else {
-    const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 p = __bfloat1622float2(b[e]);
-      f[2 * e] = p.x;
-      f[2 * e + 1] = p.y;
-    }
+    detail::bf16x8_to_float(v, f);
   }
 }
 
