@@ -449,6 +449,7 @@ size_t CudaEngine::Impl::kv_block_bytes() const { return size_t(mla ? 1 : 2) * d
 CudaEngine::~CudaEngine() = default;
 
 Status CudaEngine::Impl::setup_fused() {
+  const bool int8 = !layers.empty() && layers[0].qkv_w.q != nullptr;  // every dense matrix alike, checked below
   // Why the fused pass cannot serve this engine, or "" (then it is set up).
   auto why_not = [&]() -> std::string {
     if (!opts.fused_decode) return "off";
@@ -459,7 +460,6 @@ Status CudaEngine::Impl::setup_fused() {
     if (opts.bench_omit) return "off: kernels left out (benchmark)";
     if (kv_dtype != KvDtype::bf16) return "off: KV rows not in bf16";
     if (dense == DenseDtype::int4) return "off: INT4 dense weights";
-    const bool int8 = layers[0].qkv_w.q != nullptr;
     for (const DevLayer& L : layers) {
       if (L.mlp_gu_w) return "off: a shared expert";
       if (!L.router_w || L.router_row >= 0) return "off: the router's rows are not a matrix of their own";
@@ -477,7 +477,7 @@ Status CudaEngine::Impl::setup_fused() {
   fused.head_dim = d.head_dim;
   fused.n_experts = n_experts;
   fused.top_k = top_k;
-  fused.int8 = layers[0].qkv_w.q != nullptr;
+  fused.int8 = int8;
   fused.eps = d.rms_eps;
   fused.qk_norm_full_width = d.qk_norm == QkNorm::whole;
   fused.renormalize = d.moe.norm_topk_prob;

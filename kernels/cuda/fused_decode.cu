@@ -633,11 +633,6 @@ size_t smem_bytes(const FusedDecodeArgs& a) {
   return std::max({dense, attention, route, gate_up, down});
 }
 
-bool fast_layout(const Q4MatrixLayout& m) {
-  return m.cols % 32 == 0 && m.group % 32 == 0 && m.cols / 32 <= detail::kMaxFastChunks &&
-         m.codes_offset % 16 == 0 && m.params_offset % 4 == 0;
-}
-
 }  // namespace
 
 int fused_decode_max_splits(int max_context, int n_kv, int blocks) {
@@ -663,8 +658,8 @@ std::string fused_decode_unsupported(const FusedDecodeArgs& a, int device) {
   if (a.hidden % W != 0 || (a.n_heads * a.head_dim) % W != 0) return "a dense width is not a whole number of 16-byte runs";
   if (a.top_k < 1 || a.top_k > kMaxTopK || a.n_experts < a.top_k || a.n_experts > kMaxExperts)
     return "top_k above 32 or experts above 1,024";
-  if (a.layout.hidden != a.hidden || !fast_layout(a.layout.gate) || !fast_layout(a.layout.up) ||
-      !fast_layout(a.layout.down))
+  if (a.layout.hidden != a.hidden || !detail::q4_fast_layout(a.layout.gate) ||
+      !detail::q4_fast_layout(a.layout.up) || !detail::q4_fast_layout(a.layout.down))
     return "the experts' widths or groups are outside the fast INT4 layout (multiples of 32, at most 4,096)";
   int coop = 0, optin = 0;
   if (cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device) != cudaSuccess || !coop)

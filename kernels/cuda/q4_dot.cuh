@@ -20,6 +20,13 @@ namespace moe::cuda::detail {
 
 constexpr int kMaxFastChunks = 128;  // 4 chunks per lane: K <= 4096
 
+// True where a matrix's layout takes the fast path: whole 32-input chunks,
+// groups of whole chunks, K <= 4096, codes in 16-byte runs, params in words.
+__host__ __device__ inline bool q4_fast_layout(const Q4MatrixLayout& m) {
+  return m.cols % 32 == 0 && m.group % 32 == 0 && m.cols / 32 <= kMaxFastChunks && m.codes_offset % 16 == 0 &&
+         m.params_offset % 4 == 0;
+}
+
 // Bytes of shared memory one staged vector of K inputs takes.
 // Per staged vector; a multiple of 16 bytes so that the next vector's
 // 16-byte runs stay aligned (an odd chunk count would leave 8 over).

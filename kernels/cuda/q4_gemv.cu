@@ -431,11 +431,6 @@ int down_flat_items(int pairs) {
   return 0;
 }
 
-bool fast_ok(const Q4MatrixLayout& m) {
-  return m.cols % 32 == 0 && m.group % 32 == 0 && m.cols / 32 <= kMaxFastChunks &&
-         m.codes_offset % 16 == 0 && m.params_offset % 4 == 0;
-}
-
 int log2_int(int v) {
   int s = 0;
   while ((1 << s) < v) ++s;
@@ -474,7 +469,7 @@ dim3 pairs_grid(int row_blocks, int pairs, bool pair_fastest) {
 
 template <typename XT, bool GATE_UP>
 Status launch_rows(RowsParams p, int pairs, cudaStream_t stream) {
-  const bool fast = fast_ok(p.m0) && (!GATE_UP || fast_ok(p.m1));
+  const bool fast = detail::q4_fast_layout(p.m0) && (!GATE_UP || detail::q4_fast_layout(p.m1));
   const int K = p.m0.cols;
   const size_t smem = staged_bytes(K, fast);
   Status st;
@@ -595,7 +590,7 @@ Status q4_expert_down(const Q4ExpertArgs& a, const float* h, float* out, bool ac
   p.accumulate = accumulate;
   p.split = a.split;
   p.token_fastest = a.tokens > 1;
-  const bool fast = fast_ok(p.m);
+  const bool fast = detail::q4_fast_layout(p.m);
   const int K = p.m.cols;
   const size_t smem = staged_bytes(K, fast) * size_t(a.top_k);
   MOE_CUDA_REQUIRE(smem <= 200 * 1024, "top_k * inter too large for one block's shared memory");
