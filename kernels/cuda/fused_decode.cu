@@ -668,7 +668,13 @@ std::string fused_decode_unsupported(const FusedDecodeArgs& a, int device) {
   const size_t smem = smem_bytes(a);
   if (smem + 1024 > size_t(optin)) return "the pass needs more shared memory a block than the device has";
   const KernelFn k = kernel_for(a);
-  if (cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
+  // The limit is the kernel's, not this engine's: every engine in the
+  // process shares it, so it only ever rises (an engine setting its own
+  // smaller size would fail the launches of a larger one created before).
+  cudaFuncAttributes fa{};
+  if (cudaFuncGetAttributes(&fa, k) != cudaSuccess) return "the kernel's attributes could not be read";
+  if (size_t(fa.maxDynamicSharedSizeBytes) < smem &&
+      cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
     return "the kernel's shared memory could not be raised";
   int per_sm = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, kThreads, smem) != cudaSuccess || per_sm < 1)

@@ -642,6 +642,29 @@ TEST_CASE("cuda engine: the fused decode pass gives the chain's and the CPU engi
     }
     CHECK(fused->expert_stats().fused_passes == 10);
   }
+  SECTION("fused engines of different shapes run side by side") {
+    // The kernel's shared-memory limit belongs to the process: an engine
+    // needing less, created after one needing more, must not lower it under
+    // the first (the demo model's pass takes more than the qwen3_moe
+    // fixture's; the same kernel serves both in bf16).
+    CudaEngineOptions o;
+    o.fused_decode = true;
+    o.dense_weights = DenseWeights::bf16;
+    auto big = cuda_engine(packed("demo-moe"), o);
+    auto small = cuda_engine(packed("qwen3_moe"), o);
+    for (CudaEngine* e : {big.get(), small.get()}) {
+      REQUIRE(e->expert_stats().fused_decode == "on");
+      const int V = e->desc().vocab_size;
+      std::vector<SeqInput> first = {input(1, prompt(8, V, 47), 0)};
+      auto p = e->step(first);
+      REQUIRE(p.ok());
+      std::vector<SeqInput> next = {input(1, {(*p)[0].token}, 8)};
+      auto d = e->step(next);
+      INFO((d.ok() ? std::string() : d.error()));
+      REQUIRE(d.ok());
+      CHECK(e->expert_stats().fused_passes == 1);
+    }
+  }
   SECTION("shapes it does not serve say why and run the chain") {
     CudaEngineOptions on;
     on.fused_decode = true;
