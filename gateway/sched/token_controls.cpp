@@ -39,9 +39,19 @@ void TokenControls::generated(int32_t token) {
 std::vector<uint32_t> TokenControls::allowed(const SequenceRequest& req) const {
   if (!grammar_ || state_.empty()) return {};
   std::vector<uint32_t> words = *grammar_->mask(state_);
-  if (state_.finishable(grammar_->schema()))
-    for (int32_t id : req.stop_ids)
-      if (id >= 0 && size_t(id) / 32 < words.size()) words[size_t(id) / 32] |= 1u << (id % 32);
+  // The stop ids end the choice: allowed exactly when the value is complete.
+  // A request's own stop ids may be text the grammar takes mid-value (a
+  // newline, a brace): there they are cleared, or the choice would end
+  // with the value open.
+  const bool finishable = state_.finishable(grammar_->schema());
+  for (int32_t id : req.stop_ids) {
+    if (id < 0 || size_t(id) / 32 >= words.size()) continue;
+    const uint32_t bit = 1u << (id % 32);
+    if (finishable)
+      words[size_t(id) / 32] |= bit;
+    else
+      words[size_t(id) / 32] &= ~bit;
+  }
   return words;
 }
 

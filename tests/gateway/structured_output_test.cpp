@@ -16,6 +16,8 @@
 #include "gateway/structured/json_grammar.h"
 #include "gateway/structured/json_schema.h"
 #include "gateway/structured/token_grammar.h"
+#include "gateway/sched/scheduler.h"
+#include "gateway/sched/token_controls.h"
 
 using namespace moe::gw;
 using namespace moe::gw::structured;
@@ -361,6 +363,33 @@ TEST_CASE("structured: a token mask equals feeding every token's bytes, and leav
     if (cut < text.size()) REQUIRE(g.feed(*sc, text.substr(cut, 1)));
   }
   CHECK(allowed_somewhere > text.size());
+}
+
+TEST_CASE("structured: a request's stop ids that the grammar takes as text are allowed only once the value is complete",
+          "[gateway][structured]") {
+  // A newline is whitespace inside the value and a brace may close it: as
+  // stop ids they would end the choice with the value open (the stop id is
+  // not shown), so until the value is complete they are not allowed; then
+  // they are, with the model's own end.
+  PieceCodec codec;
+  GrammarRegistry registry(&codec);
+  SequenceRequest req;
+  req.grammar = registry.grammar(compile({{"type", "object"}}));
+  const int32_t newline = '\n', brace = '}', end = codec.vocab_size() - 1;  // byte b is token b
+  req.stop_ids = {end, newline, brace};
+  auto has = [](const std::vector<uint32_t>& w, int32_t id) { return (w[size_t(id) / 32] >> (id % 32) & 1u) != 0; };
+  const std::vector<uint32_t> open = TokenControls(req, std::vector<int32_t>{'{'}).allowed(req);
+  REQUIRE(!open.empty());
+  CHECK(has(open, ' '));  // whitespace, as the newline would be
+  CHECK(has(open, '"'));
+  CHECK_FALSE(has(open, newline));
+  CHECK_FALSE(has(open, brace));
+  CHECK_FALSE(has(open, end));
+  const std::vector<uint32_t> done = TokenControls(req, std::vector<int32_t>{'{', '}'}).allowed(req);
+  REQUIRE(!done.empty());
+  CHECK(has(done, newline));
+  CHECK(has(done, brace));
+  CHECK(has(done, end));
 }
 
 TEST_CASE("structured: characters the vocabulary has no token for are spelled in bytes, and only whole",
