@@ -250,17 +250,21 @@ void Generation::token(Choice& c, const TokenEvent& ev) {
     c.logprob_sum += ev.logprob;
     ++c.logprob_count;
   }
+  // The token's text starts after everything decoded before it, whether
+  // shown yet or held back (a possible stop string, part of a character).
+  const size_t offset = c.decoded_chars;
   if (req_.sampling.logprobs && !stop_id) {
     if (req_.stream) {
       chunk_logprobs = empty_logprobs();
-      add_logprobs(ev, c.text_chars, chunk_logprobs);
+      add_logprobs(ev, offset, chunk_logprobs);
     } else {
       if (!hold(logprob_entry_bytes(req_.sampling.top_logprobs))) return;
-      add_logprobs(ev, c.text_chars, c.logprobs);
-      c.logprob_offsets.push_back(c.text_chars);
+      add_logprobs(ev, offset, c.logprobs);
+      c.logprob_offsets.push_back(offset);
     }
   }
   std::string piece = stop_id ? std::string() : c.decoder->push(ev.token);
+  c.decoded_chars += code_points(piece);
   // Stop strings count from the min_tokens-th token on (the text before it
   // passes the matcher unseen, as the stop ids are banned until then).
   StopMatcher::Step step = c.tokens <= req_.min_tokens ? StopMatcher::Step{piece, false} : c.matcher.push(piece);

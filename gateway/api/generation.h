@@ -87,7 +87,11 @@ class Generation : public std::enable_shared_from_this<Generation> {
     std::optional<ReasoningSplitter> splitter;
     std::string reasoning;        // a whole response's reasoning_content
     size_t text_bytes = 0;        // bytes of text shown so far
-    size_t text_chars = 0;        // its characters (code points): completions' text_offset
+    size_t text_chars = 0;        // its characters (code points)
+    // Characters the decoder has given so far, shown or held back (a
+    // possible stop string, part of a character): where the next token's
+    // text starts, its text_offset.
+    size_t decoded_chars = 0;
     int tokens = 0;               // generated, stop ids included
     uint64_t last_token_ns = 0;
     std::string finish_reason;

@@ -316,6 +316,42 @@ TEST_CASE("api: a stop string's tokens leave a whole response's logprobs with it
   CHECK(c["choices"][0]["message"]["content"] == "ab");
   REQUIRE(c["choices"][0]["logprobs"]["content"].size() == 2);
   CHECK(c["choices"][0]["logprobs"]["content"][1]["token"] == "b");
+
+  // Text held back because it may begin a stop string still has its place:
+  // "XY" waits as the start of "XYQ", then "E" as the start of "END", which
+  // ends the choice. Each token's offset is where its text starts in the
+  // text, and the tokens of the stop string ("E", "N", "D") leave, "E" too.
+  for (const bool stream : {false, true}) {
+    gw.scheduler().set_script(spell("abXYENDz"));
+    const json req = {{"model", "demo-moe"}, {"prompt", "p"}, {"logprobs", 1}, {"stream", stream},
+                      {"stop", {"XYQ", "END"}}};
+    const auto r = post(gw, "/v1/completions", req);
+    json tokens = json::array(), offsets = json::array();
+    std::string text;
+    if (stream) {
+      for (const json& ev : events_json(r)) {
+        const json& ch = ev["choices"][0];
+        text += ch["text"].get<std::string>();
+        if (ch.contains("logprobs") && ch["logprobs"].is_object())
+          for (size_t i = 0; i < ch["logprobs"]["tokens"].size(); ++i) {
+            tokens.push_back(ch["logprobs"]["tokens"][i]);
+            offsets.push_back(ch["logprobs"]["text_offset"][i]);
+          }
+      }
+    } else {
+      const json k2 = json::parse(r.body);
+      text = k2["choices"][0]["text"];
+      tokens = k2["choices"][0]["logprobs"]["tokens"];
+      offsets = k2["choices"][0]["logprobs"]["text_offset"];
+    }
+    INFO("stream " << stream);
+    CHECK(text == "abXY");
+    if (!stream) CHECK(tokens == json::array({"a", "b", "X", "Y"}));
+    // A stream sends each token's entry as it comes (the stop string's
+    // included): their offsets are still where their text starts.
+    const json want = stream ? json::array({0, 1, 2, 3, 4, 5, 6}) : json::array({0, 1, 2, 3});
+    CHECK(offsets == want);
+  }
 }
 
 TEST_CASE("api: validation errors have OpenAI's shape and status", "[gateway][api][errors]") {
