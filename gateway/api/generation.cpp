@@ -26,9 +26,18 @@ using json = nlohmann::json;
 // Token text may be part of a UTF-8 character; invalid bytes become U+FFFD.
 std::string dump(const json& j) { return json_text(j); }
 
-// What a logprob entry of a whole response costs in memory, roughly: the
-// JSON nodes of the token, its bytes and each alternative.
-size_t logprob_entry_bytes(int alternatives) { return 160 + size_t(alternatives) * 128; }
+// What a logprob entry of a whole response costs in memory: its JSON nodes
+// and, at the end, its share of the response's text. Measured with glibc's
+// allocator on nlohmann::json trees shaped as add_logprobs makes them
+// (12,416 entries): chat 640 + 540 a alternative in the tree and 75 + 60 in
+// the text (an alternative is an object with a bytes array); completions
+// 115 + 100 and 20 + 17 (an alternative is one key). Counting less let one
+// request within every limit (n 128, top_logprobs 20, 97 tokens) hold ~400
+// MB against a 64 MiB limit.
+size_t logprob_entry_bytes(ApiKind kind, int alternatives) {
+  const size_t k = size_t(std::max(alternatives, 0));
+  return kind == ApiKind::chat ? 720 + k * 600 : 160 + k * 128;
+}
 
 json bytes_array(const std::string& s) {
   json a = json::array();
@@ -258,7 +267,7 @@ void Generation::token(Choice& c, const TokenEvent& ev) {
       chunk_logprobs = empty_logprobs();
       add_logprobs(ev, offset, chunk_logprobs);
     } else {
-      if (!hold(logprob_entry_bytes(req_.sampling.top_logprobs))) return;
+      if (!hold(logprob_entry_bytes(req_.kind, req_.sampling.top_logprobs))) return;
       add_logprobs(ev, offset, c.logprobs);
       c.logprob_offsets.push_back(offset);
     }

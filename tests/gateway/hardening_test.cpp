@@ -218,6 +218,27 @@ TEST_CASE("hardening: a whole response past --max-response-bytes fails; the stre
   still_serves(gw);
 }
 
+TEST_CASE("hardening: a whole response's logprobs count what they cost in memory against --max-response-bytes",
+          "[gateway][hardening]") {
+  // Chat's 20 alternatives a token are ~11 KB a token as JSON nodes: 40
+  // tokens pass 256 KiB (counted at 2.7 KB a token they did not, and one
+  // request of n 128 held ~400 MB under a 64 MiB limit). Completions' are
+  // one key each (~100 bytes): 40 tokens of their most, 5, fit.
+  ApiOptions api;
+  api.max_response_bytes = 256 << 10;
+  TestGateway gw({}, api);
+  gw.scheduler().set_script([](const SequenceRequest&, int) { return int32_t{'x'}; });
+  expect_error(http(gw.port(), "POST", kChat,
+                    chat_body("hi", R"("max_tokens":20,"n":2,"logprobs":true,"top_logprobs":20,"ignore_eos":true)")),
+               400, "response_too_large");
+  CHECK(eventually([&] { return gw.scheduler().active() == 0; }));
+  auto completion = http(gw.port(), "POST", "/v1/completions",
+                         R"({"model":"demo-moe","prompt":"x","max_tokens":20,"n":2,"logprobs":5,"ignore_eos":true})");
+  INFO(completion.body);
+  CHECK(completion.status == 200);
+  still_serves(gw);
+}
+
 TEST_CASE("hardening: sequences in flight are bounded per caller and waiting ones in total (429)",
           "[gateway][hardening][admission]") {
   ApiOptions api;
