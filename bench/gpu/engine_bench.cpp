@@ -278,6 +278,13 @@ int main(int argc, char** argv) {
       else std::fprintf(stderr, "moe-bench-engine: %s\n", c.error().c_str());
       bad = bad || !c.ok();
     };
+    // An on|off option; anything else ends with the usage.
+    auto on_off = [&](bool& field) {
+      const std::string v = val();
+      if (v == "on" || v == "off") field = v == "on";
+      else std::fprintf(stderr, "moe-bench-engine: %s takes on or off\n", a.c_str());
+      bad = bad || (v != "on" && v != "off");
+    };
     if (a == "--shape") o.shape = val();
     else if (a == "--steps") o.steps = std::atoi(val().c_str());
     else if (a == "--context") o.context = std::atoi(val().c_str());
@@ -303,21 +310,9 @@ int main(int argc, char** argv) {
     else if (a == "--threads") o.threads = std::atoi(val().c_str());
     else if (a == "--skip-resident") o.resident = false;
     else if (a == "--admit-per-pass") o.admit_per_pass = std::atoi(val().c_str());
-    else if (a == "--stream-ahead") {
-      const std::string v = val();
-      if (v != "on" && v != "off") {
-        std::fprintf(stderr, "moe-bench-engine: --stream-ahead takes on or off\n");
-        return usage();
-      }
-      o.stream_ahead = v == "on";
-    } else if (a == "--fused-decode") {
-      const std::string v = val();
-      if (v != "on" && v != "off") {
-        std::fprintf(stderr, "moe-bench-engine: --fused-decode takes on or off\n");
-        return usage();
-      }
-      o.fused_decode = v == "on";
-    } else if (a == "--fused-stamps") {
+    else if (a == "--stream-ahead") on_off(o.stream_ahead);
+    else if (a == "--fused-decode") on_off(o.fused_decode);
+    else if (a == "--fused-stamps") {
       o.fused_stamps = true;
     } else if (a == "--attention-split-keys") {
       o.split_keys = std::atoi(val().c_str());
