@@ -126,6 +126,9 @@ std::string GatewayMetrics::render(const SchedulerStats& stats, bool ready, cons
                 double(g.overload_refused));
   render_scalar(out, "moe_gateway_rate_limited_total", "counter",
                 "Requests refused (429) by their key's rate limit.", double(g.rate_limited));
+  render_scalar(out, "moe_gateway_reading_refused_total", "counter",
+                "Requests refused (429) because their caller had its share of the requests being read at once.",
+                double(g.reading_refused));
   render_scalar(out, "moe_gateway_replayed_turns_total", "counter",
                 "Retried session turns (the same Idempotency-Key) answered from the store, not run again.",
                 double(g.replayed));

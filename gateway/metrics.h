@@ -45,6 +45,7 @@ struct GatewayGauges {
   uint64_t overload_fallback = 0;      // requests sent to the fallback by overload
   uint64_t overload_refused = 0;       // requests refused by overload (429)
   uint64_t rate_limited = 0;           // requests refused by their key's rate limit (429)
+  uint64_t reading_refused = 0;        // refused past the caller's share of the parse queue (429)
   uint64_t replayed = 0;               // retried session turns answered from the store
 };
 

@@ -144,18 +144,23 @@ struct PoolJob {
 // Parses waiting for or on the pool at once: past this a request is 503
 // (the pool has four threads; a backlog only delays every request's start).
 constexpr size_t kMaxPoolJobs = 64;
+// Once half the queue is taken, a caller holding this many parses already
+// is refused (429), so that one client flooding long prompts leaves the
+// other half to everyone else.
+constexpr size_t kPoolJobsShared = kMaxPoolJobs / 2;
+constexpr size_t kPoolJobsPerCallerPastShared = 8;
 
 }  // namespace
 
 void OpenAiApi::reply_off_loop(const std::shared_ptr<HttpExchange>& ex, const char* endpoint,
-                               std::function<HttpResponse()> make) {
+                               const std::string& caller, std::function<HttpResponse()> make) {
   auto out = std::make_shared<HttpResponse>();
-  off_loop(ex, endpoint, [out, make = std::move(make)] { *out = make(); },
+  off_loop(ex, endpoint, caller, [out, make = std::move(make)] { *out = make(); },
            [this, ex, endpoint, out] { reply(ex, endpoint, std::move(*out)); });
 }
 
-void OpenAiApi::off_loop(const std::shared_ptr<HttpExchange>& ex, const char* endpoint, std::function<void()> work,
-                         std::function<void()> then) {
+void OpenAiApi::off_loop(const std::shared_ptr<HttpExchange>& ex, const char* endpoint, const std::string& caller,
+                         std::function<void()> work, std::function<void()> then, bool admitted) {
   auto fail = [this, ex, endpoint] {
     reply_error(ex, endpoint,
                 ApiError{500, "Internal error while reading the request.", "server_error", "", "internal_error"});
@@ -164,16 +169,34 @@ void OpenAiApi::off_loop(const std::shared_ptr<HttpExchange>& ex, const char* en
     if (!last_resort("a request's text", work)) return fail();
     return then();
   }
-  if (jobs_in_flight_ >= kMaxPoolJobs) {
+  if (!admitted && jobs_in_flight_ >= kMaxPoolJobs) {
     HttpResponse r = api_error_response(ApiError{503, "Too many requests are being read at once; retry shortly.",
                                                  "server_error", "", "server_busy"});
     r.headers.emplace_back("Retry-After", "1");
     return reply(ex, endpoint, std::move(r));
   }
+  if (!admitted && jobs_in_flight_ >= kPoolJobsShared) {
+    auto it = pool_jobs_by_caller_.find(caller);
+    if (it != pool_jobs_by_caller_.end() && it->second >= kPoolJobsPerCallerPastShared) {
+      ++pool_share_refused_;
+      HttpResponse r = api_error_response(ApiError{
+          429,
+          "Too many of this caller's requests are being read at once (" + std::to_string(it->second) +
+              ") while the server is busy; retry shortly.",
+          "rate_limit_error", "", "too_many_requests_reading"});
+      r.headers.emplace_back("Retry-After", "1");
+      return reply(ex, endpoint, std::move(r));
+    }
+  }
   auto* job = new PoolJob;
   job->work = std::move(work);
-  job->finish = [this, ex, fail, then = std::move(then)](bool failed) {
+  auto release = [this, caller] {
     --jobs_in_flight_;
+    auto it = pool_jobs_by_caller_.find(caller);
+    if (it != pool_jobs_by_caller_.end() && --it->second == 0) pool_jobs_by_caller_.erase(it);
+  };
+  job->finish = [this, ex, fail, release, then = std::move(then)](bool failed) {
+    release();
     ex->on_abort(nullptr);  // the job is gone after this
     // The client may have gone while its text was read: then nothing runs.
     if (!ex->open()) {
@@ -192,6 +215,7 @@ void OpenAiApi::off_loop(const std::shared_ptr<HttpExchange>& ex, const char* en
     (void)uv_cancel(reinterpret_cast<uv_req_t*>(&job->req));
   });
   ++jobs_in_flight_;
+  ++pool_jobs_by_caller_[caller];
   const int rc = uv_queue_work(
       server_->loop(), &job->req,
       [](uv_work_t* w) {
@@ -208,7 +232,7 @@ void OpenAiApi::off_loop(const std::shared_ptr<HttpExchange>& ex, const char* en
   if (rc != 0) {
     ex->on_abort(nullptr);
     delete job;
-    --jobs_in_flight_;
+    release();
     fail();
   }
 }
@@ -289,13 +313,13 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
   if (route.endpoint == kDebugExperts) return debug_experts(ex);
   if (page) return experts_page(ex, route.endpoint == kExperts);
   if (route.endpoint == kTokenize)
-    return reply_off_loop(ex, kTokenize,
+    return reply_off_loop(ex, kTokenize, caller.id,
                           [body = ex->request().body, codec = codec_, name = opts_.served_model_name,
                            max_context = scheduler_->ready() ? scheduler_->max_context() : 0] {
                             return tokenize_response(body, *codec, name, max_context);
                           });
   if (route.endpoint == kDetokenize)  // a long list of ids is decoded off the loop too
-    return reply_off_loop(ex, kDetokenize, [body = ex->request().body, codec = codec_, name = opts_.served_model_name] {
+    return reply_off_loop(ex, kDetokenize, caller.id, [body = ex->request().body, codec = codec_, name = opts_.served_model_name] {
       return detokenize_response(body, *codec, name);
     });
   metrics(ex);
@@ -305,7 +329,7 @@ void OpenAiApi::completions(ApiKind kind, const std::shared_ptr<HttpExchange>& e
   auto parsed = std::make_shared<ParsedJson>();
   // The exchange outlives the job (the job is let go on the loop), and
   // nothing writes its request meanwhile.
-  off_loop(ex, kind == ApiKind::chat ? kChat : kCompletions,
+  off_loop(ex, kind == ApiKind::chat ? kChat : kCompletions, caller.id,
            [parsed, ex] { *parsed = parse_json_body(ex->request().body); },
            [this, kind, ex, caller, parsed] { completions_parsed(kind, ex, caller, std::move(*parsed)); });
 }
@@ -516,7 +540,7 @@ void OpenAiApi::parse_then_start(std::shared_ptr<CompletionJob> job, int attempt
   job->limits = limits_now();
   job->parsed.reset();
   const auto ex = job->ex;
-  off_loop(ex, job->kind == ApiKind::chat ? kChat : kCompletions,
+  off_loop(ex, job->kind == ApiKind::chat ? kChat : kCompletions, job->caller.id,
            [job, codec = codec_] {
              job->parsed.emplace(parse_completion_request(job->kind, job->body, *codec, job->limits, job->prior));
            },
@@ -532,7 +556,8 @@ void OpenAiApi::parse_then_start(std::shared_ptr<CompletionJob> job, int attempt
              // Nothing reads the body after this: a large one's tree is
              // freed on the thread pool (freeing 330,000 numbers held the loop for tens of ms).
              if (job->ex->request().body.size() >= kFreeOffLoopBytes) free_off_loop(std::move(job->body));
-           });
+           },
+           /*admitted=*/true);
 }
 
 void OpenAiApi::free_off_loop(json tree) {
@@ -760,6 +785,7 @@ void OpenAiApi::metrics(const std::shared_ptr<HttpExchange>& ex) {
   g.overload_fallback = overload_fallback_;
   g.overload_refused = overload_refused_;
   g.rate_limited = rate_limited_;
+  g.reading_refused = pool_share_refused_;
   g.replayed = replayed_;
   r.body = metrics_->render(scheduler_->stats(), scheduler_->ready(), g);
   // Structured output's token masks (docs/structured-output.md).

@@ -118,10 +118,14 @@ class OpenAiApi final : public HttpHandler {
   // loop, unless the client has gone meanwhile. An exception in `work` is a
   // 500 for this request. `work` must touch nothing of this object: it
   // runs beside the loop. Without a server (no loop) both run here.
-  void off_loop(const std::shared_ptr<HttpExchange>& ex, const char* endpoint, std::function<void()> work,
-                std::function<void()> then);
+  // `caller` (Caller::id): once half the queue is taken, each caller may
+  // hold only a few places in it (a 429 past them). `admitted`: the
+  // request's next step (a completion's tokenising after its JSON was
+  // read): counted, never refused, since the request holds its place.
+  void off_loop(const std::shared_ptr<HttpExchange>& ex, const char* endpoint, const std::string& caller,
+                std::function<void()> work, std::function<void()> then, bool admitted = false);
   // off_loop for a reply `make` builds on the pool (/tokenize, /detokenize).
-  void reply_off_loop(const std::shared_ptr<HttpExchange>& ex, const char* endpoint,
+  void reply_off_loop(const std::shared_ptr<HttpExchange>& ex, const char* endpoint, const std::string& caller,
                       std::function<HttpResponse()> make);
   // A completion request from its parse on: what run_completion checked,
   // and the parse's inputs and result.
@@ -168,6 +172,8 @@ class OpenAiApi final : public HttpHandler {
   uint64_t next_request_serial_ = 1;
   const HttpServer* server_ = nullptr;
   size_t jobs_in_flight_ = 0;
+  std::unordered_map<std::string, size_t> pool_jobs_by_caller_;  // off_loop's jobs by Caller::id
+  uint64_t pool_share_refused_ = 0;  // refused past a caller's share of the queue
   // Sessions with a turn running here (owner and id): a second turn of one
   // meanwhile is a 409, since each turn is answered from and saved over
   // the turns before it (two at once: one's turn lost, neither seeing the other).

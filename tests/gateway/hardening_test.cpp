@@ -507,10 +507,13 @@ struct GateScope {
   }
 };
 
-std::string post(const std::string& path, const std::string& body) {
-  return "POST " + path + " HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" +
-         body;
+std::string post(const std::string& path, const std::string& body, const std::string& extra = "") {
+  return "POST " + path + " HTTP/1.1\r\nHost: x\r\n" + extra + "Content-Length: " + std::to_string(body.size()) +
+         "\r\n\r\n" + body;
 }
+
+// A request's client address as a trusted proxy (127.0.0.1) forwards it.
+std::string from(const std::string& address) { return "X-Forwarded-For: " + address + "\r\n"; }
 
 TEST_CASE("hardening: a request being tokenised holds up no other connection", "[gateway][hardening]") {
   GatedCodec codec;
@@ -558,14 +561,16 @@ TEST_CASE("hardening: a /detokenize being decoded holds up no other connection",
 TEST_CASE("hardening: requests waiting to be tokenised are bounded, and dropped when their client leaves",
           "[gateway][hardening]") {
   GatedCodec codec;
-  TestGateway gw({}, {}, &codec);
+  ApiOptions api;
+  api.trusted_proxies = {"127.0.0.1"};  // each client below its own caller: no share binds
+  TestGateway gw({}, api, &codec);
   {
     GateScope gate(codec);
     // Four fill the pool's threads, at the gate.
     std::vector<std::unique_ptr<TestClient>> held;
     for (int i = 0; i < 4; ++i) {
       held.push_back(std::make_unique<TestClient>(gw.port()));
-      held.back()->send(post("/tokenize", R"({"prompt":"held"})"));
+      held.back()->send(post("/tokenize", R"({"prompt":"held"})", from("10.0.0." + std::to_string(i))));
     }
     REQUIRE(eventually([&] { return codec.waiting() == 4; }, 10000));
     // Queued behind them, then gone: taken off the queue at once.
@@ -579,10 +584,10 @@ TEST_CASE("hardening: requests waiting to be tokenised are bounded, and dropped 
     std::vector<std::unique_ptr<TestClient>> queued;
     for (int i = 0; i < 60; ++i) {
       queued.push_back(std::make_unique<TestClient>(gw.port()));
-      queued.back()->send(post("/tokenize", R"({"prompt":"queued"})"));
+      queued.back()->send(post("/tokenize", R"({"prompt":"queued"})", from("10.0.1." + std::to_string(i))));
     }
     REQUIRE(eventually([&] { return gw.api().jobs_in_flight() == 64; }));
-    auto busy = http(gw.port(), "POST", "/tokenize", R"({"prompt":"one more"})");
+    auto busy = http(gw.port(), "POST", "/tokenize", R"({"prompt":"one more"})", from("10.0.2.1"));
     expect_error(busy, 503, "server_busy");
     CHECK(busy.headers["retry-after"] == "1");
     CHECK(http(gw.port(), "GET", "/health").status == 200);
@@ -592,6 +597,48 @@ TEST_CASE("hardening: requests waiting to be tokenised are bounded, and dropped 
   }
   CHECK(eventually([&] { return gw.api().jobs_in_flight() == 0; }));
   CHECK(gw.scheduler().submitted().empty());  // the chat that left never ran
+}
+
+TEST_CASE("hardening: one caller flooding the tokeniser's queue leaves the other half to everyone else",
+          "[gateway][hardening]") {
+  GatedCodec codec;
+  ApiOptions api;
+  api.trusted_proxies = {"127.0.0.1"};
+  TestGateway gw({}, api, &codec);
+  const std::string flooder = from("10.6.6.6"), honest = from("10.1.1.1");
+  GateScope gate(codec);
+  std::vector<std::unique_ptr<TestClient>> queued;
+  auto queue = [&](const std::string& path, const std::string& body, const std::string& who) {
+    queued.push_back(std::make_unique<TestClient>(gw.port()));
+    queued.back()->send(post(path, body, who));
+  };
+  for (int i = 0; i < 4; ++i) queue("/tokenize", R"({"prompt":"held"})", from("10.0.0." + std::to_string(i)));
+  REQUIRE(eventually([&] { return codec.waiting() == 4; }, 10000));
+  // One caller takes places while fewer than half (32) are taken...
+  for (int i = 0; i < 28; ++i) queue(i % 2 ? "/tokenize" : kChat, i % 2 ? R"({"prompt":"x"})" : chat_body("x"), flooder);
+  REQUIRE(eventually([&] { return gw.api().jobs_in_flight() == 32; }));
+  // ...then, holding more than its share (8), it is told to wait, whatever it asks.
+  for (const auto& [path, body] : {std::pair<std::string, std::string>{"/tokenize", R"({"prompt":"y"})"},
+                                   {kChat, chat_body("y")}, {"/detokenize", R"({"tokens":[104]})"}}) {
+    INFO(path);
+    auto refused = http(gw.port(), "POST", path, body, flooder);
+    expect_error(refused, 429, "too_many_requests_reading");
+    CHECK(refused.headers["retry-after"] == "1");
+  }
+  // Another caller still gets its share of the half left, then is told to wait too.
+  for (int i = 0; i < 8; ++i) queue(kChat, chat_body("hello"), honest);
+  REQUIRE(eventually([&] { return gw.api().jobs_in_flight() == 40; }));
+  expect_error(http(gw.port(), "POST", kChat, chat_body("hello"), honest), 429, "too_many_requests_reading");
+  // And so does each caller after it.
+  queue("/tokenize", R"({"prompt":"z"})", from("10.2.2.2"));
+  REQUIRE(eventually([&] { return gw.api().jobs_in_flight() == 41; }));
+  auto m = http(gw.port(), "GET", "/metrics");
+  CHECK(m.body.find("moe_gateway_reading_refused_total 4\n") != std::string::npos);
+  codec.open();
+  for (auto& c : queued) CHECK(c->read_response(10000).status == 200);
+  CHECK(eventually([&] { return gw.api().jobs_in_flight() == 0; }));
+  // Its requests all read, the flooder is welcome again.
+  CHECK(http(gw.port(), "POST", "/tokenize", R"({"prompt":"again"})", flooder).status == 200);
 }
 
 TEST_CASE("hardening: a request is checked against the context of the workers serving when its parse ends",
