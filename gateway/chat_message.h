@@ -3,6 +3,7 @@
 // turn's text. Built only from validated request fields (or validated
 // stored turns), so that nothing else a client sent travels with it.
 
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,6 +29,11 @@ struct ChatMessage {
   std::string request_key;
   std::string request_digest;
   std::string finish_reason;
+  // And the response that carried it, which a retry gets again unchanged:
+  // its id, its "created" (unix seconds) and its usage (compact JSON, "" none).
+  std::string response_id;
+  int64_t created = 0;
+  std::string usage;
 };
 
 using ChatMessages = std::vector<ChatMessage>;

@@ -398,6 +398,9 @@ void Generation::complete() {
     const Choice& c0 = *choices_[0];
     ChatMessage reply{"assistant", c0.text, c0.tool_calls.empty() ? std::string() : c0.tool_calls.dump(), ""};
     reply.finish_reason = c0.finish_reason;
+    reply.response_id = ctx_.response_id;
+    reply.created = ctx_.created;
+    reply.usage = json_text(usage());
     // The session's store answers first (a next turn sent to another host
     // must find this one), then the response ends.
     ctx_.on_complete(reply, [self = shared_from_this()] {

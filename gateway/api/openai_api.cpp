@@ -439,11 +439,17 @@ void OpenAiApi::replay(const std::shared_ptr<HttpExchange>& ex, const json& body
   const std::string model = body.is_object() && body.contains("model") && body["model"].is_string()
                                 ? body["model"].get<std::string>()
                                 : opts_.served_model_name;
-  const std::string id = new_id("chatcmpl-");
-  const int64_t created = static_cast<int64_t>(std::time(nullptr));
-  const json usage = {{"prompt_tokens", 0}, {"completion_tokens", 0}, {"total_tokens", 0}};
+  // The response as it was sent: its id, time and usage (a turn stored
+  // before these were kept gets a new id and no counts).
+  const std::string id = !stored.response_id.empty() ? stored.response_id : new_id("chatcmpl-");
+  const int64_t created = stored.created != 0 ? stored.created : static_cast<int64_t>(std::time(nullptr));
+  json usage = stored.usage.empty() ? json() : json::parse(stored.usage, nullptr, false);
+  if (!usage.is_object()) usage = {{"prompt_tokens", 0}, {"completion_tokens", 0}, {"total_tokens", 0}};
   HttpHeaders headers = {{"X-Session-Id", session.id}, {"X-Moe-Replayed", "1"}};
   const bool stream = body.is_object() && body.contains("stream") && body["stream"].is_boolean() && body["stream"].get<bool>();
+  const bool include_usage = stream && body.contains("stream_options") && body["stream_options"].is_object() &&
+                             body["stream_options"].contains("include_usage") &&
+                             body["stream_options"]["include_usage"] == true;
   ++replayed_;
   if (!stream) {
     HttpResponse r;
@@ -477,6 +483,15 @@ void OpenAiApi::replay(const std::shared_ptr<HttpExchange>& ex, const json& body
   ex->send(chunk({{"role", "assistant"}, {"content", ""}}, nullptr));
   ex->send(chunk(message, nullptr));
   ex->send(chunk(json::object(), finish));
+  if (include_usage)
+    ex->send("data: " +
+             json_text(json{{"id", id},
+                            {"object", "chat.completion.chunk"},
+                            {"created", created},
+                            {"model", model},
+                            {"choices", json::array()},
+                            {"usage", usage}}) +
+             "\n\n");
   ex->send("data: [DONE]\n\n");
   ex->end();
 }
@@ -696,7 +711,12 @@ void OpenAiApi::start_completion(CompletionJob& job) {
       // What a retry needs, only for a turn that can be retried by its key.
       conversation.back().request_key = request_key;
       conversation.back().request_digest = request_key.empty() ? std::string() : request_digest;
-      if (request_key.empty()) conversation.back().finish_reason.clear();
+      if (request_key.empty()) {  // nothing to answer a retry with
+        conversation.back().finish_reason.clear();
+        conversation.back().response_id.clear();
+        conversation.back().created = 0;
+        conversation.back().usage.clear();
+      }
       store->save(session, std::move(conversation), std::move(then));
     };
   }

@@ -26,7 +26,7 @@ size_t text_bytes(const ChatMessage& m) {
 size_t held_bytes(const ChatMessage& m) {
   size_t b = sizeof(ChatMessage) + 48;  // the vector's slot and the allocator's share
   for (const std::string* f : {&m.role, &m.content, &m.tool_calls, &m.tool_call_id, &m.request_key,
-                               &m.request_digest, &m.finish_reason})
+                               &m.request_digest, &m.finish_reason, &m.response_id, &m.usage})
     if (f->capacity() > 15) b += f->capacity() + 1;
   return b;
 }
@@ -185,11 +185,30 @@ std::optional<ChatMessages> SessionStore::from_redis(const std::string& key, std
     }
     for (auto [name, field] : {std::pair{"request_key", &turn.request_key},
                                std::pair{"request_digest", &turn.request_digest},
-                               std::pair{"finish_reason", &turn.finish_reason}}) {
+                               std::pair{"finish_reason", &turn.finish_reason},
+                               std::pair{"response_id", &turn.response_id}}) {
       auto k = m.find(name);
       if (k == m.end()) continue;
       if (!k->is_string() || k->get_ref<const std::string&>().size() > 128) return bad("a turn's request fields are malformed");
       *field = k->get<std::string>();
+    }
+    if (auto k = m.find("created"); k != m.end()) {
+      if (!k->is_number_integer()) return bad("a turn's created is not a number of seconds");
+      turn.created = k->get<int64_t>();
+    }
+    if (auto k = m.find("usage"); k != m.end()) {
+      // Counts, and objects of counts (prompt_tokens_details…), as the response had them.
+      const auto counts = [](const json& o) {
+        if (!o.is_object() || o.size() > 16) return false;
+        for (const auto& [name, v] : o.items())
+          if (name.size() > 64 || !v.is_number_integer()) return false;
+        return true;
+      };
+      bool ok = k->is_object() && k->size() <= 16;
+      if (ok)
+        for (const auto& [name, v] : k->items()) ok = ok && name.size() <= 64 && (v.is_number_integer() || counts(v));
+      if (!ok) return bad("a turn's usage is not a set of token counts");
+      turn.usage = k->dump();
     }
     out.push_back(std::move(turn));
   }
@@ -236,6 +255,9 @@ void SessionStore::save(const SessionKey& sk, ChatMessages messages, std::functi
       t["request_key"] = m.request_key;
       t["request_digest"] = m.request_digest;
       t["finish_reason"] = m.finish_reason;
+      if (!m.response_id.empty()) t["response_id"] = m.response_id;
+      if (m.created != 0) t["created"] = m.created;
+      if (!m.usage.empty()) t["usage"] = json::parse(m.usage, nullptr, false);
     }
     list.push_back(std::move(t));
   }

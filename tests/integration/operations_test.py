@@ -117,17 +117,26 @@ def idempotent_turns(port):
     sid = hdr["x-session-id"]
     status, hdr, data = post_chat(port, turn("def second():\n", sid), {"Idempotency-Key": "t2"})
     assert status == 200 and "x-moe-replayed" not in hdr, data
-    answer = json.loads(data)["choices"][0]["message"]["content"]
-    # The same key again (the answer lost on the way): the stored answer, not a new one.
+    first = json.loads(data)
+    answer = first["choices"][0]["message"]["content"]
+    assert first["usage"]["completion_tokens"] > 0, first
+    # The same key again (the answer lost on the way): the stored answer, not a new one, in the
+    # response that first carried it: its id, time and usage.
+    time.sleep(1.1)  # a response made anew would have a later "created"
     status, hdr, data = post_chat(port, turn("def second():\n", sid), {"Idempotency-Key": "t2"})
     assert status == 200 and hdr.get("x-moe-replayed") == "1", (hdr, data)
-    assert json.loads(data)["choices"][0]["message"]["content"] == answer
-    streamed = dict(turn("def second():\n", sid), stream=True)
+    again = json.loads(data)
+    assert again["choices"][0]["message"]["content"] == answer
+    for field in ("id", "created", "usage"):
+        assert again[field] == first[field], (field, again[field], first[field])
+    streamed = dict(turn("def second():\n", sid), stream=True, stream_options={"include_usage": True})
     status, hdr, data = post_chat(port, streamed, {"Idempotency-Key": "t2"})
-    text = "".join(json.loads(l[6:])["choices"][0]["delta"].get("content") or ""
-                   for l in data.decode().split("\n") if l.startswith("data: {"))
+    events = [json.loads(l[6:]) for l in data.decode().split("\n") if l.startswith("data: {")]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
     assert status == 200 and hdr.get("x-moe-replayed") == "1" and data.rstrip().endswith(b"data: [DONE]"), data
     assert text == answer, (text, answer)
+    assert all(e["id"] == first["id"] and e["created"] == first["created"] for e in events), events
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == first["usage"], events[-1]
     # A new key runs a new turn; a malformed key is refused.
     status, hdr, data = post_chat(port, turn("def third():\n", sid), {"Idempotency-Key": "t3"})
     assert status == 200 and "x-moe-replayed" not in hdr
@@ -141,8 +150,8 @@ def idempotent_turns(port):
     assert hdr.get("x-moe-replayed") == "1" and json.loads(data)["choices"][0]["finish_reason"] == "length", data
     m = h.metrics(port)
     assert m.get("moe_gateway_replayed_turns_total") == 3, m.get("moe_gateway_replayed_turns_total")
-    print("RESULT idempotent turns: retried turns answered from the store (whole, streamed, with their finish "
-          "reason); a key reused for another turn refused (422)")
+    print("RESULT idempotent turns: retried turns answered from the store (whole, streamed, with their id, "
+          "created, usage and finish reason); a key reused for another turn refused (422)")
 
 
 def priorities(c):

@@ -501,6 +501,35 @@ TEST_CASE("a session's turns that Redis refuses stay the conversation; what is s
   CHECK(again[2].content == "turn 2");
   CHECK(again[4].content == "turn 3");
 
+  // A keyed turn keeps the response that carried it (id, time, usage), so a
+  // retry on any gateway gets that response again unchanged.
+  {
+    auto keyed = again;
+    moe::gw::ChatMessage a{"assistant", "answer 4"};
+    a.request_key = "key-4";
+    a.request_digest = std::string(32, 'e');
+    a.finish_reason = "length";
+    a.response_id = "chatcmpl-0123456789abcdef";
+    a.created = 1765000000;
+    a.usage = R"({"completion_tokens":3,"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":2},"total_tokens":8})";
+    keyed.push_back({"user", "turn 4"});
+    keyed.push_back(a);
+    save(store, keyed);
+    moe::gw::SessionStore reader(client.get(), sso);
+    const auto got = load(reader);
+    REQUIRE(got.size() == 8);
+    CHECK(got.back() == a);
+    // A stored usage that is not counts is a copy load() refuses.
+    std::string text = raw.text({"GET", key});
+    const size_t at = text.find("\"total_tokens\":8");
+    REQUIRE(at != std::string::npos);
+    text.replace(at, 16, "\"total_tokens\":\"8\"");
+    REQUIRE(raw.text({"SET", key, text}) == "OK");
+    moe::gw::SessionStore doubter(client.get(), sso);
+    CHECK(load(doubter).empty());
+    save(store, again);
+  }
+
   // Text of control bytes (escaped sixfold) and keyed turns' request fields
   // are not counted by the text cap: what save() writes must still be what
   // load() accepts, never a copy it refuses and a history lost.
