@@ -297,12 +297,14 @@ void OpenAiApi::handle(const std::shared_ptr<HttpExchange>& ex) {
                          "unknown_url"});
     return;
   }
-  if (req.method != route.method) {
+  // HEAD is GET without the body (the server leaves it out).
+  const bool get = std::string_view(route.method) == "GET";
+  if (req.method != route.method && !(get && req.method == "HEAD")) {
     HttpResponse r = api_error_response(ApiError{405,
                                                  "Method " + req.method + " is not allowed on " + path + "; use " +
                                                      route.method + ".",
                                                  "invalid_request_error", "", "method_not_allowed"});
-    r.headers.emplace_back("Allow", route.method);
+    r.headers.emplace_back("Allow", get ? "GET, HEAD" : route.method);
     reply(ex, route.endpoint, std::move(r));
     return;
   }

@@ -137,10 +137,20 @@ void HttpRequestParser::parse_head() {
   if (method.empty() || !std::all_of(method.begin(), method.end(), is_token_char)) {
     return fail(400, "malformed request method");
   }
-  if (target.empty() || target[0] != '/') {
-    // Absolute-form and asterisk-form are for proxies and OPTIONS; not served.
-    return fail(400, "malformed request target");
+  // The absolute form (http://host/path), which a server must accept, is
+  // taken as its path and query; the asterisk form (OPTIONS *) is not served.
+  std::string absolute_path;
+  if (size_t scheme = target.find("://"); scheme != std::string_view::npos && scheme > 0 && target[0] != '/') {
+    const std::string s = to_lower(target.substr(0, scheme));
+    if (s != "http" && s != "https") return fail(400, "malformed request target");
+    std::string_view rest = target.substr(scheme + 3);
+    const size_t path_at = rest.find_first_of("/?");
+    if (path_at == 0) return fail(400, "malformed request target");  // no host
+    absolute_path = path_at == std::string_view::npos ? "/" : std::string(rest.substr(path_at));
+    if (absolute_path[0] == '?') absolute_path.insert(0, "/");
+    target = absolute_path;
   }
+  if (target.empty() || target[0] != '/') return fail(400, "malformed request target");
   for (char c : target) {
     if (static_cast<unsigned char>(c) <= 0x20 || c == 0x7f) return fail(400, "malformed request target");
   }
@@ -155,6 +165,7 @@ void HttpRequestParser::parse_head() {
   req_.version_minor = version[7] - '0';
 
   bool have_length = false;
+  int hosts = 0;
   bool have_transfer_encoding = false;
   bool chunked = false;
   for (size_t i = 1; i < lines.size(); ++i) {
@@ -187,7 +198,10 @@ void HttpRequestParser::parse_head() {
     } else if (lname == "transfer-encoding") {
       have_transfer_encoding = true;
       if (lists_token(value, "chunked")) chunked = true;
-    } else if (lname == "expect") {
+    } else if (lname == "host") {
+      ++hosts;
+    } else if (lname == "expect" && req_.version_minor >= 1) {
+      // (an HTTP/1.0 client's expectation is ignored: it knows no 100 Continue)
       if (to_lower(value) != "100-continue") return fail(417, "unsupported Expect header");
       req_.expect_continue = true;
     }
@@ -197,6 +211,9 @@ void HttpRequestParser::parse_head() {
     if (chunked) return fail(411, "chunked request bodies are not supported; send Content-Length");
     return fail(501, "Transfer-Encoding is not supported");
   }
+  // HTTP/1.1 names the host it asks, exactly once.
+  if (req_.version_minor >= 1 && hosts != 1)
+    return fail(400, hosts == 0 ? "missing Host header" : "more than one Host header");
   if (content_length_ > limits_.max_body_bytes) {
     return fail(413, "request body of " + std::to_string(content_length_) + " bytes exceeds the limit of " +
                          std::to_string(limits_.max_body_bytes) + " bytes");

@@ -126,7 +126,7 @@ class Connection {
       out += "Transfer-Encoding: chunked\r\n";
     }
     out += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
-    if (body) out += *body;
+    if (body && ex->req_.method != "HEAD") out += *body;  // a HEAD's answer: the length alone
     write(std::move(out), body != nullptr);
     if (!body) arm_ping();
   }

@@ -38,9 +38,9 @@ TEST_CASE("bench: requests per second through the gateway", "[.bench]") {
   TestGateway gw;
   // One token per request, emitted on the scheduler double's next 1 ms tick.
   std::string body = R"({"model":"demo-moe","prompt":"hello","max_tokens":1})";
-  std::string completion = "POST /v1/completions HTTP/1.1\r\nContent-Length: " + std::to_string(body.size()) +
+  std::string completion = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(body.size()) +
                            "\r\n\r\n" + body;
-  std::string models = "GET /v1/models HTTP/1.1\r\n\r\n";
+  std::string models = "GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n";
   for (int threads : {1, 4}) {
     std::printf("GET /v1/models, %d connection(s): %.0f req/s\n", threads,
                 requests_per_second(gw.port(), models, 5000, threads));

@@ -88,7 +88,7 @@ TEST_CASE("http: a request split into single bytes over the socket", "[gateway][
 TEST_CASE("http: header block too large is 431 and the connection closes", "[gateway][http]") {
   TestGateway gw;
   TestClient c(gw.port());
-  c.send("GET /v1/models HTTP/1.1\r\nX-Big: " + std::string(20000, 'a') + "\r\n\r\n");
+  c.send("GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + std::string(20000, 'a') + "\r\n\r\n");
   auto r = c.read_response();
   REQUIRE(r.ok);
   check_error_shape(r, 431, "request_header_too_large");
@@ -123,6 +123,62 @@ TEST_CASE("http: Expect 100-continue gets 100 before the body", "[gateway][http]
   CHECK(r.status == 200);
 }
 
+TEST_CASE("http: an HTTP/1.0 client's Expect gets no 100 Continue", "[gateway][http]") {
+  TestGateway gw;
+  TestClient c(gw.port());
+  c.send("POST /v1/chat/completions HTTP/1.0\r\nExpect: 100-continue\r\nContent-Length: " +
+         std::to_string(kChatBody.size()) + "\r\n\r\n" + kChatBody);
+  auto r = c.read_response();  // the answer itself, not an interim one it cannot read
+  REQUIRE(r.ok);
+  CHECK(r.status == 200);
+}
+
+TEST_CASE("http: HEAD is a GET's head; HTTP/1.1 names its host; an absolute target is its path", "[gateway][http]") {
+  TestGateway gw;
+  TestClient c(gw.port());
+  // Pipelined: the GET's answer follows the HEAD's head at once, so no body came between.
+  c.send("HEAD /health HTTP/1.1\r\nHost: t\r\n\r\nGET /health HTTP/1.1\r\nHost: t\r\n\r\n");
+  const std::string seen = c.read_until("\r\n\r\nHTTP/1.1 200 OK");
+  REQUIRE(seen.find("\r\n\r\nHTTP/1.1 200 OK") != std::string::npos);
+  CHECK(seen.rfind("HTTP/1.1 200 OK", 0) == 0);
+  const size_t len_at = seen.find("Content-Length: ");
+  REQUIRE(len_at != std::string::npos);
+  const int head_length = std::stoi(seen.substr(len_at + 16));
+  CHECK(head_length > 0);  // the length a GET's body has
+  auto r = c.read_response(5000, /*head_only=*/true);
+  CHECK(r.status == 200);
+  auto get = c.read_response();
+  REQUIRE(get.ok);
+  CHECK(int(get.body.size()) == head_length);
+  // HEAD where only POST is served: 405, and GET routes say they take HEAD too.
+  c.send("HEAD /v1/chat/completions HTTP/1.1\r\nHost: t\r\n\r\n");
+  c.send("GET /health HTTP/1.1\r\nHost: t\r\n\r\n");
+  auto no = c.read_response(5000, /*head_only=*/true);
+  CHECK(no.status == 405);
+  CHECK(no.headers["allow"] == "POST");
+  auto after = c.read_response();  // again the next answer follows the head at once
+  CHECK(after.status == 200);
+  CHECK(json::parse(after.body).is_object());
+  auto post_health = http(gw.port(), "POST", "/health", "{}");
+  check_error_shape(post_health, 405, "method_not_allowed");
+  CHECK(post_health.headers["allow"] == "GET, HEAD");
+  // No Host (or two) on HTTP/1.1: 400, and the connection closes.
+  for (const char* head : {"GET /health HTTP/1.1\r\n\r\n", "GET /health HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n"}) {
+    TestClient bad(gw.port());
+    bad.send(head);
+    auto e = bad.read_response();
+    check_error_shape(e, 400, "bad_request");
+    CHECK(bad.wait_closed());
+  }
+  // The absolute form a proxy sends is served as its path.
+  TestClient abs(gw.port());
+  abs.send("GET http://gateway.example:8000/v1/models HTTP/1.1\r\nHost: gateway.example:8000\r\n\r\n");
+  auto models = abs.read_response();
+  REQUIRE(models.ok);
+  CHECK(models.status == 200);
+  CHECK(json::parse(models.body)["object"] == "list");
+}
+
 TEST_CASE("http: bad request line, chunked body, HTTP/2 preface", "[gateway][http]") {
   TestGateway gw;
   {
@@ -135,7 +191,7 @@ TEST_CASE("http: bad request line, chunked body, HTTP/2 preface", "[gateway][htt
   }
   {
     TestClient c(gw.port());
-    c.send("POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n");
+    c.send("POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n");
     auto r = c.read_response();
     REQUIRE(r.ok);
     check_error_shape(r, 411, "length_required");
@@ -150,7 +206,7 @@ TEST_CASE("http: bad request line, chunked body, HTTP/2 preface", "[gateway][htt
   // What the server does not take is the client's error, not an internal one.
   for (const auto& [req, status, code] :
        {std::tuple{std::string("GET /v1/models HTTP/3.0\r\n\r\n"), 505, "http_version_not_supported"},
-        std::tuple{std::string("POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n"), 501,
+        std::tuple{std::string("POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n"), 501,
                    "not_implemented"}}) {
     TestClient c(gw.port());
     c.send(req);

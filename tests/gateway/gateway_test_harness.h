@@ -136,7 +136,8 @@ class TestClient {
   ~TestClient();
   void send(const std::string& bytes);
   // Reads one response (Content-Length, chunked or close-delimited).
-  ClientResponse read_response(int timeout_ms = 5000);
+  // `head_only`: the answer to a HEAD (its length says what a GET's body holds).
+  ClientResponse read_response(int timeout_ms = 5000, bool head_only = false);
   // Reads raw bytes until `needle` appears (or timeout); returns all read so far.
   std::string read_until(const std::string& needle, int timeout_ms = 5000);
   // True once the server closed the connection (EOF or reset) within the time.

@@ -60,7 +60,7 @@ TEST_CASE("parser: header block over the limit is 431", "[gateway][parser]") {
   HttpLimits lim;
   lim.max_header_bytes = 256;
   HttpRequestParser p(lim);
-  std::string req = "GET / HTTP/1.1\r\nX-Big: " + std::string(300, 'a') + "\r\n\r\n";
+  std::string req = "GET / HTTP/1.1\r\nHost: a\r\nX-Big: " + std::string(300, 'a') + "\r\n\r\n";
   feed_all(p, req);
   REQUIRE(p.state() == State::error);
   CHECK(p.error_status() == 431);
@@ -70,7 +70,7 @@ TEST_CASE("parser: Content-Length over the body limit is 413 before any body byt
   HttpLimits lim;
   lim.max_body_bytes = 10;
   HttpRequestParser p(lim);
-  feed_all(p, "POST / HTTP/1.1\r\nContent-Length: 11\r\n\r\n");
+  feed_all(p, "POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 11\r\n\r\n");
   REQUIRE(p.state() == State::error);
   CHECK(p.error_status() == 413);
 }
@@ -82,22 +82,29 @@ TEST_CASE("parser: malformed requests are 400/411/501/505", "[gateway][parser]")
   };
   const Case cases[] = {
       {"GARBAGE\r\n\r\n", 400},
-      {"GET  / HTTP/1.1\r\n\r\n", 400},
+      {"GET  / HTTP/1.1\r\nHost: a\r\n\r\n", 400},
       {"GET / HTTP/1.1 extra\r\n\r\n", 400},
-      {"GET noslash HTTP/1.1\r\n\r\n", 400},
-      {"G(T / HTTP/1.1\r\n\r\n", 400},
+      {"GET noslash HTTP/1.1\r\nHost: a\r\n\r\n", 400},
+      {"G(T / HTTP/1.1\r\nHost: a\r\n\r\n", 400},
       {"GET / HTTP/2.0\r\n\r\n", 505},
       {"GET / FTP/1.0\r\n\r\n", 400},
-      {"GET / HTTP/1.1\r\nNo colon here\r\n\r\n", 400},
-      {"GET / HTTP/1.1\r\nBad Name: x\r\n\r\n", 400},
-      {"GET / HTTP/1.1\r\nA: b\r\n folded\r\n\r\n", 400},
-      {"POST / HTTP/1.1\r\nContent-Length: 1x\r\n\r\n", 400},
-      {"POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400},
-      {"POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\n", 400},
-      {"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", 411},
-      {"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501},
-      {"POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n", 411},
-      {"POST / HTTP/1.1\r\nExpect: something\r\n\r\n", 417},
+      {"GET / HTTP/1.1\r\nHost: a\r\nNo colon here\r\n\r\n", 400},
+      {"GET / HTTP/1.1\r\nHost: a\r\nBad Name: x\r\n\r\n", 400},
+      {"GET / HTTP/1.1\r\nHost: a\r\nA: b\r\n folded\r\n\r\n", 400},
+      {"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 1x\r\n\r\n", 400},
+      {"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: -1\r\n\r\n", 400},
+      {"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\n", 400},
+      {"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n", 411},
+      {"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\n", 501},
+      {"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n", 411},
+      {"POST / HTTP/1.1\r\nHost: a\r\nExpect: something\r\n\r\n", 417},
+      // HTTP/1.1 names its host exactly once.
+      {"GET / HTTP/1.1\r\n\r\n", 400},
+      {"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400},
+      // An absolute form needs a host, and is http or https.
+      {"GET http:///x HTTP/1.1\r\nHost: a\r\n\r\n", 400},
+      {"GET ftp://a/x HTTP/1.1\r\nHost: a\r\n\r\n", 400},
+      {"OPTIONS * HTTP/1.1\r\nHost: a\r\n\r\n", 400},
   };
   for (const auto& c : cases) {
     INFO(c.text);
@@ -115,15 +122,15 @@ TEST_CASE("parser: keep-alive follows the version and Connection header", "[gate
     REQUIRE(p.state() == State::complete);
     return p.request().keep_alive;
   };
-  CHECK(keep("GET / HTTP/1.1\r\n\r\n"));
-  CHECK_FALSE(keep("GET / HTTP/1.1\r\nConnection: close\r\n\r\n"));
+  CHECK(keep("GET / HTTP/1.1\r\nHost: a\r\n\r\n"));
+  CHECK_FALSE(keep("GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"));
   CHECK_FALSE(keep("GET / HTTP/1.0\r\n\r\n"));
   CHECK(keep("GET / HTTP/1.0\r\nConnection: Keep-Alive\r\n\r\n"));
 }
 
 TEST_CASE("parser: bare LF line ends and leading empty lines are accepted", "[gateway][parser]") {
   HttpRequestParser p(HttpLimits{});
-  feed_all(p, "\r\n\nPOST /x HTTP/1.1\nContent-Length: 2\n\nok");
+  feed_all(p, "\r\n\nPOST /x HTTP/1.1\nHost: a\nContent-Length: 2\n\nok");
   REQUIRE(p.state() == State::complete);
   CHECK(p.request().path == "/x");
   CHECK(p.request().body == "ok");
@@ -131,7 +138,7 @@ TEST_CASE("parser: bare LF line ends and leading empty lines are accepted", "[ga
 
 TEST_CASE("parser: Expect 100-continue pauses after the headers", "[gateway][parser]") {
   HttpRequestParser p(HttpLimits{});
-  std::string head = "POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n";
+  std::string head = "POST / HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n";
   CHECK(p.feed(head + "ok") == head.size());
   REQUIRE(p.state() == State::headers_done);
   CHECK(p.request().expect_continue);
@@ -142,7 +149,7 @@ TEST_CASE("parser: Expect 100-continue pauses after the headers", "[gateway][par
 
 TEST_CASE("parser: three pipelined requests under 500 random splits", "[gateway][parser]") {
   const std::string reqs[3] = {kPost, "GET /health HTTP/1.1\r\nHost: a\r\n\r\n",
-                               "POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc"};
+                               "POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\nabc"};
   const std::string all = reqs[0] + reqs[1] + reqs[2];
   uint32_t rng = 12345;
   for (int trial = 0; trial < 500; ++trial) {
@@ -173,4 +180,30 @@ TEST_CASE("parser: three pipelined requests under 500 random splits", "[gateway]
     REQUIRE(paths == std::vector<std::string>{"/v1/completions", "/health", "/v1/chat/completions"});
     CHECK(bodies == std::vector<std::string>{"{\"a\": true}", "", "abc"});
   }
+}
+
+TEST_CASE("parser: an absolute-form target is served as its path", "[gateway][parser]") {
+  auto target = [](const std::string& t) {
+    HttpRequestParser p(HttpLimits{});
+    feed_all(p, "GET " + t + " HTTP/1.1\r\nHost: a\r\n\r\n");
+    REQUIRE(p.state() == State::complete);
+    return std::pair{p.request().target, p.request().path};
+  };
+  CHECK(target("http://a.example:8000/v1/models?x=1") == std::pair<std::string, std::string>{"/v1/models?x=1", "/v1/models"});
+  CHECK(target("HTTPS://a/health") == std::pair<std::string, std::string>{"/health", "/health"});
+  CHECK(target("http://a") == std::pair<std::string, std::string>{"/", "/"});
+  CHECK(target("http://a?q") == std::pair<std::string, std::string>{"/?q", "/"});
+}
+
+TEST_CASE("parser: HTTP/1.0 needs no Host, and its Expect is ignored", "[gateway][parser]") {
+  HttpRequestParser p(HttpLimits{});
+  // A 1.0 client knows no 100 Continue: none is asked of the server.
+  const std::string req = "POST / HTTP/1.0\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\nok";
+  feed_all(p, req);
+  REQUIRE(p.state() == State::complete);
+  CHECK_FALSE(p.request().expect_continue);
+  CHECK(p.request().body == "ok");
+  HttpRequestParser q(HttpLimits{});
+  feed_all(q, "POST / HTTP/1.0\r\nExpect: something\r\nContent-Length: 0\r\n\r\n");
+  CHECK(q.state() == State::complete);
 }

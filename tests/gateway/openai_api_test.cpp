@@ -837,7 +837,7 @@ TEST_CASE("api: a client disconnect cancels its sequences at once", "[gateway][a
   SECTION("streaming") {
     TestClient c(gw.port());
     std::string body = chat("x", {{"stream", true}, {"n", 2}}).dump();
-    c.send("POST /v1/chat/completions HTTP/1.1\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body);
+    c.send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body);
     c.read_until("\"content\":\"y\"");
     REQUIRE(gw.scheduler().active() == 2);
     c.close();
@@ -845,7 +845,7 @@ TEST_CASE("api: a client disconnect cancels its sequences at once", "[gateway][a
   SECTION("whole response") {
     TestClient c(gw.port());
     std::string body = chat("x").dump();
-    c.send("POST /v1/chat/completions HTTP/1.1\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body);
+    c.send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body);
     REQUIRE(eventually([&] { return gw.scheduler().active() == 1; }));
     c.close();
   }
