@@ -808,6 +808,16 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
                            "context_length_exceeded");
     }
     req.max_new_tokens = static_cast<int>(max_tokens ? *max_tokens : room);
+    // Without max_tokens (with it, min ≤ max ≤ room was checked): the
+    // tokens asked for at least must fit too.
+    if (req.min_tokens > room) {
+      return invalid_param("min_tokens", "This model's maximum context length is " + std::to_string(ctx) +
+                                             " tokens. However, you asked for at least " +
+                                             std::to_string(req.min_tokens) + " tokens after a prompt of " +
+                                             std::to_string(longest) + " tokens, which leaves room for " +
+                                             std::to_string(room) + ".",
+                           "context_length_exceeded");
+    }
   } else {
     req.max_new_tokens = max_tokens ? static_cast<int>(std::min<int64_t>(*max_tokens, std::numeric_limits<int>::max()))
                                     : std::numeric_limits<int>::max();
@@ -836,9 +846,13 @@ ParsedRequest parse_completion_request(ApiKind kind, const json& body, const Tex
   const int64_t choices = static_cast<int64_t>(req.prompts.size()) * std::max(req.n, req.best_of);
   const int64_t tokens = choices * req.max_new_tokens;  // ≤ 128 × 2^31: no overflow
   if (tokens > limits.max_request_tokens) {
+    // (said as asked: max_tokens past 2^31 was clamped only for the arithmetic)
+    const std::string each = max_tokens ? std::to_string(*max_tokens) : std::to_string(req.max_new_tokens);
+    const std::string total = max_tokens && *max_tokens > req.max_new_tokens
+                                  ? "more than " + std::to_string(tokens)
+                                  : std::to_string(tokens);
     return invalid_param(max_tokens ? max_param : "n",
-                         "This request may generate " + std::to_string(choices) + " x " +
-                             std::to_string(req.max_new_tokens) + " = " + std::to_string(tokens) +
+                         "This request may generate " + std::to_string(choices) + " x " + each + " = " + total +
                              " tokens, more than the server's limit of " + std::to_string(limits.max_request_tokens) +
                              " per request; lower 'n' or '" + max_param + "'.",
                          "request_too_costly");

@@ -199,6 +199,19 @@ TEST_CASE("hardening: a request's cost is bounded before it runs", "[gateway][ha
   expect_error(http(gw.port(), "POST", "/v1/completions",
                     R"({"model":"demo-moe","prompt":"x","max_tokens":9223372036854775807})"),
                400, "context_length_exceeded");
+  // min_tokens without max_tokens must fit the context too.
+  auto at_least = http(gw.port(), "POST", kChat, chat_body("hi", R"("min_tokens":1048576)"));
+  expect_error(at_least, 400, "context_length_exceeded");
+  CHECK(json::parse(at_least.body)["error"]["param"] == "min_tokens");
+  CHECK(http(gw.port(), "POST", kChat, chat_body("hi", R"("min_tokens":2,"n":1)")).status == 200);
+  // With no context known yet, the cost's message says the max_tokens asked, not a clamped one.
+  gw.scheduler().max_context_ = 0;
+  auto costly = http(gw.port(), "POST", "/v1/completions",
+                     R"({"model":"demo-moe","prompt":"x","max_tokens":9223372036854775807})");
+  expect_error(costly, 400, "request_too_costly");
+  INFO(costly.body);
+  CHECK(costly.body.find("1 x 9223372036854775807 = more than") != std::string::npos);
+  gw.scheduler().max_context_ = 1 << 20;
   still_serves(gw);
 }
 
