@@ -52,6 +52,8 @@ const std::vector<Numeric>& numeric_options() {
       {"--max-logprob-entries", 1, uint64_t(1) << 40,
        [](GatewayOptions& o, uint64_t v) { o.max_logprob_entries = int64_t(v); }},
       {"--max-response-bytes", 1024, uint64_t(1) << 40, [](GatewayOptions& o, uint64_t v) { o.max_response_bytes = v; }},
+      {"--max-held-response-bytes", 1024, uint64_t(1) << 40,
+       [](GatewayOptions& o, uint64_t v) { o.max_held_response_bytes = v; }},
       {"--max-caller-sequences", 1, 1'000'000, [](GatewayOptions& o, uint64_t v) { o.max_caller_sequences = int(v); }},
       {"--max-waiting", 1, 1'000'000, [](GatewayOptions& o, uint64_t v) { o.max_waiting = int(v); }},
       {"--session-max-messages", 1, 100'000, [](GatewayOptions& o, uint64_t v) { o.session_max_messages = v; }},
@@ -163,6 +165,9 @@ std::string gateway_usage() {
          "                            streamed) response with logprobs (default 262144)\n"
          "  --max-response-bytes N    text and logprobs a whole response may hold (default 64 MiB);\n"
          "                            past it the request fails with 400 response_too_large\n"
+         "  --max-held-response-bytes N  what every whole response holds together (default\n"
+         "                            512 MiB); past it the response that grows fails with\n"
+         "                            503 responses_memory_full (Retry-After: 1)\n"
          "  --request-timeout-ms N    a request whose headers and body are not all in after\n"
          "                            N ms gets 408 and is closed (default 30000; at least 1)\n"
          "  --keepalive-timeout-ms N  idle keep-alive connections are closed after N ms\n"

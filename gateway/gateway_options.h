@@ -42,6 +42,7 @@ struct GatewayOptions {
   int64_t max_request_tokens = int64_t(1) << 20;   // --max-request-tokens: choices × max_tokens
   int64_t max_logprob_entries = int64_t(1) << 18;  // --max-logprob-entries: of a whole response
   size_t max_response_bytes = size_t(64) << 20;    // --max-response-bytes: of a whole response
+  size_t max_held_response_bytes = size_t(512) << 20;  // --max-held-response-bytes: of all together
   // Admission (docs/security.md).
   int max_caller_sequences = 256;  // --max-caller-sequences: per caller, in flight
   int max_waiting = 1024;          // --max-waiting: sequences waiting, everyone together

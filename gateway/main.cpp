@@ -205,6 +205,7 @@ int main(int argc, char** argv) {
   api_opts.max_request_tokens = opts.max_request_tokens;
   api_opts.max_logprob_entries = opts.max_logprob_entries;
   api_opts.max_response_bytes = opts.max_response_bytes;
+  api_opts.max_held_response_bytes = opts.max_held_response_bytes;
   // A request may not ask for more choices than one caller may have in flight
   // (it could never run): n past that is a 400, not a 429 for ever.
   api_opts.max_choices = std::min({api_opts.max_choices, opts.max_caller_sequences, opts.max_waiting});

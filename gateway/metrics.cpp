@@ -151,6 +151,12 @@ std::string GatewayMetrics::render(const SchedulerStats& stats, bool ready, cons
                 "Requests answered 429 (a caller's bound or the waiting bound).", double(g.admission_refused));
   render_scalar(out, "moe_gateway_generations", "gauge", "Requests being generated or answered.",
                 double(g.generations));
+  render_scalar(out, "moe_gateway_held_response_bytes", "gauge",
+                "Text and logprobs that whole (not streamed) responses hold together.",
+                double(g.held_response_bytes));
+  render_scalar(out, "moe_gateway_held_responses_refused_total", "counter",
+                "Whole responses failed (503 responses_memory_full) past --max-held-response-bytes.",
+                double(g.held_responses_refused));
   render_scalar(out, "moe_gateway_sessions_in_memory", "gauge", "Sessions the gateway's mirror holds.",
                 double(g.sessions_in_memory));
   render_scalar(out, "moe_gateway_session_memory_bytes", "gauge", "Bytes the session mirror holds.",

@@ -39,6 +39,8 @@ struct GatewayGauges {
   size_t callers = 0;                  // callers with sequences in flight
   uint64_t admission_refused = 0;      // requests answered 429
   size_t generations = 0;              // requests being generated or answered
+  size_t held_response_bytes = 0;      // what whole responses hold together (--max-held-response-bytes)
+  uint64_t held_responses_refused = 0;  // responses failed 503 past that bound
   size_t sessions_in_memory = 0;       // the session store's mirror
   size_t session_memory_bytes = 0;
   uint64_t internal_errors = 0;        // exceptions the last resort caught

@@ -75,7 +75,18 @@ Generation::Generation(GenerationContext ctx, CompletionRequest req, std::shared
   g_live_generations.fetch_add(1, std::memory_order_relaxed);
 }
 
-Generation::~Generation() { g_live_generations.fetch_sub(1, std::memory_order_relaxed); }
+Generation::~Generation() {
+  g_live_generations.fetch_sub(1, std::memory_order_relaxed);
+  release_held();
+  // (its choices are freed after this body, before the trim can run: it is queued)
+  if (ctx_.held_total && ctx_.held_total->trim && peak_held_ >= HeldResponseBytes::kTrimFromBytes)
+    last_resort("a response's memory given back", ctx_.held_total->trim);
+}
+
+void Generation::release_held() {
+  if (ctx_.held_total) ctx_.held_total->total -= held_bytes_;
+  held_bytes_ = 0;
+}
 
 size_t Generation::live() { return g_live_generations.load(std::memory_order_relaxed); }
 
@@ -146,13 +157,29 @@ void Generation::internal_failure(const char* what) noexcept {
 
 bool Generation::hold(size_t bytes) {
   if (req_.stream) return true;
+  if (over_) return false;  // failed or left: nothing more is kept
+  if (held_bytes_ + bytes > ctx_.max_response_bytes) {
+    fail(ApiError{400,
+                  "The response grew past the server's limit of " + std::to_string(ctx_.max_response_bytes) +
+                      " bytes; ask for fewer tokens, choices or logprobs, or stream it.",
+                  "invalid_request_error", "", "response_too_large"});
+    return false;
+  }
+  if (HeldResponseBytes* all = ctx_.held_total.get()) {
+    if (all->total + bytes > all->limit) {
+      ++all->refused;
+      ApiError e{503,
+                 "The server holds as many whole responses as its memory allows (" + std::to_string(all->limit) +
+                     " bytes together); retry shortly, or stream the response.",
+                 "server_error", "", "responses_memory_full"};
+      fail(e);
+      return false;
+    }
+    all->total += bytes;
+  }
   held_bytes_ += bytes;
-  if (held_bytes_ <= ctx_.max_response_bytes) return true;
-  fail(ApiError{400,
-                "The response grew past the server's limit of " + std::to_string(ctx_.max_response_bytes) +
-                    " bytes; ask for fewer tokens, choices or logprobs, or stream it.",
-                "invalid_request_error", "", "response_too_large"});
-  return false;
+  peak_held_ = std::max(peak_held_, held_bytes_);
+  return true;
 }
 
 void Generation::start(uint64_t seed) {
@@ -511,6 +538,7 @@ void Generation::fail(const ApiError& err) {
   if (over_) return;
   over_ = true;
   ctx_.ticket.release();
+  release_held();  // what it held goes with its answer: no other response waits on it
   cancel_running();
   if (req_.stream) {
     ex_->send("data: " + api_error_json(err) + "\n\n");
@@ -519,13 +547,16 @@ void Generation::fail(const ApiError& err) {
     return;
   }
   ctx_.metrics->count_request(ctx_.endpoint, err.status);
-  ex_->respond(api_error_response(err));
+  HttpResponse r = api_error_response(err);
+  if (err.status == 503) r.headers.emplace_back("Retry-After", "1");  // the server's state, not the request
+  ex_->respond(std::move(r));
 }
 
 void Generation::abort() {
   if (over_) return;
   over_ = true;
   ctx_.ticket.release();
+  release_held();
   ctx_.metrics->count_disconnect();
   cancel_running();
 }

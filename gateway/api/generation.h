@@ -35,6 +35,21 @@
 
 namespace moe::gw {
 
+// What every whole response of the process holds together, against
+// --max-held-response-bytes (loop thread only; shared so that a response
+// may outlive the API object on shutdown).
+struct HeldResponseBytes {
+  size_t total = 0;
+  size_t limit = size_t(512) << 20;
+  uint64_t refused = 0;  // responses failed because the total was reached
+  // Called once a response that held kTrimFromBytes or more is freed: the
+  // allocator is asked to give its free memory back to the system (unset: not).
+  std::function<void()> trim;
+  bool trimming = false;  // one trim at a time,
+  bool trim_again = false;  // and one more when asked meanwhile
+  static constexpr size_t kTrimFromBytes = size_t(4) << 20;
+};
+
 struct GenerationContext {
   Scheduler* scheduler = nullptr;
   const TextCodec* codec = nullptr;
@@ -51,6 +66,9 @@ struct GenerationContext {
   // A whole (not streamed) response may hold at most this many bytes of
   // text and logprobs; past it the request fails with 400 response_too_large.
   size_t max_response_bytes = size_t(64) << 20;
+  // Every whole response together (null: unbounded); past it the response
+  // that grows fails with 503 responses_memory_full.
+  std::shared_ptr<HeldResponseBytes> held_total;
   AdmissionTicket ticket;     // released when the response is over
   // Sessions: headers added to the response, and choice 0's text once the
   // response completed (not after an error or a disconnect). The response's
@@ -164,6 +182,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
   int finished_ = 0;
   bool over_ = false;  // response ended (completed, failed or aborted)
   size_t held_bytes_ = 0;  // text and logprobs a whole response holds so far
+  size_t peak_held_ = 0;   // the most it held
+  // Gives held_bytes_ back to ctx_.held_total (on failure, on leaving, at the end).
+  void release_held();
 };
 
 }  // namespace moe::gw

@@ -40,6 +40,8 @@
 
 namespace moe::gw {
 
+struct HeldResponseBytes;
+
 struct ApiOptions {
   std::string served_model_name = "demo-moe";
   std::vector<std::string> api_keys;  // any one of them opens every endpoint (priority 0, no rate limit)
@@ -56,6 +58,7 @@ struct ApiOptions {
   int64_t max_request_tokens = int64_t(1) << 20;   // RequestLimits
   int64_t max_logprob_entries = int64_t(1) << 18;  // RequestLimits
   size_t max_response_bytes = size_t(64) << 20;    // a whole response's text and logprobs
+  size_t max_held_response_bytes = size_t(512) << 20;  // every whole response's together
   AdmissionLimits admission;
   SessionStore* sessions = nullptr;  // chat sessions by `session_id` / X-Session-Id (null: off)
   const PromptExpertPredictor* predictor = nullptr;  // /debug/experts (null: 404)
@@ -77,7 +80,8 @@ class OpenAiApi final : public HttpHandler {
 
   const Admission& admission() const { return admission_; }
   // The server whose connections /metrics reports (optional; set once it exists).
-  void watch_server(const HttpServer* server) { server_ = server; }
+  // Also where a large response's freed memory is given back from (its loop's pool).
+  void watch_server(const HttpServer* server);
   // Requests whose text is being tokenised on libuv's thread pool: the
   // process runs its loop until none is left before the codec goes.
   size_t jobs_in_flight() const { return jobs_in_flight_; }
@@ -172,6 +176,7 @@ class OpenAiApi final : public HttpHandler {
   uint64_t next_request_serial_ = 1;
   const HttpServer* server_ = nullptr;
   size_t jobs_in_flight_ = 0;
+  std::shared_ptr<HeldResponseBytes> held_responses_;  // every whole response's bytes (generation.h)
   std::unordered_map<std::string, size_t> pool_jobs_by_caller_;  // off_loop's jobs by Caller::id
   uint64_t pool_share_refused_ = 0;  // refused past a caller's share of the queue
   // Sessions with a turn running here (owner and id): a second turn of one

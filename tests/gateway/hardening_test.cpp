@@ -231,6 +231,47 @@ TEST_CASE("hardening: a whole response past --max-response-bytes fails; the stre
   still_serves(gw);
 }
 
+TEST_CASE("hardening: whole responses together are bounded by --max-held-response-bytes (503)", "[gateway][hardening]") {
+  ApiOptions api;
+  api.max_response_bytes = 4096;
+  api.max_held_response_bytes = 6000;
+  TestGateway gw({}, api);
+  gw.scheduler().max_context_ = 1 << 20;
+  gw.scheduler().set_script([](const SequenceRequest&, int) { return int32_t{'x'}; });
+  gw.scheduler().tick_ms_ = 20;
+  gw.scheduler().tokens_per_tick_ = 50;  // 3,500 tokens: 70 ticks, 1.4 s
+  auto metric = [&](const std::string& name) {
+    const std::string body = http(gw.port(), "GET", "/metrics").body;
+    const size_t at = body.find("\n" + name + " ");
+    return at == std::string::npos ? -1.0 : std::stod(body.substr(at + name.size() + 2));
+  };
+  // Each within its own bound (3,500 of 4,096 bytes), together past 6,000:
+  // the one that grows past it fails, the other is answered whole.
+  const std::string body = chat_body("hi", R"("max_tokens":3500)");
+  const std::string request = std::string("POST ") + kChat + " HTTP/1.1\r\nHost: x\r\nContent-Length: " +
+                              std::to_string(body.size()) + "\r\n\r\n" + body;
+  TestClient a(gw.port()), b(gw.port());
+  a.send(request);
+  REQUIRE(eventually([&] { return metric("moe_gateway_held_response_bytes") > 0; }));
+  b.send(request);
+  const ClientResponse ra = a.read_response(20000), rb = b.read_response(20000);
+  REQUIRE((ra.ok && rb.ok));
+  const ClientResponse& failed = ra.status == 200 ? rb : ra;
+  const ClientResponse& whole = ra.status == 200 ? ra : rb;
+  expect_error(failed, 503, "responses_memory_full");
+  CHECK(failed.headers.at("retry-after") == "1");
+  REQUIRE(whole.status == 200);
+  CHECK(json::parse(whole.body)["choices"][0]["message"]["content"] == std::string(3500, 'x'));
+  // All given back once both are over; a streamed response holds nothing.
+  CHECK(eventually([&] { return metric("moe_gateway_held_response_bytes") == 0; }));
+  CHECK(metric("moe_gateway_held_responses_refused_total") == 1);
+  auto streamed = http(gw.port(), "POST", kChat, chat_body("hi", R"("max_tokens":3500,"stream":true)"));
+  CHECK(streamed.status == 200);
+  CHECK(metric("moe_gateway_held_response_bytes") == 0);
+  gw.scheduler().set_script(spell("ok"));
+  still_serves(gw);
+}
+
 TEST_CASE("hardening: a whole response's logprobs count what they cost in memory against --max-response-bytes",
           "[gateway][hardening]") {
   // Chat's 20 alternatives a token are ~11 KB a token as JSON nodes: 40
