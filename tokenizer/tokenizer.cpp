@@ -33,15 +33,20 @@ struct Tokenizer::Impl {
   std::unique_ptr<tok::AddedMatcher> raw_matcher;  // normalized=false tokens, on raw text
   std::unique_ptr<tok::AddedMatcher>
       normalized_matcher;  // normalized=true tokens, on normalised text
+  // The same without the special tokens: encode_text(), where a special
+  // token's text is only text.
+  std::unique_ptr<tok::AddedMatcher> raw_text_matcher, normalized_text_matcher;
   int32_t max_id = -1;
 
   // Plain text between raw-matched added tokens: normalise, cut out the
   // normalised added tokens, pre-tokenise, run BPE on each word.
-  void encode_plain(std::string_view text, bool at_text_start, std::vector<int32_t>& ids) const {
+  void encode_plain(std::string_view text, bool at_text_start, std::vector<int32_t>& ids,
+                    bool specials = true) const {
     const std::string normalized = normalizer ? normalizer->normalize(text) : std::string(text);
     std::vector<tok::Segment> segs;
-    if (normalized_matcher)
-      normalized_matcher->split(normalized, segs);
+    const tok::AddedMatcher* matcher = specials ? normalized_matcher.get() : normalized_text_matcher.get();
+    if (matcher)
+      matcher->split(normalized, segs);
     else
       segs.push_back({normalized, -1});
     std::vector<std::string> pieces;
@@ -184,19 +189,24 @@ Result<std::unique_ptr<Tokenizer>> Tokenizer::from_json(std::string_view tokeniz
         add_token(parse_added(with_id));
       }
     }
-    std::vector<tok::AddedToken> raw, normalized;
+    std::vector<tok::AddedToken> raw, normalized, raw_text, normalized_text;
     for (const auto& a : im.added) {
       if (!a.normalized) {
         raw.push_back(a);
+        if (!a.special) raw_text.push_back(a);
       } else {
         tok::AddedToken n = a;
         if (im.normalizer) n.content = im.normalizer->normalize(a.content);
+        if (!a.special) normalized_text.push_back(n);
         normalized.push_back(std::move(n));
       }
     }
     if (!raw.empty()) im.raw_matcher = std::make_unique<tok::AddedMatcher>(std::move(raw));
     if (!normalized.empty())
       im.normalized_matcher = std::make_unique<tok::AddedMatcher>(std::move(normalized));
+    if (!raw_text.empty()) im.raw_text_matcher = std::make_unique<tok::AddedMatcher>(std::move(raw_text));
+    if (!normalized_text.empty())
+      im.normalized_text_matcher = std::make_unique<tok::AddedMatcher>(std::move(normalized_text));
 
     // transformers' clean_up_tokenization: decode() drops the space before
     // . ? ! , and English contractions (off unless the config says true).
@@ -265,6 +275,35 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_t
   }
   if (add_special_tokens && im.post_processor) im.post_processor->process(ids);
   return ids;
+}
+
+std::vector<int32_t> Tokenizer::encode_text(std::string_view text, bool at_text_start) const {
+  const Impl& im = *impl_;
+  std::string repaired;
+  if (!tok::utf8_valid(text)) {
+    repaired = tok::sanitize_utf8(text);
+    text = repaired;
+  }
+  std::vector<int32_t> ids;
+  ids.reserve(text.size() / 3 + 4);
+  std::vector<tok::Segment> segs;
+  if (im.raw_text_matcher)
+    im.raw_text_matcher->split(text, segs);
+  else
+    segs.push_back({text, -1});
+  for (const auto& s : segs) {
+    if (s.id >= 0)
+      ids.push_back(s.id);
+    else if (!s.text.empty())
+      im.encode_plain(s.text, at_text_start && s.text.data() == text.data(), ids, /*specials=*/false);
+  }
+  return ids;
+}
+
+bool Tokenizer::has_special_text(std::string_view text) const {
+  for (const auto& a : impl_->added)
+    if (a.special && !a.content.empty() && text.find(a.content) != std::string_view::npos) return true;
+  return false;
 }
 
 std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_tokens) const {

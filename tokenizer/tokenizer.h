@@ -39,6 +39,13 @@ class Tokenizer {
   ~Tokenizer();
 
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens) const;
+  // Text in which a special token's characters are only characters (what a
+  // chat message says; transformers' split_special_tokens): other added
+  // tokens still match. `at_text_start`: the text begins the input (a
+  // Metaspace pre-tokeniser's "first" prefix).
+  std::vector<int32_t> encode_text(std::string_view text, bool at_text_start = false) const;
+  // Whether a special token's text appears in `text`.
+  bool has_special_text(std::string_view text) const;
   std::string decode(std::span<const int32_t> ids, bool skip_special_tokens) const;
   // The bytes one token stands for, as the decoder gives them but with
   // broken UTF-8 left as it is (a byte token is one byte of a character);

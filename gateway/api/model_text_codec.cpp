@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <optional>
+#include <random>
 
 #include "model/model_files.h"
 #include "tokenizer/chat_template.h"
@@ -21,6 +22,11 @@ class TokenizerStream final : public TokenTextStream {
   StreamDecoder dec_;
 };
 
+// The marks around a message's text in a rendered prompt: private-use
+// characters around a random nonce, which no client can guess to forge.
+std::string open_mark(const std::string& nonce) { return "\xEE\x80\x80" + nonce + "\xEE\x80\x81"; }
+std::string close_mark(const std::string& nonce) { return "\xEE\x80\x81" + nonce + "\xEE\x80\x80"; }
+
 class ModelTextCodec final : public TextCodec {
  public:
   ModelTextCodec(std::unique_ptr<Tokenizer> tok, std::optional<ChatTemplate> tmpl, std::vector<int32_t> stop_ids,
@@ -36,10 +42,79 @@ class ModelTextCodec final : public TextCodec {
   Result<std::vector<int32_t>> encode_chat(const nlohmann::json& messages,
                                            const nlohmann::json& template_kwargs) const override {
     if (!tmpl_) return make_error("the model has no chat template; use /v1/completions");
-    auto text = tmpl_->render(messages, /*add_generation_prompt=*/true, template_kwargs);
+    // What a message says is text: "<|im_end|>" written in it must not end
+    // its turn and open another role's. Only the template writes special
+    // tokens. A message holding a special token's text is marked, and its
+    // span of the rendered prompt encoded as text (docs/gateway.md).
+    nlohmann::json marked;
+    const std::string nonce = marked_spans_nonce(messages, marked);
+    auto text = tmpl_->render(nonce.empty() ? messages : marked, /*add_generation_prompt=*/true, template_kwargs);
     if (!text.ok()) return make_error(text.error());
     // The template writes the special tokens (BOS included) itself.
-    return tok_->encode(text.value(), false);
+    if (nonce.empty()) return tok_->encode(text.value(), false);
+    return encode_marked(text.value(), nonce);
+  }
+
+  // A copy of `messages` in `marked` with every client string (content, a
+  // tool call's arguments) that holds a special token's text between marks,
+  // and the marks' nonce; "" (and `marked` untouched) when none does.
+  std::string marked_spans_nonce(const nlohmann::json& messages, nlohmann::json& marked) const {
+    auto special = [&](const nlohmann::json& v) { return v.is_string() && tok_->has_special_text(v.get_ref<const std::string&>()); };
+    bool any = false;
+    for (const auto& m : messages) {
+      if (!m.is_object()) continue;
+      if (m.contains("content") && special(m["content"])) any = true;
+      if (m.contains("tool_calls") && m["tool_calls"].is_array())
+        for (const auto& c : m["tool_calls"])
+          if (c.is_object() && c.contains("function") && c["function"].is_object() &&
+              c["function"].contains("arguments") && special(c["function"]["arguments"]))
+            any = true;
+    }
+    if (!any) return {};
+    thread_local std::mt19937_64 rng{std::random_device{}()};
+    char hex[33];
+    std::snprintf(hex, sizeof hex, "%016llx%016llx", static_cast<unsigned long long>(rng()),
+                  static_cast<unsigned long long>(rng()));
+    const std::string nonce = hex, open = open_mark(nonce), close = close_mark(nonce);
+    auto mark = [&](nlohmann::json& v) {
+      if (special(v)) v = open + v.get<std::string>() + close;
+    };
+    marked = messages;
+    for (auto& m : marked) {
+      if (!m.is_object()) continue;
+      if (m.contains("content")) mark(m["content"]);
+      if (m.contains("tool_calls") && m["tool_calls"].is_array())
+        for (auto& c : m["tool_calls"])
+          if (c.is_object() && c.contains("function") && c["function"].is_object() &&
+              c["function"].contains("arguments"))
+            mark(c["function"]["arguments"]);
+    }
+    return nonce;
+  }
+
+  // A rendered prompt with marked spans: the template's text with its
+  // special tokens, each marked span as text.
+  Result<std::vector<int32_t>> encode_marked(const std::string& text, const std::string& nonce) const {
+    const std::string open = open_mark(nonce), close = close_mark(nonce);
+    std::vector<int32_t> ids;
+    size_t at = 0;
+    while (at <= text.size()) {
+      const size_t o = text.find(open, at);
+      const size_t plain_end = o == std::string::npos ? text.size() : o;
+      if (text.find(close, at) < plain_end)
+        return make_error("the chat template cut a message's text apart; it cannot be kept apart from its special tokens");
+      const std::vector<int32_t> outside = tok_->encode(std::string_view(text).substr(at, plain_end - at), false);
+      ids.insert(ids.end(), outside.begin(), outside.end());
+      if (o == std::string::npos) break;
+      const size_t start = o + open.size(), c = text.find(close, start);
+      const size_t next_open = text.find(open, start);
+      if (c == std::string::npos || next_open < c)
+        return make_error("the chat template cut a message's text apart; it cannot be kept apart from its special tokens");
+      const std::vector<int32_t> inside = tok_->encode_text(std::string_view(text).substr(start, c - start), ids.empty());
+      ids.insert(ids.end(), inside.begin(), inside.end());
+      at = c + close.size();
+    }
+    return ids;
   }
 
   // A template that writes </think> (Qwen3's, DeepSeek-R1's) belongs to a
