@@ -430,6 +430,10 @@ std::optional<ApiError> parse_chat_messages(const json& body, ChatMessages* mess
     if (it == m.end() && r != "assistant") {
       return invalid_param(where + ".content", "Missing required parameter: '" + where + ".content'.", "missing_required_parameter");
     }
+    // null only where a turn may say nothing but its calls (OpenAI's rule).
+    if (it != m.end() && it->is_null() && r != "assistant")
+      return invalid_param(where + ".content", "'" + where + ".content' must be a string or an array of parts; only an "
+                                               "assistant's may be null.", "invalid_type");
     std::string text;
     if (it != m.end()) {
       if (auto err = message_text(*it, i, &text)) return err;

@@ -401,6 +401,11 @@ TEST_CASE("api: validation errors have OpenAI's shape and status", "[gateway][ap
               "messages[0].role", "missing_required_parameter");
   check_error(post(gw, "/v1/chat/completions", {{"model", "demo-moe"}, {"messages", {{{"role", "wizard"}, {"content", "x"}}}}}),
               400, "messages[0].role", "invalid_value");
+  // null content is an assistant's alone.
+  for (const char* role : {"user", "system", "tool"})
+    check_error(post(gw, "/v1/chat/completions",
+                     {{"model", "demo-moe"}, {"messages", {{{"role", role}, {"content", nullptr}}}}}),
+                400, "messages[0].content", "invalid_type");
   check_error(post(gw, "/v1/chat/completions", chat("x", {{"logprobs", true}, {"top_logprobs", 21}})), 400,
               "top_logprobs", "invalid_value");
   check_error(post(gw, "/v1/completions", {{"model", "demo-moe"}, {"prompt", {1, 99999}}}), 400, "prompt", "invalid_value");
