@@ -149,11 +149,14 @@ struct PoolJob {
 // Parses waiting for or on the pool at once: past this a request is 503
 // (the pool has four threads; a backlog only delays every request's start).
 constexpr size_t kMaxPoolJobs = 64;
-// Once half the queue is taken, a caller holding this many parses already
-// is refused (429), so that one client flooding long prompts leaves the
-// other half to everyone else.
+// Once half the queue is taken, a caller holding this many large requests
+// (a body of kLargeBody or more: what takes a pool thread long) is refused
+// a next large one (429), so that one client flooding long prompts leaves
+// the other half to everyone else. Short requests are not counted: a
+// client's burst of 64 short ones passes as before.
 constexpr size_t kPoolJobsShared = kMaxPoolJobs / 2;
 constexpr size_t kPoolJobsPerCallerPastShared = 8;
+constexpr size_t kLargeBody = 64 * 1024;
 
 }  // namespace
 
@@ -180,13 +183,14 @@ void OpenAiApi::off_loop(const std::shared_ptr<HttpExchange>& ex, const char* en
     r.headers.emplace_back("Retry-After", "1");
     return reply(ex, endpoint, std::move(r));
   }
-  if (!admitted && jobs_in_flight_ >= kPoolJobsShared) {
+  const bool large = ex->request().body.size() >= kLargeBody;
+  if (!admitted && large && jobs_in_flight_ >= kPoolJobsShared) {
     auto it = pool_jobs_by_caller_.find(caller);
     if (it != pool_jobs_by_caller_.end() && it->second >= kPoolJobsPerCallerPastShared) {
       ++pool_share_refused_;
       HttpResponse r = api_error_response(ApiError{
           429,
-          "Too many of this caller's requests are being read at once (" + std::to_string(it->second) +
+          "Too many of this caller's large requests are being read at once (" + std::to_string(it->second) +
               ") while the server is busy; retry shortly.",
           "rate_limit_error", "", "too_many_requests_reading"});
       r.headers.emplace_back("Retry-After", "1");
@@ -195,8 +199,9 @@ void OpenAiApi::off_loop(const std::shared_ptr<HttpExchange>& ex, const char* en
   }
   auto* job = new PoolJob;
   job->work = std::move(work);
-  auto release = [this, caller] {
+  auto release = [this, caller, large] {
     --jobs_in_flight_;
+    if (!large) return;
     auto it = pool_jobs_by_caller_.find(caller);
     if (it != pool_jobs_by_caller_.end() && --it->second == 0) pool_jobs_by_caller_.erase(it);
   };
@@ -220,7 +225,7 @@ void OpenAiApi::off_loop(const std::shared_ptr<HttpExchange>& ex, const char* en
     (void)uv_cancel(reinterpret_cast<uv_req_t*>(&job->req));
   });
   ++jobs_in_flight_;
-  ++pool_jobs_by_caller_[caller];
+  if (large) ++pool_jobs_by_caller_[caller];
   const int rc = uv_queue_work(
       server_->loop(), &job->req,
       [](uv_work_t* w) {

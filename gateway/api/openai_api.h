@@ -123,7 +123,7 @@ class OpenAiApi final : public HttpHandler {
   // 500 for this request. `work` must touch nothing of this object: it
   // runs beside the loop. Without a server (no loop) both run here.
   // `caller` (Caller::id): once half the queue is taken, each caller may
-  // hold only a few places in it (a 429 past them). `admitted`: the
+  // hold only a few places in it with large bodies (a 429 past them). `admitted`: the
   // request's next step (a completion's tokenising after its JSON was
   // read): counted, never refused, since the request holds its place.
   void off_loop(const std::shared_ptr<HttpExchange>& ex, const char* endpoint, const std::string& caller,
@@ -177,7 +177,7 @@ class OpenAiApi final : public HttpHandler {
   const HttpServer* server_ = nullptr;
   size_t jobs_in_flight_ = 0;
   std::shared_ptr<HeldResponseBytes> held_responses_;  // every whole response's bytes (generation.h)
-  std::unordered_map<std::string, size_t> pool_jobs_by_caller_;  // off_loop's jobs by Caller::id
+  std::unordered_map<std::string, size_t> pool_jobs_by_caller_;  // off_loop's large jobs by Caller::id
   uint64_t pool_share_refused_ = 0;  // refused past a caller's share of the queue
   // Sessions with a turn running here (owner and id): a second turn of one
   // meanwhile is a 409, since each turn is answered from and saved over

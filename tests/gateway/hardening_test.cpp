@@ -653,13 +653,19 @@ TEST_CASE("hardening: requests waiting to be tokenised are bounded, and dropped 
   CHECK(gw.scheduler().submitted().empty());  // the chat that left never ran
 }
 
-TEST_CASE("hardening: one caller flooding the tokeniser's queue leaves the other half to everyone else",
+TEST_CASE("hardening: one caller flooding the tokeniser's queue with long prompts leaves the other half to everyone else",
           "[gateway][hardening]") {
   GatedCodec codec;
   ApiOptions api;
   api.trusted_proxies = {"127.0.0.1"};
   TestGateway gw({}, api, &codec);
   const std::string flooder = from("10.6.6.6"), honest = from("10.1.1.1");
+  // Large: a body of 64 KiB or more, which takes a pool thread long.
+  const std::string long_text(70 * 1024, 'a');
+  const std::string long_prompt = json{{"prompt", long_text}}.dump();
+  std::string long_ids = "[104";
+  while (long_ids.size() < 70 * 1024) long_ids += ",104";
+  const std::string long_detok = R"({"tokens":)" + long_ids + "]}";
   GateScope gate(codec);
   std::vector<std::unique_ptr<TestClient>> queued;
   auto queue = [&](const std::string& path, const std::string& body, const std::string& who) {
@@ -669,30 +675,40 @@ TEST_CASE("hardening: one caller flooding the tokeniser's queue leaves the other
   for (int i = 0; i < 4; ++i) queue("/tokenize", R"({"prompt":"held"})", from("10.0.0." + std::to_string(i)));
   REQUIRE(eventually([&] { return codec.waiting() == 4; }, 10000));
   // One caller takes places while fewer than half (32) are taken...
-  for (int i = 0; i < 28; ++i) queue(i % 2 ? "/tokenize" : kChat, i % 2 ? R"({"prompt":"x"})" : chat_body("x"), flooder);
+  for (int i = 0; i < 28; ++i) queue(i % 2 ? "/tokenize" : kChat, i % 2 ? long_prompt : chat_body(long_text), flooder);
   REQUIRE(eventually([&] { return gw.api().jobs_in_flight() == 32; }));
-  // ...then, holding more than its share (8), it is told to wait, whatever it asks.
-  for (const auto& [path, body] : {std::pair<std::string, std::string>{"/tokenize", R"({"prompt":"y"})"},
-                                   {kChat, chat_body("y")}, {"/detokenize", R"({"tokens":[104]})"}}) {
+  // ...then, holding more than its share (8) of large ones, it is told to wait for a large one,
+  // whatever it asks.
+  for (const auto& [path, body] : {std::pair<std::string, std::string>{"/tokenize", long_prompt},
+                                   {kChat, chat_body(long_text)}, {"/detokenize", long_detok}}) {
     INFO(path);
     auto refused = http(gw.port(), "POST", path, body, flooder);
     expect_error(refused, 429, "too_many_requests_reading");
     CHECK(refused.headers["retry-after"] == "1");
   }
-  // Another caller still gets its share of the half left, then is told to wait too.
-  for (int i = 0; i < 8; ++i) queue(kChat, chat_body("hello"), honest);
-  REQUIRE(eventually([&] { return gw.api().jobs_in_flight() == 40; }));
-  expect_error(http(gw.port(), "POST", kChat, chat_body("hello"), honest), 429, "too_many_requests_reading");
-  // And so does each caller after it.
-  queue("/tokenize", R"({"prompt":"z"})", from("10.2.2.2"));
+  // A short one of its own still passes.
+  queue(kChat, chat_body("short"), flooder);
+  REQUIRE(eventually([&] { return gw.api().jobs_in_flight() == 33; }));
+  // Another caller still gets its share of large ones in the half left, then is told to wait too.
+  for (int i = 0; i < 8; ++i) queue(kChat, chat_body(long_text), honest);
   REQUIRE(eventually([&] { return gw.api().jobs_in_flight() == 41; }));
+  expect_error(http(gw.port(), "POST", kChat, chat_body(long_text), honest), 429, "too_many_requests_reading");
+  // Short requests, and each caller after it, are served.
+  queue(kChat, chat_body("short"), honest);
+  queue("/tokenize", long_prompt, from("10.2.2.2"));
+  REQUIRE(eventually([&] { return gw.api().jobs_in_flight() == 43; }));
   auto m = http(gw.port(), "GET", "/metrics");
   CHECK(m.body.find("moe_gateway_reading_refused_total 4\n") != std::string::npos);
   codec.open();
-  for (auto& c : queued) CHECK(c->read_response(10000).status == 200);
+  // Every place taken is answered: read, and (the long chats) past the context.
+  for (auto& c : queued) {
+    const ClientResponse r = c->read_response(20000);
+    REQUIRE(r.ok);
+    if (r.status != 200) expect_error(r, 400, "context_length_exceeded");
+  }
   CHECK(eventually([&] { return gw.api().jobs_in_flight() == 0; }));
   // Its requests all read, the flooder is welcome again.
-  CHECK(http(gw.port(), "POST", "/tokenize", R"({"prompt":"again"})", flooder).status == 200);
+  CHECK(http(gw.port(), "POST", "/tokenize", long_prompt, flooder).status == 200);
 }
 
 TEST_CASE("hardening: a request is checked against the context of the workers serving when its parse ends",
