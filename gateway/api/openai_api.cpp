@@ -358,8 +358,7 @@ void OpenAiApi::completions_parsed(ApiKind kind, const std::shared_ptr<HttpExcha
   bool fresh = false;
   if (kind == ApiKind::chat && opts_.sessions) {
     std::string id;
-    if (const std::string* h = ex->request().header("x-session-id")) id = *h;
-    if (id.empty() && body.is_object()) {
+    if (body.is_object()) {
       auto it = body.find("session_id");
       if (it != body.end() && !it->is_null()) {
         if (!it->is_string())
@@ -370,6 +369,16 @@ void OpenAiApi::completions_parsed(ApiKind kind, const std::shared_ptr<HttpExcha
                              ApiError{400, "session_id must be 1-128 characters of letters, digits, '_', '-', '.', ':'.",
                                       "invalid_request_error", "session_id", "invalid_session_id"});
       }
+    }
+    if (const std::string* h = ex->request().header("x-session-id"); h && !h->empty()) {
+      // Both may name the session, but not two different ones.
+      if (!id.empty() && id != *h)
+        return reply_error(ex, kChat,
+                           ApiError{400,
+                                    "The X-Session-Id header and the body's session_id name different sessions ('" +
+                                        h->substr(0, 128) + "' and '" + id.substr(0, 128) + "'); send one of them.",
+                                    "invalid_request_error", "session_id", "conflicting_session_id"});
+      id = *h;
     }
     if (body.is_object()) body.erase("session_id");
     if (id == "new") {

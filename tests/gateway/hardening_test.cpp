@@ -456,6 +456,17 @@ TEST_CASE("hardening: without API keys a session id must be one the server issue
   auto other = http(gw.port(), "POST", kChat, chat_body("fresh", R"("session_id":"new")"));
   CHECK(other.headers["x-session-id"] != id);
   CHECK(prompt_text(gw.scheduler().submitted().back()).find("remember me") == std::string::npos);
+  // The header and the body naming two sessions (a client asking for a new
+  // one with an old header left on) is refused, not settled silently.
+  const size_t before = gw.scheduler().submitted().size();
+  auto both = http(gw.port(), "POST", kChat, chat_body("which?", R"("session_id":"new")"), "X-Session-Id: " + id + "\r\n");
+  expect_error(both, 400, "conflicting_session_id");
+  CHECK(gw.scheduler().submitted().size() == before);
+  // Both naming the same one is that one.
+  auto same = http(gw.port(), "POST", kChat, chat_body("same", R"("session_id":")" + id + "\""),
+                   "X-Session-Id: " + id + "\r\n");
+  REQUIRE(same.status == 200);
+  CHECK(prompt_text(gw.scheduler().submitted().back()).find("remember me") != std::string::npos);
 }
 
 TEST_CASE("hardening: a second turn of a session while one runs is 409; no turn is lost", "[gateway][hardening][sessions]") {
