@@ -18,8 +18,10 @@ commit=${3:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 bench="$build/bench/gpu/moe-bench-engine"
-"$bench" --shape qwen15 --dense-weights int8 --budget-dense-weights auto --vram-budget 6 --budget-batches 1,8 --routing router,uniform,replay --json "$out/engine-qwen15.json"
-"$bench" --shape qwen3 --dense-weights int8 --budget-dense-weights auto --vram-budget 12,8 --budget-batches 1,8 --routing router,uniform,replay --json "$out/engine-qwen3.json"
+# BENCH_ARGS: more options for every engine run (e.g. "--fused-decode on").
+read -r -a extra <<< "${BENCH_ARGS:-}"
+"$bench" --shape qwen15 --dense-weights int8 --budget-dense-weights auto --vram-budget 6 --budget-batches 1,8 --routing router,uniform,replay "${extra[@]}" --json "$out/engine-qwen15.json"
+"$bench" --shape qwen3 --dense-weights int8 --budget-dense-weights auto --vram-budget 12,8 --budget-batches 1,8 --routing router,uniform,replay "${extra[@]}" --json "$out/engine-qwen3.json"
 # PEER=0: the engine's rows only (a "before" run beside an "after" one).
 [ "${PEER:-1}" = 0 ] && exit 0
 python3 "$here/transformers_peer.py" --shape all --ours "$out/engine-qwen15.json,$out/engine-qwen3.json" \
