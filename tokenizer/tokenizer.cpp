@@ -40,6 +40,31 @@ struct Tokenizer::Impl {
 
   // Plain text between raw-matched added tokens: normalise, cut out the
   // normalised added tokens, pre-tokenise, run BPE on each word.
+  // The text cut at its raw-matched added tokens (the special ones too
+  // where `specials`), each plain run encoded; `at_text_start`: the text
+  // begins the input.
+  std::vector<int32_t> encode_all(std::string_view text, bool specials, bool at_text_start) const {
+    std::string repaired;
+    if (!tok::utf8_valid(text)) {
+      repaired = tok::sanitize_utf8(text);
+      text = repaired;
+    }
+    std::vector<int32_t> ids;
+    ids.reserve(text.size() / 3 + 4);
+    std::vector<tok::Segment> segs;
+    if (const tok::AddedMatcher* m = specials ? raw_matcher.get() : raw_text_matcher.get())
+      m->split(text, segs);
+    else
+      segs.push_back({text, -1});
+    for (const auto& s : segs) {
+      if (s.id >= 0)
+        ids.push_back(s.id);
+      else if (!s.text.empty())
+        encode_plain(s.text, at_text_start && s.text.data() == text.data(), ids, specials);
+    }
+    return ids;
+  }
+
   void encode_plain(std::string_view text, bool at_text_start, std::vector<int32_t>& ids,
                     bool specials = true) const {
     const std::string normalized = normalizer ? normalizer->normalize(text) : std::string(text);
@@ -254,50 +279,13 @@ Result<std::unique_ptr<Tokenizer>> Tokenizer::load_dir(const std::string& dir) {
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {
-  const Impl& im = *impl_;
-  std::string repaired;
-  if (!tok::utf8_valid(text)) {
-    repaired = tok::sanitize_utf8(text);
-    text = repaired;
-  }
-  std::vector<int32_t> ids;
-  ids.reserve(text.size() / 3 + 4);
-  std::vector<tok::Segment> segs;
-  if (im.raw_matcher)
-    im.raw_matcher->split(text, segs);
-  else
-    segs.push_back({text, -1});
-  for (const auto& s : segs) {
-    if (s.id >= 0)
-      ids.push_back(s.id);
-    else if (!s.text.empty())
-      im.encode_plain(s.text, s.text.data() == text.data(), ids);
-  }
-  if (add_special_tokens && im.post_processor) im.post_processor->process(ids);
+  std::vector<int32_t> ids = impl_->encode_all(text, /*specials=*/true, /*at_text_start=*/true);
+  if (add_special_tokens && impl_->post_processor) impl_->post_processor->process(ids);
   return ids;
 }
 
 std::vector<int32_t> Tokenizer::encode_text(std::string_view text, bool at_text_start) const {
-  const Impl& im = *impl_;
-  std::string repaired;
-  if (!tok::utf8_valid(text)) {
-    repaired = tok::sanitize_utf8(text);
-    text = repaired;
-  }
-  std::vector<int32_t> ids;
-  ids.reserve(text.size() / 3 + 4);
-  std::vector<tok::Segment> segs;
-  if (im.raw_text_matcher)
-    im.raw_text_matcher->split(text, segs);
-  else
-    segs.push_back({text, -1});
-  for (const auto& s : segs) {
-    if (s.id >= 0)
-      ids.push_back(s.id);
-    else if (!s.text.empty())
-      im.encode_plain(s.text, at_text_start && s.text.data() == text.data(), ids, /*specials=*/false);
-  }
-  return ids;
+  return impl_->encode_all(text, /*specials=*/false, at_text_start);
 }
 
 bool Tokenizer::has_special_text(std::string_view text) const {
