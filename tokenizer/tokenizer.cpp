@@ -288,9 +288,28 @@ std::vector<int32_t> Tokenizer::encode_text(std::string_view text, bool at_text_
   return impl_->encode_all(text, /*specials=*/false, at_text_start);
 }
 
+std::vector<int32_t> Tokenizer::encode_part(std::string_view text, bool specials, bool at_text_start) const {
+  return impl_->encode_all(text, specials, at_text_start);
+}
+
 bool Tokenizer::has_special_text(std::string_view text) const {
-  for (const auto& a : impl_->added)
-    if (a.special && !a.content.empty() && text.find(a.content) != std::string_view::npos) return true;
+  const Impl& im = *impl_;
+  std::vector<tok::Segment> segs;
+  auto any_special = [&] {
+    for (const auto& s : segs)
+      if (s.id >= 0 && im.added[im.added_by_id.at(s.id)].special) return true;
+    return false;
+  };
+  if (im.raw_matcher) {
+    im.raw_matcher->split(text, segs);
+    if (any_special()) return true;
+  }
+  if (im.normalized_matcher) {  // tokens matched in the normalised text
+    segs.clear();
+    const std::string normalized = im.normalizer ? im.normalizer->normalize(text) : std::string(text);
+    im.normalized_matcher->split(normalized, segs);
+    if (any_special()) return true;
+  }
   return false;
 }
 

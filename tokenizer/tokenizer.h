@@ -44,7 +44,11 @@ class Tokenizer {
   // tokens still match. `at_text_start`: the text begins the input (a
   // Metaspace pre-tokeniser's "first" prefix).
   std::vector<int32_t> encode_text(std::string_view text, bool at_text_start = false) const;
-  // Whether a special token's text appears in `text`.
+  // A part of a longer input, its special tokens' text matched as tokens
+  // (`specials`) or not; no post-processing.
+  std::vector<int32_t> encode_part(std::string_view text, bool specials, bool at_text_start) const;
+  // Whether a special token's text appears in `text` (one pass of the
+  // added tokens' matcher, not one scan a token).
   bool has_special_text(std::string_view text) const;
   std::string decode(std::span<const int32_t> ids, bool skip_special_tokens) const;
   // The bytes one token stands for, as the decoder gives them but with

@@ -42,54 +42,64 @@ class ModelTextCodec final : public TextCodec {
   Result<std::vector<int32_t>> encode_chat(const nlohmann::json& messages,
                                            const nlohmann::json& template_kwargs) const override {
     if (!tmpl_) return make_error("the model has no chat template; use /v1/completions");
-    // What a message says is text: "<|im_end|>" written in it must not end
-    // its turn and open another role's. Only the template writes special
-    // tokens. A message holding a special token's text is marked, and its
-    // span of the rendered prompt encoded as text (docs/gateway.md).
-    nlohmann::json marked;
-    const std::string nonce = marked_spans_nonce(messages, marked);
-    auto text = tmpl_->render(nonce.empty() ? messages : marked, /*add_generation_prompt=*/true, template_kwargs);
-    if (!text.ok()) return make_error(text.error());
-    // The template writes the special tokens (BOS included) itself.
-    if (nonce.empty()) return tok_->encode(text.value(), false);
-    return encode_marked(text.value(), nonce);
-  }
-
-  // A copy of `messages` in `marked` with every client string (content, a
-  // tool call's arguments) that holds a special token's text between marks,
-  // and the marks' nonce; "" (and `marked` untouched) when none does.
-  std::string marked_spans_nonce(const nlohmann::json& messages, nlohmann::json& marked) const {
-    auto special = [&](const nlohmann::json& v) { return v.is_string() && tok_->has_special_text(v.get_ref<const std::string&>()); };
-    bool any = false;
-    for (const auto& m : messages) {
-      if (!m.is_object()) continue;
-      if (m.contains("content") && special(m["content"])) any = true;
-      if (m.contains("tool_calls") && m["tool_calls"].is_array())
-        for (const auto& c : m["tool_calls"])
-          if (c.is_object() && c.contains("function") && c["function"].is_object() &&
-              c["function"].contains("arguments") && special(c["function"]["arguments"]))
-            any = true;
-    }
-    if (!any) return {};
+    // What a client wrote is text: "<|im_end|>" in a message, a tool's
+    // description or name, or a template variable must not end a turn and
+    // open another role's. Only the template writes special tokens. Strings
+    // holding a special token's text are marked, and their spans of the
+    // rendered prompt encoded as text (docs/gateway.md).
     thread_local std::mt19937_64 rng{std::random_device{}()};
     char hex[33];
     std::snprintf(hex, sizeof hex, "%016llx%016llx", static_cast<unsigned long long>(rng()),
                   static_cast<unsigned long long>(rng()));
     const std::string nonce = hex, open = open_mark(nonce), close = close_mark(nonce);
-    auto mark = [&](nlohmann::json& v) {
-      if (special(v)) v = open + v.get<std::string>() + close;
-    };
-    marked = messages;
-    for (auto& m : marked) {
-      if (!m.is_object()) continue;
-      if (m.contains("content")) mark(m["content"]);
-      if (m.contains("tool_calls") && m["tool_calls"].is_array())
-        for (auto& c : m["tool_calls"])
-          if (c.is_object() && c.contains("function") && c["function"].is_object() &&
-              c["function"].contains("arguments"))
-            mark(c["function"]["arguments"]);
+    nlohmann::json marked_messages, marked_kwargs;
+    const bool in_messages = mark_strings(messages, open, close, marked_messages);
+    const bool in_kwargs = mark_strings(template_kwargs, open, close, marked_kwargs);
+    auto text = tmpl_->render(in_messages ? marked_messages : messages, /*add_generation_prompt=*/true,
+                              in_kwargs ? marked_kwargs : template_kwargs);
+    if (!text.ok()) return make_error(text.error());
+    // The template writes the special tokens (BOS included) itself.
+    if (!in_messages && !in_kwargs) return tok_->encode(text.value(), false);
+    return encode_marked(text.value(), nonce);
+  }
+
+  // Every string a client wrote that holds a special token's text, object
+  // keys included, between marks: in a copy of `v` in `out` (true), or
+  // nothing (false, `out` untouched).
+  bool mark_strings(const nlohmann::json& v, const std::string& open, const std::string& close,
+                    nlohmann::json& out) const {
+    auto marked = [&](const std::string& s) { return open + s + close; };
+    if (v.is_string()) {
+      if (!tok_->has_special_text(v.get_ref<const std::string&>())) return false;
+      out = marked(v.get<std::string>());
+      return true;
     }
-    return nonce;
+    if (v.is_array()) {
+      bool any = false;
+      nlohmann::json copy = nlohmann::json::array();
+      for (const auto& e : v) {
+        nlohmann::json m;
+        const bool changed = mark_strings(e, open, close, m);
+        any = any || changed;
+        copy.push_back(changed ? std::move(m) : e);
+      }
+      if (any) out = std::move(copy);
+      return any;
+    }
+    if (v.is_object()) {
+      bool any = false;
+      nlohmann::json copy = nlohmann::json::object();
+      for (const auto& [key, e] : v.items()) {
+        nlohmann::json m;
+        const bool changed = mark_strings(e, open, close, m);
+        const bool key_special = tok_->has_special_text(key);
+        any = any || changed || key_special;
+        copy[key_special ? marked(key) : key] = changed ? std::move(m) : e;
+      }
+      if (any) out = std::move(copy);
+      return any;
+    }
+    return false;
   }
 
   // A rendered prompt with marked spans: the template's text with its
@@ -97,21 +107,24 @@ class ModelTextCodec final : public TextCodec {
   Result<std::vector<int32_t>> encode_marked(const std::string& text, const std::string& nonce) const {
     const std::string open = open_mark(nonce), close = close_mark(nonce);
     std::vector<int32_t> ids;
+    auto add = [&](size_t from, size_t to, bool specials) {
+      const std::vector<int32_t> part =
+          tok_->encode_part(std::string_view(text).substr(from, to - from), specials, /*at_text_start=*/from == 0);
+      ids.insert(ids.end(), part.begin(), part.end());
+    };
+    const auto cut = [] {
+      return make_error("the chat template cut a message's text apart; it cannot be kept apart from its special tokens");
+    };
     size_t at = 0;
-    while (at <= text.size()) {
+    for (;;) {
       const size_t o = text.find(open, at);
       const size_t plain_end = o == std::string::npos ? text.size() : o;
-      if (text.find(close, at) < plain_end)
-        return make_error("the chat template cut a message's text apart; it cannot be kept apart from its special tokens");
-      const std::vector<int32_t> outside = tok_->encode(std::string_view(text).substr(at, plain_end - at), false);
-      ids.insert(ids.end(), outside.begin(), outside.end());
+      if (text.find(close, at) < plain_end) return cut();
+      add(at, plain_end, /*specials=*/true);
       if (o == std::string::npos) break;
       const size_t start = o + open.size(), c = text.find(close, start);
-      const size_t next_open = text.find(open, start);
-      if (c == std::string::npos || next_open < c)
-        return make_error("the chat template cut a message's text apart; it cannot be kept apart from its special tokens");
-      const std::vector<int32_t> inside = tok_->encode_text(std::string_view(text).substr(start, c - start), ids.empty());
-      ids.insert(ids.end(), inside.begin(), inside.end());
+      if (c == std::string::npos || text.find(open, start) < c) return cut();
+      add(start, c, /*specials=*/false);
       at = c + close.size();
     }
     return ids;
