@@ -524,6 +524,7 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
   // A session turn may carry an Idempotency-Key: the same key again (a
   // retry) is answered from the store when its turn was stored already.
   std::string request_key, request_digest;
+  std::optional<ChatMessage> replay_of;
   if (!session.id.empty()) {
     if (const std::string* k = ex->request().header("idempotency-key")) {
       request_key = *k;
@@ -537,12 +538,16 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
       // tells a retry from a key reused for another turn.
       const auto msgs = body.find("messages");
       request_digest = sha256_hex(msgs == body.end() ? std::string() : msgs->dump()).substr(0, 32);
-      if (!prior.empty() && prior.back().role == "assistant" && prior.back().request_key == request_key) {
-        if (prior.back().request_digest != request_digest)
+      // Any stored turn of this key, the last or one before later turns (a
+      // retry that comes late): that turn again, never run and stored twice.
+      for (auto it = prior.rbegin(); it != prior.rend(); ++it) {
+        if (it->role != "assistant" || it->request_key != request_key) continue;
+        if (it->request_digest != request_digest)
           return reply_error(ex, endpoint,
                              ApiError{422, "This Idempotency-Key answered another turn of the session; use a new key "
                                            "for a new turn.", "invalid_request_error", "", "idempotency_key_reused"});
-        return replay(ex, body, session, prior.back());
+        replay_of = *it;
+        break;
       }
     }
   }
@@ -556,6 +561,11 @@ void OpenAiApi::run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>
   job->turn = std::move(turn);
   job->request_key = std::move(request_key);
   job->request_digest = std::move(request_digest);
+  // A replay is checked as the request it repeats was (its parameters, its
+  // model, its new turns), though nothing runs: parsed without the stored
+  // turns, which hold its answer already.
+  if (replay_of) job->prior.clear();
+  job->replay_of = std::move(replay_of);
   parse_then_start(std::move(job), 0);
 }
 
@@ -656,6 +666,19 @@ void OpenAiApi::start_completion(CompletionJob& job) {
   ParsedRequest& parsed = *job.parsed;
   const char* endpoint = kind == ApiKind::chat ? kChat : kCompletions;
   if (auto* err = std::get_if<ApiError>(&parsed)) return reply_error(ex, endpoint, *err);
+  if (!job.request_key.empty()) {
+    // What the session stores of a turn (one answer, no logprobs) is all a
+    // retry can be answered with: a keyed turn asks for no more.
+    const CompletionRequest& asked = std::get<CompletionRequest>(parsed);
+    if (asked.n > 1 || asked.best_of > 1 || asked.sampling.logprobs)
+      return reply_error(ex, endpoint,
+                         invalid_param(asked.sampling.logprobs ? "logprobs" : "n",
+                                       "A session turn with an Idempotency-Key is answered again from what the "
+                                       "session stores of it: one choice, without logprobs. Ask for n 1 and no "
+                                       "logprobs, or send no key.",
+                                       "unsupported_value"));
+  }
+  if (job.replay_of) return replay(ex, body, session, *job.replay_of);
   if (!scheduler_->ready()) {
     // A worker (re)starting, or one that keeps failing before it is ready.
     const std::string failing = scheduler_->failing();

@@ -144,6 +144,7 @@ class OpenAiApi final : public HttpHandler {
     std::string request_key, request_digest;
     RequestLimits limits;  // the serving workers' when the parse began
     std::optional<ParsedRequest> parsed;
+    std::optional<ChatMessage> replay_of;  // a retried turn's stored answer: checked, then replayed
   };
   RequestLimits limits_now() const;
   // Parses on the thread pool (off_loop), then start_completion; limits

@@ -148,10 +148,24 @@ def idempotent_turns(port):
     # The replayed answer keeps how the turn ended (max_tokens 8: length).
     status, hdr, data = post_chat(port, turn("def third():\n", sid), {"Idempotency-Key": "t3"})
     assert hdr.get("x-moe-replayed") == "1" and json.loads(data)["choices"][0]["finish_reason"] == "length", data
+    # A retry that comes late, after later turns: still the stored turn, never run and stored again.
+    status, hdr, data = post_chat(port, turn("def second():\n", sid), {"Idempotency-Key": "t2"})
+    assert status == 200 and hdr.get("x-moe-replayed") == "1", (hdr, data)
+    late = json.loads(data)
+    assert late["id"] == first["id"] and late["choices"][0]["message"]["content"] == answer, late
+    # A replay is checked as its request was: another model is 404, not an answer.
+    status, _, data = post_chat(port, dict(turn("def second():\n", sid), model="other-model"), {"Idempotency-Key": "t2"})
+    assert status == 404 and json.loads(data)["error"]["code"] == "model_not_found", data
+    # A keyed turn asks for what the session can give again: one choice, no logprobs.
+    for extra, param in (({"n": 2}, "n"), ({"logprobs": True}, "logprobs")):
+        status, _, data = post_chat(port, dict(turn("def fifth():\n", sid), **extra), {"Idempotency-Key": "t5"})
+        err = json.loads(data)["error"]
+        assert status == 400 and err["param"] == param and err["code"] == "unsupported_value", data
     m = h.metrics(port)
-    assert m.get("moe_gateway_replayed_turns_total") == 3, m.get("moe_gateway_replayed_turns_total")
-    print("RESULT idempotent turns: retried turns answered from the store (whole, streamed, with their id, "
-          "created, usage and finish reason); a key reused for another turn refused (422)")
+    assert m.get("moe_gateway_replayed_turns_total") == 4, m.get("moe_gateway_replayed_turns_total")
+    print("RESULT idempotent turns: retried turns answered from the store (whole, streamed, late, with their id, "
+          "created, usage and finish reason, checked as their request); a key reused for another turn refused "
+          "(422); a keyed turn of n 2 or with logprobs refused (400)")
 
 
 def priorities(c):
