@@ -135,6 +135,9 @@ std::string GatewayMetrics::render(const SchedulerStats& stats, bool ready, cons
   render_scalar(out, "moe_gateway_priority_preemptions_total", "counter",
                 "Sequences preempted to make room for an earlier priority.",
                 double(stats.priority_preemptions));
+  render_scalar(out, "moe_gateway_fairness_preemptions_total", "counter",
+                "Sequences preempted so that another caller's waiting sequence gets its share of the batch.",
+                double(stats.fairness_preemptions));
   render_scalar(out, "moe_gateway_degraded_responses_total", "counter",
                 "Responses served while degraded.", static_cast<double>(degraded_responses_));
   render_scalar(out, "moe_gateway_client_disconnects_total", "counter",

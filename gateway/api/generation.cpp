@@ -257,6 +257,7 @@ void Generation::begin(uint64_t seed) {
     if (req_.response_schema && ctx_.grammars) sr.grammar = ctx_.grammars->grammar(req_.response_schema);
     sr.group = ctx_.request_serial;
     sr.priority = ctx_.priority;
+    sr.caller = ctx_.caller;
     sr.on_fallback = ctx_.on_fallback;
     c->last_token_ns = ctx_.start_ns;
     c->seq = ctx_.scheduler->submit(std::move(sr), c.get());

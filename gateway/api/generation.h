@@ -62,6 +62,7 @@ struct GenerationContext {
   bool degraded = false;      // adds X-Moe-Degraded: 1
   uint64_t request_serial = 0;  // the scheduler starts sequences round-robin across these
   int priority = 0;             // SequenceRequest::priority (lower first)
+  uint64_t caller = 0;          // SequenceRequest::caller (fair shares of the batch)
   bool on_fallback = false;     // overload: served by the fallback worker (SequenceRequest::on_fallback)
   // A whole (not streamed) response may hold at most this many bytes of
   // text and logprobs; past it the request fails with 400 response_too_large.

@@ -773,6 +773,7 @@ void OpenAiApi::start_completion(CompletionJob& job) {
   ctx.degraded = now.degraded || on_fallback;
   ctx.on_fallback = on_fallback;
   ctx.priority = priority;
+  ctx.caller = std::hash<std::string>{}(caller.id) | 1;  // never 0 (unknown)
   ctx.request_serial = next_request_serial_++;
   ctx.max_response_bytes = opts_.max_response_bytes;
   ctx.held_total = held_responses_;

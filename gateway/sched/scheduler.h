@@ -45,6 +45,11 @@ struct SequenceRequest {
   uint64_t group = 0;
   // Lower runs first (docs/operations.md, "Priorities"); 0 the default.
   int priority = 0;
+  // Who sent it (a digest of the caller's key or address; 0: unknown). A
+  // caller's waiting sequence that finds no room preempts running ones of a
+  // caller holding more of the batch than it does (docs/scheduler.md, "Fair
+  // shares"): one client's 256 choices do not hold every other client out.
+  uint64_t caller = 0;
   // Served by the fallback worker to its end (overload, docs/operations.md);
   // unset again if the fallback is lost under it.
   bool on_fallback = false;
@@ -110,6 +115,7 @@ struct SchedulerStats {
   int kv_blocks_total = 0;
   uint64_t preemptions = 0;
   uint64_t priority_preemptions = 0;  // of those, to make room for an earlier priority
+  uint64_t fairness_preemptions = 0;  // of those, for a caller's fair share of the batch
   bool degraded = false;  // serving from the fallback worker
   // What the overload rule reads (docs/operations.md, "Overload"): sequences
   // waiting for a main worker, and how long the oldest of them has waited.

@@ -239,6 +239,7 @@ SchedulerStats ContinuousScheduler::stats() const {
     s.kv_blocks_used += w.policy.kv_blocks_used();
     s.preemptions += w.policy.preemptions();
     s.priority_preemptions += w.policy.priority_preemptions();
+    s.fairness_preemptions += w.policy.fairness_preemptions();
     s.on_fallback += w.policy.on_fallback();
     if (serving(i)) {
       s.kv_blocks_total += w.policy.limits().kv_blocks_total;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <climits>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace moe::gw {
 
@@ -27,17 +28,27 @@ int64_t BatchPolicy::effective_priority(const Seq& s) const {
 }
 
 uint64_t BatchPolicy::victim(const std::function<bool(const Seq&)>& eligible) const {
+  const std::unordered_map<uint64_t, int> held = running_by_caller();
   uint64_t id = 0;
   int64_t worst = INT64_MIN;
+  int most = 0;
   for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
     const Seq& s = seqs_.at(*it);
     if (eligible && !eligible(s)) continue;
-    if (id == 0 || effective_priority(s) > worst) {
+    const int h = held.at(s.req.caller);
+    if (id == 0 || effective_priority(s) > worst || (effective_priority(s) == worst && h > most)) {
       worst = effective_priority(s);
+      most = h;
       id = *it;
     }
   }
   return id;
+}
+
+std::unordered_map<uint64_t, int> BatchPolicy::running_by_caller() const {
+  std::unordered_map<uint64_t, int> held;
+  for (uint64_t id : running_) ++held[seqs_.at(id).req.caller];
+  return held;
 }
 
 std::vector<size_t> BatchPolicy::admission_order(size_t limit) const {
@@ -56,6 +67,23 @@ std::vector<size_t> BatchPolicy::admission_order(size_t limit) const {
 }
 
 std::vector<size_t> BatchPolicy::admission_order_within(size_t limit) const {
+  // Fair shares: the callers holding fewer running sequences first, the
+  // order below kept among equals (all of them, when callers are unknown).
+  const std::unordered_map<uint64_t, int> held = running_by_caller();
+  auto share = [&](size_t pos) {
+    auto it = held.find(seqs_.at(waiting_[pos]).req.caller);
+    return it == held.end() ? 0 : it->second;
+  };
+  bool uneven = false;
+  for (size_t i = 1; i < waiting_.size() && !uneven; ++i) uneven = share(i) != share(0);
+  if (!uneven) return admission_order_fifo(limit);
+  std::vector<size_t> all = admission_order_fifo(waiting_.size());
+  std::stable_sort(all.begin(), all.end(), [&](size_t a, size_t b) { return share(a) < share(b); });
+  if (all.size() > limit) all.resize(limit);
+  return all;
+}
+
+std::vector<size_t> BatchPolicy::admission_order_fifo(size_t limit) const {
   std::vector<size_t> order;
   // Put back at the front: first, in queue order.
   for (size_t i = 0; i < waiting_.size() && order.size() < limit; ++i)
@@ -203,49 +231,75 @@ void BatchPolicy::preempt_for_priority(StepPlan& plan) {
   // waiting, but preempts no earlier or equal priority; equal priorities
   // never preempt each other).
   auto eligible = [&](const Seq& s) { return effective_priority(s) > p && s.req.priority > want.req.priority; };
+  priority_preemptions_ += uint64_t(make_room(want, 1, eligible, {}, /*front=*/true, plan));
+}
+
+void BatchPolicy::preempt_for_fairness(StepPlan& plan) {
+  if (waiting_.empty() || running_.empty()) return;
+  const std::vector<size_t> first = admission_order(1);
+  const Seq& want = seqs_.at(waiting_[first[0]]);
+  // (The admission order puts the callers holding least first.)
+  if (want.req.caller == 0) return;
+  std::unordered_map<uint64_t, int> held = running_by_caller();
+  const int mine = held[want.req.caller];
+  const int64_t p = effective_priority(want);
+  auto eligible = [&](const Seq& s) {
+    return s.req.caller != 0 && s.req.caller != want.req.caller && effective_priority(s) == p &&
+           held[s.req.caller] > mine + 1;
+  };
+  // Room for a first chunk worth starting, not one token a step.
+  const int first_chunk = std::min<int>(int(want.context.size()), 32);
+  fairness_preemptions_ +=
+      uint64_t(make_room(want, first_chunk, eligible, [&](const Seq& s) { --held[s.req.caller]; }, /*front=*/false, plan));
+}
+
+int BatchPolicy::make_room(const Seq& want, int first_chunk, const std::function<bool(const Seq&)>& eligible,
+                           const std::function<void(const Seq&)>& chosen, bool front, StepPlan& plan) {
   const int len = int(want.context.size());
   const int total = limits_.kv_blocks_total;
   auto held = [&](const Seq& s) { return blocks_for(std::max<int>(s.on_worker + 1, int(s.context.size()))); };
-  auto decodes = [&] {
-    int n = 0;
-    for (uint64_t id : running_) n += decoding(seqs_.at(id));
-    return n;
-  };
   // Room means all three: its KV (with headroom), a batch slot, and step
   // tokens left after the decodes for its first chunk.
   auto room = [&](int committed, int running, int decoding) {
     const int need = running == 0 ? blocks_for(len) : blocks_for(len) + limits_.headroom_blocks;
-    return committed + need <= total && running < limits_.max_batch_sequences && decoding < limits_.max_step_tokens;
+    return committed + need <= total && running < limits_.max_batch_sequences &&
+           decoding + first_chunk <= limits_.max_step_tokens;
   };
-  if (room(committed_blocks(), int(running_.size()), decodes())) return;  // it fits as things are
-  // Only when the eligible ones' room is enough: never preempt in vain.
-  int freeable = 0, n_eligible = 0, eligible_decoding = 0;
-  for (uint64_t id : running_) {
-    const Seq& s = seqs_.at(id);
-    if (!eligible(s)) continue;
-    freeable += held(s);
-    ++n_eligible;
-    eligible_decoding += decoding(s);
+  int committed = committed_blocks(), running = int(running_.size()), decodes = 0;
+  for (uint64_t id : running_) decodes += decoding(seqs_.at(id));
+  if (room(committed, running, decodes)) return 0;  // it fits as things are
+  // The victims, in order, as if each were preempted; none unless they make
+  // enough room together: never preempt in vain.
+  std::vector<uint64_t> victims;
+  std::unordered_set<const Seq*> taken;
+  auto open = [&](const Seq& s) { return !taken.count(&s) && eligible(s); };
+  while (!room(committed, running, decodes)) {
+    const uint64_t v = victim(open);
+    if (v == 0) return 0;  // not enough: nobody goes
+    const Seq& s = seqs_.at(v);
+    taken.insert(&s);
+    victims.push_back(v);
+    committed -= held(s);
+    --running;
+    decodes -= decoding(s);
+    if (chosen) chosen(s);
   }
-  if (n_eligible == 0 || !room(committed_blocks() - freeable, int(running_.size()) - n_eligible,
-                               decodes() - eligible_decoding))
-    return;
-  while (!room(committed_blocks(), int(running_.size()), decodes())) {
-    const uint64_t v = victim(eligible);
-    if (v == 0) break;
-    preempt(v, plan);
-    ++priority_preemptions_;
-  }
+  for (uint64_t v : victims) preempt(v, plan, front);
+  return int(victims.size());
 }
 
-void BatchPolicy::preempt(uint64_t id, StepPlan& plan) {
+void BatchPolicy::preempt(uint64_t id, StepPlan& plan, bool front) {
   Seq& s = seqs_.at(id);
   s.req.waiting_since_ms = now_ms_;
   running_.erase(std::remove(running_.begin(), running_.end(), id), running_.end());
   s.admitted = false;
-  s.front = true;
+  s.front = front;
   s.on_worker = 0;
-  waiting_.push_front(id);
+  // Not put first: at the back of the queue, behind whoever it made room for.
+  if (front)
+    waiting_.push_front(id);
+  else
+    waiting_.push_back(id);
   plan.release.push_back(id);
   ++preemptions_;
 }
@@ -282,6 +336,7 @@ StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected, uint64_t now_m
     return need;
   };
   preempt_for_priority(plan);
+  preempt_for_fairness(plan);
   while (!running_.empty() && decode_need() > total - kv_blocks_used()) preempt(victim({}), plan);
 
   int budget = limits_.max_step_tokens;

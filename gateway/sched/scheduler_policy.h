@@ -169,6 +169,7 @@ class BatchPolicy {
   // (INT_MIN when none).
   int latest_priority() const;
   uint64_t priority_preemptions() const { return priority_preemptions_; }
+  uint64_t fairness_preemptions() const { return fairness_preemptions_; }
 
   // Observation (tests, stats).
   int waiting() const { return int(waiting_.size()); }
@@ -199,8 +200,12 @@ class BatchPolicy {
   // admission considers them: those put back at the front, then round-robin
   // across groups (the group admitted least recently first).
   std::vector<size_t> admission_order(size_t limit) const;
-  // The same, priorities aside.
+  // The same, priorities aside: the callers holding fewer running sequences
+  // first (fair shares), then admission_order_fifo.
   std::vector<size_t> admission_order_within(size_t limit) const;
+  // Those put back at the front, then round-robin across groups.
+  std::vector<size_t> admission_order_fifo(size_t limit) const;
+  std::unordered_map<uint64_t, int> running_by_caller() const;  // caller -> running sequences
   void count_group(uint64_t group, int delta);
   // Grouped batching: which of `candidates` (oldest first) goes next.
   size_t pick_grouped(const std::vector<uint64_t>& candidates, const ExpertSet& step) const;
@@ -210,17 +215,29 @@ class BatchPolicy {
   std::string context_problem(int len) const;
   void drop_unsendable(StepPlan& plan, std::vector<SequenceUpdate>* rejected);
   int committed_blocks() const;  // blocks admitted sequences hold or will hold once prefilled
-  void preempt(uint64_t id, StepPlan& plan);
+  // `front`: it goes before the round-robin when it waits again (a
+  // preemption for its caller's fair share does not: it waits at the back
+  // of the queue, its turn among the requests by the round-robin).
+  void preempt(uint64_t id, StepPlan& plan, bool front = true);
   // Priorities: a sequence's class now (lower first; aged: the most urgent).
   int64_t effective_priority(const Seq& s) const;
   // The running sequence to preempt first, among those `eligible` takes:
-  // the latest class, then the youngest.
+  // the latest class, then the caller holding the most, then the youngest.
   uint64_t victim(const std::function<bool(const Seq&)>& eligible) const;  // 0: none eligible (null: any)
   // Its prompt is on the worker: the next step carries its one decode token.
   static bool decoding(const Seq& s) { return int(s.context.size()) - s.on_worker == 1; }
   // Frees room for the first waiting sequence by preempting running ones of
   // a later class, when that is enough for it to fit.
   void preempt_for_priority(StepPlan& plan);
+  // Fair shares: frees room for the first waiting sequence (of the same
+  // class) by preempting running ones of callers that hold more than one
+  // sequence more of the batch than its caller, while that is so.
+  void preempt_for_fairness(StepPlan& plan);
+  // Preempts `eligible` running sequences (victim() order; `chosen` may
+  // narrow them as it goes) until `want` fits with `first_chunk` step tokens,
+  // only when that is enough; how many were preempted.
+  int make_room(const Seq& want, int first_chunk, const std::function<bool(const Seq&)>& eligible,
+                const std::function<void(const Seq&)>& chosen, bool front, StepPlan& plan);
   bool can_ever_run(const Seq& s, std::string* why) const;
 
   PolicyLimits limits_;
@@ -230,6 +247,7 @@ class BatchPolicy {
   uint64_t admit_counter_ = 0;
   uint64_t preemptions_ = 0;
   uint64_t priority_preemptions_ = 0;
+  uint64_t fairness_preemptions_ = 0;
   uint64_t now_ms_ = 0;  // the last plan()'s clock
   struct Group {
     int sequences = 0;       // waiting or running

@@ -310,3 +310,84 @@ TEST_CASE("the rate limit is a bucket of a minute's requests, refilled evenly", 
   CHECK(r.allow("b", 3, 21'001, &wait));
   CHECK(r.allow("c", 3, 21'001, &wait));  // another key has its own bucket
 }
+
+TEST_CASE("fair shares: one caller's full batch makes room for another caller's waiting sequence",
+          "[operations][fairness]") {
+  // Room for 4 decoding sequences a step; KV to spare.
+  PolicyLimits l = limits(4, 1000);
+  BatchPolicy p(l);
+  // Caller 7 fills the batch: four sequences of one request, decoding.
+  for (uint64_t id = 1; id <= 4; ++id) {
+    SequenceRequest r = req(2, 50, 0, 1);
+    r.caller = 7;
+    p.add(id, r);
+  }
+  for (int i = 0; i < 4; ++i) {
+    StepPlan s = p.plan(nullptr, 10);
+    p.apply(s, answer(s), nullptr);
+  }
+  REQUIRE(p.running() == 4);
+  // Caller 9's one sequence comes: without fair shares it would wait for one
+  // of 50 tokens to end. The youngest of caller 7's go back to wait their
+  // turn, as many as its first chunk (2 tokens) needs of the step.
+  SequenceRequest other = req(2, 5, 0, 2);
+  other.caller = 9;
+  p.add(5, other);
+  StepPlan s = p.plan(nullptr, 20);
+  CHECK(s.release == std::vector<uint64_t>{4, 3});
+  CHECK(has(ids(s), 5));
+  CHECK(p.fairness_preemptions() == 2);
+  const std::vector<int32_t> before = *p.generated(4);
+  p.apply(s, answer(s), nullptr);
+  CHECK(*p.generated(4) == before);  // nothing reported twice
+  // Caller 7 holds 2 and caller 9 one: the preempted ones, waiting again,
+  // are caller 7's own and preempt nobody; they run once caller 9's ends.
+  for (int i = 0; i < 8; ++i) {
+    StepPlan t = p.plan(nullptr, 30 + i);
+    CHECK(t.release.empty());
+    p.apply(t, answer(t), nullptr);
+  }
+  CHECK(p.fairness_preemptions() == 2);
+  CHECK(p.running() == 4);
+  CHECK_FALSE(p.knows(5));  // its 5 tokens done
+
+  SECTION("a caller holding one more than the other, or unknown callers, preempt nobody") {
+    BatchPolicy q(l);
+    for (uint64_t id = 1; id <= 4; ++id) {
+      SequenceRequest r = req(2, 50, 0, id);
+      r.caller = id <= 2 ? 7 : 9;  // two each
+      q.add(id, r);
+    }
+    for (int i = 0; i < 4; ++i) {
+      StepPlan t = q.plan(nullptr, 10);
+      q.apply(t, answer(t), nullptr);
+    }
+    REQUIRE(q.running() == 4);
+    SequenceRequest third = req(2, 5, 0, 5);
+    third.caller = 9;  // caller 9 would hold 3 against 7's 2
+    q.add(5, third);
+    SequenceRequest unknown = req(2, 5, 0, 6);  // caller 0
+    q.add(6, unknown);
+    StepPlan t = q.plan(nullptr, 20);
+    CHECK(t.release.empty());
+    CHECK(q.fairness_preemptions() == 0);
+  }
+  SECTION("an earlier priority's sequences are not preempted for a later one's fair share") {
+    BatchPolicy q(l);
+    for (uint64_t id = 1; id <= 4; ++id) {
+      SequenceRequest r = req(2, 50, 0, 1);
+      r.caller = 7;
+      q.add(id, r);
+    }
+    for (int i = 0; i < 4; ++i) {
+      StepPlan t = q.plan(nullptr, 10);
+      q.apply(t, answer(t), nullptr);
+    }
+    SequenceRequest later = req(2, 5, 5, 2);
+    later.caller = 9;
+    q.add(5, later);
+    StepPlan t = q.plan(nullptr, 20);
+    CHECK(t.release.empty());
+    CHECK(q.fairness_preemptions() == 0);
+  }
+}
