@@ -391,3 +391,32 @@ TEST_CASE("fair shares: one caller's full batch makes room for another caller's 
     CHECK(q.fairness_preemptions() == 0);
   }
 }
+
+TEST_CASE("fair shares: a caller holding fewer running sequences is admitted first", "[operations][fairness]") {
+  BatchPolicy p(limits(64, 1000));
+  // Caller 7 runs two and has two more waiting (an earlier request).
+  for (uint64_t id = 1; id <= 2; ++id) {
+    SequenceRequest r = req(4, 50, 0, 1);
+    r.caller = 7;
+    p.add(id, r);
+  }
+  StepPlan s = p.plan(nullptr, 10);
+  p.apply(s, answer(s), nullptr);
+  for (uint64_t id = 3; id <= 4; ++id) {
+    SequenceRequest r = req(4, 50, 0, 2);
+    r.caller = 7;
+    p.add(id, r);
+  }
+  // Caller 9's comes last, yet goes first: it holds none.
+  SequenceRequest other = req(4, 5, 0, 3);
+  other.caller = 9;
+  p.add(5, other);
+  REQUIRE(p.waiting_ids() == std::vector<uint64_t>{3, 4, 5});
+  s = p.plan(nullptr, 20);
+  std::vector<uint64_t> started;
+  for (const auto& c : s.chunks)
+    if (c.start_pos == 0) started.push_back(c.seq_id);
+  REQUIRE_FALSE(started.empty());
+  CHECK(started.front() == 5);
+  CHECK(p.fairness_preemptions() == 0);  // there was room: nobody preempted
+}
