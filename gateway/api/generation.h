@@ -45,8 +45,7 @@ struct HeldResponseBytes {
   // Called once a response that held kTrimFromBytes or more is freed: the
   // allocator is asked to give its free memory back to the system (unset: not).
   std::function<void()> trim;
-  bool trimming = false;  // one trim at a time,
-  bool trim_again = false;  // and one more when asked meanwhile
+  bool trimming = false;  // one trim at a time
   static constexpr size_t kTrimFromBytes = size_t(4) << 20;
 };
 

@@ -608,39 +608,46 @@ void OpenAiApi::parse_then_start(std::shared_ptr<CompletionJob> job, int attempt
 
 void OpenAiApi::watch_server(const HttpServer* server) {
   server_ = server;
+#ifdef __GLIBC__
   // glibc keeps what a large response freed (186 MB resident, idle, after
   // four chat requests of n 32 with 20 alternatives a token): given back on
-  // the thread pool, one trim at a time. Holds nothing of this object.
-  uv_loop_t* loop = server->loop();
-  std::weak_ptr<HeldResponseBytes> weak = held_responses_;
-  held_responses_->trim = [loop, weak] {
-#ifdef __GLIBC__
-    auto held = weak.lock();
-    if (!held) return;
-    if (held->trimming) {  // what was freed after it began: once more when it ends
-      held->trim_again = true;
-      return;
-    }
-    struct Trim {
-      uv_work_t req;
-      std::shared_ptr<HeldResponseBytes> held;
-    };
-    auto* t = new Trim{{}, held};
-    t->req.data = t;
-    held->trimming = true;
-    const int rc = uv_queue_work(
-        loop, &t->req, [](uv_work_t*) { malloc_trim(0); },
-        [](uv_work_t* w, int) {
-          std::unique_ptr<Trim> done(static_cast<Trim*>(w->data));
-          done->held->trimming = false;
-          if (std::exchange(done->held->trim_again, false) && done->held->trim) done->held->trim();
-        });
-    if (rc != 0) {
-      held->trimming = false;
-      delete t;
-    }
-#endif
+  // the thread pool. A trim holds the allocator's locks while it walks the
+  // heap, so it waits until large responses stopped coming for a moment
+  // (each asks again, which pushes it back: their bodies and trees are freed
+  // after them), and runs only while none is held. Holds nothing of this
+  // object: the timer (unreferenced, never closed) lives with the loop.
+  struct Trimmer {
+    uv_timer_t timer;
+    std::weak_ptr<HeldResponseBytes> held;
   };
+  auto* trimmer = new Trimmer{{}, held_responses_};
+  uv_timer_init(server->loop(), &trimmer->timer);
+  uv_unref(reinterpret_cast<uv_handle_t*>(&trimmer->timer));
+  trimmer->timer.data = trimmer;
+  held_responses_->trim = [trimmer] {
+    uv_timer_start(
+        &trimmer->timer,
+        [](uv_timer_t* t) {
+          auto held = static_cast<Trimmer*>(t->data)->held.lock();
+          if (!held || held->trimming || held->total > 0) return;
+          struct Trim {
+            uv_work_t req;
+            std::shared_ptr<HeldResponseBytes> held;
+          };
+          auto* w = new Trim{{}, held};
+          w->req.data = w;
+          held->trimming = true;
+          if (uv_queue_work(
+                  t->loop, &w->req, [](uv_work_t*) { malloc_trim(0); },
+                  [](uv_work_t* r, int) { std::unique_ptr<Trim>(static_cast<Trim*>(r->data))->held->trimming = false; }) !=
+              0) {
+            held->trimming = false;
+            delete w;
+          }
+        },
+        kTrimAfterMs, 0);
+  };
+#endif
 }
 
 void OpenAiApi::free_off_loop(json tree) {

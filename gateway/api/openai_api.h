@@ -153,6 +153,8 @@ class OpenAiApi final : public HttpHandler {
   // A parsed body's tree, let go on the thread pool (from kFreeOffLoopBytes of body).
   void free_off_loop(nlohmann::json tree);
   static constexpr size_t kFreeOffLoopBytes = 256 * 1024;
+  // A large response's freed memory is given back this long after the last one ended.
+  static constexpr uint64_t kTrimAfterMs = 250;
   // run_completion's second half, on the loop once the request is parsed.
   void start_completion(CompletionJob& job);
   void reply_error(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint, const ApiError& e);

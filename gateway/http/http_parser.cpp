@@ -211,9 +211,9 @@ void HttpRequestParser::parse_head() {
     if (chunked) return fail(411, "chunked request bodies are not supported; send Content-Length");
     return fail(501, "Transfer-Encoding is not supported");
   }
-  // HTTP/1.1 names the host it asks, exactly once.
-  if (req_.version_minor >= 1 && hosts != 1)
-    return fail(400, hosts == 0 ? "missing Host header" : "more than one Host header");
+  // HTTP/1.1 names the host it asks, exactly once; no request names two.
+  if (hosts > 1) return fail(400, "more than one Host header");
+  if (req_.version_minor >= 1 && hosts == 0) return fail(400, "missing Host header");
   if (content_length_ > limits_.max_body_bytes) {
     return fail(413, "request body of " + std::to_string(content_length_) + " bytes exceeds the limit of " +
                          std::to_string(limits_.max_body_bytes) + " bytes");

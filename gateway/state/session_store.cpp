@@ -193,7 +193,7 @@ std::optional<ChatMessages> SessionStore::from_redis(const std::string& key, std
       *field = k->get<std::string>();
     }
     if (auto k = m.find("created"); k != m.end()) {
-      if (!k->is_number_integer()) return bad("a turn's created is not a number of seconds");
+      if (!k->is_number_integer() || k->get<int64_t>() < 0) return bad("a turn's created is not a number of seconds");
       turn.created = k->get<int64_t>();
     }
     if (auto k = m.find("usage"); k != m.end()) {
@@ -201,12 +201,13 @@ std::optional<ChatMessages> SessionStore::from_redis(const std::string& key, std
       const auto counts = [](const json& o) {
         if (!o.is_object() || o.size() > 16) return false;
         for (const auto& [name, v] : o.items())
-          if (name.size() > 64 || !v.is_number_integer()) return false;
+          if (name.size() > 64 || !v.is_number_integer() || v.get<int64_t>() < 0) return false;
         return true;
       };
       bool ok = k->is_object() && k->size() <= 16;
       if (ok)
-        for (const auto& [name, v] : k->items()) ok = ok && name.size() <= 64 && (v.is_number_integer() || counts(v));
+        for (const auto& [name, v] : k->items())
+          ok = ok && name.size() <= 64 && ((v.is_number_integer() && v.get<int64_t>() >= 0) || counts(v));
       if (!ok) return bad("a turn's usage is not a set of token counts");
       turn.usage = k->dump();
     }

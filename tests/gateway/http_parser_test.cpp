@@ -101,6 +101,7 @@ TEST_CASE("parser: malformed requests are 400/411/501/505", "[gateway][parser]")
       // HTTP/1.1 names its host exactly once.
       {"GET / HTTP/1.1\r\n\r\n", 400},
       {"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400},
+      {"GET / HTTP/1.0\r\nHost: a\r\nHost: b\r\n\r\n", 400},
       // An absolute form needs a host, and is http or https.
       {"GET http:///x HTTP/1.1\r\nHost: a\r\n\r\n", 400},
       {"GET ftp://a/x HTTP/1.1\r\nHost: a\r\n\r\n", 400},

@@ -188,7 +188,7 @@ def garbage_http(port, rnd):
     blobs = [bytes(rnd.getrandbits(8) for _ in range(rnd.randint(1, 3000))),
              b"GET / HTTP/1.1\r\n" + b"X: " + b"a" * 20000 + b"\r\n\r\n",
              b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
-             b"POST /v1/completions HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n",
+             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n",
              b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
              b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * 50]
     raw_send(port, rnd.choice(blobs))
