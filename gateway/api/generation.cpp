@@ -292,8 +292,9 @@ void Generation::token(Choice& c, const TokenEvent& ev) {
   const size_t offset = c.decoded_chars;
   if (req_.sampling.logprobs && !stop_id) {
     if (req_.stream) {
-      chunk_logprobs = empty_logprobs();
-      add_logprobs(ev, offset, chunk_logprobs);
+      if (c.stream_logprobs.is_null()) c.stream_logprobs = empty_logprobs();
+      add_logprobs(ev, offset, c.stream_logprobs);
+      c.stream_logprob_offsets.push_back(offset);
     } else {
       if (!hold(logprob_entry_bytes(req_.kind, req_.sampling.top_logprobs))) return;
       add_logprobs(ev, offset, c.logprobs);
@@ -308,6 +309,9 @@ void Generation::token(Choice& c, const TokenEvent& ev) {
   if (!hold(step.text.size())) return;
   c.text_bytes += step.text.size();
   c.text_chars += code_points(step.text);
+  // A stream's entries go out with their text (a matched stop string's
+  // tokens never show: theirs are dropped below).
+  if (req_.stream) chunk_logprobs = take_stream_logprobs(c, false);
   const json* lp = chunk_logprobs.is_null() ? nullptr : &chunk_logprobs;
   bool lp_sent = false;
   const std::string answer = tool_text(c, route_text(c, step.text, step.stopped, lp, &lp_sent), step.stopped);
@@ -374,16 +378,36 @@ void Generation::finished(Choice& c, FinishReason reason, const std::string& mes
   c.text_chars += code_points(tail);
   tail = tool_text(c, route_text(c, tail, true, nullptr), true);
   if (!req_.stream || (ctx_.on_complete && c.index == 0)) c.text += tail;
-  finish_choice(c, step.stopped || reason == FinishReason::stop ? "stop" : "length", tail);
+  if (!req_.stream && step.stopped) drop_stop_logprobs(c);
+  // A stream's held entries: with the tail, but a matched stop string's.
+  const json tail_logprobs = req_.stream ? take_stream_logprobs(c, !step.stopped) : json();
+  finish_choice(c, step.stopped || reason == FinishReason::stop ? "stop" : "length", tail,
+                tail_logprobs.is_null() ? nullptr : &tail_logprobs);
 }
 
-void Generation::finish_choice(Choice& c, const char* reason, const std::string& tail_text) {
+json Generation::take_stream_logprobs(Choice& c, bool all) const {
+  size_t n = 0;
+  while (n < c.stream_logprob_offsets.size() && (all || c.stream_logprob_offsets[n] < c.text_chars)) ++n;
+  if (n == 0) return json();
+  json out = empty_logprobs();
+  for (auto& [key, list] : c.stream_logprobs.items()) {
+    if (!list.is_array() || list.size() < n) continue;
+    json& dst = out[key];
+    for (size_t i = 0; i < n; ++i) dst.push_back(std::move(list[i]));
+    list.erase(list.begin(), list.begin() + std::ptrdiff_t(n));
+  }
+  c.stream_logprob_offsets.erase(c.stream_logprob_offsets.begin(), c.stream_logprob_offsets.begin() + std::ptrdiff_t(n));
+  return out;
+}
+
+void Generation::finish_choice(Choice& c, const char* reason, const std::string& tail_text,
+                               const json* tail_logprobs) {
   c.done = true;
   // A turn that ended after calling tools (not cut by max_tokens) asks for their results.
   if (!c.tool_calls.empty() && std::string(reason) == "stop") reason = "tool_calls";
   c.finish_reason = reason;
   if (req_.stream) {
-    if (!tail_text.empty()) send_chunk(c, tail_text, nullptr, nullptr, false);
+    if (!tail_text.empty() || tail_logprobs) send_chunk(c, tail_text, tail_logprobs, nullptr, false);
     if (over_) return;
     send_chunk(c, "", nullptr, reason, false);
     if (over_) return;
