@@ -397,7 +397,7 @@ void OpenAiApi::completions_parsed(ApiKind kind, const std::shared_ptr<HttpExcha
                                   "\"new\" and use the X-Session-Id of the response.",
                                   "invalid_request_error", "session_id", "invalid_session_id"});
     }
-    if (!id.empty()) session = SessionKey{caller.session_owner, id};
+    if (!id.empty()) session = SessionKey{caller.session_owner, id, caller.id};
   }
   if (session.id.empty() || fresh) return run_completion(kind, ex, caller, std::move(body), session, {});
   const std::string busy_key = session.owner + "\n" + session.id;

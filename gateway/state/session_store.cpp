@@ -116,14 +116,18 @@ ChatMessages SessionStore::capped(ChatMessages messages, size_t max_messages, si
 
 void SessionStore::forget(std::list<Held>::iterator it) {
   memory_bytes_ -= it->bytes;
+  if (auto c = caller_bytes_.find(it->caller); c != caller_bytes_.end() && (c->second -= it->bytes) == 0)
+    caller_bytes_.erase(c);
   index_.erase(it->key);
   lru_.erase(it);
 }
 
-void SessionStore::remember(const std::string& key, const ChatMessages& messages, bool unsynced) {
+void SessionStore::remember(const std::string& key, const std::string& caller, const ChatMessages& messages,
+                            bool unsynced) {
   if (auto it = index_.find(key); it != index_.end()) forget(it->second);
   Held h;
   h.key = key;
+  h.caller = caller;
   h.messages = messages;
   h.unsynced = unsynced;
   h.version = ++saves_;
@@ -131,8 +135,19 @@ void SessionStore::remember(const std::string& key, const ChatMessages& messages
   for (const ChatMessage& m : h.messages) h.bytes += held_bytes(m);
   h.expires = std::chrono::steady_clock::now() + std::chrono::seconds(opts_.ttl_s);
   if (h.bytes > opts_.memory_bytes) return;
+  // The caller's share first: its own least recently used sessions go.
+  if (opts_.caller_share_divisor > 0) {
+    const size_t share = std::max(opts_.memory_bytes / opts_.caller_share_divisor, h.bytes);
+    for (auto it = lru_.end(); it != lru_.begin() && memory_bytes(caller) + h.bytes > share;) {
+      --it;
+      if (it->caller != caller) continue;
+      auto gone = it++;
+      forget(gone);
+    }
+  }
   while (!lru_.empty() && memory_bytes_ + h.bytes > opts_.memory_bytes) forget(std::prev(lru_.end()));
   memory_bytes_ += h.bytes;
+  caller_bytes_[caller] += h.bytes;
   lru_.push_front(std::move(h));
   index_[key] = lru_.begin();
 }
@@ -223,7 +238,8 @@ void SessionStore::load(const SessionKey& sk, std::function<void(ChatMessages, b
   // Turns this process answered while Redis did not take them are newer
   // than whatever Redis holds: they are the conversation.
   if (auto it = index_.find(key); it != index_.end() && it->second->unsynced) return done(from_memory(key), true);
-  redis_->command({"GET", key}, [this, key, done = std::move(done)](const redisReply* r) {
+  const std::string caller = sk.caller.empty() ? sk.owner : sk.caller;
+  redis_->command({"GET", key}, [this, key, caller, done = std::move(done)](const redisReply* r) {
     const bool here = index_.count(key) > 0;
     if (!r || r->type != REDIS_REPLY_STRING) return done(from_memory(key), here);  // gone, nil, or not ours
     if (auto it = index_.find(key); it != index_.end() && it->second->unsynced)
@@ -233,7 +249,7 @@ void SessionStore::load(const SessionKey& sk, std::function<void(ChatMessages, b
     // holds (if anything) stays, rather than an empty one over it. The
     // session is known all the same.
     if (!messages) return done(from_memory(key), true);
-    remember(key, *messages, false);
+    remember(key, caller, *messages, false);
     done(std::move(*messages), true);
   });
 }
@@ -241,7 +257,8 @@ void SessionStore::load(const SessionKey& sk, std::function<void(ChatMessages, b
 void SessionStore::save(const SessionKey& sk, ChatMessages messages, std::function<void()> saved) {
   messages = capped(std::move(messages), opts_.max_messages, opts_.max_bytes);
   const std::string key = redis_key(sk);
-  remember(key, messages, redis_ != nullptr);  // unsynced until Redis says it holds them
+  remember(key, sk.caller.empty() ? sk.owner : sk.caller, messages,
+           redis_ != nullptr);  // unsynced until Redis says it holds them
   const uint64_t version = saves_;
   if (!redis_ || !redis_->connected()) {
     if (saved) saved();

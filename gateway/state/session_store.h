@@ -40,12 +40,19 @@ struct SessionStoreOptions {
   size_t max_messages = 64;             // turns per session
   size_t max_bytes = size_t(256) << 10;  // text per session
   size_t memory_bytes = size_t(64) << 20;  // the in-process mirror, every session together
+  // One caller's sessions may hold this share of memory_bytes; past it its
+  // own least recently used go first, so one client's new sessions cannot
+  // push every other client's out (0: no share, the whole mirror).
+  size_t caller_share_divisor = 8;
 };
 
 // A session as the store addresses it.
 struct SessionKey {
   std::string owner;  // owner_of_key(), or open_owner() for server-issued ids
   std::string id;
+  // Whose memory it counts against (the caller: its key or address; not
+  // part of the key). "": the owner's.
+  std::string caller = {};
 };
 
 class SessionStore {
@@ -81,6 +88,10 @@ class SessionStore {
 
   size_t in_memory() const { return lru_.size(); }
   size_t memory_bytes() const { return memory_bytes_; }
+  size_t memory_bytes(const std::string& caller) const {
+    auto it = caller_bytes_.find(caller);
+    return it == caller_bytes_.end() ? 0 : it->second;
+  }
   // Saves Redis did not take (an error reply such as a full memory, or the
   // connection lost first); the turns stay in this process' mirror,
   // marked as newer than Redis' copy (below).
@@ -90,6 +101,7 @@ class SessionStore {
  private:
   struct Held {
     std::string key;
+    std::string caller;  // SessionKey::caller (or owner)
     ChatMessages messages;
     size_t bytes = 0;
     std::chrono::steady_clock::time_point expires;
@@ -99,7 +111,7 @@ class SessionStore {
     bool unsynced = false;
     uint64_t version = 0;  // the save that wrote it (a Redis reply names the save it answers)
   };
-  void remember(const std::string& key, const ChatMessages& messages, bool unsynced);
+  void remember(const std::string& key, const std::string& caller, const ChatMessages& messages, bool unsynced);
   void forget(std::list<Held>::iterator it);
   ChatMessages from_memory(const std::string& key);
   // Redis' copy as turns; nullopt where it fails its checks (said in the log).
@@ -113,6 +125,7 @@ class SessionStore {
   std::list<Held> lru_;  // most recently used first
   std::unordered_map<std::string, std::list<Held>::iterator> index_;
   size_t memory_bytes_ = 0;
+  std::unordered_map<std::string, size_t> caller_bytes_;  // Held::bytes by Held::caller
   uint64_t saves_ = 0;
   uint64_t save_failures_ = 0;
 };

@@ -520,6 +520,33 @@ TEST_CASE("hardening: the session mirror counts what its turns take in memory, n
   CHECK(store.in_memory() < 200);  // the least recently used went
 }
 
+TEST_CASE("hardening: one caller's new sessions push out its own, not every other caller's",
+          "[gateway][hardening][sessions]") {
+  SessionStoreOptions so;
+  so.memory_bytes = size_t(1) << 20;  // a share of 128 KiB a caller
+  SessionStore store(nullptr, so);
+  const ChatMessages turns = {{"user", std::string(20000, 'q')}, {"assistant", "a"}};
+  // Others' conversations first, then one caller saving new ones without end.
+  for (int i = 0; i < 4; ++i)
+    store.save({SessionStore::open_owner(), "s-victim-" + std::to_string(i), "addr:10.0.0." + std::to_string(i)}, turns);
+  for (int i = 0; i < 500; ++i)
+    store.save({SessionStore::open_owner(), "s-flood-" + std::to_string(i), "addr:10.6.6.6"}, turns);
+  CHECK(store.memory_bytes("addr:10.6.6.6") <= so.memory_bytes / 8);
+  CHECK(store.memory_bytes() <= so.memory_bytes);
+  for (int i = 0; i < 4; ++i) {
+    ChatMessages got;
+    store.load({SessionStore::open_owner(), "s-victim-" + std::to_string(i), "addr:10.0.0." + std::to_string(i)},
+               [&](ChatMessages m, bool) { got = std::move(m); });
+    CHECK(got == turns);
+  }
+  // The flood keeps its newest.
+  ChatMessages newest;
+  store.load({SessionStore::open_owner(), "s-flood-499", "addr:10.6.6.6"}, [&](ChatMessages m, bool) { newest = m; });
+  CHECK(newest == turns);
+  // Gone sessions give their bytes back to their caller's count.
+  CHECK(store.memory_bytes("addr:10.0.0.0") > 0);
+}
+
 TEST_CASE("hardening: the store keeps the newest turns within its caps", "[gateway][hardening][sessions]") {
   ChatMessages m = {{"system", "be brief"}, {"user", "1"}, {"assistant", "a1"}, {"user", "2"}, {"assistant", "a2"}};
   auto c = SessionStore::capped(m, 3, 1 << 20);
