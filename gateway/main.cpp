@@ -29,12 +29,14 @@ namespace {
 // Stops the server on SIGINT/SIGTERM; the loop ends once every handle closed.
 struct Shutdown {
   moe::gw::HttpServer* server = nullptr;
+  moe::gw::OpenAiApi* api = nullptr;
   uv_signal_t sigint{}, sigterm{};
 
   static void on_signal(uv_signal_t* s, int signum) {
     auto* self = static_cast<Shutdown*>(s->data);
     std::fprintf(stderr, "moe-gateway: signal %d, shutting down\n", signum);
     self->server->close();
+    self->api->close();
     uv_close(reinterpret_cast<uv_handle_t*>(&self->sigint), nullptr);
     uv_close(reinterpret_cast<uv_handle_t*>(&self->sigterm), nullptr);
     uv_stop(s->loop);
@@ -242,6 +244,7 @@ int main(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);
   Shutdown shutdown;
   shutdown.server = &server;
+  shutdown.api = &api;
   uv_signal_init(loop, &shutdown.sigint);
   uv_signal_init(loop, &shutdown.sigterm);
   shutdown.sigint.data = shutdown.sigterm.data = &shutdown;

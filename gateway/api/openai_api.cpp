@@ -606,6 +606,11 @@ void OpenAiApi::parse_then_start(std::shared_ptr<CompletionJob> job, int attempt
            /*admitted=*/true);
 }
 
+struct OpenAiApi::Trimmer {
+  uv_timer_t timer;
+  std::weak_ptr<HeldResponseBytes> held;
+};
+
 void OpenAiApi::watch_server(const HttpServer* server) {
   server_ = server;
 #ifdef __GLIBC__
@@ -614,13 +619,10 @@ void OpenAiApi::watch_server(const HttpServer* server) {
   // the thread pool. A trim holds the allocator's locks while it walks the
   // heap, so it waits until large responses stopped coming for a moment
   // (each asks again, which pushes it back: their bodies and trees are freed
-  // after them), and runs only while none is held. Holds nothing of this
-  // object: the timer (unreferenced, never closed) lives with the loop.
-  struct Trimmer {
-    uv_timer_t timer;
-    std::weak_ptr<HeldResponseBytes> held;
-  };
-  auto* trimmer = new Trimmer{{}, held_responses_};
+  // after them), and runs only while none is held. The timer is
+  // unreferenced (it keeps no loop running) and closed by close().
+  if (trimmer_) return;
+  auto* trimmer = trimmer_ = new Trimmer{{}, held_responses_};
   uv_timer_init(server->loop(), &trimmer->timer);
   uv_unref(reinterpret_cast<uv_handle_t*>(&trimmer->timer));
   trimmer->timer.data = trimmer;
@@ -648,6 +650,14 @@ void OpenAiApi::watch_server(const HttpServer* server) {
         kTrimAfterMs, 0);
   };
 #endif
+}
+
+void OpenAiApi::close() {
+  if (!trimmer_) return;
+  held_responses_->trim = nullptr;
+  uv_close(reinterpret_cast<uv_handle_t*>(&trimmer_->timer),
+           [](uv_handle_t* h) { delete static_cast<Trimmer*>(h->data); });
+  trimmer_ = nullptr;
 }
 
 void OpenAiApi::free_off_loop(json tree) {

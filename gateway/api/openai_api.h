@@ -82,6 +82,9 @@ class OpenAiApi final : public HttpHandler {
   // The server whose connections /metrics reports (optional; set once it exists).
   // Also where a large response's freed memory is given back from (its loop's pool).
   void watch_server(const HttpServer* server);
+  // Closes what watch_server() opened on the loop (its timer), beside the
+  // server's close, so that the loop can end and be closed.
+  void close();
   // Requests whose text is being tokenised on libuv's thread pool: the
   // process runs its loop until none is left before the codec goes.
   size_t jobs_in_flight() const { return jobs_in_flight_; }
@@ -180,6 +183,8 @@ class OpenAiApi final : public HttpHandler {
   const HttpServer* server_ = nullptr;
   size_t jobs_in_flight_ = 0;
   std::shared_ptr<HeldResponseBytes> held_responses_;  // every whole response's bytes (generation.h)
+  struct Trimmer;
+  Trimmer* trimmer_ = nullptr;  // the memory trim's timer (watch_server); freed by its close
   std::unordered_map<std::string, size_t> pool_jobs_by_caller_;  // off_loop's large jobs by Caller::id
   uint64_t pool_share_refused_ = 0;  // refused past a caller's share of the queue
   // Sessions with a turn running here (owner and id): a second turn of one

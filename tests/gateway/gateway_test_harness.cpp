@@ -231,6 +231,7 @@ TestGateway::TestGateway(HttpServerOptions http, ApiOptions api, const TextCodec
   uv_async_init(&loop_, &stop_, [](uv_async_t* a) {
     auto* self = static_cast<TestGateway*>(a->data);
     self->server_->close();
+    self->api_->close();
     self->scheduler_->close();
     uv_close(reinterpret_cast<uv_handle_t*>(a), nullptr);
   });
