@@ -78,7 +78,7 @@ Generation::Generation(GenerationContext ctx, CompletionRequest req, std::shared
 Generation::~Generation() {
   g_live_generations.fetch_sub(1, std::memory_order_relaxed);
   release_held();
-  // (its choices are freed after this body, before the trim can run: it is queued)
+  // (its choices are freed after this body; the trim waits for a timer)
   if (ctx_.held_total && ctx_.held_total->trim && peak_held_ >= HeldResponseBytes::kTrimFromBytes)
     last_resort("a response's memory given back", ctx_.held_total->trim);
 }
@@ -291,15 +291,10 @@ void Generation::token(Choice& c, const TokenEvent& ev) {
   // shown yet or held back (a possible stop string, part of a character).
   const size_t offset = c.decoded_chars;
   if (req_.sampling.logprobs && !stop_id) {
-    if (req_.stream) {
-      if (c.stream_logprobs.is_null()) c.stream_logprobs = empty_logprobs();
-      add_logprobs(ev, offset, c.stream_logprobs);
-      c.stream_logprob_offsets.push_back(offset);
-    } else {
-      if (!hold(logprob_entry_bytes(req_.kind, req_.sampling.top_logprobs))) return;
-      add_logprobs(ev, offset, c.logprobs);
-      c.logprob_offsets.push_back(offset);
-    }
+    // A whole response keeps every entry; a stream, until its text shows.
+    if (!req_.stream && !hold(logprob_entry_bytes(req_.kind, req_.sampling.top_logprobs))) return;
+    add_logprobs(ev, offset, c.logprobs);
+    c.logprob_offsets.push_back(offset);
   }
   std::string piece = stop_id ? std::string() : c.decoder->push(ev.token);
   c.decoded_chars += code_points(piece);
@@ -387,16 +382,16 @@ void Generation::finished(Choice& c, FinishReason reason, const std::string& mes
 
 json Generation::take_stream_logprobs(Choice& c, bool all) const {
   size_t n = 0;
-  while (n < c.stream_logprob_offsets.size() && (all || c.stream_logprob_offsets[n] < c.text_chars)) ++n;
+  while (n < c.logprob_offsets.size() && (all || c.logprob_offsets[n] < c.text_chars)) ++n;
   if (n == 0) return json();
   json out = empty_logprobs();
-  for (auto& [key, list] : c.stream_logprobs.items()) {
+  for (auto& [key, list] : c.logprobs.items()) {
     if (!list.is_array() || list.size() < n) continue;
     json& dst = out[key];
     for (size_t i = 0; i < n; ++i) dst.push_back(std::move(list[i]));
     list.erase(list.begin(), list.begin() + std::ptrdiff_t(n));
   }
-  c.stream_logprob_offsets.erase(c.stream_logprob_offsets.begin(), c.stream_logprob_offsets.begin() + std::ptrdiff_t(n));
+  c.logprob_offsets.erase(c.logprob_offsets.begin(), c.logprob_offsets.begin() + std::ptrdiff_t(n));
   return out;
 }
 

@@ -113,13 +113,12 @@ class Generation : public std::enable_shared_from_this<Generation> {
     int tokens = 0;               // generated, stop ids included
     uint64_t last_token_ns = 0;
     std::string finish_reason;
-    nlohmann::json logprobs;      // accumulated for a whole response
+    // A whole response's entries; a stream's whose token's text is not
+    // shown yet (held back as a possible stop string, or part of a
+    // character): sent with it, or dropped with a matched stop string, as a
+    // whole response drops them.
+    nlohmann::json logprobs;
     std::vector<size_t> logprob_offsets;  // each entry's text_offset (chat's too), to cut a stop string's
-    // A stream's entries whose token's text is not shown yet (held back as
-    // a possible stop string, or part of a character): sent with it, or
-    // dropped with a matched stop string, as a whole response keeps them.
-    nlohmann::json stream_logprobs;
-    std::vector<size_t> stream_logprob_offsets;
     int cached_prompt_tokens = 0;  // of its prompt, what the worker's prefix cache served
     double logprob_sum = 0;       // best_of: log probabilities of the generated tokens (stop ids aside)
     int logprob_count = 0;
@@ -139,8 +138,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
   // `tail_logprobs`: a stream's last entries, sent with the tail.
   void finish_choice(Choice& c, const char* reason, const std::string& tail_text,
                      const nlohmann::json* tail_logprobs = nullptr);
-  // A stream's held entries whose text is shown now (offset before
-  // text_chars), or all of them; null when none.
+  // A stream's held entries (Choice::logprobs) whose text is shown now
+  // (offset before text_chars), or all of them; null when none.
   nlohmann::json take_stream_logprobs(Choice& c, bool all) const;
   void complete();
   void finish_response();  // the rest of complete(), once the turn is stored
