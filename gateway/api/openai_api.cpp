@@ -448,7 +448,7 @@ void OpenAiApi::completions_parsed(ApiKind kind, const std::shared_ptr<HttpExcha
   });
 }
 
-void OpenAiApi::replay(const std::shared_ptr<HttpExchange>& ex, const json& body, const SessionKey& session,
+void OpenAiApi::replay(const std::shared_ptr<HttpExchange>& ex, const CompletionRequest& req, const SessionKey& session,
                        const ChatMessage& stored) {
   // The turn this key names was answered and stored already (its answer
   // was lost on the way, or the client retried): the stored answer, once.
@@ -457,9 +457,7 @@ void OpenAiApi::replay(const std::shared_ptr<HttpExchange>& ex, const json& body
   const std::string finish = !stored.finish_reason.empty() ? stored.finish_reason
                              : stored.tool_calls.empty()   ? "stop"
                                                            : "tool_calls";
-  const std::string model = body.is_object() && body.contains("model") && body["model"].is_string()
-                                ? body["model"].get<std::string>()
-                                : opts_.served_model_name;
+  const std::string& model = req.model;
   // The response as it was sent: its id, time and usage (a turn stored
   // before these were kept gets a new id and no counts).
   const std::string id = !stored.response_id.empty() ? stored.response_id : new_id("chatcmpl-");
@@ -467,12 +465,8 @@ void OpenAiApi::replay(const std::shared_ptr<HttpExchange>& ex, const json& body
   json usage = stored.usage.empty() ? json() : json::parse(stored.usage, nullptr, false);
   if (!usage.is_object()) usage = {{"prompt_tokens", 0}, {"completion_tokens", 0}, {"total_tokens", 0}};
   HttpHeaders headers = {{"X-Session-Id", session.id}, {"X-Moe-Replayed", "1"}};
-  const bool stream = body.is_object() && body.contains("stream") && body["stream"].is_boolean() && body["stream"].get<bool>();
-  const bool include_usage = stream && body.contains("stream_options") && body["stream_options"].is_object() &&
-                             body["stream_options"].contains("include_usage") &&
-                             body["stream_options"]["include_usage"] == true;
   ++replayed_;
-  if (!stream) {
+  if (!req.stream) {
     HttpResponse r;
     r.headers = {{"Content-Type", "application/json"}};
     r.headers.insert(r.headers.end(), headers.begin(), headers.end());
@@ -504,7 +498,7 @@ void OpenAiApi::replay(const std::shared_ptr<HttpExchange>& ex, const json& body
   ex->send(chunk({{"role", "assistant"}, {"content", ""}}, nullptr));
   ex->send(chunk(message, nullptr));
   ex->send(chunk(json::object(), finish));
-  if (include_usage)
+  if (req.include_usage)
     ex->send("data: " +
              json_text(json{{"id", id},
                             {"object", "chat.completion.chunk"},
@@ -695,7 +689,7 @@ void OpenAiApi::start_completion(CompletionJob& job) {
                                        "logprobs, or send no key.",
                                        "unsupported_value"));
   }
-  if (job.replay_of) return replay(ex, body, session, *job.replay_of);
+  if (job.replay_of) return replay(ex, std::get<CompletionRequest>(parsed), session, *job.replay_of);
   if (!scheduler_->ready()) {
     // A worker (re)starting, or one that keeps failing before it is ready.
     const std::string failing = scheduler_->failing();

@@ -110,8 +110,9 @@ class OpenAiApi final : public HttpHandler {
   void run_completion(ApiKind kind, const std::shared_ptr<HttpExchange>& ex, const Caller& caller,
                       nlohmann::json body, const SessionKey& session, ChatMessages prior,
                       std::shared_ptr<const void> turn = {});
-  // A retried session turn whose answer is stored: that answer again.
-  void replay(const std::shared_ptr<HttpExchange>& ex, const nlohmann::json& body, const SessionKey& session,
+  // A retried session turn whose answer is stored: that answer again, as
+  // `req` (the retry, parsed and checked) asks for it (streamed or not).
+  void replay(const std::shared_ptr<HttpExchange>& ex, const CompletionRequest& req, const SessionKey& session,
               const ChatMessage& stored);
   void models(const std::shared_ptr<HttpExchange>& ex, const std::string& path);
   void health(const std::shared_ptr<HttpExchange>& ex);
