@@ -119,6 +119,13 @@ void OpenAiApi::reply_error(const std::shared_ptr<HttpExchange>& ex, const std::
   reply(ex, endpoint, api_error_response(e));
 }
 
+void OpenAiApi::reply_retry_later(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint,
+                                  const ApiError& e, uint64_t retry_after_s) {
+  HttpResponse r = api_error_response(e);
+  r.headers.emplace_back("Retry-After", std::to_string(retry_after_s));
+  reply(ex, endpoint, std::move(r));
+}
+
 HttpResponse OpenAiApi::protocol_error(int status, const std::string& message) {
   const char* code = status == 413   ? "request_too_large"
                      : status == 408 ? "request_timeout"
@@ -177,24 +184,22 @@ void OpenAiApi::off_loop(const std::shared_ptr<HttpExchange>& ex, const char* en
     if (!last_resort("a request's text", work)) return fail();
     return then();
   }
-  if (!admitted && jobs_in_flight_ >= kMaxPoolJobs) {
-    HttpResponse r = api_error_response(ApiError{503, "Too many requests are being read at once; retry shortly.",
-                                                 "server_error", "", "server_busy"});
-    r.headers.emplace_back("Retry-After", "1");
-    return reply(ex, endpoint, std::move(r));
-  }
+  if (!admitted && jobs_in_flight_ >= kMaxPoolJobs)
+    return reply_retry_later(ex, endpoint,
+                             ApiError{503, "Too many requests are being read at once; retry shortly.", "server_error",
+                                      "", "server_busy"},
+                             1);
   const bool large = ex->request().body.size() >= kLargeBody;
   if (!admitted && large && jobs_in_flight_ >= kPoolJobsShared) {
     auto it = pool_jobs_by_caller_.find(caller);
     if (it != pool_jobs_by_caller_.end() && it->second >= kPoolJobsPerCallerPastShared) {
       ++pool_share_refused_;
-      HttpResponse r = api_error_response(ApiError{
-          429,
-          "Too many of this caller's large requests are being read at once (" + std::to_string(it->second) +
-              ") while the server is busy; retry shortly.",
-          "rate_limit_error", "", "too_many_requests_reading"});
-      r.headers.emplace_back("Retry-After", "1");
-      return reply(ex, endpoint, std::move(r));
+      return reply_retry_later(ex, endpoint,
+                               ApiError{429,
+                                        "Too many of this caller's large requests are being read at once (" +
+                                            std::to_string(it->second) + ") while the server is busy; retry shortly.",
+                                        "rate_limit_error", "", "too_many_requests_reading"},
+                               1);
     }
   }
   auto* job = new PoolJob;
@@ -401,14 +406,13 @@ void OpenAiApi::completions_parsed(ApiKind kind, const std::shared_ptr<HttpExcha
   }
   if (session.id.empty() || fresh) return run_completion(kind, ex, caller, std::move(body), session, {});
   const std::string busy_key = session.owner + "\n" + session.id;
-  if (busy_sessions_->count(busy_key)) {
-    HttpResponse r = api_error_response(
+  if (busy_sessions_->count(busy_key))
+    return reply_retry_later(
+        ex, kChat,
         ApiError{409, "A turn of this session is still running; send the next one when it has ended (a retry with "
                       "the same Idempotency-Key then gets the stored answer).",
-                 "invalid_request_error", "session_id", "session_busy"});
-    r.headers.emplace_back("Retry-After", "1");
-    return reply(ex, kChat, std::move(r));
-  }
+                 "invalid_request_error", "session_id", "session_busy"},
+        1);
   busy_sessions_->insert(busy_key);
   struct TurnMark {
     std::weak_ptr<std::unordered_set<std::string>> busy;
@@ -693,12 +697,11 @@ void OpenAiApi::start_completion(CompletionJob& job) {
   if (!scheduler_->ready()) {
     // A worker (re)starting, or one that keeps failing before it is ready.
     const std::string failing = scheduler_->failing();
-    HttpResponse r = api_error_response(
-        failing.empty()
-            ? ApiError{503, "The engine is not ready yet; retry shortly.", "server_error", "", "engine_not_ready"}
-            : ApiError{503, failing, "server_error", "", "engine_failing"});
-    r.headers.emplace_back("Retry-After", failing.empty() ? "1" : "5");  // seconds
-    return reply(ex, endpoint, std::move(r));
+    return reply_retry_later(
+        ex, endpoint,
+        failing.empty() ? ApiError{503, "The engine is not ready yet; retry shortly.", "server_error", "", "engine_not_ready"}
+                        : ApiError{503, failing, "server_error", "", "engine_failing"},
+        failing.empty() ? 1 : 5);
   }
   // Priority: the key's, or the body's where the operator allows it (never
   // earlier than the key's own).
@@ -717,20 +720,16 @@ void OpenAiApi::start_completion(CompletionJob& job) {
                                                      "unsupported_parameter"));
     priority = std::max(priority, asked);
   }
-  auto too_many = [&](const ApiError& e, uint64_t retry_after_s) {
-    HttpResponse r = api_error_response(e);
-    r.headers.emplace_back("Retry-After", std::to_string(retry_after_s));
-    reply(ex, endpoint, std::move(r));
-  };
   if (caller.key && caller.key->rate_per_minute > 0) {
     uint64_t wait_ms = 0;
     if (!rate_limiter_.allow(caller.key->name, caller.key->rate_per_minute, uv_hrtime() / 1000000, &wait_ms)) {
       ++rate_limited_;
-      return too_many(ApiError{429,
-                               "Rate limit reached for key '" + caller.key->name + "': " +
-                                   std::to_string(caller.key->rate_per_minute) + " requests a minute.",
-                               "rate_limit_error", "", "rate_limit_exceeded"},
-                      std::max<uint64_t>(1, (wait_ms + 999) / 1000));
+      return reply_retry_later(ex, endpoint,
+                               ApiError{429,
+                                        "Rate limit reached for key '" + caller.key->name + "': " +
+                                            std::to_string(caller.key->rate_per_minute) + " requests a minute.",
+                                        "rate_limit_error", "", "rate_limit_exceeded"},
+                               std::max<uint64_t>(1, (wait_ms + 999) / 1000));
     }
   }
   CompletionRequest req = std::move(std::get<CompletionRequest>(parsed));
@@ -738,7 +737,7 @@ void OpenAiApi::start_completion(CompletionJob& job) {
   const SchedulerStats now = scheduler_->stats();
   auto admitted = admission_.admit(caller.id, sequences, now.waiting);
   if (auto* err = std::get_if<ApiError>(&admitted))
-    return too_many(*err, uint64_t(admission_.limits().retry_after_s));
+    return reply_retry_later(ex, endpoint, *err, uint64_t(admission_.limits().retry_after_s));
   // Overload: too much waits for the main workers ahead of this request
   // (its priority or earlier); the fallback takes it when its context
   // holds it, else it is refused (docs/operations.md).
@@ -758,14 +757,15 @@ void OpenAiApi::start_completion(CompletionJob& job) {
       ++overload_fallback_;
     } else if (overloaded) {
       ++overload_refused_;
-      return too_many(ApiError{429,
-                               "The server is overloaded: " + std::to_string(ov.waiting) +
-                                   " sequences wait ahead of this request, the oldest for " +
-                                   std::to_string(ov.oldest_wait_ms / 1000) + " s" +
-                                   (ov.fallback_ready ? "; the fallback's context is too small for it" : "") +
-                                   "; retry shortly.",
-                               "rate_limit_error", "", "overloaded"},
-                      std::clamp<uint64_t>((ov.oldest_wait_ms + 999) / 1000, 1, 30));
+      return reply_retry_later(ex, endpoint,
+                               ApiError{429,
+                                        "The server is overloaded: " + std::to_string(ov.waiting) +
+                                            " sequences wait ahead of this request, the oldest for " +
+                                            std::to_string(ov.oldest_wait_ms / 1000) + " s" +
+                                            (ov.fallback_ready ? "; the fallback's context is too small for it" : "") +
+                                            "; retry shortly.",
+                                        "rate_limit_error", "", "overloaded"},
+                               std::clamp<uint64_t>((ov.oldest_wait_ms + 999) / 1000, 1, 30));
     }
   }
   uint64_t seed = req.seed_given ? req.sampling.seed : rng_();

@@ -162,6 +162,9 @@ class OpenAiApi final : public HttpHandler {
   // run_completion's second half, on the loop once the request is parsed.
   void start_completion(CompletionJob& job);
   void reply_error(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint, const ApiError& e);
+  // The error with Retry-After: retry_after_s (the server's state, not the request, refused it).
+  void reply_retry_later(const std::shared_ptr<HttpExchange>& ex, const std::string& endpoint, const ApiError& e,
+                         uint64_t retry_after_s);
   // The index of the key the request carries, -1 for none or a wrong one.
   // The key's index, or -1. `basic`: an HTTP Basic password counts too (the
   // experts page's browser login); elsewhere only a Bearer token does.
