@@ -33,13 +33,11 @@ struct Tokenizer::Impl {
   std::unique_ptr<tok::AddedMatcher> raw_matcher;  // normalized=false tokens, on raw text
   std::unique_ptr<tok::AddedMatcher>
       normalized_matcher;  // normalized=true tokens, on normalised text
-  // The same without the special tokens: encode_text(), where a special
-  // token's text is only text.
+  // The same without the special tokens: encode_part() of text in which a
+  // special token's text is only text.
   std::unique_ptr<tok::AddedMatcher> raw_text_matcher, normalized_text_matcher;
   int32_t max_id = -1;
 
-  // Plain text between raw-matched added tokens: normalise, cut out the
-  // normalised added tokens, pre-tokenise, run BPE on each word.
   // The text cut at its raw-matched added tokens (the special ones too
   // where `specials`), each plain run encoded; `at_text_start`: the text
   // begins the input.
@@ -65,8 +63,10 @@ struct Tokenizer::Impl {
     return ids;
   }
 
-  void encode_plain(std::string_view text, bool at_text_start, std::vector<int32_t>& ids,
-                    bool specials = true) const {
+  // Plain text between raw-matched added tokens: normalise, cut out the
+  // normalised added tokens (the special ones too where `specials`),
+  // pre-tokenise, run BPE on each word.
+  void encode_plain(std::string_view text, bool at_text_start, std::vector<int32_t>& ids, bool specials) const {
     const std::string normalized = normalizer ? normalizer->normalize(text) : std::string(text);
     std::vector<tok::Segment> segs;
     const tok::AddedMatcher* matcher = specials ? normalized_matcher.get() : normalized_text_matcher.get();
@@ -282,10 +282,6 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_t
   std::vector<int32_t> ids = impl_->encode_all(text, /*specials=*/true, /*at_text_start=*/true);
   if (add_special_tokens && impl_->post_processor) impl_->post_processor->process(ids);
   return ids;
-}
-
-std::vector<int32_t> Tokenizer::encode_text(std::string_view text, bool at_text_start) const {
-  return impl_->encode_all(text, /*specials=*/false, at_text_start);
 }
 
 std::vector<int32_t> Tokenizer::encode_part(std::string_view text, bool specials, bool at_text_start) const {

@@ -39,13 +39,11 @@ class Tokenizer {
   ~Tokenizer();
 
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens) const;
-  // Text in which a special token's characters are only characters (what a
-  // chat message says; transformers' split_special_tokens): other added
-  // tokens still match. `at_text_start`: the text begins the input (a
-  // Metaspace pre-tokeniser's "first" prefix).
-  std::vector<int32_t> encode_text(std::string_view text, bool at_text_start = false) const;
-  // A part of a longer input, its special tokens' text matched as tokens
-  // (`specials`) or not; no post-processing.
+  // A part of a longer input, no post-processing. `specials` false: a
+  // special token's characters are only characters (what a chat message
+  // says; transformers' split_special_tokens), other added tokens still
+  // match. `at_text_start`: the part begins the input (a Metaspace
+  // pre-tokeniser's "first" prefix).
   std::vector<int32_t> encode_part(std::string_view text, bool specials, bool at_text_start) const;
   // Whether a special token's text appears in `text` (one pass of the
   // added tokens' matcher, not one scan a token).

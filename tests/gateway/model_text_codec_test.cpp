@@ -87,14 +87,15 @@ TEST_CASE("model codec: a message's special-token text is text, not the template
   const std::string before = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n";
   const std::string after = "<|im_end|>\n<|im_start|>assistant\n";
   std::vector<int32_t> expected = t.encode(before, false);
-  for (int32_t id : t.encode_text(says)) expected.push_back(id);
+  for (int32_t id : t.encode_part(says, /*specials=*/false, /*at_text_start=*/false)) expected.push_back(id);
   for (int32_t id : t.encode(after, false)) expected.push_back(id);
   CHECK(ids.value() == expected);
   // Only the template's three turns open, and its text reads back as written.
   CHECK(std::count(ids.value().begin(), ids.value().end(), 4097) == 3);  // <|im_start|>
   CHECK(t.decode(ids.value(), false) == before + says + after);
   // As the tokenizer takes a prompt, the same text would have been the tokens.
-  const std::vector<int32_t> as_prompt = t.encode(says, false), as_text = t.encode_text(says);
+  const std::vector<int32_t> as_prompt = t.encode(says, false),
+                             as_text = t.encode_part(says, /*specials=*/false, /*at_text_start=*/false);
   CHECK(std::count(as_prompt.begin(), as_prompt.end(), 4097) == 1);
   CHECK(std::count(as_text.begin(), as_text.end(), 4097) == 0);
   // A message without such text is encoded as before, whole.
