@@ -238,7 +238,7 @@ void SessionStore::load(const SessionKey& sk, std::function<void(ChatMessages, b
   // Turns this process answered while Redis did not take them are newer
   // than whatever Redis holds: they are the conversation.
   if (auto it = index_.find(key); it != index_.end() && it->second->unsynced) return done(from_memory(key), true);
-  const std::string caller = sk.caller.empty() ? sk.owner : sk.caller;
+  const std::string caller = memory_caller(sk);
   redis_->command({"GET", key}, [this, key, caller, done = std::move(done)](const redisReply* r) {
     const bool here = index_.count(key) > 0;
     if (!r || r->type != REDIS_REPLY_STRING) return done(from_memory(key), here);  // gone, nil, or not ours
@@ -257,8 +257,7 @@ void SessionStore::load(const SessionKey& sk, std::function<void(ChatMessages, b
 void SessionStore::save(const SessionKey& sk, ChatMessages messages, std::function<void()> saved) {
   messages = capped(std::move(messages), opts_.max_messages, opts_.max_bytes);
   const std::string key = redis_key(sk);
-  remember(key, sk.caller.empty() ? sk.owner : sk.caller, messages,
-           redis_ != nullptr);  // unsynced until Redis says it holds them
+  remember(key, memory_caller(sk), messages, redis_ != nullptr);  // unsynced until Redis says it holds them
   const uint64_t version = saves_;
   if (!redis_ || !redis_->connected()) {
     if (saved) saved();

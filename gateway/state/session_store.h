@@ -117,6 +117,8 @@ class SessionStore {
   // Redis' copy as turns; nullopt where it fails its checks (said in the log).
   std::optional<ChatMessages> from_redis(const std::string& key, std::string_view text) const;
   static std::string redis_key(const SessionKey& k) { return protocol::session_key(k.owner, k.id); }
+  // Whose memory share a session counts against: its caller, else its owner.
+  static const std::string& memory_caller(const SessionKey& k) { return k.caller.empty() ? k.owner : k.caller; }
   // The most bytes a session's stored JSON may take (what load() accepts).
   size_t max_stored_bytes() const { return 6 * opts_.max_bytes + 64 * opts_.max_messages + 4096; }
 
