@@ -27,8 +27,7 @@ int64_t BatchPolicy::effective_priority(const Seq& s) const {
   return s.req.priority;
 }
 
-uint64_t BatchPolicy::victim(const std::function<bool(const Seq&)>& eligible) const {
-  const std::unordered_map<uint64_t, int> held = running_by_caller();
+uint64_t BatchPolicy::victim(const std::function<bool(const Seq&)>& eligible, const CallerCounts& held) const {
   uint64_t id = 0;
   int64_t worst = INT64_MIN;
   int most = 0;
@@ -45,8 +44,8 @@ uint64_t BatchPolicy::victim(const std::function<bool(const Seq&)>& eligible) co
   return id;
 }
 
-std::unordered_map<uint64_t, int> BatchPolicy::running_by_caller() const {
-  std::unordered_map<uint64_t, int> held;
+BatchPolicy::CallerCounts BatchPolicy::running_by_caller() const {
+  CallerCounts held;
   for (uint64_t id : running_) ++held[seqs_.at(id).req.caller];
   return held;
 }
@@ -69,7 +68,7 @@ std::vector<size_t> BatchPolicy::admission_order(size_t limit) const {
 std::vector<size_t> BatchPolicy::admission_order_within(size_t limit) const {
   // Fair shares: the callers holding fewer running sequences first, the
   // order below kept among equals (all of them, when callers are unknown).
-  const std::unordered_map<uint64_t, int> held = running_by_caller();
+  const CallerCounts held = running_by_caller();
   auto share = [&](size_t pos) {
     auto it = held.find(seqs_.at(waiting_[pos]).req.caller);
     return it == held.end() ? 0 : it->second;
@@ -230,8 +229,10 @@ void BatchPolicy::preempt_for_priority(StepPlan& plan) {
   // later priority as asked (an aged sequence goes first among those
   // waiting, but preempts no earlier or equal priority; equal priorities
   // never preempt each other).
-  auto eligible = [&](const Seq& s) { return effective_priority(s) > p && s.req.priority > want.req.priority; };
-  priority_preemptions_ += uint64_t(make_room(want, 1, eligible, {}, /*front=*/true, plan));
+  auto eligible = [&](const Seq& s, const CallerCounts&) {
+    return effective_priority(s) > p && s.req.priority > want.req.priority;
+  };
+  priority_preemptions_ += uint64_t(make_room(want, 1, eligible, /*front=*/true, plan));
 }
 
 void BatchPolicy::preempt_for_fairness(StepPlan& plan) {
@@ -240,24 +241,25 @@ void BatchPolicy::preempt_for_fairness(StepPlan& plan) {
   const Seq& want = seqs_.at(waiting_[first[0]]);
   // (The admission order puts the callers holding least first.)
   if (want.req.caller == 0) return;
-  std::unordered_map<uint64_t, int> held = running_by_caller();
-  const int mine = held[want.req.caller];
   const int64_t p = effective_priority(want);
-  auto eligible = [&](const Seq& s) {
+  // (`held` counts the running as if the victims chosen so far were gone;
+  // the waiting caller's own are never among them.)
+  auto eligible = [&](const Seq& s, const CallerCounts& held) {
+    auto mine = held.find(want.req.caller);
     return s.req.caller != 0 && s.req.caller != want.req.caller && effective_priority(s) == p &&
-           held[s.req.caller] > mine + 1;
+           held.at(s.req.caller) > (mine == held.end() ? 0 : mine->second) + 1;
   };
   // Room for a first chunk worth starting, not one token a step.
   const int first_chunk = std::min<int>(int(want.context.size()), 32);
-  fairness_preemptions_ +=
-      uint64_t(make_room(want, first_chunk, eligible, [&](const Seq& s) { --held[s.req.caller]; }, /*front=*/false, plan));
+  fairness_preemptions_ += uint64_t(make_room(want, first_chunk, eligible, /*front=*/false, plan));
 }
 
-int BatchPolicy::make_room(const Seq& want, int first_chunk, const std::function<bool(const Seq&)>& eligible,
-                           const std::function<void(const Seq&)>& chosen, bool front, StepPlan& plan) {
+int BatchPolicy::make_room(const Seq& want, int first_chunk,
+                           const std::function<bool(const Seq&, const CallerCounts&)>& eligible, bool front,
+                           StepPlan& plan) {
   const int len = int(want.context.size());
   const int total = limits_.kv_blocks_total;
-  auto held = [&](const Seq& s) { return blocks_for(std::max<int>(s.on_worker + 1, int(s.context.size()))); };
+  auto blocks_held = [&](const Seq& s) { return blocks_for(std::max<int>(s.on_worker + 1, int(s.context.size()))); };
   // Room means all three: its KV (with headroom), a batch slot, and step
   // tokens left after the decodes for its first chunk.
   auto room = [&](int committed, int running, int decoding) {
@@ -272,17 +274,18 @@ int BatchPolicy::make_room(const Seq& want, int first_chunk, const std::function
   // enough room together: never preempt in vain.
   std::vector<uint64_t> victims;
   std::unordered_set<const Seq*> taken;
-  auto open = [&](const Seq& s) { return !taken.count(&s) && eligible(s); };
+  CallerCounts held = running_by_caller();  // as if the victims so far were gone
+  auto open = [&](const Seq& s) { return !taken.count(&s) && eligible(s, held); };
   while (!room(committed, running, decodes)) {
-    const uint64_t v = victim(open);
+    const uint64_t v = victim(open, held);
     if (v == 0) return 0;  // not enough: nobody goes
     const Seq& s = seqs_.at(v);
     taken.insert(&s);
     victims.push_back(v);
-    committed -= held(s);
+    committed -= blocks_held(s);
     --running;
     decodes -= decoding(s);
-    if (chosen) chosen(s);
+    --held[s.req.caller];
   }
   for (uint64_t v : victims) preempt(v, plan, front);
   return int(victims.size());
@@ -337,7 +340,7 @@ StepPlan BatchPolicy::plan(std::vector<SequenceUpdate>* rejected, uint64_t now_m
   };
   preempt_for_priority(plan);
   preempt_for_fairness(plan);
-  while (!running_.empty() && decode_need() > total - kv_blocks_used()) preempt(victim({}), plan);
+  while (!running_.empty() && decode_need() > total - kv_blocks_used()) preempt(victim({}, running_by_caller()), plan);
 
   int budget = limits_.max_step_tokens;
   int free_blocks = total - kv_blocks_used();

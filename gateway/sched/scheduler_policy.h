@@ -205,7 +205,8 @@ class BatchPolicy {
   std::vector<size_t> admission_order_within(size_t limit) const;
   // Those put back at the front, then round-robin across groups.
   std::vector<size_t> admission_order_fifo(size_t limit) const;
-  std::unordered_map<uint64_t, int> running_by_caller() const;  // caller -> running sequences
+  using CallerCounts = std::unordered_map<uint64_t, int>;  // caller -> running sequences
+  CallerCounts running_by_caller() const;
   void count_group(uint64_t group, int delta);
   // Grouped batching: which of `candidates` (oldest first) goes next.
   size_t pick_grouped(const std::vector<uint64_t>& candidates, const ExpertSet& step) const;
@@ -222,8 +223,10 @@ class BatchPolicy {
   // Priorities: a sequence's class now (lower first; aged: the most urgent).
   int64_t effective_priority(const Seq& s) const;
   // The running sequence to preempt first, among those `eligible` takes:
-  // the latest class, then the caller holding the most, then the youngest.
-  uint64_t victim(const std::function<bool(const Seq&)>& eligible) const;  // 0: none eligible (null: any)
+  // the latest class, then the caller holding the most (`held`), then the
+  // youngest.
+  uint64_t victim(const std::function<bool(const Seq&)>& eligible,
+                  const CallerCounts& held) const;  // 0: none eligible (null: any)
   // Its prompt is on the worker: the next step carries its one decode token.
   static bool decoding(const Seq& s) { return int(s.context.size()) - s.on_worker == 1; }
   // Frees room for the first waiting sequence by preempting running ones of
@@ -233,11 +236,12 @@ class BatchPolicy {
   // class) by preempting running ones of callers that hold more than one
   // sequence more of the batch than its caller, while that is so.
   void preempt_for_fairness(StepPlan& plan);
-  // Preempts `eligible` running sequences (victim() order; `chosen` may
-  // narrow them as it goes) until `want` fits with `first_chunk` step tokens,
-  // only when that is enough; how many were preempted.
-  int make_room(const Seq& want, int first_chunk, const std::function<bool(const Seq&)>& eligible,
-                const std::function<void(const Seq&)>& chosen, bool front, StepPlan& plan);
+  // Preempts `eligible` running sequences (victim() order) until `want`
+  // fits with `first_chunk` step tokens, only when that is enough; how many
+  // were preempted. `eligible` sees the callers' running counts as if the
+  // victims chosen so far were gone.
+  int make_room(const Seq& want, int first_chunk, const std::function<bool(const Seq&, const CallerCounts&)>& eligible,
+                bool front, StepPlan& plan);
   bool can_ever_run(const Seq& s, std::string* why) const;
 
   PolicyLimits limits_;
